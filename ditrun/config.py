@@ -1,0 +1,210 @@
+"""The configuration schema: every key a ditrun run reads, with its type, default and meaning.
+
+YAML files under ``ditrun/conf/`` only choose and override these values; an unknown key is an
+error raised by Hydra when the config is composed, before any work starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """Which DiT to run: a named size preset, optionally with its geometry overridden, or a
+    diffusers-format transformer folder."""
+
+    preset: str = "tiny"
+    """Size preset: ``tiny`` (CI), ``small`` (a CPU demo), ``flux-dev`` (FLUX.1-dev / Kontext geometry)."""
+    path: Optional[str] = None
+    """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``). When set,
+    its ``config.json`` gives the geometry and the preset is ignored; unset means seeded random weights."""
+    weights_seed: int = 0
+    """Seed of the random weights used when ``path`` is unset; every rank draws the same weights."""
+    variant: Optional[str] = None
+    """Block variant: ``flux`` (GELU MLP, LayerNorm modulation) or ``krea3`` (SwiGLU MLP, sigmoid gate on
+    the attention output, RMSNorm modulation). Unset takes the preset's."""
+    num_layers: Optional[int] = None
+    """Double-stream blocks; unset takes the preset's."""
+    num_single_layers: Optional[int] = None
+    """Single-stream blocks; unset takes the preset's."""
+    num_attention_heads: Optional[int] = None
+    """Attention heads; unset takes the preset's."""
+    attention_head_dim: Optional[int] = None
+    """Channels per head; unset takes the preset's."""
+    joint_attention_dim: Optional[int] = None
+    """Width of the text embeddings fed to ``context_embedder``; unset takes the preset's."""
+    pooled_projection_dim: Optional[int] = None
+    """Width of the pooled text embedding; unset takes the preset's."""
+    guidance_embeds: Optional[bool] = None
+    """Whether the model embeds a distilled guidance value (FLUX.1-dev does); unset takes the preset's."""
+    dtype: str = "auto"
+    """Compute dtype: ``auto`` (bf16 on GPUs, fp32 on CPUs), ``bf16``, ``fp16`` or ``fp32``."""
+
+
+@dataclass
+class LayoutConfig:
+    """How the workers of one model replica share a denoising step (see README, "Layouts")."""
+
+    name: str = "single"
+    """``single``, ``ulysses``, ``cfg_batch`` or ``cfg_split``."""
+    replicas: int = 1
+    """Data-parallel replicas; the world size must be ``replicas`` x workers per replica."""
+    head_groups: int = 1
+    """Split the heads into this many groups so one group's exchange overlaps another's attention."""
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric format per model component."""
+
+    name: str = "bf16"
+    """A label for reports (the file under ``conf/precision/`` that was chosen)."""
+    mlp: str = "bf16"
+    """MLP linears: ``bf16``, ``fp8``, ``mxfp8``, ``mxfp6``, ``mxfp4``."""
+    qkv: str = "bf16"
+    """Q/K/V projections: same choices as ``mlp``."""
+    out: str = "bf16"
+    """Attention output projections: same choices as ``mlp``."""
+    attention: str = "bf16"
+    """Attention itself: ``bf16``, ``fp8`` or ``int8qk``."""
+
+
+@dataclass
+class TransportConfig:
+    """How the all-to-all of sequence-parallel attention moves data."""
+
+    name: str = "collective"
+    """``collective`` (NCCL/RCCL/gloo all_to_all_single), ``copy_engine`` or ``mpi``."""
+
+
+@dataclass
+class EditConfig:
+    """One edit of a workload: a reference image, a prompt and a seed."""
+
+    id: str = ""
+    """Name of the edit; also the stem of its output PNG."""
+    image: str = ""
+    """``skimage:<name>`` for a photograph shipped with scikit-image, or a path to an image file."""
+    prompt: str = ""
+    """The instruction; seeds the stand-in embedding when no ``prompt_embeds`` file is given."""
+    prompt_embeds: Optional[str] = None
+    """A safetensors file with ``prompt_embeds`` [L, D] and ``pooled_prompt_embeds`` [P] (and optionally
+    ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds``)."""
+    seed: Optional[int] = None
+    """Noise seed; unset means ``workload.seed`` + the edit's index."""
+    width: Optional[int] = None
+    """Output width in pixels (multiple of 16); unset means ``workload.width``."""
+    height: Optional[int] = None
+    """Output height in pixels (multiple of 16); unset means ``workload.height``."""
+
+
+@dataclass
+class WorkloadConfig:
+    """The edits to run and how each is sampled."""
+
+    name: str = "default"
+    """A label for reports."""
+    edits: list[EditConfig] = field(default_factory=list)
+    """The edits, inline. Ignored when ``manifest`` is set."""
+    manifest: Optional[str] = None
+    """A YAML (a list, or a mapping with ``edits:``) or JSONL file of edits with the keys of ``EditConfig``."""
+    limit: Optional[int] = None
+    """Run only the first N edits."""
+    width: int = 256
+    """Default output width in pixels (multiple of 16)."""
+    height: int = 256
+    """Default output height in pixels (multiple of 16)."""
+    steps: int = 8
+    """Denoising steps per edit."""
+    guidance_scale: float = 2.5
+    """True classifier-free guidance scale (conditional and unconditional branch every step)."""
+    distilled_guidance: float = 3.5
+    """Value fed to the guidance embedding of guidance-distilled models (ignored by others)."""
+    seed: int = 0
+    """Base noise seed."""
+    text_len: int = 32
+    """Tokens of the stand-in prompt embedding."""
+    vae_path: Optional[str] = None
+    """A diffusers ``AutoencoderKL`` folder; unset uses the fixed linear RGB<->latent map."""
+
+
+@dataclass
+class FaultConfig:
+    """Failure injection, for testing that a crash never hangs the job."""
+
+    crash_rank: Optional[int] = None
+    """Global rank that raises an error on purpose."""
+    crash_at_step: int = 0
+    """Denoising step (of the first edit it runs) at which ``crash_rank`` fails."""
+
+
+@dataclass
+class LauncherConfig:
+    """Where the workers run."""
+
+    name: str = "local"
+    """A label: ``local`` spawns ``world`` processes here unless already under torchrun/srun/mpirun."""
+    world: int = 1
+    """Total workers (all replicas, all groups)."""
+    rendezvous_timeout_s: float = 120.0
+    """Seconds to wait for all ranks to join before failing with the ranks that did not arrive."""
+    collective_timeout_s: float = 60.0
+    """Seconds any single collective may take before the job is failed instead of hanging."""
+    master_port: Optional[int] = None
+    """Rendezvous port; unset derives one from the job id (or picks a free one locally)."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Failure injection for tests."""
+
+
+@dataclass
+class MetricsConfig:
+    """What is measured and reported."""
+
+    warmup_edits: int = 1
+    """Edits left out of the medians (compilation, allocator warm-up)."""
+    ssim: bool = False
+    """Compute SSIM against the BF16 reference of the same edit and seed."""
+    min_ssim_pct: Optional[float] = None
+    """Fail the run when the median SSIM is below this % of the BF16 rerun SSIM."""
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (rank 0 only)."""
+
+    mode: str = "offline"
+    """``offline`` (nothing leaves the machine), ``online`` or ``disabled``."""
+    project: str = "ditrun"
+    """W&B project."""
+    entity: Optional[str] = None
+    """W&B entity (team); unset uses the account default."""
+
+
+@dataclass
+class RunConfig:
+    """A whole ditrun run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    device: str = "auto"
+    """``auto`` (the local GPU when there is one, else the CPU), ``cuda`` or ``cpu``."""
+    output_dir: Optional[str] = None
+    """Where results go; unset means Hydra's run directory."""
+    progress: bool = True
+    """Show progress bars on rank 0 (only when writing to a terminal)."""
+
+
+def register_configs() -> None:
+    """Register the schema so that ``conf/config.yaml`` and every group file are type-checked."""
+    cs = ConfigStore.instance()
+    cs.store(name="ditrun_schema", node=RunConfig)

@@ -1,0 +1,369 @@
+"""A Flux-style multimodal DiT (MMDiT): double-stream blocks, then single-stream blocks.
+
+Parameter names follow diffusers' ``FluxTransformer2DModel`` so its checkpoints load as they are,
+and ``forward`` takes the same named inputs. Two things differ on purpose:
+
+* attention is a pluggable function ``attention(q, k, v) -> out`` on ``[B, S, H, D]`` tensors, so a
+  parallel layout can exchange sequence shards for head shards around it without this file
+  knowing about process groups (nothing here imports ``torch.distributed``);
+* the ``krea3`` variant (SwiGLU MLP, sigmoid gate on the attention output, RMSNorm modulation)
+  is selected by ``DiTGeometry`` fields instead of a second model class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# q, k, v: [B, S, H, D] -> [B, S, H, D]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full (non-causal) attention with PyTorch's fused kernels."""
+    # [B, S, H, D] -> [B, H, S, D] and back
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class DiTGeometry:
+    """Shape of the model. Field names are those of diffusers' ``config.json`` where one exists."""
+
+    num_layers: int = 19
+    """Double-stream (text and image streams with their own weights) blocks."""
+    num_single_layers: int = 38
+    """Single-stream blocks (one weight set over the joint sequence)."""
+    num_attention_heads: int = 24
+    attention_head_dim: int = 128
+    joint_attention_dim: int = 4096
+    """Width of the incoming text embeddings."""
+    pooled_projection_dim: int = 768
+    """Width of the pooled text embedding."""
+    guidance_embeds: bool = True
+    """Embed a distilled-guidance value beside the timestep (FLUX.1-dev)."""
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    """Rotary channels per position axis (frame/reference index, row, column); sums to the head dim."""
+    in_channels: int = 64
+    """Channels of a packed latent token (16 latent channels x 2x2 patch)."""
+    out_channels: Optional[int] = None
+    patch_size: int = 1
+    mlp_ratio: float = 4.0
+    mlp: str = "gelu"
+    """``gelu`` (tanh-approximate GELU, Flux) or ``swiglu`` (Krea 3)."""
+    attention_gate: bool = False
+    """Multiply the attention output by a learned sigmoid gate before its output projection (Krea 3)."""
+    modulation_norm: str = "layer"
+    """Normalisation under the AdaLN modulation: ``layer`` (Flux) or ``rms`` (Krea 3)."""
+
+    def __post_init__(self):
+        if sum(self.axes_dims_rope) != self.attention_head_dim:
+            raise ValueError(
+                f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim="
+                f"{self.attention_head_dim}."
+            )
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"mlp={self.mlp!r} is unknown; allowed: gelu, swiglu.")
+        if self.modulation_norm not in ("layer", "rms"):
+            raise ValueError(f"modulation_norm={self.modulation_norm!r} is unknown; allowed: layer, rms.")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_hidden_dim(self) -> int:
+        return int(self.inner_dim * self.mlp_ratio)
+
+    @property
+    def is_diffusers_flux(self) -> bool:
+        """True when diffusers' FluxTransformer2DModel has exactly this architecture."""
+        return self.mlp == "gelu" and not self.attention_gate and self.modulation_norm == "layer"
+
+
+# ---------------------------------------------------------------------------------------------
+# Embeddings
+
+
+def timestep_embedding(t: torch.Tensor, dim: int = 256, max_period: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal embedding, cosines first. t: [B] -> [B, dim] (fp32)."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    args = t[:, None].float() * torch.exp(exponent)[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class MLPEmbedder(nn.Module):
+    """Linear -> SiLU -> Linear (diffusers' TimestepEmbedding / PixArtAlphaTextProjection)."""
+
+    def __init__(self, in_dim: int, out_dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, out_dim)
+        self.linear_2 = nn.Linear(out_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbedding(nn.Module):
+    """Conditioning vector from timestep, optional distilled guidance and the pooled text embedding."""
+
+    def __init__(self, dim: int, pooled_dim: int, guidance: bool):
+        super().__init__()
+        self.timestep_embedder = MLPEmbedder(256, dim)
+        self.guidance_embedder = MLPEmbedder(256, dim) if guidance else None
+        self.text_embedder = MLPEmbedder(pooled_dim, dim)
+
+    def forward(self, timestep, guidance, pooled) -> torch.Tensor:
+        emb = self.timestep_embedder(timestep_embedding(timestep).to(pooled.dtype))
+        if self.guidance_embedder is not None:
+            emb = emb + self.guidance_embedder(timestep_embedding(guidance).to(pooled.dtype))
+        return emb + self.text_embedder(pooled)
+
+
+def rope_tables(ids: torch.Tensor, axes_dims: tuple[int, ...], theta: float = 10000.0):
+    """cos and sin tables for 3-axis rotary embeddings. ids: [S, n_axes] -> two [S, D] fp32 tensors.
+
+    Frequencies are computed in float64 (float32 where the device has no float64) as the
+    reference Flux implementation does, then rounded once.
+    """
+    dtype = torch.float32 if ids.device.type == "mps" else torch.float64
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=dtype, device=ids.device) / dim)
+        angles = torch.outer(ids[:, axis].to(dtype), freqs)  # [S, dim/2]
+        cos.append(angles.cos().repeat_interleave(2, dim=1).float())
+        sin.append(angles.sin().repeat_interleave(2, dim=1).float())
+    return torch.cat(cos, dim=-1), torch.cat(sin, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1). x: [B, S, H, D]; cos, sin: [S, D]."""
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    out = x.float() * cos[None, :, None] + rotated.float() * sin[None, :, None]
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalisation and modulation
+
+
+def _modulation_norm(kind: str, dim: int) -> nn.Module:
+    if kind == "rms":
+        return nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
+    return nn.LayerNorm(dim, eps=1e-6, elementwise_affine=False)
+
+
+class AdaNormZero(nn.Module):
+    """Norm, then shift/scale from the conditioning vector; also returns the gates (``chunks`` of them)."""
+
+    def __init__(self, dim: int, chunks: int, norm: str):
+        super().__init__()
+        self.linear = nn.Linear(dim, chunks * dim)
+        self.norm = _modulation_norm(norm, dim)
+        self.chunks = chunks
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor):
+        # x: [B, S, C]; emb: [B, C] -> modulated x and the remaining per-channel vectors
+        params = self.linear(F.silu(emb)).chunk(self.chunks, dim=1)
+        shift, scale = params[0], params[1]
+        return self.norm(x) * (1 + scale[:, None]) + shift[:, None], params[2:]
+
+
+class AdaNormOut(nn.Module):
+    """Final norm; note the (scale, shift) order, as in Flux."""
+
+    def __init__(self, dim: int, norm: str):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = _modulation_norm(norm, dim)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(F.silu(emb).to(x.dtype)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None] + shift[:, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention and MLP
+
+
+class Attention(nn.Module):
+    """QKV projections with per-head RMSNorm; for double blocks also the text stream's own projections."""
+
+    def __init__(self, geo: DiTGeometry, dual: bool, has_out: bool):
+        super().__init__()
+        dim, heads, head_dim = geo.inner_dim, geo.num_attention_heads, geo.attention_head_dim
+        self.heads, self.head_dim = heads, head_dim
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6)
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6)
+        if has_out:
+            self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
+        self.to_gate = nn.Linear(dim, dim) if geo.attention_gate else None
+        if dual:
+            self.add_q_proj, self.add_k_proj, self.add_v_proj = (nn.Linear(dim, dim) for _ in range(3))
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6)
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6)
+            self.to_add_out = nn.Linear(dim, dim)
+            self.add_gate = nn.Linear(dim, dim) if geo.attention_gate else None
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (-1, self.head_dim))  # [B, S, C] -> [B, S, H, D]
+
+    def project(self, x: torch.Tensor, text: bool = False):
+        """Q, K (normalised per head) and V for one stream. x: [B, S, C] -> 3 x [B, S, H, D]."""
+        if text:
+            q, k, v = self.add_q_proj(x), self.add_k_proj(x), self.add_v_proj(x)
+            return self.norm_added_q(self._heads(q)), self.norm_added_k(self._heads(k)), self._heads(v)
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        return self.norm_q(self._heads(q)), self.norm_k(self._heads(k)), self._heads(v)
+
+    @staticmethod
+    def gated(out: torch.Tensor, x: torch.Tensor, gate: Optional[nn.Linear]) -> torch.Tensor:
+        return out if gate is None else out * torch.sigmoid(gate(x))
+
+
+class FeedForward(nn.Module):
+    """GELU(tanh) or SwiGLU MLP; submodule names match diffusers' ``FeedForward`` (net.0.proj, net.2)."""
+
+    def __init__(self, geo: DiTGeometry):
+        super().__init__()
+        dim, hidden = geo.inner_dim, geo.mlp_hidden_dim
+        self.swiglu = geo.mlp == "swiglu"
+        proj = nn.Module()
+        proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
+        self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](mlp_activation(self.net[0].proj(x), self.swiglu))
+
+
+def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
+    if swiglu:
+        a, b = h.chunk(2, dim=-1)
+        return F.silu(a) * b
+    return F.gelu(h, approximate="tanh")
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+
+class DoubleStreamBlock(nn.Module):
+    """Text and image streams with their own weights, one joint attention over both."""
+
+    def __init__(self, geo: DiTGeometry):
+        super().__init__()
+        self.norm1 = AdaNormZero(geo.inner_dim, 6, geo.modulation_norm)
+        self.norm1_context = AdaNormZero(geo.inner_dim, 6, geo.modulation_norm)
+        self.attn = Attention(geo, dual=True, has_out=True)
+        self.norm2 = _modulation_norm(geo.modulation_norm, geo.inner_dim)
+        self.ff = FeedForward(geo)
+        self.norm2_context = _modulation_norm(geo.modulation_norm, geo.inner_dim)
+        self.ff_context = FeedForward(geo)
+
+    def forward(self, img, txt, temb, rope, attention: AttentionFn):
+        # img: [B, S_img, C], txt: [B, S_txt, C]; the joint sequence is [txt, img]
+        img_mod, (img_gate, img_shift2, img_scale2, img_gate2) = self.norm1(img, temb)
+        txt_mod, (txt_gate, txt_shift2, txt_scale2, txt_gate2) = self.norm1_context(txt, temb)
+        qi, ki, vi = self.attn.project(img_mod)
+        qt, kt, vt = self.attn.project(txt_mod, text=True)
+        q, k, v = (torch.cat(pair, dim=1) for pair in ((qt, qi), (kt, ki), (vt, vi)))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = attention(q, k, v).flatten(2).to(q.dtype)
+        txt_attn, img_attn = out.split([txt.shape[1], img.shape[1]], dim=1)
+
+        img_attn = self.attn.to_out[0](self.attn.gated(img_attn, img_mod, self.attn.to_gate))
+        txt_attn = self.attn.to_add_out(self.attn.gated(txt_attn, txt_mod, self.attn.add_gate))
+        img = self._mlp_residual(img, img_attn, img_gate, img_shift2, img_scale2, img_gate2, self.norm2, self.ff)
+        txt = self._mlp_residual(
+            txt, txt_attn, txt_gate, txt_shift2, txt_scale2, txt_gate2, self.norm2_context, self.ff_context
+        )
+        return img, txt
+
+    @staticmethod
+    def _mlp_residual(x, attn_out, gate, shift2, scale2, gate2, norm, ff):
+        x = x + gate[:, None] * attn_out
+        h = norm(x) * (1 + scale2[:, None]) + shift2[:, None]
+        x = x + gate2[:, None] * ff(h)
+        return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+class SingleStreamBlock(nn.Module):
+    """One weight set over the joint sequence; attention and MLP in parallel, one output projection."""
+
+    def __init__(self, geo: DiTGeometry):
+        super().__init__()
+        self.norm = AdaNormZero(geo.inner_dim, 3, geo.modulation_norm)
+        self.swiglu = geo.mlp == "swiglu"
+        mlp_in = 2 * geo.mlp_hidden_dim if self.swiglu else geo.mlp_hidden_dim
+        self.proj_mlp = nn.Linear(geo.inner_dim, mlp_in)
+        self.proj_out = nn.Linear(geo.inner_dim + geo.mlp_hidden_dim, geo.inner_dim)
+        self.attn = Attention(geo, dual=False, has_out=False)
+
+    def forward(self, x, temb, rope, attention: AttentionFn):
+        # x: [B, S_txt + S_img, C]
+        h, (gate,) = self.norm(x, temb)
+        q, k, v = self.attn.project(h)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn_out = self.attn.gated(attention(q, k, v).flatten(2).to(q.dtype), h, self.attn.to_gate)
+        mlp_out = mlp_activation(self.proj_mlp(h), self.swiglu)
+        x = x + gate[:, None] * self.proj_out(torch.cat([attn_out, mlp_out], dim=2))
+        return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class FluxDiT(nn.Module):
+    """Flux-style MMDiT. ``forward`` takes diffusers' named inputs and returns the velocity."""
+
+    def __init__(self, geo: DiTGeometry):
+        super().__init__()
+        self.geometry = geo
+        dim = geo.inner_dim
+        self.time_text_embed = TimeTextEmbedding(dim, geo.pooled_projection_dim, geo.guidance_embeds)
+        self.context_embedder = nn.Linear(geo.joint_attention_dim, dim)
+        self.x_embedder = nn.Linear(geo.in_channels, dim)
+        self.transformer_blocks = nn.ModuleList(DoubleStreamBlock(geo) for _ in range(geo.num_layers))
+        self.single_transformer_blocks = nn.ModuleList(SingleStreamBlock(geo) for _ in range(geo.num_single_layers))
+        self.norm_out = AdaNormOut(dim, geo.modulation_norm)
+        out_channels = geo.out_channels or geo.in_channels
+        self.proj_out = nn.Linear(dim, geo.patch_size**2 * out_channels)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        pooled_projections: torch.Tensor,
+        timestep: torch.Tensor,
+        img_ids: torch.Tensor,
+        txt_ids: torch.Tensor,
+        guidance: Optional[torch.Tensor] = None,
+        attention: AttentionFn = sdpa_attention,
+    ) -> torch.Tensor:
+        # hidden_states: [B, S_img, in_channels], encoder_hidden_states: [B, S_txt, joint_dim]
+        # img_ids: [S_img, 3], txt_ids: [S_txt, 3]; timestep, guidance: [B] in [0, 1]
+        img = self.x_embedder(hidden_states)
+        dtype = img.dtype
+        guidance = None if guidance is None else guidance.to(dtype) * 1000
+        if self.time_text_embed.guidance_embedder is not None and guidance is None:
+            raise ValueError("this model embeds distilled guidance: pass `guidance` (a [B] tensor).")
+        temb = self.time_text_embed(timestep.to(dtype) * 1000, guidance, pooled_projections)
+        txt = self.context_embedder(encoder_hidden_states)
+        rope = rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.geometry.axes_dims_rope)
+
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, rope, attention)
+        x = torch.cat([txt, img], dim=1)
+        for block in self.single_transformer_blocks:
+            x = block(x, temb, rope, attention)
+        img = x[:, txt.shape[1]:]
+        return self.proj_out(self.norm_out(img, temb))
