@@ -21,7 +21,7 @@ from ditrun.metrics import results
 from ditrun.metrics.timing import StepTimer, peak_memory_bytes
 from ditrun.model.dit import FluxDiT
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
-from ditrun.model.load import from_pretrained, geometry_from_json, random_model
+from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
 from ditrun.model.presets import geometry_from_config
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
 from ditrun.workload import Edit, check_sources, edit_inputs, resolve_edits
@@ -88,7 +88,7 @@ def build_model(model_cfg, placement: Placement) -> FluxDiT:
 def model_geometry(model_cfg):
     """The geometry without building the model (for early checks)."""
     if model_cfg.path:
-        return geometry_from_json(Path(model_cfg.path) / "config.json")
+        return checkpoint_geometry(model_cfg.path)
     return geometry_from_config(model_cfg)
 
 

@@ -47,6 +47,14 @@ def geometry_from_json(path: Path) -> DiTGeometry:
         raise CheckpointError(f"{path} describes an unsupported geometry: {err}")
 
 
+def checkpoint_geometry(path: str | Path) -> DiTGeometry:
+    """The geometry of a diffusers-format folder, read without touching the weights."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"model.path={str(path)!r} is not a folder with config.json and *.safetensors.")
+    return geometry_from_json(folder / CONFIG_NAME)
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Map every tensor name to the file that holds it (sharded or single-file checkpoints)."""
     index = folder / INDEX_NAME
@@ -113,9 +121,7 @@ def from_pretrained(
 ) -> FluxDiT:
     """Load a diffusers-format transformer folder (``FluxTransformer2DModel.save_pretrained``)."""
     folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"model.path={str(path)!r} is not a folder with config.json and *.safetensors.")
-    geometry = geometry_from_json(folder / CONFIG_NAME)
+    geometry = checkpoint_geometry(folder)
     with torch.device("meta"):
         model = FluxDiT(geometry)
     files = _weight_files(folder)
