@@ -12,13 +12,12 @@ from ditrun.model.sampler import EditInputs, branch_inputs, denoise, flux_sigmas
 
 def test_sigmas_match_diffusers_flux_scheduler():
     diffusers = pytest.importorskip("diffusers")
-    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     for steps, seq_len in [(4, 256), (28, 4096), (8, 1024)]:
         scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5,
                                                               max_shift=1.15, base_image_seq_len=256,
                                                               max_image_seq_len=4096, shift=3.0)
-        mu = calculate_shift(seq_len, 256, 4096, 0.5, 1.15)
+        mu = 0.5 + (1.15 - 0.5) * (seq_len - 256) / (4096 - 256)  # FLUX.1: shift 0.5 at 256 tokens, 1.15 at 4096
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         np.testing.assert_allclose(flux_sigmas(steps, seq_len), scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
 
