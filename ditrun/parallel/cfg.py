@@ -1,0 +1,100 @@
+"""The velocity function of each layout: where the two branches of true CFG run.
+
+* ``single``: one process, conditional then unconditional branch (the sampler's own function);
+* ``ulysses``: the same two passes, each sequence-parallel over the whole SP group;
+* ``cfg_batch``: both branches stacked in the batch, one sequence-parallel pass;
+* ``cfg_split``: the cfg axis splits the replica in two SP groups that run one branch each at
+  the same time; paired ranks (same SP index) swap their predictions to combine guidance.
+
+Guidance is combined on each rank's own output tokens (it is elementwise), then the guided
+velocity is gathered over the SP group, so every rank steps the full latent identically.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ditrun.model.sampler import EditInputs, VelocityFn, branch_inputs, combine_cfg, sequential_cfg_velocity
+from ditrun.parallel.layout import Layout
+from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention
+from ditrun.transport.base import Transport, all_gather_rows
+
+# FluxDiT.forward inputs that have no batch dim: both branches share them.
+_SHARED_INPUTS = ("img_ids", "txt_ids")
+
+
+class LocalBranches:
+    """The DiT on this rank's share of the joint sequence; returns its output tokens' velocity."""
+
+    def __init__(self, model, inputs: EditInputs, shards: SequenceShards, attention, dtype: torch.dtype,
+                 guidance: Optional[float]):
+        self.model, self.shards, self.attention = model, shards, attention
+        self.local, self.dtype, self.guidance = shards.local_inputs(inputs), dtype, guidance
+        self.n_out = shards.output[shards.rank]
+
+    def _inputs(self, x: torch.Tensor, sigma: float, conditional: bool) -> dict:
+        return branch_inputs(self.local, x[:, self.shards.output_slice()], sigma, conditional, self.dtype,
+                             self.guidance)
+
+    def one(self, x: torch.Tensor, sigma: float, conditional: bool) -> torch.Tensor:
+        # x: [1, O, C] full latent -> [1, O_r, C] fp32
+        out = self.model(**self._inputs(x, sigma, conditional), attention=self.attention)
+        return out[:, :self.n_out].float()
+
+    def both_batched(self, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [1, O, C] -> (cond, uncond), each [1, O_r, C] fp32, from one pass with batch 2
+        cond, uncond = self._inputs(x, sigma, True), self._inputs(x, sigma, False)
+        stacked = {k: v if k in _SHARED_INPUTS or v is None else torch.cat([v, uncond[k]]) for k, v in cond.items()}
+        out = self.model(**stacked, attention=self.attention)[:, :self.n_out].float()
+        return out[:1], out[1:]
+
+
+def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inputs: EditInputs,
+                    guidance_scale: float, guidance: Optional[float], dtype: torch.dtype,
+                    inner_attention=None) -> VelocityFn:
+    """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``)."""
+    name = layout.plan.name
+    if name == "single":
+        return sequential_cfg_velocity(model, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
+    sp = transports["sp"]
+    shards = SequenceShards.split(inputs.prompt.shape[1], inputs.noise.shape[1], inputs.ref_latents.shape[1],
+                                  sp.size, sp.rank)
+    extra = {} if inner_attention is None else {"inner": inner_attention}
+    attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
+    branches = LocalBranches(model, inputs, shards, attention, dtype, guidance)
+    if name == "ulysses":
+        return _sequential(branches, sp, guidance_scale)
+    if name == "cfg_batch":
+        return _batched(branches, sp, guidance_scale)
+    return _split(branches, sp, transports["cfg"], guidance_scale)
+
+
+def _sequential(branches: LocalBranches, sp: Transport, scale: float) -> VelocityFn:
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        guided = combine_cfg(branches.one(x, sigma, True), branches.one(x, sigma, False), scale)
+        return branches.shards.gather_output(sp, guided)
+
+    return velocity
+
+
+def _batched(branches: LocalBranches, sp: Transport, scale: float) -> VelocityFn:
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        guided = combine_cfg(*branches.both_batched(x, sigma), scale)
+        return branches.shards.gather_output(sp, guided)
+
+    return velocity
+
+
+def _split(branches: LocalBranches, sp: Transport, cfg: Transport, scale: float) -> VelocityFn:
+    # Index 0 on the cfg axis runs the conditional branch, index 1 the unconditional one.
+    conditional = cfg.rank == 0
+
+    def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+        mine = branches.one(x, sigma, conditional)[0]  # [O_r, C]
+        pair = all_gather_rows(cfg, mine, [mine.shape[0]] * 2, "cfg_pair").wait()  # [2 O_r, C]: cond, uncond
+        cond, uncond = pair.chunk(2)
+        return branches.shards.gather_output(sp, combine_cfg(cond, uncond, scale)[None])
+
+    return velocity

@@ -1,0 +1,189 @@
+"""Parallel degrees of a run, validated once, and the process groups that realise them.
+
+A run's ranks form a grid with three process-group axes, outermost first:
+
+* ``replica`` — data parallel: each replica runs its own share of the edits;
+* ``cfg`` — 2 under ``cfg_split`` (one half runs the conditional branch, the other the
+  unconditional one), else 1;
+* ``sp`` — the Ulysses sequence-parallel group that shares one forward pass.
+
+``rank = (replica * cfg_degree + cfg) * sp_degree + sp``: the ranks of one SP group are
+consecutive, so on a multi-GPU node the busiest exchange stays on the fastest links.
+
+``plan_layout`` checks a config against the world size and the model's head count without
+touching ``torch.distributed``, so launchers can call it before spawning anything;
+``build_layout`` then creates every process group once, and the resulting ``Layout`` is passed
+explicitly to whatever needs it (nothing is kept in module globals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch.distributed as dist
+
+LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
+AXES = ("replica", "cfg", "sp")
+
+# How long a finished rank waits at the end of the run for the slowest replica. That wait has
+# no useful bound (replicas may get edits of different sizes), and it need not have one: a rank
+# that dies closes its gloo connections, which fails the barrier at once, and a rank that
+# hangs fails its own collectives within launcher.collective_timeout_s and exits.
+END_OF_RUN_TIMEOUT = timedelta(hours=24)
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """The degrees of each axis; ``world = replicas * cfg_degree * sp_degree``."""
+
+    name: str
+    replicas: int
+    cfg_degree: int
+    sp_degree: int
+    head_groups: int
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.workers
+
+    @property
+    def workers(self) -> int:
+        """Workers per replica (W)."""
+        return self.cfg_degree * self.sp_degree
+
+    def sizes(self) -> dict[str, int]:
+        return {"replica": self.replicas, "cfg": self.cfg_degree, "sp": self.sp_degree}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each axis."""
+        replica, rest = divmod(rank, self.workers)
+        cfg, sp = divmod(rest, self.sp_degree)
+        return {"replica": replica, "cfg": cfg, "sp": sp}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        return (coords["replica"] * self.cfg_degree + coords["cfg"]) * self.sp_degree + coords["sp"]
+
+    def axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis`` (ranks that differ only in their index on it), in a fixed order."""
+        groups = []
+        for rank in range(self.world):
+            coords = self.coords(rank)
+            if coords[axis] == 0:
+                groups.append([self.rank_at({**coords, axis: i}) for i in range(self.sizes()[axis])])
+        return groups
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
+    """Validate ``layout.*`` against the world size and head count; each failure is one sentence."""
+    name, replicas, head_groups = layout_cfg.name, layout_cfg.replicas, layout_cfg.head_groups
+    if name not in LAYOUTS:
+        raise ValueError(f"layout={name!r} is unknown; allowed: {', '.join(LAYOUTS)}.")
+    if replicas < 1:
+        raise ValueError(f"layout.replicas={replicas} must be a positive integer.")
+    if head_groups < 1:
+        raise ValueError(f"layout.head_groups={head_groups} must be a positive integer.")
+    if world % replicas:
+        raise ValueError(
+            f"launcher.world={world} is not a multiple of layout.replicas={replicas}; "
+            f"allowed launcher.world: multiples of {replicas} (replicas x workers per replica)."
+        )
+    workers = world // replicas
+    if name == "single" and workers != 1:
+        raise ValueError(
+            f"layout=single runs one worker per replica, so launcher.world={world} must equal "
+            f"layout.replicas={replicas}; use layout=ulysses, cfg_batch or cfg_split for more workers per replica."
+        )
+    if name == "single" and head_groups != 1:
+        raise ValueError(
+            f"layout.head_groups={head_groups} overlaps exchanges that layout=single does not have; "
+            "allowed with layout=single: 1."
+        )
+    if name == "cfg_split" and workers % 2:
+        raise ValueError(
+            f"layout=cfg_split needs an even number of workers per replica, but launcher.world={world} / "
+            f"layout.replicas={replicas} = {workers}; allowed launcher.world: multiples of {2 * replicas}."
+        )
+    cfg_degree = 2 if name == "cfg_split" else 1
+    sp_degree = workers // cfg_degree
+    _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads)
+    return LayoutPlan(name, replicas, cfg_degree, sp_degree, head_groups)
+
+
+def _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads) -> None:
+    if num_heads % sp_degree:
+        allowed = ", ".join(str(replicas * cfg_degree * d) for d in divisors(num_heads))
+        raise ValueError(
+            f"model.num_attention_heads={num_heads} is not divisible by the Ulysses degree {sp_degree} "
+            f"(layout={name}, launcher.world={world}, layout.replicas={replicas}); allowed launcher.world: {allowed}."
+        )
+    heads_per_worker = num_heads // sp_degree
+    if heads_per_worker % head_groups:
+        allowed = ", ".join(str(d) for d in divisors(heads_per_worker))
+        raise ValueError(
+            f"layout.head_groups={head_groups} must divide the {heads_per_worker} heads per worker "
+            f"(model.num_attention_heads={num_heads} / Ulysses degree {sp_degree}); allowed: {allowed}."
+        )
+
+
+@dataclass
+class Layout:
+    """A plan bound to one rank, with that rank's process group along each axis.
+
+    ``groups[axis]`` is None for an axis of size 1: nothing is exchanged along it.
+    """
+
+    plan: LayoutPlan
+    rank: int
+    groups: dict[str, Optional[object]] = field(default_factory=dict)
+    control: Optional[object] = None
+    """A gloo group over the whole world for the end-of-run barrier (None in a one-process run)."""
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.plan.coords(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.coords["replica"]
+
+    @property
+    def writes_records(self) -> bool:
+        """Exactly one rank per replica writes that replica's results."""
+        coords = self.coords
+        return coords["cfg"] == 0 and coords["sp"] == 0
+
+    def edit_share(self, edits: Sequence) -> list:
+        """This replica's edits: every ``replicas``-th one, so that all ranks agree without talking."""
+        return list(edits[self.replica::self.plan.replicas])
+
+    def barrier(self) -> None:
+        """Wait for every rank of the run (a no-op in a one-process run)."""
+        if self.control is not None:
+            dist.barrier(group=self.control)
+
+
+def build_layout(plan: LayoutPlan) -> Layout:
+    """Create the process groups of ``plan`` once; every rank calls this with the same plan."""
+    if plan.world == 1:
+        return Layout(plan, rank=0, groups={axis: None for axis in AXES})
+    if not dist.is_initialized() or dist.get_world_size() != plan.world:
+        raise RuntimeError(f"build_layout needs torch.distributed initialised with {plan.world} ranks.")
+    rank = dist.get_rank()
+    groups: dict[str, Optional[object]] = {}
+    for axis in AXES:
+        groups[axis] = None
+        if plan.sizes()[axis] == 1:
+            continue
+        # new_group is collective over the world: every rank creates every group, in one order.
+        for ranks in plan.axis_groups(axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                groups[axis] = group
+    control = dist.new_group(backend="gloo", timeout=END_OF_RUN_TIMEOUT)
+    return Layout(plan, rank, groups, control)

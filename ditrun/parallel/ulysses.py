@@ -1,0 +1,137 @@
+"""Ulysses sequence parallelism: shard the joint sequence, exchange sequence shards for head shards.
+
+Each rank of the SP group holds a slice of every part of the joint sequence — text tokens,
+output-image tokens and reference-image tokens — and runs the DiT on those slices only: every
+layer but attention works token by token, and the rotary tables follow the tokens through
+their position ids. Around attention, one all-to-all turns a rank's [B, L_r, H, D] (its own
+tokens, all heads) into [B, S, H/P, D] (every token, its heads) and a second one turns the
+output back. Lengths that P does not divide are split unevenly (``all_to_all_single`` takes
+per-peer row counts), so no padding or key mask is needed.
+
+Gathered, the sequence is ordered by rank ([text_0, out_0, ref_0, text_1, ...]) rather than as
+on one process; attention without a mask does not depend on the order of the keys except
+through the order of floating-point sums, which is why results match one process to rounding
+rather than bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ditrun.model.dit import AttentionFn, sdpa_attention
+from ditrun.model.sampler import EditInputs
+from ditrun.transport.base import Handle, Transport, all_gather_rows
+
+
+def even_splits(n: int, parts: int) -> list[int]:
+    """``n`` items over ``parts`` ranks, the first ``n % parts`` ranks taking one more."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+def _bounds(sizes: list[int], index: int) -> tuple[int, int]:
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """How one edit's joint sequence is split over an SP group, and which part is this rank's."""
+
+    text: list[int]
+    output: list[int]
+    reference: list[int]
+    rank: int
+
+    @classmethod
+    def split(cls, text_len: int, output_len: int, reference_len: int, size: int, rank: int) -> "SequenceShards":
+        return cls(even_splits(text_len, size), even_splits(output_len, size), even_splits(reference_len, size), rank)
+
+    @property
+    def joint(self) -> list[int]:
+        """Tokens per rank in a forward pass (text + output + reference)."""
+        return [t + o + r for t, o, r in zip(self.text, self.output, self.reference)]
+
+    def output_slice(self) -> slice:
+        return slice(*_bounds(self.output, self.rank))
+
+    def local_inputs(self, inputs: EditInputs) -> EditInputs:
+        """The rank's slice of every per-token input (the noise is sliced per step, by ``output_slice``)."""
+        text = slice(*_bounds(self.text, self.rank))
+        ref = slice(*_bounds(self.reference, self.rank))
+        out = self.output_slice()
+        return dataclasses.replace(
+            inputs, noise=inputs.noise[:, out], ref_latents=inputs.ref_latents[:, ref],
+            img_ids=inputs.img_ids[out], ref_ids=inputs.ref_ids[ref], prompt=inputs.prompt[:, text],
+            neg_prompt=inputs.neg_prompt[:, text], txt_ids=inputs.txt_ids[text],
+        )
+
+    def gather_output(self, transport: Transport, local: torch.Tensor, kind: str = "velocity_gather") -> torch.Tensor:
+        """Every rank's output-token rows, in sequence order. local: [B, O_r, C] -> [B, O, C]."""
+        rows = local.transpose(0, 1)  # [O_r, B, C]: rows are tokens
+        return all_gather_rows(transport, rows, self.output, kind).wait().transpose(0, 1)
+
+
+class UlyssesAttention:
+    """An ``attention(q, k, v)`` for ``FluxDiT.forward`` that runs over an SP group.
+
+    With ``head_groups=G`` the heads are exchanged and attended in G groups: group g+1's
+    exchange is started before group g's attention, and each group's output is sent back as
+    soon as its attention ends, so exchanges overlap computation.
+    """
+
+    def __init__(self, transport: Transport, joint_splits: list[int], head_groups: int = 1,
+                 inner: AttentionFn = sdpa_attention):
+        self.transport, self.splits, self.head_groups, self.inner = transport, joint_splits, head_groups, inner
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [B, L_r, H, D] (this rank's tokens, every head) -> [B, L_r, H, D]
+        if self.transport.size == 1:
+            return self._local(q, k, v)
+        out = torch.empty_like(q)
+        incoming = [self._send_qkv(q, k, v, 0)]
+        outgoing: list[Handle] = []
+        for g in range(self.head_groups):
+            if g + 1 < self.head_groups:
+                incoming.append(self._send_qkv(q, k, v, g + 1))
+            qkv = incoming[g].wait()  # [S, 3, B, H/(PG), D]
+            incoming[g] = None  # free the buffer before the next group's attention
+            attended = self.inner(*(qkv[:, i].transpose(0, 1) for i in range(3)))  # [B, S, H/(PG), D]
+            outgoing.append(self._send_back(attended, g))
+        for g, handle in enumerate(outgoing):
+            self._place(out, handle.wait(), g)
+        return out
+
+    def _local(self, q, k, v) -> torch.Tensor:
+        # An SP group of one: no exchange; head groups only split the attention call.
+        if self.head_groups == 1:
+            return self.inner(q, k, v)
+        return torch.cat([self.inner(*parts) for parts in zip(*(t.chunk(self.head_groups, dim=2)
+                                                                 for t in (q, k, v)))], dim=2)
+
+    def _group_heads(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        # [B, L, H, D] -> [B, L, P, H/(PG), D]: group g's heads, split by destination rank
+        per_group = x.shape[2] // self.head_groups
+        return x[:, :, g * per_group:(g + 1) * per_group].unflatten(2, (self.transport.size, -1))
+
+    def _send_qkv(self, q, k, v, g: int) -> Handle:
+        # -> send: [P * L_r, 3, B, H/(PG), D], the rows for destination rank j contiguous
+        p, (b, length, _, d) = self.transport.size, q.shape
+        send = q.new_empty(p, length, 3, b, q.shape[2] // (p * self.head_groups), d)
+        for i, t in enumerate((q, k, v)):
+            send[:, :, i].copy_(self._group_heads(t, g).permute(2, 1, 0, 3, 4))
+        return self.transport.start(send.flatten(0, 1), [length] * p, self.splits, "qkv", g)
+
+    def _send_back(self, attended: torch.Tensor, g: int) -> Handle:
+        # attended: [B, S, H/(PG), D] -> send: [S, B, H/(PG), D], rank j's tokens contiguous
+        send = attended.transpose(0, 1)
+        length = self.splits[self.transport.rank]
+        return self.transport.start(send, self.splits, [length] * self.transport.size, "attention_out", g)
+
+    def _place(self, out: torch.Tensor, received: torch.Tensor, g: int) -> None:
+        # received: [P * L_r, B, H/(PG), D], source j's heads in block j -> out[:, :, group g's heads]
+        p, length = self.transport.size, out.shape[1]
+        blocks = received.view(p, length, *received.shape[1:]).permute(2, 1, 0, 3, 4)  # [B, L_r, P, H/(PG), D]
+        self._group_heads(out, g).copy_(blocks)

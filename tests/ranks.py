@@ -1,0 +1,106 @@
+"""Run a function on N gloo ranks, forked from the test process, with every wait bounded.
+
+    results = run_ranks(fn, world=4, args=(cfg, out_dir), timeout=60)
+
+Each rank is a forked child with ``torch.distributed`` initialised (gloo, a ``file://``
+rendezvous in a fresh temporary folder, ``collective_timeout`` on every collective) and one
+intra-op thread, since several ranks share few cores. ``fn(rank, world, *args)`` runs there;
+its return value comes back pickled, in rank order. If a rank raises, the others are killed
+and its traceback is raised here; if they do not all finish within ``timeout`` seconds, they
+are all killed and the ranks that had not reported are named. Forking keeps start-up at a
+fraction of a second (no re-import of torch), so tests can afford many small jobs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class RankFailed(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: float, results) -> None:
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=collective_timeout))
+        try:
+            value = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: float = 60.0,
+              collective_timeout: float = 30.0) -> list:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    folder = tempfile.mkdtemp(prefix="ranks-")
+    store = os.path.join(folder, "store")
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tuple(args), store, collective_timeout, results),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _collect(procs, results, world: int, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    values: dict[int, Any] = {}
+    suspects: set[int] = set()
+    while len(values) < world:
+        try:
+            rank, ok, payload = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            # A rank that exited may still have its result in the pipe: convict it on the second miss.
+            dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
+            if dead & suspects:
+                gone = sorted(dead & suspects)
+                raise RankFailed(f"rank(s) {gone} exited without a result (exit codes "
+                                 f"{[procs[r].exitcode for r in gone]}).")
+            suspects = dead
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(values))
+                raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:.0f} s.")
+            continue
+        if not ok:
+            raise RankFailed(_failures({rank: payload}, results))
+        values[rank] = pickle.loads(payload)
+    return [values[r] for r in range(world)]
+
+
+def _failures(failed: dict[int, str], results, grace: float = 2.0) -> str:
+    """Every failure that arrives within ``grace`` seconds of the first: the root cause is often
+    on another rank than the first to report (its peers fail when it goes away)."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=max(0.05, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if not ok:
+            failed[rank] = payload
+    return "\n".join(f"rank {rank} failed:\n{text}" for rank, text in sorted(failed.items()))

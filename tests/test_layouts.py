@@ -1,0 +1,151 @@
+"""Every layout on 2 and 4 gloo ranks gives the ``single`` run's latents, through the real worker.
+
+The workload is tiny on purpose: 32x48 pixels (6 output + 6 reference tokens) and 7 text
+tokens, so the joint sequence of 19 tokens divides by neither 2 nor 4 and every shard length
+is exercised. The model has 8 heads so that 4 ranks with 2 head groups is a valid layout.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from safetensors.torch import load_file
+
+from ditrun.config import register_configs
+from ditrun.launch import worker
+from ditrun.metrics import results
+from ranks import run_ranks
+
+TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
+        "workload.text_len=7", "workload.limit=2", "wandb.mode=disabled", "progress=false"]
+MAX_RELATIVE_ERROR = 1e-5
+
+
+def make_config(*overrides: str):
+    register_configs()
+    with initialize_config_module("ditrun.conf", version_base="1.3"):
+        return compose("config", overrides=[*TINY, *overrides])
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest absolute difference over the largest magnitude of the reference."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def latents(out_dir, edit: str) -> torch.Tensor:
+    return load_file(str(out_dir / f"{edit}.latents.safetensors"))["latents"]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    worker.run(make_config(), out)
+    return out
+
+
+def _run_worker(rank, world, cfg, out_dir):
+    return worker.run(cfg, out_dir)
+
+
+def run_layout(tmp_path, world: int, *overrides: str):
+    cfg = make_config(*overrides, f"launcher.world={world}")
+    summaries = run_ranks(_run_worker, world, (cfg, tmp_path), timeout=120)
+    assert summaries[0] is not None and all(s is None for s in summaries[1:])  # rank 0 writes the summary
+    return [json.loads(line) for line in (tmp_path / results.EDITS_FILE).read_text().splitlines()]
+
+
+def check_equal_to_single(tmp_path, single_run, records, layout: str, world: int):
+    assert sorted(r["edit"] for r in records) == ["astronaut", "coffee"]  # each edit written exactly once
+    for record in records:
+        assert (record["layout"], record["world"]) == (layout, world)
+        error = relative_error(latents(tmp_path, record["edit"]), latents(single_run, record["edit"]))
+        assert error <= MAX_RELATIVE_ERROR, f"{record['edit']}: relative error {error:.2e}"
+    summary = json.loads((tmp_path / results.SUMMARY_FILE).read_text())
+    assert summary["edits"] == 2 and summary["world"] == world
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
+@pytest.mark.parametrize("head_groups", [1, 2])
+def test_layout_equals_single(tmp_path, single_run, world, layout, head_groups):
+    records = run_layout(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
+    check_equal_to_single(tmp_path, single_run, records, layout, world)
+    for record in records:
+        assert record["head_groups"] == head_groups
+        assert record["exposed_transfer_s"] > 0 and 0 < record["exposed_transfer_pct"] < 100
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout, world", [("single", 2), ("ulysses", 4), ("cfg_batch", 4), ("cfg_split", 4)])
+def test_replicas_share_the_edits(tmp_path, single_run, layout, world):
+    records = run_layout(tmp_path, world, f"layout={layout}", "layout.replicas=2")
+    check_equal_to_single(tmp_path, single_run, records, layout, world)
+    assert sorted(r["replica"] for r in records) == [0, 1]  # one edit per replica
+
+
+def test_single_records_no_exposed_transfer(single_run):
+    for line in (single_run / results.EDITS_FILE).read_text().splitlines():
+        record = json.loads(line)
+        assert record["exposed_transfer_s"] == 0.0 and record["exposed_transfer_pct"] == 0.0
+
+
+@pytest.mark.parametrize("layout", ["ulysses", "cfg_batch"])
+def test_one_worker_layouts_equal_single(tmp_path, single_run, layout):
+    """The parallel code paths on one process (SP group of one) give the same latents."""
+    worker.run(make_config(f"layout={layout}", "layout.head_groups=2"), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / results.EDITS_FILE).read_text().splitlines()]
+    check_equal_to_single(tmp_path, single_run, records, layout, 1)
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["layout=cfg_split"], 3, "layout=cfg_split needs an even number of workers per replica, but launcher.world=3 / "
+                              "layout.replicas=1 = 3; allowed launcher.world: multiples of 2."),
+    (["layout=ulysses"], 3, "model.num_attention_heads=8 is not divisible by the Ulysses degree 3 (layout=ulysses, "
+                            "launcher.world=3, layout.replicas=1); allowed launcher.world: 1, 2, 4, 8."),
+    (["layout=cfg_split", "model.num_attention_heads=6", "model.attention_head_dim=32"], 8,
+     "model.num_attention_heads=6 is not divisible by the Ulysses degree 4 (layout=cfg_split, launcher.world=8, "
+     "layout.replicas=1); allowed launcher.world: 2, 4, 6, 12."),
+    (["layout=ulysses", "layout.replicas=2"], 3, "launcher.world=3 is not a multiple of layout.replicas=2; "
+                                                 "allowed launcher.world: multiples of 2 (replicas x workers per replica)."),
+    (["layout=single"], 2, "layout=single runs one worker per replica, so launcher.world=2 must equal "
+                           "layout.replicas=1; use layout=ulysses, cfg_batch or cfg_split for more workers per replica."),
+    (["layout=ulysses", "layout.head_groups=3"], 2, "layout.head_groups=3 must divide the 4 heads per worker "
+                                                    "(model.num_attention_heads=8 / Ulysses degree 2); allowed: 1, 2, 4."),
+    (["layout.head_groups=2"], 1, "layout.head_groups=2 overlaps exchanges that layout=single does not have; "
+                                  "allowed with layout=single: 1."),
+    (["layout.name=ring"], 1, "layout='ring' is unknown; allowed: single, ulysses, cfg_batch, cfg_split."),
+    (["layout.replicas=0"], 1, "layout.replicas=0 must be a positive integer."),
+])
+def test_bad_combinations_are_one_sentence(overrides, world, message):
+    with pytest.raises(ValueError) as err:
+        worker.check_config(make_config(*overrides), world)
+    assert str(err.value) == message
+
+
+def _run_and_report(rank, world, cfg, out_dir):
+    try:
+        worker.run(cfg, out_dir)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_every_rank_refuses_a_bad_layout_before_building_anything(tmp_path):
+    cfg = make_config("layout=ulysses", "model.num_attention_heads=3", "launcher.world=2")
+    messages = run_ranks(_run_and_report, 2, (cfg, tmp_path), timeout=40)
+    assert messages == [messages[0]] * 2 and messages[0].startswith("model.num_attention_heads=3 is not divisible")
+    assert not (tmp_path / results.EDITS_FILE).exists()
+
+
+@pytest.mark.timeout(120)
+def test_cli_reports_a_bad_layout_as_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ditrun", "layout=cfg_split", "launcher.world=3",
+                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 2
+    assert "ditrun: error: layout=cfg_split needs an even number of workers per replica" in proc.stderr
+    assert "Traceback" not in proc.stderr

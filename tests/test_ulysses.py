@@ -1,0 +1,78 @@
+"""Ulysses attention and the transport on real gloo ranks, against attention on one process."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ditrun.metrics.timing import ExposedTransfer
+from ditrun.model.dit import sdpa_attention
+from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, even_splits
+from ditrun.transport.base import LocalTransport, all_gather_rows, make_transport
+from ranks import RankFailed, run_ranks
+
+
+def _qkv(lengths, heads=6, dim=8, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, sum(lengths), heads, dim, generator=gen) for _ in range(3)]
+
+
+def _sharded_attention(rank, world, lengths, head_groups):
+    timer = ExposedTransfer(torch.device("cpu"))
+    transport = make_transport("collective", dist.group.WORLD, timer)
+    start = sum(lengths[:rank])
+    q, k, v = (t[:, start:start + lengths[rank]] for t in _qkv(lengths))
+    out = UlyssesAttention(transport, lengths, head_groups)(q, k, v)
+    waits = timer.take()
+    return out, sorted(waits["by_kind"]), sorted(waits["by_group"])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lengths, head_groups", [([5, 4], 1), ([5, 4], 3), ([4, 3, 3], 2), ([3, 0, 2], 1)])
+def test_ulysses_attention_equals_full_attention(lengths, head_groups):
+    """Uneven (even empty) shards, head groups pipelined: the gathered output is one process's attention."""
+    outs = run_ranks(_sharded_attention, len(lengths), (lengths, head_groups))
+    q, k, v = _qkv(lengths)
+    expected = sdpa_attention(q, k, v)
+    got = torch.cat([out for out, _, _ in outs], dim=1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for _, kinds, groups in outs:  # every wait was timed, per kind and per head group
+        assert kinds == ["attention_out", "qkv"] and groups == list(range(head_groups))
+
+
+def _gather(rank, world, sizes):
+    transport = make_transport("collective", dist.group.WORLD, ExposedTransfer(torch.device("cpu")))
+    rows = torch.full((sizes[rank], 3), float(rank))
+    return all_gather_rows(transport, rows, sizes, "gather").wait()
+
+
+@pytest.mark.timeout(60)
+def test_all_gather_rows_with_uneven_sizes():
+    outs = run_ranks(_gather, 3, ([2, 0, 1],))
+    expected = torch.tensor([0.0, 0.0, 2.0])[:, None].expand(3, 3)
+    for out in outs:
+        assert torch.equal(out, expected)
+
+
+def test_one_rank_needs_no_exchange():
+    q, k, v = _qkv([7])
+    transport = LocalTransport()
+    for groups in (1, 2, 3):
+        torch.testing.assert_close(UlyssesAttention(transport, [7], groups)(q, k, v), sdpa_attention(q, k, v))
+
+
+def test_even_splits_and_shards():
+    assert even_splits(7, 3) == [3, 2, 2] and even_splits(2, 4) == [1, 1, 0, 0]
+    shards = SequenceShards.split(text_len=7, output_len=6, reference_len=6, size=4, rank=3)
+    assert shards.joint == [6, 6, 4, 3] and shards.output_slice() == slice(5, 6)
+
+
+def _raises(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 broke")
+    dist.barrier()
+
+
+@pytest.mark.timeout(60)
+def test_rank_harness_reports_a_failing_rank():
+    with pytest.raises(RankFailed, match="rank 1 broke"):
+        run_ranks(_raises, 2, timeout=40, collective_timeout=5)
