@@ -4,7 +4,9 @@
 
 Each rank is a forked child with ``torch.distributed`` initialised (gloo, a ``file://``
 rendezvous in a fresh temporary folder, ``collective_timeout`` on every collective) and one
-intra-op thread, since several ranks share few cores. ``fn(rank, world, *args)`` runs there;
+intra-op thread, since several ranks share few cores. ``backend="nccl"`` starts the ranks with
+``spawn`` instead (CUDA cannot be used in a forked child) with rank r on GPU r; ``fn`` must then
+be importable (a module-level function). ``fn(rank, world, *args)`` runs there;
 its return value comes back pickled, in rank order. If a rank raises, the others are killed
 and its traceback is raised here; if they do not all finish within ``timeout`` seconds, they
 are all killed and the ranks that had not reported are named. Forking keeps start-up at a
@@ -32,10 +34,13 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: float, results) -> None:
+def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: float, results,
+               backend: str) -> None:
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout))
         try:
             value = fn(rank, world, *args)
@@ -47,13 +52,13 @@ def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: 
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: float = 60.0,
-              collective_timeout: float = 30.0) -> list:
-    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own gloo rank."""
-    ctx = mp.get_context("fork")
+              collective_timeout: float = 30.0, backend: str = "gloo") -> list:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own rank."""
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
     results = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="ranks-")
     store = os.path.join(folder, "store")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tuple(args), store, collective_timeout, results),
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tuple(args), store, collective_timeout, results, backend),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()

@@ -149,3 +149,19 @@ def test_cli_reports_a_bad_layout_as_one_line(tmp_path):
     assert proc.returncode == 2
     assert "ditrun: error: layout=cfg_split needs an even number of workers per replica" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
+def test_layouts_on_two_gpus_equal_one_gpu(tmp_path, layout):
+    """NCCL on two GPUs against one GPU, fp32. Looser than on CPUs: GPU attention kernels pick
+    their tiling by sequence length, so sharded and whole sequences round differently."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    common = ("device=cuda", "model.dtype=fp32")
+    run_ranks(_run_worker, 1, (make_config(*common), tmp_path / "one"), timeout=240, backend="nccl")
+    cfg = make_config(*common, f"layout={layout}", "layout.head_groups=2", "launcher.world=2")
+    run_ranks(_run_worker, 2, (cfg, tmp_path / "two"), timeout=240, backend="nccl")
+    for edit in ("astronaut", "coffee"):
+        assert relative_error(latents(tmp_path / "two", edit), latents(tmp_path / "one", edit)) <= 1e-4
