@@ -119,6 +119,7 @@ def test_one_worker_layouts_equal_single(tmp_path, single_run, layout):
                                   "allowed with layout=single: 1."),
     (["layout.name=ring"], 1, "layout='ring' is unknown; allowed: single, ulysses, cfg_batch, cfg_split."),
     (["layout.replicas=0"], 1, "layout.replicas=0 must be a positive integer."),
+    (["layout=ulysses"], 0, "launcher.world=0 must be a positive integer."),
 ])
 def test_bad_combinations_are_one_sentence(overrides, world, message):
     with pytest.raises(ValueError) as err:

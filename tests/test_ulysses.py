@@ -76,3 +76,40 @@ def _raises(rank, world):
 def test_rank_harness_reports_a_failing_rank():
     with pytest.raises(RankFailed, match="rank 1 broke"):
         run_ranks(_raises, 2, timeout=40, collective_timeout=5)
+
+
+class _LoggedTransport:
+    """The real transport, with each start and wait written to a log in the order they happen."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log, self.size, self.rank = inner, log, inner.size, inner.rank
+
+    def start(self, send, send_splits, recv_splits, kind, group=0):
+        self.log.append(f"start {kind} {group}")
+        handle, log = self.inner.start(send, send_splits, recv_splits, kind, group), self.log
+
+        class Logged:
+            def wait(self):
+                log.append(f"wait {kind} {group}")
+                return handle.wait()
+
+        return Logged()
+
+
+def _pipeline_order(rank, world):
+    log = []
+    transport = _LoggedTransport(make_transport("collective", dist.group.WORLD, ExposedTransfer(torch.device("cpu"))),
+                                 log)
+    q, k, v = (t[:, 3 * rank:3 * rank + 3] for t in _qkv([3, 3], heads=6))
+    UlyssesAttention(transport, [3, 3], head_groups=3)(q, k, v)
+    return log
+
+
+@pytest.mark.timeout(60)
+def test_head_groups_overlap_exchange_with_attention():
+    """Group g+1's exchange starts before group g is awaited; each output is sent back before the next wait."""
+    expected = ["start qkv 0", "start qkv 1", "wait qkv 0", "start attention_out 0",
+                "start qkv 2", "wait qkv 1", "start attention_out 1",
+                "wait qkv 2", "start attention_out 2",
+                "wait attention_out 0", "wait attention_out 1", "wait attention_out 2"]
+    assert run_ranks(_pipeline_order, 2) == [expected, expected]

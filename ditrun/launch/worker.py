@@ -60,13 +60,6 @@ def select_placement(device_key: str, dtype_key: str) -> Placement:
     return Placement(device, torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)")
 
 
-def rank_and_world() -> tuple[int, int]:
-    """This process's global rank and the world size (0, 1 when torch.distributed is not initialised)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     """Config errors that are not type errors, raised before anything expensive; returns the layout plan.
 
@@ -127,7 +120,7 @@ class Run:
         self.cfg = cfg
         self.out_dir = out_dir
         # Under a launcher the process group is the truth; alone, launcher.world must say 1.
-        plan = check_config(cfg, rank_and_world()[1] if dist.is_initialized() else None)
+        plan = check_config(cfg, dist.get_world_size() if dist.is_initialized() else None)
         self.edits = resolve_edits(cfg.workload)
         check_sources(self.edits)
         self.geometry = model_geometry(cfg.model)

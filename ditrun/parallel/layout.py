@@ -84,6 +84,8 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
     name, replicas, head_groups = layout_cfg.name, layout_cfg.replicas, layout_cfg.head_groups
     if name not in LAYOUTS:
         raise ValueError(f"layout={name!r} is unknown; allowed: {', '.join(LAYOUTS)}.")
+    if world < 1:
+        raise ValueError(f"launcher.world={world} must be a positive integer.")
     if replicas < 1:
         raise ValueError(f"layout.replicas={replicas} must be a positive integer.")
     if head_groups < 1:
@@ -94,6 +96,14 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
             f"allowed launcher.world: multiples of {replicas} (replicas x workers per replica)."
         )
     workers = world // replicas
+    _check_workers(name, world, replicas, workers, head_groups)
+    cfg_degree = 2 if name == "cfg_split" else 1
+    sp_degree = workers // cfg_degree
+    _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads)
+    return LayoutPlan(name, replicas, cfg_degree, sp_degree, head_groups)
+
+
+def _check_workers(name, world, replicas, workers, head_groups) -> None:
     if name == "single" and workers != 1:
         raise ValueError(
             f"layout=single runs one worker per replica, so launcher.world={world} must equal "
@@ -109,10 +119,6 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
             f"layout=cfg_split needs an even number of workers per replica, but launcher.world={world} / "
             f"layout.replicas={replicas} = {workers}; allowed launcher.world: multiples of {2 * replicas}."
         )
-    cfg_degree = 2 if name == "cfg_split" else 1
-    sp_degree = workers // cfg_degree
-    _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads)
-    return LayoutPlan(name, replicas, cfg_degree, sp_degree, head_groups)
 
 
 def _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads) -> None:
