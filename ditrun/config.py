@@ -162,26 +162,47 @@ class LauncherConfig:
 
 @dataclass
 class MetricsConfig:
-    """What is measured and reported."""
+    """What is measured and reported (see docs/METRICS.md)."""
 
     warmup_edits: int = 1
-    """Edits left out of the medians (compilation, allocator warm-up)."""
-    ssim: bool = False
-    """Compute SSIM against the BF16 reference of the same edit and seed."""
+    """Edits left out of the timing medians (compilation, allocator warm-up)."""
+    transfer_breakdown: bool = False
+    """Also record exposed transfer seconds per layer kind and per head group in each edit's record."""
+    ssim: bool = True
+    """Compute SSIM of every edit against the BF16 reference of the same edit, seed, steps and size
+    (layout ``single``, every component ``bf16``), and of a second BF16 run (``ssim_rerun``)."""
+    reference_dtype: Optional[str] = None
+    """Compute dtype of the reference runs: ``bf16``, ``fp16`` or ``fp32``; unset uses the run's own
+    (``model.dtype``, so ``auto`` gives bf16 on GPUs and fp32 on CPUs)."""
+    reference_dir: Optional[str] = None
+    """Cache of reference images, shared by runs; unset means ``$XDG_CACHE_HOME/ditrun/references``
+    (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
-    """Fail the run when the median SSIM is below this % of the BF16 rerun SSIM."""
+    """Fail the run (exit status 1) when the median ``ssim_pct_of_rerun`` is below this percentage."""
+    report: bool = True
+    """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
+    directory when a multirun ends)."""
 
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases logging (rank 0 only)."""
+    """Weights & Biases logging: one W&B run per ditrun run, written by global rank 0 only."""
 
     mode: str = "offline"
-    """``offline`` (nothing leaves the machine), ``online`` or ``disabled``."""
+    """``offline`` (written under the run directory's ``wandb/``, nothing leaves the machine; upload later
+    with ``wandb sync``), ``online`` or ``disabled``."""
     project: str = "ditrun"
     """W&B project."""
     entity: Optional[str] = None
     """W&B entity (team); unset uses the account default."""
+    group: Optional[str] = None
+    """W&B group; unset means the Hydra sweep directory's name in a multirun, and no group otherwise."""
+    name: Optional[str] = None
+    """W&B run name; unset means ``<layout>-<precision>-<transport>-w<world>`` (plus the sweep job number)."""
+    tags: list[str] = field(default_factory=list)
+    """Extra tags, added to ``precision:<name>`` and ``transport:<name>``."""
+    images: int = 4
+    """Log output, reference and SSIM-map images for this many first edits (0 logs none)."""
 
 
 @dataclass

@@ -6,6 +6,7 @@ before the model is built, so a mistake costs seconds, not a 12B-parameter load.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import subprocess
 import time
@@ -18,8 +19,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from ditrun.metrics import results
-from ditrun.metrics.timing import ExposedTransfer, StepTimer, peak_memory_bytes
+from ditrun import metrics
+from ditrun.metrics import quality, reference, results, timing
+from ditrun.metrics import wandb as wandb_log
+from ditrun.metrics.progress import Progress
+from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
 from ditrun.model.dit import FluxDiT
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
@@ -78,6 +82,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
         )
     if cfg.workload.steps < 1:
         raise ValueError(f"workload.steps={cfg.workload.steps} must be at least 1.")
+    metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     return plan_layout(cfg.layout, world, model_geometry(cfg.model).num_attention_heads)
 
@@ -126,16 +131,37 @@ class Run:
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
         self.layout = build_layout(plan)
+        # References first: their model is freed before the measured one is built.
+        self.references = self._references() if cfg.metrics.ssim else None
+        reset_peak_memory(self.placement.device)
+        # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
         self.transports = {axis: make_transport(cfg.transport.name, self.layout.groups[axis], self.exposed)
                            for axis in ("sp", "cfg")}
         self.model = build_model(cfg.model, self.placement)
         self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
 
+    def _references(self) -> reference.References:
+        """Each replica's writer makes the missing references of its edits; every rank then waits for
+        them on the control group (no timeout that a long reference pass could trip)."""
+        cfg, placement = self.cfg, self.placement
+        dtype = reference.REFERENCE_DTYPES[cfg.metrics.reference_dtype] if cfg.metrics.reference_dtype \
+            else placement.dtype
+        references = reference.reference_set(cfg, self.geometry, self.edits, dtype, placement.device.type)
+        if self.layout.writes_records:
+            share = self.layout.edit_share(self.edits)
+            with Progress(cfg.progress and self.layout.rank == 0, len(share), desc="references") as progress:
+                references.make_missing(share, cfg, self.geometry, placement.device,
+                                        lambda d: build_model(cfg.model, dataclasses.replace(placement, dtype=d)),
+                                        progress)
+        self.layout.barrier()
+        return references
+
     def run_edit(self, edit: Edit, progress=None) -> Optional[dict]:
         """Run one edit on this rank; the rank that writes its replica's results gets the record."""
         cfg, placement = self.cfg, self.placement
-        inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
+        with Interval(placement.device) as encode:
+            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
         guidance = cfg.workload.distilled_guidance if self.geometry.guidance_embeds else None
         velocity = layout_velocity(
             self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype
@@ -152,40 +178,40 @@ class Run:
         with torch.inference_mode():
             latents = denoise(velocity, inputs.noise, cfg.workload.steps, on_step=on_step)
         step_s = timer.step_seconds()
-        exposed_s = self.exposed.take()["total_s"]
+        exposed = self.exposed.take()
         if not self.layout.writes_records:
             return None
         h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE
-        image = self.codec.decode(unpack(latents, h, w))
+        with Interval(placement.device) as decode:
+            image = results.to_rgb8(self.codec.decode(unpack(latents, h, w)))
         png = f"{edit.id}.png"
         results.save_png(image, self.out_dir / png)
         save_file({"latents": latents.cpu().contiguous()}, str(self.out_dir / f"{edit.id}.latents.safetensors"))
-        return self._record(edit, step_s, exposed_s, png)
+        ref = self.references.get(edit.id) if self.references is not None else None
+        return self._record(edit, step_s, exposed, png, {
+            **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds})
 
-    def _record(self, edit: Edit, step_s: list[float], exposed_s: float, png: str) -> dict:
-        cfg, plan = self.cfg, self.layout.plan
-        dit_s = sum(step_s)
+    def _record(self, edit: Edit, step_s: list[float], exposed: dict, png: str,
+                measured: Optional[dict] = None) -> dict:
+        """One line of edits.jsonl: DESIGN.md's fields in its order, then the extras."""
+        cfg, plan, measured = self.cfg, self.layout.plan, dict(measured or {})
+        quality_fields = {key: measured.pop(key, None) for key in quality.QUALITY_FIELDS}
         return {
             "edit": edit.id, "seed": edit.seed, "width": edit.width, "height": edit.height,
             "steps": cfg.workload.steps, "layout": plan.name, "precision": cfg.precision.name,
-            "transport": cfg.transport.name, "world": plan.world, "replica": self.layout.replica,
-            "head_groups": plan.head_groups, "dit_s": dit_s, "step_s": step_s,
-            "exposed_transfer_s": exposed_s, "exposed_transfer_pct": 100.0 * exposed_s / dit_s if dit_s > 0 else 0.0,
-            "image": png, "latents": f"{edit.id}.latents.safetensors",
+            "transport": cfg.transport.name, "world": plan.world,
+            **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
+            **quality_fields, "image": png, "replica": self.layout.replica, "head_groups": plan.head_groups,
+            "latents": f"{edit.id}.latents.safetensors", **measured,
         }
 
     def summary(self, records: list[dict], wall_s: float) -> dict:
-        warmup = self.cfg.metrics.warmup_edits
-        dit = [r["dit_s"] for r in records]
-        median = results.median_after_warmup(dit, warmup)
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "edits": len(records),
             "world": self.layout.plan.world,
-            "dit_s_median": median,
-            "images_per_s": (self.layout.plan.replicas / median) if median > 0 else float("nan"),
-            "exposed_transfer_pct_median": results.median_after_warmup(
-                [r["exposed_transfer_pct"] for r in records], warmup),
+            **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
+            **quality.quality_summary(records),
             "wall_s": wall_s,
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
             "device": device_name(self.placement.device),
@@ -200,7 +226,8 @@ def run(cfg, out_dir: Path) -> Optional[dict]:
 
     Edits are shared out over the replicas before the records of a resumed run are read, so
     every rank of a replica agrees on its edits without talking; only the replica's records
-    are ever appended by its own writer, after all its ranks have started.
+    are ever appended by its own writer, after all its ranks have started. Global rank 0 alone
+    logs to W&B, writes the summary and the report, and applies the SSIM gate.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -209,21 +236,38 @@ def run(cfg, out_dir: Path) -> Optional[dict]:
     done = results.finished_edits(out_dir)
     if layout.rank == 0:
         _print_start(state, out_dir, len(done))
-    for edit in layout.edit_share(state.edits):
-        if edit.id in done:
-            continue
-        with _progress(cfg, edit, layout.rank) as bar:
+    logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
+    todo = [edit for edit in layout.edit_share(state.edits) if edit.id not in done]
+    with Progress(cfg.progress and layout.rank == 0, len(todo)) as progress:
+        for edit in todo:
+            bar = progress.edit(edit.id, cfg.workload.steps)
             record = state.run_edit(edit, bar)
-        if record is not None:
-            results.append_record(out_dir, record)
+            bar.close()
+            if record is not None:
+                results.append_record(out_dir, record)
+                logger.log_edit(record)
+            progress.advance()
     layout.barrier()  # every replica's records are in edits.jsonl
     if layout.rank != 0:
         return None
+    return _finish(state, logger, out_dir, time.perf_counter() - start)
+
+
+def _finish(state: Run, logger, out_dir: Path, wall_s: float) -> dict:
+    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate."""
+    cfg = state.cfg
     done = results.finished_edits(out_dir)
     records = [done[e.id] for e in state.edits if e.id in done]
-    summary = state.summary(records, time.perf_counter() - start)
+    summary = state.summary(records, wall_s)
+    summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
+                   failure=quality.gate_failure(summary, cfg.metrics.min_ssim_pct))
     results.write_json(out_dir / results.SUMMARY_FILE, summary)
+    logger.finish(records, summary, out_dir, state.references, failed=summary["failure"] is not None)
+    report_file = _write_report(out_dir) if cfg.metrics.report else None
     print_table(records, summary)
+    print_locations(cfg, summary, out_dir, report_file)
+    if summary["failure"]:
+        raise quality.QualityGateError(summary["failure"])
     return summary
 
 
@@ -236,21 +280,38 @@ def _print_start(state: Run, out_dir: Path, n_done: int) -> None:
         print(f"ditrun: resuming, {n_done} edits already in {results.EDITS_FILE} are skipped", flush=True)
 
 
-def _progress(cfg, edit: Edit, rank: int):
-    from tqdm import tqdm
-    import sys
+def _write_report(out_dir: Path) -> Path:
+    from ditrun.metrics.report import write_report
 
-    disable = rank != 0 or not (cfg.progress and sys.stderr.isatty())
-    return tqdm(total=cfg.workload.steps, desc=edit.id, unit="step", leave=False, disable=disable)
+    return write_report(out_dir)[1]
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def print_table(records: list[dict], summary: dict) -> None:
-    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "image")]
+    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "image")]
     for r in records:
         rows.append((r["edit"], f"{r['width']}x{r['height']}", str(r["steps"]), f"{r['dit_s']:.3f}",
-                     f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}", r["image"]))
+                     f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
+                     _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"), r["image"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-    print(f"median DiT s/edit (after warm-up): {summary['dit_s_median']:.3f}   "
-          f"images/s: {summary['images_per_s']:.3f}   device: {summary['device']} ({summary['dtype']})")
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(f"median DiT s/edit (after warm-up): {_cell(summary['dit_s_median'], '.3f')}   "
+          f"images/s: {summary['images_per_s']:.3f}   "
+          f"exposed transfer: {_cell(summary['exposed_transfer_pct_median'], '.1f')}%   "
+          f"SSIM: {_cell(summary['ssim_median'], '.4f')} ({_cell(summary['ssim_pct_of_rerun_median'], '.2f')}% of rerun)   "
+          f"device: {summary['device']} ({summary['dtype']})")
+
+
+def print_locations(cfg, summary: dict, out_dir: Path, report_file: Optional[Path]) -> None:
+    if summary.get("wandb"):
+        sync = f"   (upload later: wandb sync {summary['wandb']})" if cfg.wandb.mode == "offline" else ""
+        print(f"W&B {cfg.wandb.mode} run: {summary['wandb']}{sync}")
+    if report_file is not None:
+        print(f"report: {report_file}   (compare runs: ditrun report <run or multirun dir>)")
+    if summary.get("failure"):
+        print(f"FAILED: {summary['failure']}")
+    print(f"results: {out_dir}", flush=True)

@@ -45,11 +45,16 @@ def append_record(out_dir: Path, record: dict) -> None:
         os.close(fd)
 
 
-def save_png(image: torch.Tensor, path: Path) -> None:
-    """image: [1, 3, H, W] in [0, 1]."""
+def to_rgb8(image: torch.Tensor) -> np.ndarray:
+    """The pixels a PNG holds: [1, 3, H, W] in [0, 1] -> [H, W, 3] uint8."""
+    return (image[0].permute(1, 2, 0).float().clamp(0, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+
+def save_png(image: torch.Tensor | np.ndarray, path: Path) -> None:
+    """image: [1, 3, H, W] in [0, 1], or [H, W, 3] uint8."""
     from skimage import io
 
-    array = (image[0].permute(1, 2, 0).clamp(0, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    array = image if isinstance(image, np.ndarray) else to_rgb8(image)
     tmp = path.with_suffix(".tmp.png")
     io.imsave(tmp, array, check_contrast=False)
     os.replace(tmp, path)

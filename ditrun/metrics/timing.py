@@ -2,11 +2,17 @@
 
 Events are recorded on the compute stream without synchronising; the times are read once,
 when the edit ends, so timing never stalls the pipeline.
+
+DiT time of an edit = the sum of its denoising steps (both CFG branches, every layer, the
+transport's waits); preparing the inputs (image load, VAE encode, prompt embeddings) and the
+VAE decode are timed apart as ``encode_s`` and ``decode_s``.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import Optional
 
 import torch
 
@@ -39,9 +45,87 @@ class StepTimer:
         return [b - a for a, b in zip(self._marks, self._marks[1:])]
 
 
+class Interval:
+    """Seconds of one region outside the DiT (encode, decode): ``with Interval(dev) as t: ...; t.seconds``."""
+
+    def __init__(self, device: torch.device):
+        self._timer = StepTimer(device)
+
+    def __enter__(self) -> "Interval":
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._timer.step()
+        return False
+
+    @property
+    def seconds(self) -> float:
+        return self._timer.step_seconds()[0]
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory allocated by PyTorch on the device since start (0 on CPUs, where it is not tracked)."""
     return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Forget the peak so far (the reference pass runs another model before the measured one)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def edit_timing(step_s: list[float], exposed: dict, breakdown: bool = False) -> dict:
+    """The timing fields of one edit's record; ``exposed`` is ``ExposedTransfer.take()`` of that edit.
+
+    A layout without a transport never waits, so its exposed transfer is 0, not missing.
+    """
+    dit_s = float(sum(step_s))
+    exposed_s = float(exposed.get("total_s", 0.0))
+    fields = {
+        "dit_s": dit_s,
+        "step_s": [float(s) for s in step_s],
+        "exposed_transfer_s": exposed_s,
+        "exposed_transfer_pct": 100.0 * exposed_s / dit_s if dit_s > 0 else 0.0,
+    }
+    if breakdown:
+        fields["exposed_transfer_by_kind"] = {str(k): float(v) for k, v in exposed.get("by_kind", {}).items()}
+        fields["exposed_transfer_by_group"] = {str(k): float(v) for k, v in exposed.get("by_group", {}).items()}
+    return fields
+
+
+def after_warmup(records: list[dict], warmup: int) -> list[dict]:
+    """The records left after each replica's first ``warmup`` edits (all of them if none would be left)."""
+    seen: dict[int, int] = {}
+    kept = []
+    for record in records:
+        replica = record.get("replica", 0)
+        seen[replica] = seen.get(replica, 0) + 1
+        if seen[replica] > warmup:
+            kept.append(record)
+    return kept or list(records)
+
+
+def median_of(records: list[dict], key: str) -> Optional[float]:
+    """Median of ``key`` over the records that have it; None when none has."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return float(statistics.median(values)) if values else None
+
+
+def timing_summary(records: list[dict], warmup: int, replicas: int) -> dict:
+    """Medians over the edits after warm-up; images/s counts every replica's DiT running in parallel."""
+    kept = after_warmup(records, warmup)
+    dit = median_of(kept, "dit_s")
+    steps = [s for r in kept for s in r.get("step_s", [])]
+    return {
+        "dit_s_median": dit,
+        "step_s_median": float(statistics.median(steps)) if steps else None,
+        "images_per_s": replicas / dit if dit else float("nan"),
+        "exposed_transfer_s_median": median_of(kept, "exposed_transfer_s"),
+        "exposed_transfer_pct_median": median_of(kept, "exposed_transfer_pct"),
+        "encode_s_median": median_of(kept, "encode_s"),
+        "decode_s_median": median_of(kept, "decode_s"),
+    }
 
 
 class ExposedTransfer:

@@ -1,0 +1,135 @@
+"""Weights & Biases: one W&B run per ditrun run, written by global rank 0 only.
+
+``wandb.mode=offline`` (the default) writes the run under the ditrun run directory's
+``wandb/`` and never touches the network; ``wandb sync <dir>`` uploads it later. The W&B run
+carries the whole resolved config, one history row per edit, a table of every edit, images
+(output, reference, SSIM map) of the first edits, and the run's medians as its summary. It is
+grouped by Hydra sweep, typed by layout and tagged with precision and transport so that
+layouts, transports and precisions line up side by side in the W&B UI.
+
+Nothing here reads or writes an API key: online mode takes the login W&B itself keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from ditrun.metrics.quality import ssim_map
+
+MODES = ("offline", "online", "disabled")
+# Record fields logged as history, one row per edit (numbers only; the table has the rest).
+HISTORY_FIELDS = ("dit_s", "encode_s", "decode_s", "exposed_transfer_s", "exposed_transfer_pct",
+                  "ssim", "ssim_rerun", "ssim_pct_of_rerun")
+TABLE_COLUMNS = ("edit", "layout", "precision", "transport", "world", "dit_s", "exposed_transfer_pct", "ssim",
+                 "ssim_pct_of_rerun", "image")
+
+
+def check_config(wandb_cfg) -> None:
+    if wandb_cfg.mode not in MODES:
+        raise ValueError(f"wandb.mode={wandb_cfg.mode!r} is unknown; allowed: {', '.join(MODES)}.")
+    if wandb_cfg.images < 0:
+        raise ValueError(f"wandb.images={wandb_cfg.images} must be 0 or more.")
+
+
+def default_name(cfg) -> str:
+    return f"{cfg.layout.name}-{cfg.precision.name}-{cfg.transport.name}-w{cfg.launcher.world}"
+
+
+def apply_sweep_defaults(cfg, sweep_dir: str, job_num: int) -> None:
+    """In a Hydra multirun: group by the sweep directory, and number the run within it."""
+    if cfg.wandb.group is None:
+        cfg.wandb.group = "/".join(Path(sweep_dir).parts[-2:])
+    if cfg.wandb.name is None:
+        cfg.wandb.name = f"{default_name(cfg)}-job{job_num}"
+
+
+class NullLogger:
+    """``wandb.mode=disabled``, and every rank but global rank 0."""
+
+    location: Optional[Path] = None
+    init_s: float = 0.0
+
+    def log_edit(self, record: dict) -> None:
+        pass
+
+    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None,
+               failed: bool = False) -> None:
+        pass
+
+
+class WandbLogger:
+    def __init__(self, run, init_s: float, images: int):
+        self.run, self.init_s, self.images = run, init_s, images
+
+    @property
+    def location(self) -> Path:
+        return Path(self.run.dir).parent  # run.dir is the run's files/ folder
+
+    def log_edit(self, record: dict) -> None:
+        """One history row; called after the edit's timed region has ended."""
+        row = {key: record[key] for key in HISTORY_FIELDS if _is_number(record.get(key))}
+        self.run.log(row)
+
+    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None,
+               failed: bool = False) -> None:
+        import wandb
+
+        table = wandb.Table(columns=list(TABLE_COLUMNS))
+        for r in records:
+            png = out_dir / r["image"]
+            table.add_data(*[r.get(c) for c in TABLE_COLUMNS[:-1]], wandb.Image(str(png)) if png.is_file() else None)
+        media = {"edits": table}
+        for r in records[: self.images]:
+            media.update(_edit_images(r, out_dir, references))
+        self.run.log(media)
+        self.run.summary.update({k: v for k, v in summary.items() if k != "config" and _loggable(v)})
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+def _edit_images(record: dict, out_dir: Path, references) -> dict:
+    """Output, reference and SSIM map of one edit (the output alone when there is no reference)."""
+    import wandb
+    from skimage import io
+
+    png = out_dir / record["image"]
+    if not png.is_file():
+        return {}
+    output = io.imread(png)[..., :3]
+    images = [wandb.Image(output, caption="output")]
+    reference = references.get(record["edit"]) if references is not None else None
+    if reference is not None:
+        local = ssim_map(output, reference.image).clip(0, 1)
+        images.append(wandb.Image(reference.image, caption="BF16 reference"))
+        images.append(wandb.Image((local * 255).round().astype("uint8"), caption=f"SSIM map ({record['ssim']:.4f})"))
+    return {f"images/{record['edit']}": images}
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _loggable(value) -> bool:
+    return value is None or isinstance(value, (str, bool)) or _is_number(value)
+
+
+def start(cfg, out_dir: Path, is_global_rank0: bool = True):
+    """The run's logger: a W&B run under ``out_dir/wandb`` on global rank 0, else one that does nothing."""
+    if cfg.wandb.mode == "disabled" or not is_global_rank0:
+        return NullLogger()
+    begin = time.perf_counter()
+    import wandb
+
+    settings = wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
+                              x_disable_stats=True, x_disable_machine_info=True)
+    run = wandb.init(
+        mode=cfg.wandb.mode, dir=str(out_dir), project=cfg.wandb.project, entity=cfg.wandb.entity,
+        group=cfg.wandb.group, name=cfg.wandb.name or default_name(cfg), job_type=cfg.layout.name,
+        tags=[f"precision:{cfg.precision.name}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
+        config=OmegaConf.to_container(cfg, resolve=True), settings=settings, reinit="finish_previous",
+    )
+    return WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images)

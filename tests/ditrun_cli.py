@@ -1,0 +1,19 @@
+"""Running the ``ditrun`` command as a user does, for the metrics, W&B and report tests."""
+
+import os
+import subprocess
+import sys
+
+# A run small enough for a busy 2-core machine: 2 edits of 32x32, 2 denoising steps.
+TINY = ["workload.width=32", "workload.height=32", "workload.steps=2", "workload.limit=2"]
+
+
+def ditrun(*args, cwd, env=None, timeout=200):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def reference_dir(tmp_path_factory) -> str:
+    """One reference cache for the whole test session, so each reference is made once."""
+    return str(tmp_path_factory.getbasetemp() / "references")

@@ -1,0 +1,101 @@
+"""A real offline W&B run, read back from the record file W&B wrote (no mocks, no network)."""
+
+import json
+import struct
+
+import pytest
+from wandb.proto import wandb_internal_pb2
+
+from ditrun_cli import TINY, ditrun, reference_dir
+
+SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
+_BLOCK = 32768
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def read_records(path):
+    """The protobuf records of a ``.wandb`` file: a 7-byte header, then a log of 32 KiB blocks whose
+    chunks (4-byte checksum, 2-byte length, 1-byte type) are joined into records."""
+    data = path.read_bytes()
+    ident, magic, _version = struct.unpack("<4sHB", data[:7])
+    assert (ident, magic) == (b":W&B", 0xBEE1)
+    pos, parts, records = 7, [], []
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        _checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # block padding
+            pos += left
+            continue
+        parts.append(data[pos + 7:pos + 7 + length])
+        pos += 7 + length
+        if kind in (_FULL, _LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            records.append(record)
+            parts = []
+    return records
+
+
+def _items(items) -> dict:
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
+
+
+def run_contents(run_dir):
+    """(run record, config, history rows, final summary, exit code) of the one W&B run under ``run_dir``."""
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    by_type = {}
+    for record in read_records(files[0]):
+        by_type.setdefault(record.WhichOneof("record_type"), []).append(record)
+    run = by_type["run"][0].run
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    history = [_items(r.history.item) for r in by_type["history"]]
+    summary = {}
+    for r in by_type.get("summary", []):
+        summary.update(_items(r.summary.update))
+    return run, config, history, summary, by_type["exit"][0].exit.exit_code
+
+
+@pytest.mark.timeout(300)
+def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    proc = ditrun(*TINY, "wandb.images=1", f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+                  f"hydra.run.dir={out}", cwd=tmp_path, env={"WANDB_API_KEY": SECRET})
+    assert proc.returncode == 0, proc.stderr
+    summary_json = json.loads((out / "summary.json").read_text())
+    assert f"W&B offline run: {summary_json['wandb']}" in proc.stdout and f"report: {out / 'report.md'}" in proc.stdout
+    records = [json.loads(line) for line in (out / "edits.jsonl").read_text().splitlines()]
+
+    run, config, history, summary, exit_code = run_contents(out)
+    assert (run.project, run.job_type, run.display_name) == ("ditrun", "single", "single-bf16-collective-w1")
+    assert set(run.tags) == {"precision:bf16", "transport:collective"}
+    assert config["model"]["preset"] == "tiny" and config["workload"]["steps"] == 2
+    assert config["wandb"]["mode"] == "offline" and config["metrics"]["ssim"] is True
+
+    per_edit = [row for row in history if "dit_s" in row]
+    assert [row["dit_s"] for row in per_edit] == [r["dit_s"] for r in records]
+    assert [row["ssim_pct_of_rerun"] for row in per_edit] == [r["ssim_pct_of_rerun"] for r in records]
+    media = next(row for row in history if "edits/_type" in row)
+    assert media["edits/_type"] == "table-file" and media["edits/nrows"] == len(records)
+    assert media["images/astronaut/captions"] == ["output", "BF16 reference", "SSIM map (1.0000)"]
+    assert not any(key.startswith("images/coffee") for key in media)  # wandb.images=1: the first edit only
+    table = next(out.glob("wandb/offline-run-*/files/media/table/edits_*.table.json"))
+    assert [row[0] for row in json.loads(table.read_text())["data"]] == [r["edit"] for r in records]
+
+    assert summary["dit_s_median"] == summary_json["dit_s_median"]
+    assert summary["ssim_median"] == 1.0 and summary["exposed_transfer_pct_median"] == 0.0
+    assert exit_code == 0
+
+    for path in out.rglob("*"):  # the key is in the environment, and nowhere in the results
+        if path.is_file() and not path.is_symlink():
+            assert SECRET.encode() not in path.read_bytes(), path
+
+
+@pytest.mark.timeout(300)
+def test_disabled_mode_writes_no_wandb_directory(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    proc = ditrun(*TINY, "workload.limit=1", "wandb.mode=disabled", "metrics.report=false",
+                  f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.run.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "wandb").exists() and "W&B" not in proc.stdout
+    assert json.loads((out / "summary.json").read_text())["wandb"] is None
