@@ -187,11 +187,15 @@ def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     assert summary["failure"] == expected and f"ditrun: error: {expected}" in failed.stderr
     assert "Traceback" not in failed.stderr
 
-    passed = ditrun(*common, "metrics.min_ssim_pct=50", f"hydra.run.dir={tmp_path / 'lenient'}", cwd=tmp_path)
-    assert passed.returncode == 0, passed.stderr
-    assert "the references of all 2 edits come from" in passed.stdout  # made once, by the first run
-    assert json.loads((tmp_path / "lenient" / "summary.json").read_text())["failure"] is None
-    assert [r["ssim"] for r in _records(tmp_path / "lenient")] == [r["ssim"] for r in records]
+    # In a sweep every job runs; the command exits 1 at the end and names the jobs that failed.
+    sweep = tmp_path / "sweep"
+    proc = ditrun("-m", *common, "metrics.min_ssim_pct=50,99.99", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert "the references of all 2 edits come from" in proc.stdout  # made once, by the first run
+    lenient, strict = (json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1"))
+    assert lenient["failure"] is None and strict["failure"] == expected
+    assert f"ditrun: error: 1 run(s) of the sweep failed the SSIM gate:\n  {sweep / '1'}: {expected}" in proc.stderr
+    assert [r["ssim"] for r in _records(sweep / "0")] == [r["ssim"] for r in records]
 
 
 @pytest.mark.timeout(300)

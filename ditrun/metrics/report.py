@@ -100,7 +100,8 @@ def table_rows(runs: list[RunResult], baseline: Optional[RunResult]) -> list[tup
     for r in runs:
         speedup = baseline.dit_s / r.dit_s if baseline is not None and baseline.dit_s and r.dit_s else None
         s = r.summary
-        rows.append((r.label + (" (baseline)" if r is baseline else ""), str(r.setting("layout")),
+        marks = (" (baseline)" if r is baseline else "") + (" FAILED" if s.get("failure") else "")
+        rows.append((r.label + marks, str(r.setting("layout")),
                      str(r.setting("precision")), str(r.setting("transport")), str(r.setting("world")),
                      _fmt(r.dit_s, ".4f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
                      _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),

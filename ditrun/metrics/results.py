@@ -11,10 +11,12 @@ import json
 import os
 import statistics
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # torch is not imported at run time: ``ditrun report`` reads these files without it
+    import torch
 
 EDITS_FILE = "edits.jsonl"
 SUMMARY_FILE = "summary.json"
