@@ -150,10 +150,11 @@ class Run:
         references = reference.reference_set(cfg, self.geometry, self.edits, dtype, placement.device.type)
         if self.layout.writes_records:
             share = self.layout.edit_share(self.edits)
-            with Progress(cfg.progress and self.layout.rank == 0, len(share), desc="references") as progress:
+            rank0 = self.layout.rank == 0
+            with Progress(cfg.progress and rank0, len(share), desc="references") as progress:
                 references.make_missing(share, cfg, self.geometry, placement.device,
                                         lambda d: build_model(cfg.model, dataclasses.replace(placement, dtype=d)),
-                                        progress)
+                                        progress, announce=rank0)
         self.layout.barrier()
         return references
 

@@ -131,14 +131,16 @@ class References:
         return self._loaded.get(edit_id)
 
     def make_missing(self, edits: list[Edit], cfg, geometry, device: torch.device,
-                     build_model: Callable[[torch.dtype], torch.nn.Module], progress=None) -> None:
+                     build_model: Callable[[torch.dtype], torch.nn.Module], progress=None, announce: bool = True) -> None:
         """Make the references ``edits`` lack, with a model built only if one is missing (and freed after)."""
         missing = self.missing(edits)
-        if not missing:
+        if announce and not missing:
             print(f"ditrun: the references of all {len(edits)} edits come from {self.cache.root}", flush=True)
+        if not missing:
             return
-        print(f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
-              f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
+        if announce:
+            print(f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
+                  f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
         model = build_model(self.dtype)
         codec = make_latent_codec(cfg.workload.vae_path, device, self.dtype)
         for edit in missing:
