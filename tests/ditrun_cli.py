@@ -8,10 +8,20 @@ import sys
 TINY = ["workload.width=32", "workload.height=32", "workload.steps=2", "workload.limit=2"]
 
 
-def ditrun(*args, cwd, env=None, timeout=200):
+def ditrun(*args, cwd, env=None, timeout=200, prefix=()):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([*prefix, sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
+
+
+def without_network() -> tuple[str, ...]:
+    """A command prefix that runs in a network namespace with no interfaces, where this machine allows it
+    (root, or unprivileged user namespaces); empty elsewhere."""
+    try:
+        ok = subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return ("unshare", "-n") if ok else ()
 
 
 def reference_dir(tmp_path_factory) -> str:

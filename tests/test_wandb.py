@@ -6,7 +6,7 @@ import struct
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, reference_dir, without_network
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
 _BLOCK = 32768
@@ -58,9 +58,10 @@ def run_contents(run_dir):
 
 @pytest.mark.timeout(300)
 def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp_path_factory):
+    # Where the machine allows it, with no network at all: offline must not need one.
     out = tmp_path / "run"
     proc = ditrun(*TINY, "wandb.images=1", f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-                  f"hydra.run.dir={out}", cwd=tmp_path, env={"WANDB_API_KEY": SECRET})
+                  f"hydra.run.dir={out}", cwd=tmp_path, env={"WANDB_API_KEY": SECRET}, prefix=without_network())
     assert proc.returncode == 0, proc.stderr
     summary_json = json.loads((out / "summary.json").read_text())
     assert f"W&B offline run: {summary_json['wandb']}" in proc.stdout and f"report: {out / 'report.md'}" in proc.stdout
