@@ -94,6 +94,33 @@ def test_exposed_transfer_is_split_by_layer_kind_and_head_group():
     assert exposed.take()["total_s"] == 0.0  # take() starts the next edit from zero
 
 
+def _run_worker(rank, world, cfg, out_dir):
+    from ditrun.launch import worker
+
+    return worker.run(cfg, out_dir)
+
+
+@pytest.mark.timeout(120)
+def test_two_rank_ulysses_records_its_exposed_transfer_by_kind_and_head_group(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from ditrun.config import register_configs
+    from ranks import run_ranks
+
+    register_configs()
+    with initialize_config_module("ditrun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, "workload.limit=1", "layout=ulysses", "layout.head_groups=2",
+                                           "launcher.world=2", "metrics.transfer_breakdown=true", "metrics.ssim=false",
+                                           "metrics.report=false", "wandb.mode=disabled", "progress=false"])
+    summaries = run_ranks(_run_worker, 2, (cfg, tmp_path), timeout=90)
+    [record] = _records(tmp_path)
+    by_kind, by_group = record["exposed_transfer_by_kind"], record["exposed_transfer_by_group"]
+    assert {"qkv", "attention_out"} <= set(by_kind) and {"0", "1"} <= set(by_group)
+    assert sum(by_kind.values()) == pytest.approx(record["exposed_transfer_s"])
+    assert 0 < record["exposed_transfer_pct"] < 100
+    assert summaries[0]["exposed_transfer_pct_median"] == record["exposed_transfer_pct"] and summaries[1] is None
+
+
 def test_medians_leave_out_each_replicas_warmup_edits():
     records = [{"replica": rep, "dit_s": dit, "step_s": [dit], "exposed_transfer_s": 0.0, "exposed_transfer_pct": 0.0}
                for rep, dit in ((0, 9.0), (1, 8.0), (0, 1.0), (1, 2.0), (0, 3.0))]
