@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Everything one GPU session runs, in one command (the device machine has torch, triton,
+# scikit-image and mpi4py but not hydra/omegaconf/submitit/diffusers: carry them as wheels in
+# .whl/). Writes logs and JSON under $OUT (default results/gpu).
+#   bash benchmarks/gpu_session.sh [tests|bench|cli|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+what=${1:-all}
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
+
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_layouts.py tests/test_model_equivalence.py \
+    2>&1 | tee "$OUT/tests.log" | tail -15
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/bench_layouts.py --out "$OUT" 2>&1 | tee "$OUT/bench_layouts.log" | tail -20
+fi
+if [[ $what == cli || $what == all ]]; then
+  # The whole CLI path on the GPU: flux-dev geometry, random weights, bf16, SSIM vs cached reference.
+  python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
+    workload.text_len=256 wandb.mode=disabled hydra.run.dir="$OUT/cli-flux-dev" 2>&1 | tee "$OUT/cli.log" | tail -12
+fi
