@@ -28,5 +28,6 @@ fi
 if [[ $what == cli || $what == all ]]; then
   # The whole CLI path on the GPU: flux-dev geometry, random weights, bf16, SSIM vs cached reference.
   python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
-    workload.text_len=256 wandb.mode=disabled hydra.run.dir="$OUT/cli-flux-dev" 2>&1 | tee "$OUT/cli.log" | tail -12
+    workload.text_len=256 wandb.mode=disabled hydra.run.dir=/tmp/cli-flux-dev 2>&1 | tee "$OUT/cli.log" | tail -12
+  cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
 fi
