@@ -23,7 +23,7 @@ _gate_failures: list[str] = []
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: RunConfig) -> None:
-    from ditrun.launch import launch
+    from ditrun.launch import WorkerFailed, launch
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
 
@@ -38,14 +38,18 @@ def _hydra_main(cfg: RunConfig) -> None:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             sys.exit(1)
         _gate_failures.append(f"{out_dir}: {err}")
+    except WorkerFailed as err:
+        # The failed rank printed its own traceback; this names it once more, last.
+        print(f"ditrun: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
     except (ValueError, RuntimeError) as err:
-        if not _is_user_error(err):
+        if not is_user_error(err):
             raise
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
-def _is_user_error(err: Exception) -> bool:
+def is_user_error(err: BaseException) -> bool:
     from ditrun.model.load import CheckpointError
     from ditrun.workload import WorkloadError
 

@@ -1,12 +1,94 @@
-"""Where workers run: in this process, spawned locally, or as ranks of an external launcher."""
+"""Where workers run: in this process, spawned locally, or as ranks of an external launcher.
+
+``launch`` decides once, from the environment and ``launcher.world``:
+
+- started by torchrun, ``srun``, ``mpiexec``/``mpirun`` or submitit with more than one rank:
+  this process is one rank; it joins the others and runs the worker;
+- otherwise, ``launcher.world`` > 1: spawn that many ranks on this machine (``spawn.py``); each
+  is started torchrun-style and takes the path above;
+- otherwise: run the worker in this process, with no process group at all.
+
+Every rank reaches ``worker.run(cfg, out_dir)`` the same way: device bound, the rendezvous
+met (ranks that never arrive are named), ``torch.distributed`` initialised (gloo on CPUs, nccl
+on GPUs), the same results directory as rank 0, and a watchdog that ends the rank when another
+one fails.
+"""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
-from ditrun.launch import worker
+import torch.distributed as dist
+
+from ditrun.launch import env, faults, rendezvous, worker
+
+
+class WorkerFailed(RuntimeError):
+    """A rank of this job failed; the message names it. (User errors are ValueErrors instead.)"""
 
 
 def launch(cfg, out_dir: Path) -> dict:
     """Run the job described by ``cfg`` with results in ``out_dir``; returns rank 0's summary."""
+    info = env.discover()
+    if info is not None and info.world > 1:
+        return run_as_rank(cfg, out_dir, info)
+    check_launcher_config(cfg, cfg.launcher.world)
+    if cfg.launcher.world > 1:
+        from ditrun.launch import spawn
+
+        return spawn.spawn_local(cfg, out_dir)
     return worker.run(cfg, out_dir)
+
+
+def check_launcher_config(cfg, world: int) -> None:
+    """Launcher settings a user can get wrong, checked before any process starts."""
+    launcher = cfg.launcher
+    if world < 1:
+        raise ValueError(f"launcher.world={world} must be at least 1.")
+    for key in ("rendezvous_timeout_s", "collective_timeout_s"):
+        if getattr(launcher, key) <= 0:
+            raise ValueError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
+    if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
+        raise ValueError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
+    faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
+
+
+def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> dict:
+    """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
+    work = work or worker.run
+    cfg = with_world(cfg, info)
+    check_launcher_config(cfg, info.world)
+    info = env.with_address(info, cfg.launcher.master_port)
+    rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
+    meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
+    try:
+        rendezvous.init_process_group(info, rendezvous.backend_for(cfg.device), meeting,
+                                      cfg.launcher.collective_timeout_s)
+        watchdog = faults.Watchdog(meeting.store, info.rank, meeting.address).start()
+        summary = work(cfg, Path(meeting.shared["out_dir"]))
+    except BaseException as err:
+        faults.report(meeting.store, info.rank, err)
+        raise
+    rendezvous.finish(meeting, info)
+    if info.rank == 0:
+        faults.release(meeting.store)
+    watchdog.join()
+    dist.destroy_process_group()
+    return summary
+
+
+def with_world(cfg, info: env.RankInfo):
+    """A copy of ``cfg`` whose ``launcher.world`` is the launcher's world size.
+
+    ``launcher.world`` may be left at 1 under a launcher (the launcher knows); any other value
+    must agree with it.
+    """
+    if cfg.launcher.world not in (1, info.world):
+        raise ValueError(
+            f"launcher.world={cfg.launcher.world} but {info.launcher} started {info.world} ranks; "
+            f"set launcher.world={info.world} or leave it unset."
+        )
+    cfg = copy.deepcopy(cfg)
+    cfg.launcher.world = info.world
+    return cfg

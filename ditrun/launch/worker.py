@@ -19,6 +19,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
+from ditrun.launch import faults
 from ditrun import metrics
 from ditrun.metrics import quality, reference, results, timing
 from ditrun.metrics import wandb as wandb_log
@@ -172,6 +173,7 @@ class Run:
 
         def on_step(i: int) -> None:
             timer.step(i)
+            faults.inject(cfg.launcher.fault, i)
             if progress is not None:
                 progress.update(1)
 

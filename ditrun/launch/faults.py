@@ -1,0 +1,116 @@
+"""Failures: a rank that fails takes the whole job down within seconds, naming itself.
+
+A failing rank posts one notice on the rendezvous store (the first notice wins). Every rank runs
+a watchdog thread blocked on that key; when a notice from another rank appears it prints it and
+ends its process at once, even while the main thread sits inside a collective that would
+otherwise wait for the dead rank until ``launcher.collective_timeout_s``. The same key ends the
+watchdogs quietly at the end of a good run. A rank that dies without a word (killed, segfault)
+is caught by the launcher (``srun --kill-on-bad-exit``, ``mpiexec``, torchrun, ditrun's own
+spawner) and, at the latest, by the collective timeout of the ranks waiting for it.
+
+``inject`` is the test hook: ``launcher.fault.crash_rank`` fails on purpose inside the
+denoising loop at ``launcher.fault.crash_at_step``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+STOP = "ditrun/stop"
+DONE = "done"
+# The exit code of a rank stopped because another one failed (not 1, which its own errors use).
+PEER_FAILED_EXIT = 3
+# After posting or reading a notice, rank 0 (the store's host) lingers this long before exiting
+# so that every other watchdog can read the notice instead of finding the store gone.
+HOST_GRACE_S = 1.0
+
+
+class InjectedFault(RuntimeError):
+    """A failure raised on purpose by ``launcher.fault``."""
+
+
+def inject(fault_cfg, step: int) -> None:
+    """Called after every denoising step: the chosen rank fails at the chosen step."""
+    if fault_cfg.crash_rank is None or step != fault_cfg.crash_at_step:
+        return
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == fault_cfg.crash_rank:
+        raise InjectedFault(
+            f"rank {rank} failed on purpose at denoising step {step} "
+            f"(launcher.fault.crash_rank={rank}, launcher.fault.crash_at_step={step})"
+        )
+
+
+def check_fault_config(fault_cfg, world: int, steps: int) -> None:
+    if fault_cfg.crash_rank is not None and not 0 <= fault_cfg.crash_rank < world:
+        raise ValueError(
+            f"launcher.fault.crash_rank={fault_cfg.crash_rank} is not a rank of this job; allowed: 0 to {world - 1}."
+        )
+    if not 0 <= fault_cfg.crash_at_step < steps:
+        raise ValueError(
+            f"launcher.fault.crash_at_step={fault_cfg.crash_at_step} is not a denoising step; "
+            f"allowed: 0 to {steps - 1} (workload.steps={steps})."
+        )
+
+
+def report(store, rank: int, err: BaseException) -> None:
+    """Post this rank's failure for every watchdog; the first failure of the job is the one kept."""
+    message = f"{type(err).__name__}: {err}".strip().splitlines()[0]
+    try:
+        store.compare_set(STOP, "", f"failed\t{rank}\t{message}")
+    except RuntimeError:
+        return  # the store is gone (rank 0 left first): nobody is left to tell
+    if rank == 0:
+        time.sleep(HOST_GRACE_S)
+
+
+def release(store) -> None:
+    """End every watchdog quietly: the job finished (called by rank 0 once all ranks signed out)."""
+    store.compare_set(STOP, "", DONE)
+
+
+class Watchdog:
+    """A thread that ends this process as soon as another rank reports a failure."""
+
+    def __init__(self, store, rank: int, address: str):
+        self.rank = rank
+        self.address = address
+        # Its own connection: a blocking wait must not hold the lock of the store that the
+        # process group uses.
+        self.store = store.clone()
+        self.store.set_timeout(timedelta(days=365))
+        self.thread = threading.Thread(target=self._watch, name=f"ditrun-watchdog-{rank}", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self.thread.start()
+        return self
+
+    def join(self) -> None:
+        """Wait until the job's end was announced (``release``); returns at once after a failure."""
+        self.thread.join()
+
+    def _watch(self) -> None:
+        try:
+            self.store.wait([STOP])
+            notice = self.store.get(STOP).decode()
+        except RuntimeError:
+            self._abort(f"lost contact with rank 0, which hosts the rendezvous at {self.address}: "
+                        f"it exited or its host is unreachable; stopping rank {self.rank}")
+            return
+        if notice == DONE:
+            return
+        _, failed_rank, message = notice.split("\t", 2)
+        if int(failed_rank) != self.rank:
+            self._abort(f"rank {failed_rank} failed ({message}); stopping rank {self.rank}")
+
+    def _abort(self, message: str) -> None:
+        print(f"ditrun: {message}", file=sys.stderr, flush=True)
+        if self.rank == 0:
+            time.sleep(HOST_GRACE_S)
+        os._exit(PEER_FAILED_EXIT)

@@ -1,0 +1,189 @@
+"""Rendezvous and devices: every rank binds its device, meets the others at rank 0's store, and
+starts ``torch.distributed`` on that store.
+
+The meeting is ditrun's own, on a ``TCPStore`` that rank 0 hosts, rather than the one inside
+``init_process_group``: each rank signs in under its own key, so a rendezvous that does not
+complete names the ranks that did not arrive instead of timing out anonymously. The same store
+then carries the process group's own set-up, rank 0's choices that every rank must share (the
+results directory), and the failure notices of ``ditrun.launch.faults``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ditrun.launch.env import RankInfo
+
+KEY = "ditrun/"
+ARRIVED = KEY + "arrived"
+ALL_ARRIVED = KEY + "all_arrived"
+SHARED = KEY + "shared/"
+FINISHED = KEY + "finished/"
+# Long enough to never fire while ranks legitimately wait for each other; failures end waits
+# through the watchdog or a lost connection instead.
+FOREVER = timedelta(days=365)
+VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not all meet; the message names the address and the missing ranks."""
+
+
+@dataclass
+class Meeting:
+    """The store every rank is connected to, and what rank 0 shared through it."""
+
+    store: dist.TCPStore
+    address: str
+    shared: dict[str, str]
+
+
+def uses_gpu(device_key: str) -> bool:
+    return device_key == "cuda" or (device_key == "auto" and torch.cuda.is_available())
+
+
+def backend_for(device_key: str) -> str:
+    """nccl on CUDA (RCCL on ROCm builds of PyTorch, same name), gloo on CPUs."""
+    return "nccl" if uses_gpu(device_key) else "gloo"
+
+
+def bind_device(device_key: str, local_rank: int, local_world: int) -> torch.device:
+    """Make this rank's device the current one before anything allocates on a GPU.
+
+    A launcher either shows every rank of a node all its GPUs (rank i takes GPU i) or binds
+    each rank to its own (``srun --gpus-per-task=1``, or ``CUDA_VISIBLE_DEVICES`` /
+    ``ROCR_VISIBLE_DEVICES`` set per rank: the rank takes the one GPU it sees).
+    """
+    if not uses_gpu(device_key):
+        _share_cpu_cores(local_world)
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if count >= local_world:
+        index = local_rank
+    elif count == 1:
+        index = 0
+    else:
+        raise ValueError(
+            f"{local_world} ranks run on this node but each sees {count} GPUs ({_visible_devices()}); "
+            "give every rank one GPU (srun --gpus-per-task=1) or let every rank see all of them."
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def _share_cpu_cores(local_world: int) -> None:
+    """Ranks sharing a node's CPU split its cores instead of each starting one thread per core."""
+    if local_world > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // local_world))
+
+
+def _visible_devices() -> str:
+    shown = [f"{name}={os.environ[name]}" for name in VISIBLE_DEVICE_VARS if name in os.environ]
+    return ", ".join(shown) or "no *_VISIBLE_DEVICES set"
+
+
+def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
+    """Connect to rank 0's store and wait until every rank has signed in.
+
+    ``shared`` is published by rank 0 and returned, as rank 0 set it, to every rank.
+    """
+    address = f"{info.master_addr}:{info.master_port}"
+    deadline = time.monotonic() + timeout_s
+    store = _open_store(info, address, timeout_s)
+    if info.rank == 0:
+        for key, value in shared.items():
+            store.set(SHARED + key, value)
+    store.set(f"{ARRIVED}/{info.rank}", socket.gethostname())
+    store.add(ARRIVED, 1)
+    if info.rank == 0:
+        _wait_for_all(store, info, address, deadline, timeout_s)
+    else:
+        _wait_for_key(store, ALL_ARRIVED, info, address, deadline, timeout_s)
+    values = {key: store.get(SHARED + key).decode() for key in shared}
+    return Meeting(store, address, values)
+
+
+def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore:
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if info.rank == 0:
+            return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=True,
+                                 timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=False, timeout=timeout)
+    except RuntimeError as err:
+        if info.rank == 0:
+            raise RendezvousError(
+                f"rank 0 cannot listen on {address} for the rendezvous ({_first_line(err)}); "
+                "if the port is taken, choose another with launcher.master_port."
+            ) from None
+        raise RendezvousError(
+            f"rendezvous at {address} failed after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
+            f"rank 0, which hosts it, did not arrive; rank {info.rank} could not connect ({_first_line(err)})."
+        ) from None
+
+
+def _wait_for_all(store, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
+    """Rank 0 counts the signed-in ranks, then lets everyone go."""
+    while store.add(ARRIVED, 0) < info.world:
+        if time.monotonic() > deadline:
+            raise _timeout(store, info, address, timeout_s)
+        time.sleep(0.05)
+    store.set(ALL_ARRIVED, "1")
+
+
+def _wait_for_key(store, key: str, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
+    remaining = max(deadline - time.monotonic(), 0.001)
+    try:
+        store.wait([key], timedelta(seconds=remaining))
+    except RuntimeError:
+        raise _timeout(store, info, address, timeout_s) from None
+
+
+def _timeout(store, info: RankInfo, address: str, timeout_s: float) -> RendezvousError:
+    try:
+        missing = [r for r in range(info.world) if not store.check([f"{ARRIVED}/{r}"])]
+    except RuntimeError:
+        missing = [0]  # the store itself is gone: rank 0 left
+    return RendezvousError(
+        f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
+        f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}."
+    )
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """``[1, 2, 3, 7]`` -> ``"ranks 1-3, 7"``."""
+    spans: list[list[int]] = []
+    for rank in sorted(ranks):
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def init_process_group(info: RankInfo, backend: str, meeting: Meeting, collective_timeout_s: float) -> None:
+    """Start the default process group on the meeting's store; collectives fail after the timeout."""
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("torch/", meeting.store), rank=info.rank, world_size=info.world,
+        timeout=timedelta(seconds=collective_timeout_s),
+    )
+
+
+def finish(meeting: Meeting, info: RankInfo) -> None:
+    """Sign out; rank 0 keeps the store up until every rank has, so nobody loses it mid-run."""
+    meeting.store.set(f"{FINISHED}{info.rank}", "1")
+    if info.rank == 0:
+        meeting.store.wait([f"{FINISHED}{r}" for r in range(info.world)], FOREVER)

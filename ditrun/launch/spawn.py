@@ -1,0 +1,157 @@
+"""Local spawn: ``ditrun launcher.world=N`` outside any launcher starts N ranks on this machine.
+
+Each rank is a fresh interpreter ("spawn", never "fork": a forked CUDA context is unusable)
+started exactly as torchrun would start it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``), so it takes the same path through ``run_as_rank`` as a rank
+of any other launcher. This process only supervises: it returns rank 0's summary, or, when a
+rank fails, stops the others and reports the rank that failed first.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+import signal
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+from pathlib import Path
+
+import torch
+
+from ditrun.launch import env, faults, rendezvous
+
+# After the first rank fails, the others get this long to stop by themselves (their watchdogs
+# end them within a second or two) before they are terminated.
+STOP_GRACE_S = 10.0
+
+
+def spawn_local(cfg, out_dir: Path) -> dict:
+    """Run ``launcher.world`` ranks here and wait for all of them."""
+    world = cfg.launcher.world
+    check_local_devices(cfg.device, world)
+    port = cfg.launcher.master_port or env.free_port()
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, messages),
+                             name=f"ditrun-rank-{rank}") for rank in range(world)]
+    for process in ranks:
+        process.start()
+    try:
+        return _supervise(ranks, messages)
+    finally:
+        _stop(ranks)
+
+
+def check_local_devices(device_key: str, world: int) -> None:
+    """One rank per GPU: a machine with G GPUs runs at most G ranks on them."""
+    if not rendezvous.uses_gpu(device_key):
+        return
+    gpus = torch.cuda.device_count()
+    if world > gpus:
+        raise ValueError(
+            f"launcher.world={world} but this machine has {gpus} GPUs (one rank per GPU); "
+            f"set launcher.world to at most {gpus}, or device=cpu."
+        )
+
+
+def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, messages) -> None:
+    """The body of one spawned rank: report how it ended to the supervisor, then exit."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from ditrun.__main__ import is_user_error
+    from ditrun.launch import run_as_rank
+
+    try:
+        summary = run_as_rank(cfg, out_dir, env.discover())
+    except BaseException as err:  # every way a rank ends must reach the supervisor
+        user_error = is_user_error(err)
+        if not user_error:
+            traceback.print_exc()
+        messages.put(("failed", rank, "user" if user_error else "error", _describe(err, user_error)))
+        messages.close()
+        messages.join_thread()
+        sys.exit(2 if user_error else 1)
+    messages.put(("done", rank, summary if rank == 0 else None))
+
+
+def _describe(err: BaseException, user_error: bool) -> str:
+    return str(err) if user_error else f"{type(err).__name__}: {err}".strip().splitlines()[0]
+
+
+def _supervise(ranks, messages) -> dict:
+    """Wait for every rank; the first failure stops the rest."""
+    summary, reports, exits, stop_at = None, [], [], None
+    alive = list(ranks)
+    while alive:
+        wait([p.sentinel for p in alive], timeout=0.5)
+        summary = _drain(messages, reports) or summary
+        exits += [(ranks.index(p), p.exitcode) for p in alive if p.exitcode is not None]
+        alive = [p for p in alive if p.exitcode is None]
+        if stop_at is None and (reports or any(code for _, code in exits)):
+            stop_at = time.monotonic() + STOP_GRACE_S
+        if alive and stop_at is not None and time.monotonic() > stop_at:
+            _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
+            alive = []
+    summary = _drain(messages, reports) or summary
+    _raise_first_failure(reports, exits)
+    return summary
+
+
+def _drain(messages, reports: list) -> dict | None:
+    summary = None
+    while True:
+        try:
+            message = messages.get(timeout=0.05)
+        except queue_module.Empty:
+            return summary
+        if message[0] == "done" and message[2] is not None:
+            summary = message[2]
+        elif message[0] == "failed":
+            reports.append(message[1:])
+
+
+def _raise_first_failure(reports: list, exits: list) -> None:
+    """Name the rank that failed first.
+
+    A rank that vanished without a report (killed, crashed in native code) comes first: the
+    ranks that then lost their connections to it report errors of their own, but they are
+    its victims. Ranks that a watchdog stopped are victims too.
+    """
+    from ditrun.launch import WorkerFailed
+
+    reported = {rank for rank, _, _ in reports}
+    silent = [(rank, code) for rank, code in exits
+              if code and code != faults.PEER_FAILED_EXIT and rank not in reported]
+    if silent:
+        rank, code = silent[0]
+        raise WorkerFailed(f"rank {rank} {_exit_description(code)} without reporting an error.")
+    if reports:
+        rank, kind, text = reports[0]
+        if kind == "user":
+            raise ValueError(text)
+        raise WorkerFailed(f"rank {rank} failed: {text}")
+    failed = [(rank, code) for rank, code in exits if code]
+    if failed:
+        rank, code = failed[0]
+        raise WorkerFailed(f"rank {rank} {_exit_description(code)}.")
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _stop(processes) -> None:
+    """Terminate, then kill, whatever is still running."""
+    for process in processes:
+        if process.exitcode is None:
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.exitcode is None:
+            process.kill()
+            process.join(timeout=5)
