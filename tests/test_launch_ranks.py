@@ -22,8 +22,10 @@ from ditrun.launch.rendezvous import format_ranks
 FORK = multiprocessing.get_context("fork")
 
 
-def make_cfg(**launcher):
+def make_cfg(ranks=1, **launcher):
+    """A valid config for ``ranks`` ranks (``single`` layout, one replica per rank)."""
     cfg = OmegaConf.structured(RunConfig)
+    cfg.layout.replicas = ranks
     for key, value in launcher.items():
         cfg.launcher[key] = value
     return cfg
@@ -86,7 +88,7 @@ def join_all(procs, results, timeout=60):
 
 @pytest.mark.timeout(90)
 def test_ranks_meet_reduce_and_share_rank_0s_results_dir():
-    procs, results, _ = start_ranks(range(3), 3, make_cfg(), reduce_work)
+    procs, results, _ = start_ranks(range(3), 3, make_cfg(3), reduce_work)
     codes, out = join_all(procs, results)
     assert codes == {0: 0, 1: 0, 2: 0}
     for rank in range(3):
@@ -99,7 +101,7 @@ def test_ranks_meet_reduce_and_share_rank_0s_results_dir():
 
 @pytest.mark.timeout(90)
 def test_rendezvous_timeout_names_the_address_and_the_missing_ranks():
-    cfg = make_cfg(rendezvous_timeout_s=3.0)
+    cfg = make_cfg(6, rendezvous_timeout_s=3.0)
     procs, results, port = start_ranks([0, 1, 3, 5], 6, cfg, reduce_work)
     codes, out = join_all(procs, results)
     assert all(code != 0 for code in codes.values())
@@ -112,7 +114,7 @@ def test_rendezvous_timeout_names_the_address_and_the_missing_ranks():
 
 @pytest.mark.timeout(60)
 def test_a_rank_without_rank_0_names_rank_0():
-    procs, results, port = start_ranks([1], 2, make_cfg(rendezvous_timeout_s=1.0), reduce_work)
+    procs, results, port = start_ranks([1], 2, make_cfg(2, rendezvous_timeout_s=1.0), reduce_work)
     codes, out = join_all(procs, results)
     assert codes[1] != 0
     assert f"rendezvous at 127.0.0.1:{port} failed" in out[1][1]
@@ -124,7 +126,7 @@ def test_a_taken_port_is_named_with_the_key_that_moves_it():
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
-        procs, results, port = start_ranks([0], 2, make_cfg(rendezvous_timeout_s=2.0), reduce_work,
+        procs, results, port = start_ranks([0], 2, make_cfg(2, rendezvous_timeout_s=2.0), reduce_work,
                                            port=busy.getsockname()[1])
         codes, out = join_all(procs, results)
     assert codes[0] != 0
@@ -134,7 +136,7 @@ def test_a_taken_port_is_named_with_the_key_that_moves_it():
 @pytest.mark.timeout(90)
 def test_one_failing_rank_stops_every_rank_and_is_named(capfd):
     start = time.monotonic()
-    procs, results, _ = start_ranks(range(4), 4, make_cfg(), failing_work)
+    procs, results, _ = start_ranks(range(4), 4, make_cfg(4), failing_work)
     codes, out = join_all(procs, results, timeout=60)
     assert codes[2] == 1 and out[2] == ("error", "the GPU caught fire")
     # The others were inside collectives; their watchdogs ended them, not the 60 s collective timeout.

@@ -33,7 +33,7 @@ def launch(cfg, out_dir: Path) -> dict:
     info = env.discover()
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
-    check_launcher_config(cfg, cfg.launcher.world)
+    check_config(cfg, cfg.launcher.world)
     if cfg.launcher.world > 1:
         from ditrun.launch import spawn
 
@@ -41,8 +41,14 @@ def launch(cfg, out_dir: Path) -> dict:
     return worker.run(cfg, out_dir)
 
 
+def check_config(cfg, world: int) -> None:
+    """Everything a user can get wrong, checked on ``world`` ranks before any process starts."""
+    check_launcher_config(cfg, world)
+    worker.check_config(cfg, world)
+
+
 def check_launcher_config(cfg, world: int) -> None:
-    """Launcher settings a user can get wrong, checked before any process starts."""
+    """Launcher settings a user can get wrong."""
     launcher = cfg.launcher
     if world < 1:
         raise ValueError(f"launcher.world={world} must be at least 1.")
@@ -58,14 +64,14 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> dict:
     """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
     work = work or worker.run
     cfg = with_world(cfg, info)
-    check_launcher_config(cfg, info.world)
+    check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
     rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
     try:
         rendezvous.init_process_group(info, rendezvous.backend_for(cfg.device), meeting,
                                       cfg.launcher.collective_timeout_s)
-        watchdog = faults.Watchdog(meeting.store, info.rank, meeting.address).start()
+        watchdog = faults.Watchdog(meeting, info.rank).start()
         summary = work(cfg, Path(meeting.shared["out_dir"]))
     except BaseException as err:
         faults.report(meeting.store, info.rank, err)

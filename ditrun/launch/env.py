@@ -79,6 +79,8 @@ class RankInfo:
     master_addr: Optional[str] = None
     """None until resolved: under MPI rank 0 broadcasts it."""
     master_port: Optional[int] = None
+    store_host: str = "rank 0"
+    """Who hosts the rendezvous store: rank 0, or the launcher itself (torchrun's agent)."""
 
 
 def discover(environ: Mapping[str, str] = os.environ) -> Optional[RankInfo]:
@@ -120,8 +122,10 @@ def _from_table(table: RankTable, environ: Mapping[str, str]) -> RankInfo:
     else:
         local_world = world
     nodes = _int(environ, table.nodes) if table.nodes and environ.get(table.nodes) else max(1, world // local_world)
-    info = RankInfo(table.launcher, rank, local_rank, world, local_world, nodes)
-    return replace(info, master_addr=_master_addr(table, environ), master_port=_master_port(table, environ))
+    # torchrun's agent already serves a store at MASTER_PORT; its ranks join it as clients.
+    agent_store = table is TORCHRUN and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return RankInfo(table.launcher, rank, local_rank, world, local_world, nodes, _master_addr(table, environ),
+                    _master_port(table, environ), "torchrun's agent" if agent_store else "rank 0")
 
 
 def slurm_local_world(environ: Mapping[str, str]) -> int:

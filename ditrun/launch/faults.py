@@ -78,12 +78,12 @@ def release(store) -> None:
 class Watchdog:
     """A thread that ends this process as soon as another rank reports a failure."""
 
-    def __init__(self, store, rank: int, address: str):
+    def __init__(self, meeting, rank: int):
         self.rank = rank
-        self.address = address
+        self.where = f"{meeting.host}, which hosts the rendezvous at {meeting.address}"
         # Its own connection: a blocking wait must not hold the lock of the store that the
         # process group uses.
-        self.store = store.clone()
+        self.store = meeting.store.clone()
         self.store.set_timeout(timedelta(days=365))
         self.thread = threading.Thread(target=self._watch, name=f"ditrun-watchdog-{rank}", daemon=True)
 
@@ -100,8 +100,8 @@ class Watchdog:
             self.store.wait([STOP])
             notice = self.store.get(STOP).decode()
         except RuntimeError:
-            self._abort(f"lost contact with rank 0, which hosts the rendezvous at {self.address}: "
-                        f"it exited or its host is unreachable; stopping rank {self.rank}")
+            self._abort(f"lost contact with {self.where}: it exited or its host is unreachable; "
+                        f"stopping rank {self.rank}")
             return
         if notice == DONE:
             return

@@ -42,6 +42,8 @@ class Meeting:
 
     store: dist.TCPStore
     address: str
+    host: str
+    """Who serves the store ("rank 0", or the launcher), for messages."""
     shared: dict[str, str]
 
 
@@ -108,25 +110,26 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     else:
         _wait_for_key(store, ALL_ARRIVED, info, address, deadline, timeout_s)
     values = {key: store.get(SHARED + key).decode() for key in shared}
-    return Meeting(store, address, values)
+    return Meeting(store, address, info.store_host, values)
 
 
 def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore:
     timeout = timedelta(seconds=timeout_s)
     try:
-        if info.rank == 0:
+        if info.rank == 0 and info.store_host == "rank 0":
             return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=True,
                                  timeout=timeout, wait_for_workers=False)
         return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=False, timeout=timeout)
     except RuntimeError as err:
-        if info.rank == 0:
+        if info.rank == 0 and info.store_host == "rank 0":
             raise RendezvousError(
                 f"rank 0 cannot listen on {address} for the rendezvous ({_first_line(err)}); "
                 "if the port is taken, choose another with launcher.master_port."
             ) from None
         raise RendezvousError(
             f"rendezvous at {address} failed after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
-            f"rank 0, which hosts it, did not arrive; rank {info.rank} could not connect ({_first_line(err)})."
+            f"{info.store_host}, which hosts it, did not arrive; rank {info.rank} could not connect "
+            f"({_first_line(err)})."
         ) from None
 
 

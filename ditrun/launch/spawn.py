@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import queue as queue_module
 import signal
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -34,13 +34,15 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     check_local_devices(cfg.device, world)
     port = cfg.launcher.master_port or env.free_port()
     context = multiprocessing.get_context("spawn")
-    messages = context.Queue()
-    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, messages),
+    # One pipe per rank, not a shared queue: a rank ended abruptly leaves no lock behind.
+    pipes = [context.Pipe(duplex=False) for _ in range(world)]
+    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, pipes[rank][1]),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
-    for process in ranks:
+    for process, (_, sender) in zip(ranks, pipes):
         process.start()
+        sender.close()  # the rank holds the only sending end, so its exit closes the pipe
     try:
-        return _supervise(ranks, messages)
+        return _supervise(ranks, [receiver for receiver, _ in pipes])
     finally:
         _stop(ranks)
 
@@ -57,12 +59,18 @@ def check_local_devices(device_key: str, world: int) -> None:
         )
 
 
-def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, messages) -> None:
-    """The body of one spawned rank: report how it ended to the supervisor, then exit."""
+def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender) -> None:
+    """The body of one spawned rank: tell the supervisor how it ended, then exit."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from tqdm import tqdm
+
     from ditrun.__main__ import is_user_error
     from ditrun.launch import run_as_rank
+
+    # tqdm's default lock is a named semaphore, which a rank ended by its watchdog (os._exit)
+    # would leave behind; a rank's progress bars need no lock across processes.
+    tqdm.set_lock(threading.RLock())
 
     try:
         summary = run_as_rank(cfg, out_dir, env.discover())
@@ -70,47 +78,45 @@ def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, messages) -
         user_error = is_user_error(err)
         if not user_error:
             traceback.print_exc()
-        messages.put(("failed", rank, "user" if user_error else "error", _describe(err, user_error)))
-        messages.close()
-        messages.join_thread()
+        sender.send(("failed", rank, "user" if user_error else "error", _describe(err, user_error)))
         sys.exit(2 if user_error else 1)
-    messages.put(("done", rank, summary if rank == 0 else None))
+    sender.send(("done", rank, summary))
 
 
 def _describe(err: BaseException, user_error: bool) -> str:
     return str(err) if user_error else f"{type(err).__name__}: {err}".strip().splitlines()[0]
 
 
-def _supervise(ranks, messages) -> dict:
+def _supervise(ranks, receivers) -> dict:
     """Wait for every rank; the first failure stops the rest."""
     summary, reports, exits, stop_at = None, [], [], None
-    alive = list(ranks)
-    while alive:
-        wait([p.sentinel for p in alive], timeout=0.5)
-        summary = _drain(messages, reports) or summary
+    alive, open_pipes = list(ranks), list(receivers)
+    while alive or open_pipes:
+        ready = wait([p.sentinel for p in alive] + open_pipes, timeout=0.5)
+        for receiver in [r for r in ready if r in open_pipes]:
+            summary = _receive(receiver, open_pipes, reports) or summary
         exits += [(ranks.index(p), p.exitcode) for p in alive if p.exitcode is not None]
         alive = [p for p in alive if p.exitcode is None]
         if stop_at is None and (reports or any(code for _, code in exits)):
             stop_at = time.monotonic() + STOP_GRACE_S
         if alive and stop_at is not None and time.monotonic() > stop_at:
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
-            alive = []
-    summary = _drain(messages, reports) or summary
+            alive, open_pipes = [], []
     _raise_first_failure(reports, exits)
     return summary
 
 
-def _drain(messages, reports: list) -> dict | None:
-    summary = None
-    while True:
-        try:
-            message = messages.get(timeout=0.05)
-        except queue_module.Empty:
-            return summary
-        if message[0] == "done" and message[2] is not None:
-            summary = message[2]
-        elif message[0] == "failed":
-            reports.append(message[1:])
+def _receive(receiver, open_pipes: list, reports: list) -> dict | None:
+    """One message from a rank (None when its pipe closed); rank 0's summary when it sends it."""
+    try:
+        kind, rank, *payload = receiver.recv()
+    except EOFError:
+        open_pipes.remove(receiver)
+        return None
+    if kind == "failed":
+        reports.append((rank, *payload))
+        return None
+    return payload[0] if rank == 0 else None
 
 
 def _raise_first_failure(reports: list, exits: list) -> None:

@@ -1,0 +1,70 @@
+"""Helpers for tests that start ``ditrun`` as users do: a command line, a launcher, a results dir.
+
+The workload is one or two tiny edits (32x48 pixels, 2 steps, a model with 8 heads so that
+4-way Ulysses is valid), so that process start-up, not the DiT, is what these tests pay for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_module
+from safetensors.torch import load_file
+
+from ditrun.config import register_configs
+from ditrun.launch import worker
+
+VENV_BIN = Path(sys.executable).parent
+TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
+        "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false"]
+MAX_RELATIVE_ERROR = 1e-5
+
+
+def ditrun_command(*overrides: str) -> list[str]:
+    return [sys.executable, "-m", "ditrun", *TINY, *overrides]
+
+
+def quiet_env(**extra: str) -> dict:
+    """The environment for a launched job: unbuffered output, this venv's tools first on PATH."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("SLURM_", "PMI_", "OMPI_"))}
+    env.update(PYTHONUNBUFFERED="1", PATH=f"{VENV_BIN}:{env.get('PATH', '')}", **extra)
+    return env
+
+
+def run(command: list[str], timeout: float, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=quiet_env(**env))
+
+
+def single_reference(out_dir: Path, *overrides: str) -> Path:
+    """The ``single`` layout's results for the same edits, run in this process."""
+    register_configs()
+    with initialize_config_module("ditrun.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[*TINY, *overrides])
+    worker.run(cfg, out_dir)
+    return out_dir
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "edits.jsonl").read_text().splitlines()]
+
+
+def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int) -> None:
+    """Every edit of ``out_dir`` recorded once, by ``layout`` on ``world`` ranks, with the reference's latents."""
+    found = records(out_dir)
+    expected = [r["edit"] for r in records(reference)]
+    assert sorted(r["edit"] for r in found) == sorted(expected)
+    for record in found:
+        assert (record["layout"], record["world"]) == (layout, world)
+        got = load_file(str(out_dir / record["latents"]))["latents"]
+        want = load_file(str(reference / f"{record['edit']}.latents.safetensors"))["latents"]
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        assert error <= MAX_RELATIVE_ERROR, f"{record['edit']}: relative error {error:.2e}"
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert summary["world"] == world and summary["edits"] == len(expected)
+
+

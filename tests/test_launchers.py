@@ -1,0 +1,131 @@
+"""ditrun under each launcher but Slurm (see test_slurm.py): local spawn, torchrun, mpiexec and
+plain torchrun-style variables; a rank that fails mid-edit; a killed run rerun to completion.
+
+Every run is the real command in subprocesses with real gloo ranks; multi-rank results are
+compared with a ``single`` run of the same edits.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+
+from ditrun.launch.env import free_port
+from launching import TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return single_reference(tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.timeout(150)
+def test_local_spawn_equals_single(tmp_path, reference):
+    out = tmp_path / "run"
+    proc = run(ditrun_command("launcher.world=2", "layout=ulysses", f"hydra.run.dir={out}"), 140, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout ulysses (1 replica(s) x 2 worker(s))" in proc.stdout
+    assert_same_latents(out, reference, "ulysses", 2)
+
+
+@pytest.mark.timeout(150)
+def test_torchrun_equals_single(tmp_path, reference):
+    out = tmp_path / "run"
+    command = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "ditrun",
+               *TINY, "layout=cfg_batch", f"hydra.run.dir={out}"]
+    proc = run(command, 140, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_latents(out, reference, "cfg_batch", 2)
+
+
+@pytest.mark.timeout(150)
+def test_mpiexec_four_ranks_equal_single(tmp_path, reference):
+    """MPICH's mpiexec (the ``mpich`` wheel); rank 0 broadcasts the rendezvous over MPI."""
+    out = tmp_path / "run"
+    command = [str(VENV_BIN / "mpiexec"), "-n", "4", *ditrun_command("layout=ulysses", f"hydra.run.dir={out}")]
+    proc = run(command, 140, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_latents(out, reference, "ulysses", 4)
+
+
+def start_rank(rank: int, world: int, port: int, out, logs, *overrides: str) -> subprocess.Popen:
+    """One rank started by hand with torchrun's variables, stderr to a file of its own."""
+    env = quiet_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with open(logs / f"rank{rank}.err", "w") as err:
+        return subprocess.Popen(ditrun_command(*overrides, f"hydra.run.dir={out}"), cwd=logs, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_failing_mid_edit_stops_all_four_and_is_named(tmp_path):
+    """No supervisor here: each rank is its own process, so each exit code is the rank's own."""
+    port, out = free_port(), tmp_path / "run"
+    ranks = [start_rank(r, 4, port, out, tmp_path, "layout=ulysses", "workload.steps=4",
+                        "launcher.fault.crash_rank=2", "launcher.fault.crash_at_step=2") for r in range(4)]
+    deadline = time.monotonic() + 60
+    codes = [rank.wait(timeout=max(deadline - time.monotonic(), 1)) for rank in ranks]
+    logs = [(tmp_path / f"rank{r}.err").read_text() for r in range(4)]
+    assert all(code != 0 for code in codes), codes
+    assert "InjectedFault: rank 2 failed on purpose at denoising step 2" in logs[2]
+    for r in (0, 1, 3):
+        assert f"ditrun: rank 2 failed (InjectedFault: rank 2 failed on purpose" in logs[r], logs[r]
+        assert f"stopping rank {r}" in logs[r]
+    assert not (out / "edits.jsonl").exists()  # the edit never finished, so nothing was recorded
+
+
+@pytest.mark.timeout(150)
+def test_spawned_job_exits_nonzero_naming_the_failed_rank(tmp_path):
+    proc = run(ditrun_command("launcher.world=2", "layout=ulysses", "launcher.fault.crash_rank=1",
+                              "launcher.fault.crash_at_step=1", f"hydra.run.dir={tmp_path / 'run'}"), 140, tmp_path)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("ditrun: rank 1 failed: InjectedFault: rank 1 failed on purpose at denoising step 1")
+
+
+def test_launcher_mistakes_are_one_sentence_before_any_rank_starts(tmp_path):
+    proc = run(ditrun_command("launcher.world=2", "layout.replicas=2", "launcher.fault.crash_rank=2",
+                              f"hydra.run.dir={tmp_path / 'run'}"), 60, tmp_path)
+    assert proc.returncode == 2
+    assert "ditrun: error: launcher.fault.crash_rank=2 is not a rank of this job; allowed: 0 to 1." in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+SIX = ["astronaut", "camera", "cat", "chelsea", "coffee", "rocket"]
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_run_reruns_each_edit_exactly_once(tmp_path):
+    manifest = tmp_path / "six.yaml"
+    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    out = tmp_path / "run"
+    # Larger edits than elsewhere so that the run is still busy when the third edit lands.
+    command = ditrun_command(f"workload.manifest={manifest}", "workload.limit=null", "workload.width=128",
+                             "workload.height=128", "workload.steps=8", f"hydra.run.dir={out}")
+    first = subprocess.Popen(command, cwd=tmp_path, env=quiet_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        while first.poll() is None and _count_lines(out / "edits.jsonl") < 3:
+            time.sleep(0.02)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)  # like a preempted node: no clean-up at all
+        first.wait(timeout=30)
+    before = (out / "edits.jsonl").read_text().splitlines()
+    assert first.returncode == -signal.SIGKILL and 3 <= len(before) < 6
+    second = run(command, 120, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"ditrun: resuming, {len(before)} edits already in edits.jsonl are skipped" in second.stdout
+    after = (out / "edits.jsonl").read_text().splitlines()
+    assert after[:len(before)] == before  # finished edits were neither redone nor rewritten
+    assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
+
+
+def _count_lines(path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except FileNotFoundError:
+        return 0
