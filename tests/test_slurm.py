@@ -1,0 +1,157 @@
+"""ditrun on a real Slurm cluster: one node started for this module by ``slurm/local-cluster.sh``.
+
+The node declares 8 CPUs on a 2-core machine, so jobs of 2 and 4 tasks run side by side. Every
+job is the real thing: the rendered sbatch script, ``srun`` tasks as ditrun ranks, Hydra's
+submitit launcher submitting a job array, Slurm requeueing a job that then resumes.
+"""
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ditrun.launch.env import expand_hostlist
+from launching import TINY, assert_same_latents, quiet_env, records, single_reference
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running one-node cluster; its SLURM_CONF is what every Slurm command here is given."""
+    missing = [name for name in DAEMONS if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
+                    "slurm-wlm munge libpmix2")
+    state = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0, started.stderr
+    try:
+        yield state / "slurm.conf"
+    finally:
+        subprocess.run([str(CLUSTER_SCRIPT), "stop", str(state)], capture_output=True, timeout=60)
+
+
+def slurm(conf: Path, *command: str, **extra_env: str) -> str:
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                          env=quiet_env(SLURM_CONF=str(conf), **extra_env))
+    assert proc.returncode == 0, f"{' '.join(command)}: {proc.stderr}"
+    return proc.stdout
+
+
+def job_state(conf: Path, job: str) -> dict:
+    fields = slurm(conf, "scontrol", "show", "job", "--oneliner", job).split()
+    return dict(field.split("=", 1) for field in fields if "=" in field)
+
+
+def wait_for_jobs(conf: Path, jobs: list[str], timeout: float) -> dict:
+    """Final states of ``jobs``; fails when one has not ended within ``timeout`` seconds."""
+    deadline, ended = time.monotonic() + timeout, {}
+    while len(ended) < len(jobs):
+        for job in set(jobs) - set(ended):
+            state = job_state(conf, job)
+            if state["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                ended[job] = state
+        assert time.monotonic() < deadline, f"jobs {sorted(set(jobs) - set(ended))} still running after {timeout} s"
+        time.sleep(0.2)
+    return ended
+
+
+def render_script(path: Path, tasks: int) -> Path:
+    subprocess.run([sys.executable, "-m", "ditrun.launch.slurm", "--gpus-per-node", "0", "--tasks-per-node",
+                    str(tasks), "--time", "00:10:00", "--log", str(path.parent / "slurm-%j.out"), "-o", str(path)],
+                   check=True, timeout=60)
+    return path
+
+
+def submit(conf: Path, script: Path, out: Path, *overrides: str) -> str:
+    return slurm(conf, "sbatch", "--parsable", f"--chdir={script.parent}", str(script), *overrides,
+                 DITRUN_OUTPUT_DIR=str(out)).strip()
+
+
+def test_hostlists_expand_like_scontrol(cluster):
+    for hostlist in ("n1", "login1,n[1-2]", "gpu[01-03,7]", "a[098-101]", "rack[1-2]-n[08-10]"):
+        expected = slurm(cluster, "scontrol", "show", "hostnames", hostlist).split()
+        assert expand_hostlist(hostlist) == expected
+
+
+SBATCH_RUNS = [(2, "ulysses"), (2, "cfg_batch"), (4, "ulysses"), (4, "cfg_split")]
+
+
+@pytest.fixture(scope="module")
+def sbatch_runs(cluster, tmp_path_factory):
+    """All four jobs submitted at once (2 + 2 + 4 + 4 tasks fit the node's 8 CPUs at two at a time)."""
+    folder = tmp_path_factory.mktemp("sbatch")
+    scripts = {tasks: render_script(folder / f"ditrun-{tasks}.sbatch", tasks) for tasks in (2, 4)}
+    jobs = {(tasks, layout): submit(cluster, scripts[tasks], folder / f"{layout}-{tasks}", *TINY, f"layout={layout}")
+            for tasks, layout in SBATCH_RUNS}
+    states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
+    return folder, {key: (job, states[job]) for key, job in jobs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return single_reference(tmp_path_factory.mktemp("single"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tasks, layout", SBATCH_RUNS)
+def test_sbatch_template_runs_every_task_as_a_rank(sbatch_runs, reference, tasks, layout):
+    folder, jobs = sbatch_runs
+    job, state = jobs[(tasks, layout)]
+    log = (folder / f"slurm-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log
+    assert f"layout {layout} (1 replica(s) x {tasks} worker(s))" in log
+    assert_same_latents(folder / f"{layout}-{tasks}", reference, layout, tasks)
+
+
+@pytest.mark.timeout(300)
+def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    layouts = ["ulysses", "cfg_batch", "cfg_split"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
+         "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *TINY, f"layout={','.join(layouts)}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=280, env=quiet_env(SLURM_CONF=str(cluster)))
+    assert proc.returncode == 0, proc.stderr
+    for number, layout in enumerate(layouts):
+        job_dir = sweep / str(number)  # Hydra's sweep subdir: the job number
+        assert (job_dir / "summary.json").exists(), proc.stderr
+        assert [(r["layout"], r["world"]) for r in records(job_dir)] == [(layout, 2)]
+
+
+SIX = ["astronaut", "camera", "cat", "chelsea", "coffee", "rocket"]
+
+
+@pytest.mark.timeout(300)
+def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp_path):
+    """The script's USR1 trap (what ``--signal`` sends before the time limit) requeues the job;
+    the rerun, same job id and results directory, finishes the edits left."""
+    manifest = tmp_path / "six.yaml"
+    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    out = tmp_path / "run"
+    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", 2), out, *TINY, f"workload.manifest={manifest}",
+                 "workload.limit=null", "workload.width=128", "workload.height=128", "workload.steps=8",
+                 "layout.replicas=2")
+    deadline = time.monotonic() + 120
+    while not (out / "edits.jsonl").exists() or len(records(out)) < 2:
+        assert time.monotonic() < deadline and job_state(cluster, job)["JobState"] in ("PENDING", "RUNNING")
+        time.sleep(0.05)
+    slurm(cluster, "scancel", "--signal=USR1", "--batch", job)
+    deadline = time.monotonic() + 60
+    while job_state(cluster, job)["Restarts"] == "0" or job_state(cluster, job)["JobState"] != "PENDING":
+        assert time.monotonic() < deadline, job_state(cluster, job)
+        time.sleep(0.2)
+    slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")  # Slurm holds requeued jobs ~2 min
+    state = wait_for_jobs(cluster, [job], timeout=180)[job]
+    log = (tmp_path / f"slurm-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"], state["Restarts"]) == ("COMPLETED", "0:0", "1"), log
+    assert f"ditrun: time limit near, requeueing job {job}" in log
+    assert "ditrun: resuming, " in log
+    assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
