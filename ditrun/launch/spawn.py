@@ -78,13 +78,10 @@ def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender) -> 
         user_error = is_user_error(err)
         if not user_error:
             traceback.print_exc()
-        sender.send(("failed", rank, "user" if user_error else "error", _describe(err, user_error)))
+        message = str(err) if user_error else faults.describe(err)
+        sender.send(("failed", rank, "user" if user_error else "error", message))
         sys.exit(2 if user_error else 1)
     sender.send(("done", rank, summary))
-
-
-def _describe(err: BaseException, user_error: bool) -> str:
-    return str(err) if user_error else f"{type(err).__name__}: {err}".strip().splitlines()[0]
 
 
 def _supervise(ranks, receivers) -> dict:
