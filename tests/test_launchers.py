@@ -23,41 +23,38 @@ def reference(tmp_path_factory):
     return single_reference(tmp_path_factory.mktemp("single"))
 
 
-@pytest.mark.timeout(150)
-def test_local_spawn_equals_single(tmp_path, reference):
-    out = tmp_path / "run"
-    proc = run(ditrun_command("launcher.world=2", "layout=ulysses", f"hydra.run.dir={out}"), 140, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "layout ulysses (1 replica(s) x 2 worker(s))" in proc.stdout
-    assert_same_latents(out, reference, "ulysses", 2)
+def ditrun_module(*args: str) -> list[str]:
+    return [sys.executable, "-m", "ditrun", *args]
+
+
+# launcher -> (ranks, layout, command around the ditrun arguments)
+LAUNCHED = {
+    "local spawn": (2, "ulysses", lambda args: ditrun_module(*args, "launcher.world=2")),
+    "torchrun": (2, "cfg_batch", lambda args: [str(VENV_BIN / "torchrun"), "--nproc-per-node=2",
+                                               f"--master-port={free_port()}", "-m", "ditrun", *args]),
+    # MPICH's mpiexec (the `mpich` wheel); rank 0 broadcasts the rendezvous over MPI.
+    "mpiexec (MPICH)": (4, "ulysses", lambda args: [str(VENV_BIN / "mpiexec"), "-n", "4", *ditrun_module(*args)]),
+}
 
 
 @pytest.mark.timeout(150)
-def test_torchrun_equals_single(tmp_path, reference):
+@pytest.mark.parametrize("launcher", LAUNCHED)
+def test_launched_ranks_equal_single(tmp_path, reference, launcher):
+    world, layout, command = LAUNCHED[launcher]
     out = tmp_path / "run"
-    command = [str(VENV_BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m", "ditrun",
-               *TINY, "layout=cfg_batch", f"hydra.run.dir={out}"]
-    proc = run(command, 140, tmp_path)
+    proc = run(command([*TINY, f"layout={layout}", f"hydra.run.dir={out}"]), 140, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert_same_latents(out, reference, "cfg_batch", 2)
-
-
-@pytest.mark.timeout(150)
-def test_mpiexec_four_ranks_equal_single(tmp_path, reference):
-    """MPICH's mpiexec (the ``mpich`` wheel); rank 0 broadcasts the rendezvous over MPI."""
-    out = tmp_path / "run"
-    command = [str(VENV_BIN / "mpiexec"), "-n", "4", *ditrun_command("layout=ulysses", f"hydra.run.dir={out}")]
-    proc = run(command, 140, tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert_same_latents(out, reference, "ulysses", 4)
+    assert f"layout {layout} (1 replica(s) x {world} worker(s))" in proc.stdout
+    assert_same_latents(out, reference, layout, world)
 
 
 @pytest.mark.timeout(150)
 def test_submitit_local_sweep_job_runs_its_tasks_as_ranks(tmp_path, reference):
     """hydra/launcher=submitit_local with 2 tasks per job: each task is a rank of the job's run."""
     sweep = tmp_path / "sweep"
-    proc = run([sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
-                "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *TINY, "layout=ulysses"], 140, tmp_path)
+    proc = run(ditrun_module("-m", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
+                             "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *TINY, "layout=ulysses"),
+               140, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert_same_latents(sweep / "0", reference, "ulysses", 2)
 
