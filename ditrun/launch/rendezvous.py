@@ -27,6 +27,10 @@ ARRIVED = KEY + "arrived"
 ALL_ARRIVED = KEY + "all_arrived"
 SHARED = KEY + "shared/"
 FINISHED = KEY + "finished/"
+FAILED_PREFIX = "failed: "
+# Other ranks wait this much longer than rank 0 for the meeting, and rank 0 keeps its store up
+# this long after a failed one, so that every rank reports rank 0's list of missing ranks.
+VERDICT_GRACE_S = 2.0
 # Long enough to never fire while ranks legitimately wait for each other; failures end waits
 # through the watchdog or a lost connection instead.
 FOREVER = timedelta(days=365)
@@ -96,6 +100,8 @@ def _visible_devices() -> str:
 def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     """Connect to rank 0's store and wait until every rank has signed in.
 
+    Rank 0 decides when the meeting has failed and tells everyone which ranks are missing; the
+    others wait a little longer than it does, so that they hear its verdict rather than guess.
     ``shared`` is published by rank 0 and returned, as rank 0 set it, to every rank.
     """
     address = f"{info.master_addr}:{info.master_port}"
@@ -109,7 +115,7 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     if info.rank == 0:
         _wait_for_all(store, info, address, deadline, timeout_s)
     else:
-        _wait_for_key(store, ALL_ARRIVED, info, address, deadline, timeout_s)
+        _hear_from_rank_0(store, info, address, deadline + VERDICT_GRACE_S, timeout_s)
     values = {key: store.get(SHARED + key).decode() for key in shared}
     return Meeting(store, address, info.store_host, values)
 
@@ -135,31 +141,30 @@ def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore
 
 
 def _wait_for_all(store, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
-    """Rank 0 counts the signed-in ranks, then lets everyone go."""
+    """Rank 0 counts the signed-in ranks, then lets everyone go, or tells everyone who is missing."""
     while store.add(ARRIVED, 0) < info.world:
         if time.monotonic() > deadline:
-            raise _timeout(store, info, address, timeout_s)
+            missing = [r for r in range(info.world) if not store.check([f"{ARRIVED}/{r}"])]
+            message = (f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
+                       f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}.")
+            store.set(ALL_ARRIVED, FAILED_PREFIX + message)
+            time.sleep(VERDICT_GRACE_S)  # the store lives in this process: let the others read it
+            raise RendezvousError(message)
         time.sleep(0.05)
     store.set(ALL_ARRIVED, "1")
 
 
-def _wait_for_key(store, key: str, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
-    remaining = max(deadline - time.monotonic(), 0.001)
+def _hear_from_rank_0(store, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
     try:
-        store.wait([key], timedelta(seconds=remaining))
+        store.wait([ALL_ARRIVED], timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        verdict = store.get(ALL_ARRIVED).decode()
     except RuntimeError:
-        raise _timeout(store, info, address, timeout_s) from None
-
-
-def _timeout(store, info: RankInfo, address: str, timeout_s: float) -> RendezvousError:
-    try:
-        missing = [r for r in range(info.world) if not store.check([f"{ARRIVED}/{r}"])]
-    except RuntimeError:
-        missing = [0]  # the store itself is gone: rank 0 left
-    return RendezvousError(
-        f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
-        f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}."
-    )
+        raise RendezvousError(
+            f"rendezvous at {address} did not complete within {timeout_s:g} s (launcher.rendezvous_timeout_s): "
+            f"{info.store_host}, which hosts it, stopped answering."
+        ) from None
+    if verdict.startswith(FAILED_PREFIX):
+        raise RendezvousError(verdict[len(FAILED_PREFIX):])
 
 
 def format_ranks(ranks: list[int]) -> str:

@@ -75,13 +75,20 @@ def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender) -> 
     try:
         summary = run_as_rank(cfg, out_dir, env.discover())
     except BaseException as err:  # every way a rank ends must reach the supervisor
-        user_error = is_user_error(err)
-        if not user_error:
+        verdict = _is_verdict(err, is_user_error)
+        if not verdict:
             traceback.print_exc()
-        message = str(err) if user_error else faults.describe(err)
-        sender.send(("failed", rank, "user" if user_error else "error", message))
-        sys.exit(2 if user_error else 1)
+        sender.send(("failed", rank, err if verdict else faults.describe(err)))
+        sys.exit(2 if is_user_error(err) else 1)
     sender.send(("done", rank, summary))
+
+
+def _is_verdict(err: BaseException, is_user_error) -> bool:
+    """Errors about the run rather than the rank (a config mistake, the SSIM gate): the
+    supervisor raises them again as they are, so the command treats them as in one process."""
+    from ditrun.metrics.quality import QualityGateError
+
+    return is_user_error(err) or isinstance(err, QualityGateError)
 
 
 def _supervise(ranks, receivers) -> dict:
@@ -111,7 +118,7 @@ def _receive(receiver, open_pipes: list, reports: list) -> dict | None:
         open_pipes.remove(receiver)
         return None
     if kind == "failed":
-        reports.append((rank, *payload))
+        reports.append((rank, payload[0]))
         return None
     return payload[0] if rank == 0 else None
 
@@ -125,17 +132,17 @@ def _raise_first_failure(reports: list, exits: list) -> None:
     """
     from ditrun.launch import WorkerFailed
 
-    reported = {rank for rank, _, _ in reports}
+    reported = {rank for rank, _ in reports}
     silent = [(rank, code) for rank, code in exits
               if code and code != faults.PEER_FAILED_EXIT and rank not in reported]
     if silent:
         rank, code = silent[0]
         raise WorkerFailed(f"rank {rank} {_exit_description(code)} without reporting an error.")
     if reports:
-        rank, kind, text = reports[0]
-        if kind == "user":
-            raise ValueError(text)
-        raise WorkerFailed(f"rank {rank} failed: {text}")
+        rank, error = reports[0]
+        if isinstance(error, BaseException):
+            raise error
+        raise WorkerFailed(f"rank {rank} failed: {error}")
     failed = [(rank, code) for rank, code in exits if code]
     if failed:
         rank, code = failed[0]
