@@ -155,3 +155,42 @@ def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp
     assert f"ditrun: time limit near, requeueing job {job}" in log
     assert "ditrun: resuming, " in log
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_submitit_job_requeues_itself_and_resumes(cluster, tmp_path):
+    """USR2, what Slurm sends a submitit job on preemption: submitit checkpoints Hydra's launcher
+    (which resubmits itself unchanged) and requeues; the rerun resumes in the same job directory."""
+    manifest = tmp_path / "six.yaml"
+    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    sweep = tmp_path / "sweep"
+    # timeout_min is generous so that submitit reads the signal as a preemption, not a time-out.
+    command = [sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
+               "hydra.launcher.timeout_min=60", f"hydra.sweep.dir={sweep}", *TINY, f"workload.manifest={manifest}",
+               "workload.limit=null", "workload.width=128", "workload.height=128", "workload.steps=8",
+               "layout=single", "layout.replicas=2"]
+    with open(tmp_path / "sweep.log", "w") as log:
+        submitter = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                     env=quiet_env(SLURM_CONF=str(cluster)))
+    try:
+        out = sweep / "0"
+        deadline = time.monotonic() + 120
+        while not (out / "edits.jsonl").exists() or len(records(out)) < 2:
+            assert time.monotonic() < deadline and submitter.poll() is None, (tmp_path / "sweep.log").read_text()
+            time.sleep(0.05)
+        job = next(path.name for path in (sweep / ".submitit").iterdir() if path.name.isdigit())
+        slurm(cluster, "scancel", "--signal=USR2", job)
+        deadline = time.monotonic() + 60
+        while job_state(cluster, job)["Restarts"] == "0" or job_state(cluster, job)["JobState"] != "PENDING":
+            assert time.monotonic() < deadline, job_state(cluster, job)
+            time.sleep(0.2)
+        slurm(cluster, "scontrol", "update", f"JobId={job}", "StartTime=now")
+        assert submitter.wait(timeout=200) == 0, (tmp_path / "sweep.log").read_text()
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+    task_log = (sweep / ".submitit" / job / f"{job}_0_log.out").read_text()
+    assert "this job is preempted" in (sweep / ".submitit" / job / f"{job}_0_log.err").read_text()
+    assert "ditrun: resuming, " in task_log
+    assert job_state(cluster, job)["Restarts"] == "1"
+    assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
