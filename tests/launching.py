@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
+import yaml
 from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
@@ -47,6 +47,16 @@ def single_reference(out_dir: Path, *overrides: str) -> Path:
         cfg = compose("config", overrides=[*TINY, *overrides])
     worker.run(cfg, out_dir)
     return out_dir
+
+
+SIX = ["astronaut", "camera", "cat", "chelsea", "coffee", "rocket"]
+
+
+def six_edits(folder: Path) -> Path:
+    """A manifest of six photographs, for runs that are interrupted and resumed."""
+    manifest = folder / "six.yaml"
+    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    return manifest
 
 
 def records(out_dir: Path) -> list[dict]:

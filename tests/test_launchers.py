@@ -12,10 +12,10 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from ditrun.launch.env import free_port
-from launching import TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference
+from launching import (SIX, TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, records, run,
+                       single_reference, six_edits)
 
 
 @pytest.fixture(scope="module")
@@ -128,13 +128,9 @@ def test_launcher_mistakes_are_one_sentence_before_any_rank_starts(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-SIX = ["astronaut", "camera", "cat", "chelsea", "coffee", "rocket"]
-
-
 @pytest.mark.timeout(180)
 def test_a_killed_run_reruns_each_edit_exactly_once(tmp_path):
-    manifest = tmp_path / "six.yaml"
-    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    manifest = six_edits(tmp_path)
     out = tmp_path / "run"
     # Larger edits than elsewhere so that the run is still busy when the third edit lands.
     command = ditrun_command(f"workload.manifest={manifest}", "workload.limit=null", "workload.width=128",

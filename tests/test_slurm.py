@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ditrun.launch.env import expand_hostlist
-from launching import TINY, assert_same_latents, quiet_env, records, single_reference
+from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
@@ -126,15 +125,11 @@ def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, tmp_pa
         assert [(r["layout"], r["world"]) for r in records(job_dir)] == [(layout, 2)]
 
 
-SIX = ["astronaut", "camera", "cat", "chelsea", "coffee", "rocket"]
-
-
 @pytest.mark.timeout(300)
 def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp_path):
     """The script's USR1 trap (what ``--signal`` sends before the time limit) requeues the job;
     the rerun, same job id and results directory, finishes the edits left."""
-    manifest = tmp_path / "six.yaml"
-    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    manifest = six_edits(tmp_path)
     out = tmp_path / "run"
     job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", 2), out, *TINY, f"workload.manifest={manifest}",
                  "workload.limit=null", "workload.width=128", "workload.height=128", "workload.steps=8",
@@ -161,8 +156,7 @@ def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp
 def test_a_preempted_submitit_job_requeues_itself_and_resumes(cluster, tmp_path):
     """USR2, what Slurm sends a submitit job on preemption: submitit checkpoints Hydra's launcher
     (which resubmits itself unchanged) and requeues; the rerun resumes in the same job directory."""
-    manifest = tmp_path / "six.yaml"
-    manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in SIX]))
+    manifest = six_edits(tmp_path)
     sweep = tmp_path / "sweep"
     # timeout_min is generous so that submitit reads the signal as a preemption, not a time-out.
     command = [sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
