@@ -141,7 +141,8 @@ def random_model(
     """
     with torch.device("meta"):
         model = FluxDiT(geometry)
-    model = model.to_empty(device=device)
+    # Cast while still on meta (free), so the device only ever holds the target dtype.
+    model = model.to(dtype=dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -151,7 +152,7 @@ def random_model(
             else:
                 bound = 1.0 / (param.shape[-1] ** 0.5) if param.ndim == 2 else 0.02
                 data.uniform_(-bound, bound, generator=gen)
-            param.data = data.to(dtype)
+            param.copy_(data)
     return model.eval().requires_grad_(False)
 
 
