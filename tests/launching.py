@@ -40,12 +40,16 @@ def run(command: list[str], timeout: float, cwd: Path, **env: str) -> subprocess
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=quiet_env(**env))
 
 
-def single_reference(out_dir: Path, *overrides: str) -> Path:
-    """The ``single`` layout's results for the same edits, run in this process."""
+def tiny_config(*overrides: str):
+    """The composed run config of ``TINY`` with ``overrides`` (later ones win)."""
     register_configs()
     with initialize_config_module("ditrun.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, *overrides])
-    worker.run(cfg, out_dir)
+        return compose("config", overrides=[*TINY, *overrides])
+
+
+def single_reference(out_dir: Path, *overrides: str) -> Path:
+    """The ``single`` layout's results for the same edits, run in this process."""
+    worker.run(tiny_config(*overrides), out_dir)
     return out_dir
 
 
@@ -63,6 +67,15 @@ def records(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (out_dir / "edits.jsonl").read_text().splitlines()]
 
 
+def relative_error(got, expected) -> float:
+    """Largest absolute difference over the largest magnitude of the reference."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def latents(out_dir: Path, edit: str):
+    return load_file(str(out_dir / f"{edit}.latents.safetensors"))["latents"]
+
+
 def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int) -> None:
     """Every edit of ``out_dir`` recorded once, by ``layout`` on ``world`` ranks, with the reference's latents."""
     found = records(out_dir)
@@ -70,9 +83,7 @@ def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int)
     assert sorted(r["edit"] for r in found) == sorted(expected)
     for record in found:
         assert (record["layout"], record["world"]) == (layout, world)
-        got = load_file(str(out_dir / record["latents"]))["latents"]
-        want = load_file(str(reference / f"{record['edit']}.latents.safetensors"))["latents"]
-        error = ((got - want).abs().max() / want.abs().max()).item()
+        error = relative_error(latents(out_dir, record["edit"]), latents(reference, record["edit"]))
         assert error <= MAX_RELATIVE_ERROR, f"{record['edit']}: relative error {error:.2e}"
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["world"] == world and summary["edits"] == len(expected)

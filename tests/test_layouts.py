@@ -5,38 +5,23 @@ tokens, so the joint sequence of 19 tokens divides by neither 2 nor 4 and every 
 is exercised. The model has 8 heads so that 4 ranks with 2 head groups is a valid layout.
 """
 
-import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from safetensors.torch import load_file
 
-from ditrun.config import register_configs
 from ditrun.launch import worker
 from ditrun.metrics import results
+from launching import assert_same_latents, ditrun_command, latents, records, relative_error, run, tiny_config
 from ranks import run_ranks
 
-TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
-        "workload.text_len=7", "workload.limit=2", "wandb.mode=disabled", "progress=false", "metrics.report=false"]
-MAX_RELATIVE_ERROR = 1e-5
+# Two edits, so that two replicas get one each.
+TWO_EDITS = ["workload.limit=2", "metrics.report=false"]
 
 
 def make_config(*overrides: str):
-    register_configs()
-    with initialize_config_module("ditrun.conf", version_base="1.3"):
-        return compose("config", overrides=[*TINY, *overrides])
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """Largest absolute difference over the largest magnitude of the reference."""
-    return ((got - expected).abs().max() / expected.abs().max()).item()
-
-
-def latents(out_dir, edit: str) -> torch.Tensor:
-    return load_file(str(out_dir / f"{edit}.latents.safetensors"))["latents"]
+    return tiny_config(*TWO_EDITS, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -50,23 +35,20 @@ def _run_worker(rank, world, cfg, out_dir):
     return worker.run(cfg, out_dir)
 
 
-def run_layout(tmp_path, world: int, *overrides: str):
+def run_layout(tmp_path, world: int, *overrides: str) -> None:
     cfg = make_config(*overrides, f"launcher.world={world}")
     summaries = run_ranks(_run_worker, world, (cfg, tmp_path), timeout=120)
     assert summaries[0] is not None and all(s is None for s in summaries[1:])  # rank 0 writes the summary
-    return [json.loads(line) for line in (tmp_path / results.EDITS_FILE).read_text().splitlines()]
 
 
-def check_equal_to_single(tmp_path, single_run, records, layout: str, world: int):
-    assert sorted(r["edit"] for r in records) == ["astronaut", "coffee"]  # each edit written exactly once
-    for record in records:
-        assert (record["layout"], record["world"]) == (layout, world)
-        error = relative_error(latents(tmp_path, record["edit"]), latents(single_run, record["edit"]))
-        assert error <= MAX_RELATIVE_ERROR, f"{record['edit']}: relative error {error:.2e}"
+def check_equal_to_single(out_dir, single_run, layout: str, world: int) -> list[dict]:
+    """The run in ``out_dir`` recorded each edit once, with the single run's latents; returns its records."""
+    assert_same_latents(out_dir, single_run, layout, world)
+    found = records(out_dir)
+    for record in found:
         # The replica's writer made (or reused) the BF16 single reference: the same image, within rounding.
         assert record["ssim_rerun"] == 1.0 and record["ssim"] > 0.999, record
-    summary = json.loads((tmp_path / results.SUMMARY_FILE).read_text())
-    assert summary["edits"] == 2 and summary["world"] == world
+    return found
 
 
 @pytest.mark.timeout(150)
@@ -74,9 +56,8 @@ def check_equal_to_single(tmp_path, single_run, records, layout: str, world: int
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
 @pytest.mark.parametrize("head_groups", [1, 2])
 def test_layout_equals_single(tmp_path, single_run, world, layout, head_groups):
-    records = run_layout(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
-    check_equal_to_single(tmp_path, single_run, records, layout, world)
-    for record in records:
+    run_layout(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
+    for record in check_equal_to_single(tmp_path, single_run, layout, world):
         assert record["head_groups"] == head_groups
         assert record["exposed_transfer_s"] > 0 and 0 < record["exposed_transfer_pct"] < 100
 
@@ -84,14 +65,13 @@ def test_layout_equals_single(tmp_path, single_run, world, layout, head_groups):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout, world", [("single", 2), ("ulysses", 4), ("cfg_batch", 4), ("cfg_split", 4)])
 def test_replicas_share_the_edits(tmp_path, single_run, layout, world):
-    records = run_layout(tmp_path, world, f"layout={layout}", "layout.replicas=2")
-    check_equal_to_single(tmp_path, single_run, records, layout, world)
-    assert sorted(r["replica"] for r in records) == [0, 1]  # one edit per replica
+    run_layout(tmp_path, world, f"layout={layout}", "layout.replicas=2")
+    found = check_equal_to_single(tmp_path, single_run, layout, world)
+    assert sorted(r["replica"] for r in found) == [0, 1]  # one edit per replica
 
 
 def test_single_records_no_exposed_transfer(single_run):
-    for line in (single_run / results.EDITS_FILE).read_text().splitlines():
-        record = json.loads(line)
+    for record in records(single_run):
         assert record["exposed_transfer_s"] == 0.0 and record["exposed_transfer_pct"] == 0.0
 
 
@@ -99,8 +79,27 @@ def test_single_records_no_exposed_transfer(single_run):
 def test_one_worker_layouts_equal_single(tmp_path, single_run, layout):
     """The parallel code paths on one process (SP group of one) give the same latents."""
     worker.run(make_config(f"layout={layout}", "layout.head_groups=2"), tmp_path)
-    records = [json.loads(line) for line in (tmp_path / results.EDITS_FILE).read_text().splitlines()]
-    check_equal_to_single(tmp_path, single_run, records, layout, 1)
+    check_equal_to_single(tmp_path, single_run, layout, 1)
+
+
+# `ditrun ... launcher.world=4` spawns 4 local ranks: a CPU run of each kind of layout, as a user types it.
+CLI_LAYOUTS = {
+    "cfg_split": ("cfg_split", ["layout=cfg_split"]),
+    "ulysses, 2 replicas, 2 head groups": ("ulysses", ["layout=ulysses", "layout.replicas=2", "layout.head_groups=2"]),
+}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("name", CLI_LAYOUTS)
+def test_cli_runs_a_layout_on_four_spawned_ranks(tmp_path, single_run, name):
+    layout, overrides = CLI_LAYOUTS[name]
+    out = tmp_path / "run"
+    proc = run(ditrun_command(*TWO_EDITS, *overrides, "launcher.world=4", f"hydra.run.dir={out}"), 180, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    table = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.strip()}
+    assert table["edit"][:5] == ["edit", "size", "steps", "DiT", "s"]
+    for record in check_equal_to_single(out, single_run, layout, 4):  # each edit's time is reported
+        assert table[record["edit"]][1:4] == ["32x48", "2", f"{record['dit_s']:.3f}"]
 
 
 @pytest.mark.parametrize("overrides, world, message", [
