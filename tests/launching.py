@@ -2,6 +2,8 @@
 
 The workload is one or two tiny edits (32x48 pixels, 2 steps, a model with 8 heads so that
 4-way Ulysses is valid), so that process start-up, not the DiT, is what these tests pay for.
+They run on the CPU in fp32 even where a GPU is visible (``device=cpu``): the gloo ranks are
+forked, and the exactness bound (1e-5) is an fp32 one; GPU runs have tests of their own.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ditrun.launch import worker
 
 VENV_BIN = Path(sys.executable).parent
 TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
-        "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false"]
+        "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false", "device=cpu"]
 MAX_RELATIVE_ERROR = 1e-5
 
 
