@@ -29,9 +29,10 @@ def cluster(tmp_path_factory):
         pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
                     "slurm-wlm munge libpmix2")
     state = tmp_path_factory.mktemp("slurm")
-    started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=60)
-    assert started.returncode == 0, started.stderr
-    try:
+    try:  # stopped even when it failed half-way through starting
+        started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True,
+                                 timeout=60)
+        assert started.returncode == 0, started.stderr
         yield state / "slurm.conf"
     finally:
         subprocess.run([str(CLUSTER_SCRIPT), "stop", str(state)], capture_output=True, timeout=60)

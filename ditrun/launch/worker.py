@@ -11,6 +11,7 @@ import platform
 import subprocess
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -131,7 +132,7 @@ class Run:
         check_sources(self.edits)
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
-        self.layout = build_layout(plan)
+        self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
         # References first: their model is freed before the measured one is built.
         self.references = self._references() if cfg.metrics.ssim else None
         reset_peak_memory(self.placement.device)

@@ -174,8 +174,12 @@ class Layout:
             dist.barrier(group=self.control)
 
 
-def build_layout(plan: LayoutPlan) -> Layout:
-    """Create the process groups of ``plan`` once; every rank calls this with the same plan."""
+def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None) -> Layout:
+    """Create the process groups of ``plan`` once; every rank calls this with the same plan.
+
+    ``collective_timeout`` bounds every collective of the axis groups (``launcher.collective_timeout_s``):
+    new groups do not inherit the world group's timeout, and torch's default is 30 minutes.
+    """
     if plan.world == 1:
         return Layout(plan, rank=0, groups={axis: None for axis in AXES})
     if not dist.is_initialized() or dist.get_world_size() != plan.world:
@@ -188,7 +192,7 @@ def build_layout(plan: LayoutPlan) -> Layout:
             continue
         # new_group is collective over the world: every rank creates every group, in one order.
         for ranks in plan.axis_groups(axis):
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, timeout=collective_timeout)
             if rank in ranks:
                 groups[axis] = group
     control = dist.new_group(backend="gloo", timeout=END_OF_RUN_TIMEOUT)
