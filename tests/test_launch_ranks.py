@@ -23,9 +23,11 @@ FORK = multiprocessing.get_context("fork")
 
 
 def make_cfg(ranks=1, **launcher):
-    """A valid config for ``ranks`` ranks (``single`` layout, one replica per rank)."""
+    """A valid config for ``ranks`` ranks (``single`` layout, one replica per rank), on the CPU
+    even where a GPU is visible: these ranks are forked and exchange CPU tensors over gloo."""
     cfg = OmegaConf.structured(RunConfig)
     cfg.layout.replicas = ranks
+    cfg.device = "cpu"
     for key, value in launcher.items():
         cfg.launcher[key] = value
     return cfg

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from ditrun.launch.env import free_port
 from launching import (SIX, TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, records, run,
@@ -45,7 +46,22 @@ def test_launched_ranks_equal_single(tmp_path, reference, launcher):
     proc = run(command([*TINY, f"layout={layout}", f"hydra.run.dir={out}"]), 140, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"layout {layout} (1 replica(s) x {world} worker(s))" in proc.stdout
+    assert f"ditrun: {world} ranks on 1 node(s)" in proc.stdout and "gloo, rank 0 on cpu" in proc.stdout
     assert_same_latents(out, reference, layout, world)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_spawned_ranks_take_one_gpu_each_over_nccl(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "run"
+    proc = run(ditrun_module(*TINY, "device=cuda", "launcher.world=2", "layout=ulysses", f"hydra.run.dir={out}"),
+               280, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "ditrun: 2 ranks on 1 node(s) (torchrun) met at 127.0.0.1:" in proc.stdout
+    assert "nccl, rank 0 on cuda:0" in proc.stdout
+    assert [(r["layout"], r["world"]) for r in records(out)] == [("ulysses", 2)]
 
 
 @pytest.mark.timeout(150)

@@ -67,11 +67,14 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     cfg = with_world(cfg, info)
     check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
-    rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
+    device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
+    backend = rendezvous.backend_for(cfg.device)
+    if info.rank == 0:
+        print(f"ditrun: {info.world} ranks on {info.nodes} node(s) ({info.launcher}) met at {meeting.address}; "
+              f"{backend}, rank 0 on {device}", flush=True)
     try:
-        rendezvous.init_process_group(info, rendezvous.backend_for(cfg.device), meeting,
-                                      cfg.launcher.collective_timeout_s)
+        rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         watchdog = faults.Watchdog(meeting, info.rank).start()
         summary = work(cfg, Path(meeting.shared["out_dir"]))
     except BaseException as err:
