@@ -160,3 +160,17 @@ def test_launcher_world_must_agree_with_the_launcher():
 def test_format_ranks():
     assert format_ranks([3]) == "rank 3"
     assert format_ranks([7, 1, 2, 3, 9]) == "ranks 1-3, 7, 9"
+
+
+def test_the_spawner_names_the_rank_that_vanished_not_its_victims():
+    """A rank killed outright reports nothing; the ranks whose connections it broke report errors
+    of their own, and the ones a watchdog stopped exit 3: the vanished rank is the one named."""
+    from ditrun.launch import WorkerFailed, spawn
+
+    with pytest.raises(WorkerFailed, match="rank 3 was killed by SIGKILL without reporting an error"):
+        spawn._raise_first_failure([(1, "RuntimeError: Connection closed by peer")], [(1, 1), (3, -9), (0, 3)])
+    with pytest.raises(WorkerFailed, match="rank 1 failed: RuntimeError: the GPU caught fire"):
+        spawn._raise_first_failure([(1, "RuntimeError: the GPU caught fire")], [(1, 1), (0, 3), (2, 3)])
+    with pytest.raises(ValueError, match="layout=ulysses needs"):  # a config error comes back as itself
+        mistake = ValueError("layout=ulysses needs ...")
+        spawn._raise_first_failure([(0, mistake), (1, mistake)], [(0, 2), (1, 2)])
