@@ -8,7 +8,9 @@
 #   slurm/local-cluster.sh stop DIR           stop its daemons by PID and wait until they are gone
 #
 # CPUS (default 8) is what the node declares: more than the real cores, so that 4-task jobs run
-# on a 2-core machine (SlurmdParameters=config_overrides lets slurmd believe the config).
+# on a 2-core machine (SlurmdParameters=config_overrides lets slurmd believe the config). Jobs
+# start at once (batch_sched_delay=0, a scheduling pass every second), and a requeued job is held
+# cred_expire + 1 = 6 s instead of Slurm's default 121 s.
 set -euo pipefail
 
 die() { echo "local-cluster: $*" >&2; exit 1; }
@@ -46,7 +48,7 @@ SlurmUser=$(id -un)
 SlurmdUser=$(id -un)
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge.sock
+AuthInfo=socket=$dir/munge.sock,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -58,7 +60,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
-SchedulerParameters=batch_sched_delay=0
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 SlurmdParameters=config_overrides
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
