@@ -2,7 +2,8 @@
 # Everything one GPU session runs, in one command (the device machine has torch, triton,
 # scikit-image and mpi4py but not hydra/omegaconf/submitit/diffusers: carry them as wheels in
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
-#   bash benchmarks/gpu_session.sh [tests|bench|cli|all]
+#   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
+#   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -30,4 +31,21 @@ if [[ $what == cli || $what == all ]]; then
   python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
     workload.text_len=256 wandb.mode=disabled hydra.run.dir=/tmp/cli-flux-dev 2>&1 | tee "$OUT/cli.log" | tail -12
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
+fi
+if [[ $what == multi ]]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py \
+    2>&1 | tee "$OUT/tests_multi.log" | tail -8
+  # The layouts side by side on the same 1024x1024 Kontext-style edits, FLUX.1-dev geometry, bf16;
+  # the first run also makes the cached bf16 references every later run's SSIM is measured against.
+  i=0
+  for spec in "layout=single launcher.world=1" "layout=ulysses launcher.world=2" \
+              "layout=ulysses launcher.world=2 layout.head_groups=2" "layout=cfg_batch launcher.world=2" \
+              "layout=cfg_split launcher.world=2" "layout=single launcher.world=2 layout.replicas=2"; do
+    # shellcheck disable=SC2086
+    python3 -m ditrun model=flux-dev workload.width=1024 workload.height=1024 workload.steps=4 \
+      workload.limit=3 workload.text_len=512 wandb.mode=disabled metrics.report=false progress=false \
+      $spec hydra.run.dir=/tmp/multi/$i 2>&1 | tail -3
+    i=$((i + 1))
+  done
+  python3 -m ditrun report /tmp/multi --out /tmp/multi-report 2>&1 | tee "$OUT/multi_report.txt"
 fi
