@@ -17,6 +17,15 @@ from typing import Optional
 import torch
 
 
+def _mark(cuda: bool):
+    """A point in time: an event recorded on the current stream (GPU) or the monotonic clock (CPU)."""
+    if cuda:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
 class StepTimer:
     """Seconds per denoising step of one edit."""
 
@@ -24,18 +33,11 @@ class StepTimer:
         self.cuda = device.type == "cuda"
         self._marks: list = []
 
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def start(self) -> None:
-        self._marks = [self._now()]
+        self._marks = [_mark(self.cuda)]
 
     def step(self, _index: int = 0) -> None:
-        self._marks.append(self._now())
+        self._marks.append(_mark(self.cuda))
 
     def step_seconds(self) -> list[float]:
         """Per-step seconds; synchronises once on GPUs."""
@@ -162,17 +164,10 @@ class _TimedWait:
     def __init__(self, owner: ExposedTransfer, kind: str, group: int):
         self.owner, self.kind, self.group = owner, kind, group
 
-    def _now(self):
-        if self.owner.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
     def __enter__(self):
-        self.start = self._now()
+        self.start = _mark(self.owner.cuda)
         return self
 
     def __exit__(self, *exc):
-        self.owner._pending.append((self.kind, self.group, self.start, self._now()))
+        self.owner._pending.append((self.kind, self.group, self.start, _mark(self.owner.cuda)))
         return False
