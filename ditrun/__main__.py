@@ -6,6 +6,7 @@ and composes no config.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def _hydra_main(cfg: RunConfig) -> None:
         print(f"ditrun: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
     except (ValueError, RuntimeError) as err:
-        if not is_user_error(err):
+        # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
+        if not is_user_error(err) or os.environ.get("DITRUN_DEBUG"):
             raise
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
