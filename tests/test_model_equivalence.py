@@ -7,6 +7,7 @@ diffusers = pytest.importorskip("diffusers")
 
 from ditrun.model import FluxDiT, from_pretrained, random_model, save_pretrained  # noqa: E402
 from ditrun.model.dit import DiTGeometry  # noqa: E402
+from launching import relative_error  # noqa: E402
 
 CONFIGS = [
     dict(num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4,
@@ -38,10 +39,6 @@ def _inputs(cfg: dict, seed: int, n_img: int = 24, n_txt: int = 7):
     )
 
 
-def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["guidance", "no-guidance"])
 @pytest.mark.parametrize("shard", [None, 40_000], ids=["single-file", "sharded"])
 def test_from_pretrained_matches_diffusers(cfg, shard, tmp_path):
@@ -56,7 +53,7 @@ def test_from_pretrained_matches_diffusers(cfg, shard, tmp_path):
         expected = reference(**inputs, return_dict=False)[0]
         got = ours(**inputs)
     assert got.shape == expected.shape
-    assert _max_rel(got, expected) <= 1e-5
+    assert relative_error(got, expected) <= 1e-5
 
 
 def test_random_model_roundtrips_through_diffusers(tmp_path):
@@ -67,7 +64,7 @@ def test_random_model_roundtrips_through_diffusers(tmp_path):
     theirs = diffusers.FluxTransformer2DModel.from_pretrained(tmp_path).eval()
     inputs = _inputs(CONFIGS[0], seed=4)
     with torch.no_grad():
-        assert _max_rel(ours(**inputs), theirs(**inputs, return_dict=False)[0]) <= 1e-5
+        assert relative_error(ours(**inputs), theirs(**inputs, return_dict=False)[0]) <= 1e-5
 
 
 def test_krea3_variant_roundtrips_and_differs(tmp_path):

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from ditrun.launch import faults
+from ditrun.launch import faults, rendezvous
 from ditrun import metrics
 from ditrun.metrics import quality, reference, results, timing
 from ditrun.metrics import wandb as wandb_log
@@ -55,7 +55,7 @@ def select_placement(device_key: str, dtype_key: str) -> Placement:
         raise ValueError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
     if device_key == "cuda" and not torch.cuda.is_available():
         raise ValueError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
-    use_gpu = device_key == "cuda" or (device_key == "auto" and torch.cuda.is_available())
+    use_gpu = rendezvous.uses_gpu(device_key)
     device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
     if dtype_key not in ("auto", *DTYPES):
         raise ValueError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
