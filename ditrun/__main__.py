@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
 from ditrun.config import RunConfig, register_configs
+from ditrun.errors import UserError
 
 register_configs()
 
@@ -43,19 +44,16 @@ def _hydra_main(cfg: RunConfig) -> None:
         # The failed rank printed its own traceback; this names it once more, last.
         print(f"ditrun: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
-    except (ValueError, RuntimeError) as err:
+    except UserError as err:
         # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
-        if not is_user_error(err) or os.environ.get("DITRUN_DEBUG"):
+        if os.environ.get("DITRUN_DEBUG"):
             raise
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def is_user_error(err: BaseException) -> bool:
-    from ditrun.model.load import CheckpointError
-    from ditrun.workload import WorkloadError
-
-    return isinstance(err, (CheckpointError, WorkloadError)) or type(err) is ValueError
+    return isinstance(err, UserError)
 
 
 def main() -> None:

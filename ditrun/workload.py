@@ -19,13 +19,14 @@ import numpy as np
 import torch
 import yaml
 
+from ditrun.errors import UserError
 from ditrun.model.latents import VAE_SCALE, pack, token_ids
 from ditrun.model.sampler import EditInputs
 
 _EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height")
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UserError):
     """A workload the run cannot start with; the message names the edit."""
 
 

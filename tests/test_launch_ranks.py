@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from ditrun.errors import UserError
 from ditrun.config import RunConfig
 from ditrun.launch import env, faults, run_as_rank, with_world
 from ditrun.launch.rendezvous import format_ranks
@@ -171,6 +172,6 @@ def test_the_spawner_names_the_rank_that_vanished_not_its_victims():
         spawn._raise_first_failure([(1, "RuntimeError: Connection closed by peer")], [(1, 1), (3, -9), (0, 3)])
     with pytest.raises(WorkerFailed, match="rank 1 failed: RuntimeError: the GPU caught fire"):
         spawn._raise_first_failure([(1, "RuntimeError: the GPU caught fire")], [(1, 1), (0, 3), (2, 3)])
-    with pytest.raises(ValueError, match="layout=ulysses needs"):  # a config error comes back as itself
-        mistake = ValueError("layout=ulysses needs ...")
+    with pytest.raises(UserError, match="layout=ulysses needs"):  # a config error comes back as itself
+        mistake = UserError("layout=ulysses needs ...")
         spawn._raise_first_failure([(0, mistake), (1, mistake)], [(0, 2), (1, 2)])

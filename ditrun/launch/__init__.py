@@ -23,10 +23,11 @@ from typing import Optional
 import torch.distributed as dist
 
 from ditrun.launch import env, faults, rendezvous, worker
+from ditrun.errors import UserError
 
 
 class WorkerFailed(RuntimeError):
-    """A rank of this job failed; the message names it. (User errors are ValueErrors instead.)"""
+    """A rank of this job failed; the message names it. (User mistakes are ``UserError``s instead.)"""
 
 
 def launch(cfg, out_dir: Path) -> Optional[dict]:
@@ -52,12 +53,12 @@ def check_launcher_config(cfg, world: int) -> None:
     """Launcher settings a user can get wrong."""
     launcher = cfg.launcher
     if world < 1:
-        raise ValueError(f"launcher.world={world} must be at least 1.")
+        raise UserError(f"launcher.world={world} must be at least 1.")
     for key in ("rendezvous_timeout_s", "collective_timeout_s"):
         if getattr(launcher, key) <= 0:
-            raise ValueError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
+            raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
     if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
-        raise ValueError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
+        raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
     faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
 
 
@@ -95,7 +96,7 @@ def with_world(cfg, info: env.RankInfo):
     must agree with it.
     """
     if cfg.launcher.world not in (1, info.world):
-        raise ValueError(
+        raise UserError(
             f"launcher.world={cfg.launcher.world} but {info.launcher} started {info.world} ranks; "
             f"set launcher.world={info.world} or leave it unset."
         )

@@ -21,6 +21,7 @@ import socket
 import zlib
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
+from ditrun.errors import UserError
 
 # Ports derived from a job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
 # ephemeral range (32768+), so a derived port never collides with an outgoing connection.
@@ -110,7 +111,7 @@ def _int(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer.") from None
+        raise UserError(f"environment variable {name}={value!r} must be an integer.") from None
 
 
 def _from_table(table: RankTable, environ: Mapping[str, str]) -> RankInfo:
@@ -144,7 +145,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
     for item in spec.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
         if not match:
-            raise ValueError(f"cannot read Slurm's tasks-per-node list {spec!r}.")
+            raise UserError(f"cannot read Slurm's tasks-per-node list {spec!r}.")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -187,7 +188,7 @@ def _expand_range_list(ranges: str, item: str) -> list[str]:
     for part in ranges.split(","):
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):
-            raise ValueError(f"cannot read Slurm host list entry {item!r}.")
+            raise UserError(f"cannot read Slurm host list entry {item!r}.")
         width = len(low)
         values += [str(n).zfill(width) for n in range(int(low), int(high or low) + 1)]
     return values
@@ -242,7 +243,7 @@ def with_address(info: RankInfo, port_override: Optional[int]) -> RankInfo:
         return info
     if info.launcher in MPI_LAUNCHERS:
         return _broadcast_address(info)
-    raise ValueError(f"{info.launcher} does not say where rank 0 listens: export MASTER_ADDR and MASTER_PORT.")
+    raise UserError(f"{info.launcher} does not say where rank 0 listens: export MASTER_ADDR and MASTER_PORT.")
 
 
 def _broadcast_address(info: RankInfo) -> RankInfo:

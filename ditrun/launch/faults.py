@@ -21,6 +21,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from ditrun.errors import UserError
 
 STOP = "ditrun/stop"
 DONE = "done"
@@ -49,11 +50,11 @@ def inject(fault_cfg, step: int) -> None:
 
 def check_fault_config(fault_cfg, world: int, steps: int) -> None:
     if fault_cfg.crash_rank is not None and not 0 <= fault_cfg.crash_rank < world:
-        raise ValueError(
+        raise UserError(
             f"launcher.fault.crash_rank={fault_cfg.crash_rank} is not a rank of this job; allowed: 0 to {world - 1}."
         )
     if not 0 <= fault_cfg.crash_at_step < steps:
-        raise ValueError(
+        raise UserError(
             f"launcher.fault.crash_at_step={fault_cfg.crash_at_step} is not a denoising step; "
             f"allowed: 0 to {steps - 1} (workload.steps={steps})."
         )

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.launch.env import RankInfo
+from ditrun.errors import UserError
 
 KEY = "ditrun/"
 ARRIVED = KEY + "arrived"
@@ -77,7 +78,7 @@ def bind_device(device_key: str, local_rank: int, local_world: int) -> torch.dev
     elif count == 1:
         index = 0
     else:
-        raise ValueError(
+        raise UserError(
             f"{local_world} ranks run on this node but each sees {count} GPUs ({_visible_devices()}); "
             "give every rank one GPU (srun --gpus-per-task=1) or let every rank see all of them."
         )

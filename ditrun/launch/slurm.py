@@ -21,6 +21,7 @@ import string
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
+from ditrun.errors import UserError
 
 TEMPLATE = string.Template("""\
 #!/bin/bash
@@ -72,13 +73,13 @@ class SbatchParams:
 
 def check_params(params: SbatchParams) -> None:
     if params.nodes < 1:
-        raise ValueError(f"--nodes={params.nodes} must be at least 1.")
+        raise UserError(f"--nodes={params.nodes} must be at least 1.")
     if params.gpus_per_node < 0:
-        raise ValueError(f"--gpus-per-node={params.gpus_per_node} must be 0 (CPU nodes) or more.")
+        raise UserError(f"--gpus-per-node={params.gpus_per_node} must be 0 (CPU nodes) or more.")
     if params.gpus_per_node == 0 and not params.tasks_per_node:
-        raise ValueError("--gpus-per-node=0 needs --tasks-per-node: there is no GPU to count tasks by.")
+        raise UserError("--gpus-per-node=0 needs --tasks-per-node: there is no GPU to count tasks by.")
     if params.tasks_per_node is not None and params.gpus_per_node and params.tasks_per_node != params.gpus_per_node:
-        raise ValueError(
+        raise UserError(
             f"--tasks-per-node={params.tasks_per_node} differs from --gpus-per-node={params.gpus_per_node}; "
             "ditrun runs one task per GPU."
         )
@@ -145,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     try:
         script = render_sbatch(params, render_args=" ".join(shlex.quote(a) for a in _without_output(argv)))
-    except ValueError as err:
+    except UserError as err:
         print(f"ditrun: error: {err}", file=sys.stderr)
         return 2
     if args.output:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ditrun.launch import env, faults, rendezvous
+from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
 # end them within a second or two) before they are terminated.
@@ -53,7 +54,7 @@ def check_local_devices(device_key: str, world: int) -> None:
         return
     gpus = torch.cuda.device_count()
     if world > gpus:
-        raise ValueError(
+        raise UserError(
             f"launcher.world={world} but this machine has {gpus} GPUs (one rank per GPU); "
             f"set launcher.world to at most {gpus}, or device=cpu."
         )

@@ -35,6 +35,7 @@ from ditrun.parallel.cfg import layout_velocity
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.base import make_transport
 from ditrun.workload import Edit, check_sources, edit_inputs, resolve_edits
+from ditrun.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLEMENTED_FORMATS = ("bf16",)
@@ -52,13 +53,13 @@ class Placement:
 
 def select_placement(device_key: str, dtype_key: str) -> Placement:
     if device_key not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
+        raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
     if device_key == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
+        raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
     use_gpu = rendezvous.uses_gpu(device_key)
     device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
     if dtype_key not in ("auto", *DTYPES):
-        raise ValueError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
+        raise UserError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
     if dtype_key != "auto":
         return Placement(device, DTYPES[dtype_key], f"{dtype_key} (model.dtype)")
     if use_gpu:
@@ -75,15 +76,15 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     for component in ("mlp", "qkv", "out", "attention"):
         value = getattr(cfg.precision, component)
         if value not in IMPLEMENTED_FORMATS:
-            raise ValueError(
+            raise UserError(
                 f"precision.{component}={value!r} is not available; allowed: {', '.join(IMPLEMENTED_FORMATS)}."
             )
     if cfg.transport.name not in IMPLEMENTED_TRANSPORTS:
-        raise ValueError(
+        raise UserError(
             f"transport={cfg.transport.name!r} is not available; allowed: {', '.join(IMPLEMENTED_TRANSPORTS)}."
         )
     if cfg.workload.steps < 1:
-        raise ValueError(f"workload.steps={cfg.workload.steps} must be at least 1.")
+        raise UserError(f"workload.steps={cfg.workload.steps} must be at least 1.")
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     return plan_layout(cfg.layout, world, model_geometry(cfg.model).num_attention_heads)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ditrun.errors import UserError
+
 
 def check_config(cfg) -> None:
     """Mistakes in ``metrics.*`` and ``wandb.*``, raised before any model is built."""
@@ -10,12 +12,12 @@ def check_config(cfg) -> None:
 
     metrics = cfg.metrics
     if metrics.warmup_edits < 0:
-        raise ValueError(f"metrics.warmup_edits={metrics.warmup_edits} must be 0 or more.")
+        raise UserError(f"metrics.warmup_edits={metrics.warmup_edits} must be 0 or more.")
     if metrics.reference_dtype is not None and metrics.reference_dtype not in REFERENCE_DTYPES:
-        raise ValueError(f"metrics.reference_dtype={metrics.reference_dtype!r} is unknown; "
+        raise UserError(f"metrics.reference_dtype={metrics.reference_dtype!r} is unknown; "
                          f"allowed: {', '.join(REFERENCE_DTYPES)} (or unset for the run's own dtype).")
     if metrics.min_ssim_pct is not None and not metrics.ssim:
-        raise ValueError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} needs metrics.ssim=true.")
+        raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} needs metrics.ssim=true.")
     if metrics.min_ssim_pct is not None and metrics.min_ssim_pct <= 0:
-        raise ValueError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} must be a percentage above 0.")
+        raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} must be a percentage above 0.")
     wandb_log.check_config(cfg.wandb)

@@ -19,6 +19,7 @@ import yaml
 from hydra.experimental.callback import Callback
 
 from ditrun.metrics.results import EDITS_FILE, SUMMARY_FILE, finished_edits
+from ditrun.errors import UserError
 
 REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
@@ -84,7 +85,7 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[
     if baseline is not None:
         match = [r for r in runs if baseline in (r.label, r.label.split(":")[0])]
         if not match:
-            raise ValueError(f"--baseline {baseline!r} names no run; runs: {', '.join(r.label for r in runs)}.")
+            raise UserError(f"--baseline {baseline!r} names no run; runs: {', '.join(r.label for r in runs)}.")
         return match[0]
     timed = [r for r in runs if r.dit_s]
     plain = [r for r in timed if (r.setting("layout"), r.setting("precision"), r.setting("world")) == ("single", "bf16", 1)]
@@ -199,10 +200,10 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
     """Write ``report.md`` and the charts for the runs under ``root``; returns (text table, report path)."""
     root = Path(root)
     if not root.is_dir():
-        raise ValueError(f"{root} is not a directory; give a ditrun run or multirun directory.")
+        raise UserError(f"{root} is not a directory; give a ditrun run or multirun directory.")
     runs = [load_run(p, root) for p in find_runs(root)]
     if not runs:
-        raise ValueError(f"{root} holds no ditrun run (no {SUMMARY_FILE} in it or below it).")
+        raise UserError(f"{root} holds no ditrun run (no {SUMMARY_FILE} in it or below it).")
     label_with_overrides(runs)
     chosen = choose_baseline(runs, baseline)
     rows = table_rows(runs, chosen)
@@ -223,7 +224,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         text, report = write_report(args.path, args.out, args.baseline)
-    except ValueError as err:
+    except UserError as err:
         print(f"ditrun: error: {err}", file=sys.stderr)
         return 2
     print(text)
@@ -239,7 +240,7 @@ class SweepReport(Callback):
             return
         try:
             text, report = write_report(Path(config.hydra.sweep.dir))
-        except ValueError as err:  # every job failed before writing a summary
+        except UserError as err:  # every job failed before writing a summary
             print(f"ditrun: no sweep report: {err}", file=sys.stderr)
             return
         print(text)

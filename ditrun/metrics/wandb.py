@@ -20,6 +20,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from ditrun.metrics.quality import ssim_map
+from ditrun.errors import UserError
 
 MODES = ("offline", "online", "disabled")
 # Record fields logged as history, one row per edit (numbers only; the table has the rest).
@@ -31,9 +32,9 @@ TABLE_COLUMNS = ("edit", "layout", "precision", "transport", "world", "dit_s", "
 
 def check_config(wandb_cfg) -> None:
     if wandb_cfg.mode not in MODES:
-        raise ValueError(f"wandb.mode={wandb_cfg.mode!r} is unknown; allowed: {', '.join(MODES)}.")
+        raise UserError(f"wandb.mode={wandb_cfg.mode!r} is unknown; allowed: {', '.join(MODES)}.")
     if wandb_cfg.images < 0:
-        raise ValueError(f"wandb.images={wandb_cfg.images} must be 0 or more.")
+        raise UserError(f"wandb.images={wandb_cfg.images} must be 0 or more.")
 
 
 def default_name(cfg) -> str:

@@ -19,6 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from ditrun.errors import UserError
 
 # q, k, v: [B, S, H, D] -> [B, S, H, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,14 +64,14 @@ class DiTGeometry:
 
     def __post_init__(self):
         if sum(self.axes_dims_rope) != self.attention_head_dim:
-            raise ValueError(
+            raise UserError(
                 f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim="
                 f"{self.attention_head_dim}."
             )
         if self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"mlp={self.mlp!r} is unknown; allowed: gelu, swiglu.")
+            raise UserError(f"mlp={self.mlp!r} is unknown; allowed: gelu, swiglu.")
         if self.modulation_norm not in ("layer", "rms"):
-            raise ValueError(f"modulation_norm={self.modulation_norm!r} is unknown; allowed: layer, rms.")
+            raise UserError(f"modulation_norm={self.modulation_norm!r} is unknown; allowed: layer, rms.")
 
     @property
     def inner_dim(self) -> int:

@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ditrun.errors import UserError
 from ditrun.model.dit import DiTGeometry, FluxDiT
 
 CONFIG_NAME = "config.json"
@@ -26,7 +27,7 @@ INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 _GEOMETRY_KEYS = {f.name for f in dataclasses.fields(DiTGeometry)}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be loaded; the message is one sentence naming the file or key."""
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ditrun.model.dit import DiTGeometry
+from ditrun.errors import UserError
 
 PRESETS: dict[str, DiTGeometry] = {
     # CI: every code path in well under a second per step on one CPU core.
@@ -39,10 +40,10 @@ _OVERRIDABLE = (
 def geometry_from_config(model_cfg) -> DiTGeometry:
     """The preset named by ``model.preset`` with every ``model.*`` geometry key that is set applied."""
     if model_cfg.preset not in PRESETS:
-        raise ValueError(f"model.preset={model_cfg.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
+        raise UserError(f"model.preset={model_cfg.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
     overrides = {k: getattr(model_cfg, k) for k in _OVERRIDABLE if getattr(model_cfg, k) is not None}
     if model_cfg.variant is not None:
         if model_cfg.variant not in VARIANTS:
-            raise ValueError(f"model.variant={model_cfg.variant!r} is unknown; allowed: {', '.join(VARIANTS)}.")
+            raise UserError(f"model.variant={model_cfg.variant!r} is unknown; allowed: {', '.join(VARIANTS)}.")
         overrides.update(VARIANTS[model_cfg.variant])
     return dataclasses.replace(PRESETS[model_cfg.preset], **overrides)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from ditrun.errors import UserError
 
 # (x [B, S_img, C] fp32, sigma) -> guided velocity [B, S_img, C] fp32
 VelocityFn = Callable[[torch.Tensor, float], torch.Tensor]
@@ -57,7 +58,7 @@ def time_shift_mu(image_seq_len: int, base_len: int = 256, max_len: int = 4096,
 def flux_sigmas(steps: int, image_seq_len: int) -> list[float]:
     """Noise levels from 1 to 0: ``steps`` shifted levels, then a final 0."""
     if steps < 1:
-        raise ValueError(f"workload.steps={steps} must be at least 1.")
+        raise UserError(f"workload.steps={steps} must be at least 1.")
     mu = time_shift_mu(image_seq_len)
     raw = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
     shifted = math.exp(mu) / (math.exp(mu) + (1.0 / raw - 1.0))

@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch.distributed as dist
+from ditrun.errors import UserError
 
 LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
 AXES = ("replica", "cfg", "sp")
@@ -83,15 +84,15 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
     """Validate ``layout.*`` against the world size and head count; each failure is one sentence."""
     name, replicas, head_groups = layout_cfg.name, layout_cfg.replicas, layout_cfg.head_groups
     if name not in LAYOUTS:
-        raise ValueError(f"layout={name!r} is unknown; allowed: {', '.join(LAYOUTS)}.")
+        raise UserError(f"layout={name!r} is unknown; allowed: {', '.join(LAYOUTS)}.")
     if world < 1:
-        raise ValueError(f"launcher.world={world} must be a positive integer.")
+        raise UserError(f"launcher.world={world} must be a positive integer.")
     if replicas < 1:
-        raise ValueError(f"layout.replicas={replicas} must be a positive integer.")
+        raise UserError(f"layout.replicas={replicas} must be a positive integer.")
     if head_groups < 1:
-        raise ValueError(f"layout.head_groups={head_groups} must be a positive integer.")
+        raise UserError(f"layout.head_groups={head_groups} must be a positive integer.")
     if world % replicas:
-        raise ValueError(
+        raise UserError(
             f"launcher.world={world} is not a multiple of layout.replicas={replicas}; "
             f"allowed launcher.world: multiples of {replicas} (replicas x workers per replica)."
         )
@@ -105,17 +106,17 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
 
 def _check_workers(name, world, replicas, workers, head_groups) -> None:
     if name == "single" and workers != 1:
-        raise ValueError(
+        raise UserError(
             f"layout=single runs one worker per replica, so launcher.world={world} must equal "
             f"layout.replicas={replicas}; use layout=ulysses, cfg_batch or cfg_split for more workers per replica."
         )
     if name == "single" and head_groups != 1:
-        raise ValueError(
+        raise UserError(
             f"layout.head_groups={head_groups} overlaps exchanges that layout=single does not have; "
             "allowed with layout=single: 1."
         )
     if name == "cfg_split" and workers % 2:
-        raise ValueError(
+        raise UserError(
             f"layout=cfg_split needs an even number of workers per replica, but launcher.world={world} / "
             f"layout.replicas={replicas} = {workers}; allowed launcher.world: multiples of {2 * replicas}."
         )
@@ -124,14 +125,14 @@ def _check_workers(name, world, replicas, workers, head_groups) -> None:
 def _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads) -> None:
     if num_heads % sp_degree:
         allowed = ", ".join(str(replicas * cfg_degree * d) for d in divisors(num_heads))
-        raise ValueError(
+        raise UserError(
             f"model.num_attention_heads={num_heads} is not divisible by the Ulysses degree {sp_degree} "
             f"(layout={name}, launcher.world={world}, layout.replicas={replicas}); allowed launcher.world: {allowed}."
         )
     heads_per_worker = num_heads // sp_degree
     if heads_per_worker % head_groups:
         allowed = ", ".join(str(d) for d in divisors(heads_per_worker))
-        raise ValueError(
+        raise UserError(
             f"layout.head_groups={head_groups} must divide the {heads_per_worker} heads per worker "
             f"(model.num_attention_heads={num_heads} / Ulysses degree {sp_degree}); allowed: {allowed}."
         )

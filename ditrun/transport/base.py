@@ -18,6 +18,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ditrun.metrics.timing import ExposedTransfer
+from ditrun.errors import UserError
 
 
 class Handle(Protocol):
@@ -64,7 +65,7 @@ def make_transport(name: str, group, timer: ExposedTransfer) -> Transport:
         from ditrun.transport.collective import CollectiveTransport
 
         return CollectiveTransport(group, timer)
-    raise ValueError(f"transport={name!r} is not available; allowed: collective.")
+    raise UserError(f"transport={name!r} is not available; allowed: collective.")
 
 
 def all_gather_rows(transport: Transport, rows: torch.Tensor, sizes: Sequence[int], kind: str) -> Handle:
