@@ -26,6 +26,7 @@ _gate_failures: list[str] = []
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.launch import WorkerFailed, launch
+    from ditrun.launch.stop import RunStopped
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
 
@@ -40,6 +41,10 @@ def _hydra_main(cfg: RunConfig) -> None:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             sys.exit(1)
         _gate_failures.append(f"{out_dir}: {err}")
+    except RunStopped as err:
+        # Finished edits are on disk; the exit status (128 + signal) tells a scheduler it was stopped.
+        print(f"ditrun: {err}; rerun the same command to resume (results: {out_dir})", file=sys.stderr, flush=True)
+        sys.exit(err.exit_code)
     except WorkerFailed as err:
         # The failed rank printed its own traceback; this names it once more, last.
         print(f"ditrun: {err}", file=sys.stderr, flush=True)

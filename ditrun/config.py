@@ -153,7 +153,11 @@ class LauncherConfig:
     rendezvous_timeout_s: float = 120.0
     """Seconds to wait for all ranks to join before failing with the ranks that did not arrive."""
     collective_timeout_s: float = 60.0
-    """Seconds any single collective may take before the job is failed instead of hanging."""
+    """Seconds any single collective may take before the job is failed instead of hanging; also how long a
+    rank may go without finishing a denoising step while the others wait for it at the end of the run."""
+    stop_timeout_s: float = 30.0
+    """After a stop signal reached ditrun's own spawner, or a rank's parent process died: seconds the ranks
+    get to stop at a step boundary before they are killed."""
     master_port: Optional[int] = None
     """Rendezvous port; unset derives one from the job id (or picks a free one locally)."""
     fault: FaultConfig = field(default_factory=FaultConfig)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,6 +25,9 @@ from ditrun.model.latents import VAE_SCALE, pack, token_ids
 from ditrun.model.sampler import EditInputs
 
 _EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height")
+# An edit id names its output files, so it must be a plain file stem: nothing that could climb
+# out of the results directory, make a sub-folder or hide a file.
+SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class WorkloadError(UserError):
@@ -91,6 +95,11 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
     if not isinstance(entry, dict):
         raise WorkloadError(f"workload edit #{index} is not a mapping of {', '.join(_EDIT_KEYS)}.")
     name = entry.get("id") or f"edit{index:04d}"
+    if not SAFE_ID.fullmatch(str(name)):
+        raise WorkloadError(
+            f"edit id {str(name)!r} is not a file stem; use letters, digits, '.', '_' and '-', starting with a "
+            "letter or digit, at most 128 characters (ids name the output files)."
+        )
     unknown = sorted(set(entry) - set(_EDIT_KEYS))
     if unknown:
         raise WorkloadError(f"edit {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(_EDIT_KEYS)}.")

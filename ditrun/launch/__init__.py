@@ -8,10 +8,11 @@
   is started torchrun-style and takes the path above;
 - otherwise: run the worker in this process, with no process group at all.
 
-Every rank reaches ``worker.run(cfg, out_dir)`` the same way: device bound, the rendezvous
+Every rank reaches ``worker.run(cfg, out_dir, job)`` the same way: device bound, the rendezvous
 met (ranks that never arrive are named), ``torch.distributed`` initialised (gloo on CPUs, nccl
-on GPUs), the same results directory as rank 0, and a watchdog that ends the rank when another
-one fails.
+on GPUs), the same results directory as rank 0, a watchdog that ends the rank when another
+one fails, stop signals caught (``stop.py``) and its parent watched, and ``job`` (``job.py``)
+to share rank 0's decisions, stop together and end the run together.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from ditrun.launch import env, faults, rendezvous, worker
+from ditrun.launch.job import LocalJob, StoreJob
+from ditrun.launch.stop import RunStopped, StopRequest
 from ditrun.errors import UserError
 
 
@@ -40,7 +43,11 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
         from ditrun.launch import spawn
 
         return spawn.spawn_local(cfg, out_dir)
-    return worker.run(cfg, out_dir)
+    stop = StopRequest().install()
+    try:
+        return worker.run(cfg, out_dir, LocalJob(stop))
+    finally:
+        stop.restore()
 
 
 def check_config(cfg, world: int) -> None:
@@ -54,7 +61,7 @@ def check_launcher_config(cfg, world: int) -> None:
     launcher = cfg.launcher
     if world < 1:
         raise UserError(f"launcher.world={world} must be at least 1.")
-    for key in ("rendezvous_timeout_s", "collective_timeout_s"):
+    for key in ("rendezvous_timeout_s", "collective_timeout_s", "stop_timeout_s"):
         if getattr(launcher, key) <= 0:
             raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
     if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
@@ -74,18 +81,28 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     if info.rank == 0:
         print(f"ditrun: {info.world} ranks on {info.nodes} node(s) ({info.launcher}) met at {meeting.address}; "
               f"{backend}, rank 0 on {device}", flush=True)
+    stop = StopRequest().install()
+    stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
+    stopped = summary = None
     try:
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         watchdog = faults.Watchdog(meeting, info.rank).start()
-        summary = work(cfg, Path(meeting.shared["out_dir"]))
+        job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s)
+        summary = work(cfg, Path(meeting.shared["out_dir"]), job)
+    except RunStopped as err:
+        stopped = err  # not a failure: the run ends as a good one does, then says it was stopped
     except BaseException as err:
         faults.report(meeting.store, info.rank, err)
         raise
+    finally:
+        stop.restore()
     rendezvous.finish(meeting, info)
     if info.rank == 0:
         faults.release(meeting.store)
     watchdog.join()
     dist.destroy_process_group()
+    if stopped is not None:
+        raise stopped
     return summary
 
 

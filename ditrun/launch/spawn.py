@@ -5,6 +5,11 @@ started exactly as torchrun would start it (``RANK``, ``LOCAL_RANK``, ``WORLD_SI
 ``MASTER_ADDR``, ``MASTER_PORT``), so it takes the same path through ``run_as_rank`` as a rank
 of any other launcher. This process only supervises: it returns rank 0's summary, or, when a
 rank fails, stops the others and reports the rank that failed first.
+
+A stop signal sent to this process (SIGTERM, SIGINT, SIGUSR1) is passed on to every rank, which
+stop together at a step boundary; ranks still running ``launcher.stop_timeout_s`` later are
+killed. If this process itself is killed outright, each rank notices its parent is gone
+(``stop.py``) and stops the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ditrun.launch import env, faults, rendezvous
+from ditrun.launch.stop import RunStopped, StopRequest
 from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -39,13 +45,22 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
     ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, pipes[rank][1]),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
-    for process, (_, sender) in zip(ranks, pipes):
-        process.start()
-        sender.close()  # the rank holds the only sending end, so its exit closes the pipe
+    stop = StopRequest().install(relay=lambda signum: _relay(ranks, signum))
     try:
-        return _supervise(ranks, [receiver for receiver, _ in pipes])
+        for process, (_, sender) in zip(ranks, pipes):
+            process.start()
+            sender.close()  # the rank holds the only sending end, so its exit closes the pipe
+        return _supervise(ranks, [receiver for receiver, _ in pipes], stop, cfg.launcher.stop_timeout_s)
     finally:
+        stop.restore()
         _stop(ranks)
+
+
+def _relay(ranks, signum: int) -> None:
+    """Pass a stop signal on to every rank still running; they decide together when to stop."""
+    for process in ranks:
+        if process.pid is not None and process.exitcode is None:
+            os.kill(process.pid, signum)
 
 
 def check_local_devices(device_key: str, world: int) -> None:
@@ -75,6 +90,10 @@ def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender) -> 
 
     try:
         summary = run_as_rank(cfg, out_dir, env.discover())
+    except (RunStopped, KeyboardInterrupt) as err:
+        stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
+        sender.send(("stopped", rank, stopped.signum))
+        sys.exit(stopped.exit_code)
     except BaseException as err:  # every way a rank ends must reach the supervisor
         verdict = _is_verdict(err, is_user_error)
         if not verdict:
@@ -92,8 +111,8 @@ def _is_verdict(err: BaseException, is_user_error) -> bool:
     return is_user_error(err) or isinstance(err, QualityGateError)
 
 
-def _supervise(ranks, receivers) -> dict:
-    """Wait for every rank; the first failure stops the rest."""
+def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float) -> dict:
+    """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
     summary, reports, exits, stop_at = None, [], [], None
     alive, open_pipes = list(ranks), list(receivers)
     while alive or open_pipes:
@@ -102,13 +121,23 @@ def _supervise(ranks, receivers) -> dict:
             summary = _receive(receiver, open_pipes, reports) or summary
         exits += [(ranks.index(p), p.exitcode) for p in alive if p.exitcode is not None]
         alive = [p for p in alive if p.exitcode is None]
-        if stop_at is None and (reports or any(code for _, code in exits)):
+        if stop_at is None and (_failed(reports) or any(code for _, code in exits)):
             stop_at = time.monotonic() + STOP_GRACE_S
+        if stop_at is None and stop.signum is not None:
+            stop_at = time.monotonic() + stop_timeout_s
         if alive and stop_at is not None and time.monotonic() > stop_at:
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
-    _raise_first_failure(reports, exits)
+    stopped = [payload for _, payload, kind in reports if kind == "stopped"]
+    _raise_first_failure([(rank, payload) for rank, payload, kind in reports if kind == "failed"],
+                         [(rank, code) for rank, code in exits if not stopped or code != 128 + stopped[0]])
+    if stopped or stop.signum is not None:
+        raise RunStopped(stopped[0] if stopped else stop.signum)
     return summary
+
+
+def _failed(reports: list) -> bool:
+    return any(kind == "failed" for _, _, kind in reports)
 
 
 def _receive(receiver, open_pipes: list, reports: list) -> dict | None:
@@ -118,8 +147,8 @@ def _receive(receiver, open_pipes: list, reports: list) -> dict | None:
     except EOFError:
         open_pipes.remove(receiver)
         return None
-    if kind == "failed":
-        reports.append((rank, payload[0]))
+    if kind in ("failed", "stopped"):
+        reports.append((rank, payload[0], kind))
         return None
     return payload[0] if rank == 0 else None
 

@@ -18,11 +18,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 from ditrun.launch import faults, rendezvous
+from ditrun.launch.job import LocalJob, job_of_process_group
+from ditrun.launch.stop import RunStopped
 from ditrun import metrics
-from ditrun.metrics import quality, reference, results, timing
+from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
@@ -122,7 +123,12 @@ def device_name(device: torch.device) -> str:
 
 
 class Run:
-    """State of one worker's run: placement, layout, model, codec and output directory."""
+    """State of one worker's run: placement, layout, model, codec and output directory.
+
+    Built in two stages: the constructor makes every check and the process groups (seconds);
+    ``load`` makes the references and builds the model (minutes for a large one), once the
+    results directory has been claimed.
+    """
 
     def __init__(self, cfg, out_dir: Path):
         self.cfg = cfg
@@ -133,7 +139,11 @@ class Run:
         check_sources(self.edits)
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
+        self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
+
+    def load(self) -> None:
+        cfg = self.cfg
         # References first: their model is freed before the measured one is built.
         self.references = self._references() if cfg.metrics.ssim else None
         reset_peak_memory(self.placement.device)
@@ -143,6 +153,14 @@ class Run:
                            for axis in ("sp", "cfg")}
         self.model = build_model(cfg.model, self.placement)
         self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
+
+    def _result_settings(self, edit: Edit) -> dict:
+        """Everything that changes this edit's result (not the layout, transport or world size)."""
+        _, described = reference.reference_key(self.cfg, self.geometry, edit, self.placement.dtype,
+                                               self.placement.device.type)
+        described.pop("format")
+        precision = self.cfg.precision
+        return {**described, "precision": {c: getattr(precision, c) for c in ("mlp", "qkv", "out", "attention")}}
 
     def _references(self) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
@@ -161,8 +179,11 @@ class Run:
         self.layout.barrier()
         return references
 
-    def run_edit(self, edit: Edit, progress=None) -> Optional[dict]:
-        """Run one edit on this rank; the rank that writes its replica's results gets the record."""
+    def run_edit(self, edit: Edit, job: LocalJob, progress=None) -> Optional[dict]:
+        """Run one edit on this rank; the rank that writes its replica's results gets the record.
+
+        Raises ``RunStopped`` at a step boundary when the replica's ranks agree to stop.
+        """
         cfg, placement = self.cfg, self.placement
         with Interval(placement.device) as encode:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
@@ -178,6 +199,8 @@ class Run:
             faults.inject(cfg.launcher.fault, i)
             if progress is not None:
                 progress.update(1)
+            job.beat(f"edit {edit.id!r}, denoising step {i}")
+            _stop_if_asked(job, self.layout)
 
         timer.start()
         with torch.inference_mode():
@@ -190,8 +213,8 @@ class Run:
         with Interval(placement.device) as decode:
             image = results.to_rgb8(self.codec.decode(unpack(latents, h, w)))
         png = f"{edit.id}.png"
-        results.save_png(image, self.out_dir / png)
-        save_file({"latents": latents.cpu().contiguous()}, str(self.out_dir / f"{edit.id}.latents.safetensors"))
+        results.save_png(image, results.output_path(self.out_dir, png))
+        results.save_latents(latents, results.output_path(self.out_dir, f"{edit.id}.latents.safetensors"))
         ref = self.references.get(edit.id) if self.references is not None else None
         return self._record(edit, step_s, exposed, png, {
             **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds})
@@ -208,12 +231,15 @@ class Run:
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
             **quality_fields, "image": png, "replica": self.layout.replica, "head_groups": plan.head_groups,
             "latents": f"{edit.id}.latents.safetensors", **measured,
+            "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 
-    def summary(self, records: list[dict], wall_s: float) -> dict:
+    def summary(self, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None) -> dict:
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "edits": len(records),
+            "complete": len(records) == len(self.edits),
+            "stopped": str(stopped) if stopped else None,
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
@@ -226,48 +252,95 @@ class Run:
         }
 
 
-def run(cfg, out_dir: Path) -> Optional[dict]:
+def run(cfg, out_dir: Path, job: Optional[LocalJob] = None) -> Optional[dict]:
     """Run this rank's part of the workload; returns the summary on global rank 0, None elsewhere.
 
-    Edits are shared out over the replicas before the records of a resumed run are read, so
-    every rank of a replica agrees on its edits without talking; only the replica's records
-    are ever appended by its own writer, after all its ranks have started. Global rank 0 alone
-    logs to W&B, writes the summary and the report, and applies the SSIM gate.
+    Global rank 0 claims the results directory (``rundir``: lock, recovery, which edits are
+    done with the same settings) before any model is built, and every rank receives its
+    decision through ``job``. Each replica's writer appends its own records; once every rank
+    has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
+    and applies the SSIM gate. A stop signal ends the edit loop at a step boundary; the run
+    then ends the same way and raises ``RunStopped``.
     """
+    job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     state = Run(cfg, out_dir)
     layout = state.layout
-    done = results.finished_edits(out_dir)
-    if layout.rank == 0:
-        _print_start(state, out_dir, len(done))
-    logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
+    lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
+    try:
+        done = set(job.share("done", lambda: _claim(lock, state, out_dir)))
+        state.load()
+        logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
+        stopped = _run_edits(state, job, done, out_dir, logger)
+        job.end_of_run()  # rank 0: every replica's records are written
+        if layout.rank == 0:
+            rundir.merge_replica_files(out_dir)
+            summary = _finish(state, logger, out_dir, time.perf_counter() - start, stopped)
+    finally:
+        if lock is not None:
+            lock.release()
+    if stopped is not None:
+        raise stopped
+    return summary if layout.rank == 0 else None
+
+
+def _claim(lock: rundir.RunLock, state: Run, out_dir: Path) -> list[str]:
+    """Global rank 0: lock the directory, recover its records, and say which edits are done."""
+    lock.acquire()
+    done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
+    _print_start(state, out_dir, len(done))
+    return done
+
+
+def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> Optional[RunStopped]:
+    """This replica's edits not yet done, in order; the stop that ended them early, if any."""
+    cfg, layout = state.cfg, state.layout
+    # Every writer appends to its own file: concurrent appends from several nodes are not atomic.
+    records_file = rundir.records_file(out_dir, layout.replica)
     todo = [edit for edit in layout.edit_share(state.edits) if edit.id not in done]
     with Progress(cfg.progress and layout.rank == 0, len(todo)) as progress:
         for edit in todo:
             bar = progress.edit(edit.id, cfg.workload.steps)
-            record = state.run_edit(edit, bar)
-            bar.close()
+            try:
+                _stop_if_asked(job, layout)
+                record = state.run_edit(edit, job, bar)
+            except RunStopped as stopped:
+                return stopped
+            finally:
+                bar.close()
             if record is not None:
-                results.append_record(out_dir, record)
+                results.append_record(records_file, record)
                 logger.log_edit(record)
             progress.advance()
-    layout.barrier()  # every replica's records are in edits.jsonl
-    if layout.rank != 0:
-        return None
-    return _finish(state, logger, out_dir, time.perf_counter() - start)
+    return None
 
 
-def _finish(state: Run, logger, out_dir: Path, wall_s: float) -> dict:
-    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate."""
+def _stop_if_asked(job: LocalJob, layout) -> None:
+    signum = job.should_stop(layout.agree_max)
+    if signum is not None:
+        raise RunStopped(signum, f" ({job.stop.reason})" if job.stop.reason else "")
+
+
+def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped]) -> dict:
+    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate.
+
+    A stopped run writes its summary (``complete: false``) and closes its W&B run, but leaves the
+    report and the SSIM gate to the run that completes the workload.
+    """
     cfg = state.cfg
     done = results.finished_edits(out_dir)
     records = [done[e.id] for e in state.edits if e.id in done]
-    summary = state.summary(records, wall_s)
+    summary = state.summary(records, wall_s, stopped)
+    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
-                   failure=quality.gate_failure(summary, cfg.metrics.min_ssim_pct))
+                   failure=gate)
     results.write_json(out_dir / results.SUMMARY_FILE, summary)
-    logger.finish(records, summary, out_dir, state.references, failed=summary["failure"] is not None)
+    logger.finish(records, summary, out_dir, state.references, failed=gate is not None or stopped is not None)
+    if stopped is not None:
+        print(f"ditrun: {stopped}; {len(records)} of {len(state.edits)} edits are in "
+              f"{out_dir / results.EDITS_FILE}; rerun the same command to resume", flush=True)
+        return summary
     report_file = _write_report(out_dir) if cfg.metrics.report else None
     print_table(records, summary)
     print_locations(cfg, summary, out_dir, report_file)

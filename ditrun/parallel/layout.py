@@ -22,16 +22,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Sequence
 
+import torch
 import torch.distributed as dist
 from ditrun.errors import UserError
 
 LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
 AXES = ("replica", "cfg", "sp")
 
-# How long a finished rank waits at the end of the run for the slowest replica. That wait has
-# no useful bound (replicas may get edits of different sizes), and it need not have one: a rank
-# that dies closes its gloo connections, which fails the barrier at once, and a rank that
-# hangs fails its own collectives within launcher.collective_timeout_s and exits.
+# How long a rank waits at the control group's barriers (after the reference pass, whose length
+# has no useful bound). A rank that dies closes its gloo connections, which fails the barrier at
+# once; the end of the run is watched through the store instead (``launch/job.py``), which names
+# a rank that stops making progress.
 END_OF_RUN_TIMEOUT = timedelta(hours=24)
 
 
@@ -150,6 +151,8 @@ class Layout:
     groups: dict[str, Optional[object]] = field(default_factory=dict)
     control: Optional[object] = None
     """A gloo group over the whole world for the end-of-run barrier (None in a one-process run)."""
+    replica_control: Optional[object] = None
+    """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
 
     @property
     def coords(self) -> dict[str, int]:
@@ -168,6 +171,14 @@ class Layout:
     def edit_share(self, edits: Sequence) -> list:
         """This replica's edits: every ``replicas``-th one, so that all ranks agree without talking."""
         return list(edits[self.replica::self.plan.replicas])
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` of this replica's workers (on the CPU: no device synchronisation)."""
+        if self.replica_control is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_control)
+        return int(tensor.item())
 
     def barrier(self) -> None:
         """Wait for every rank of the run (a no-op in a one-process run)."""
@@ -197,4 +208,17 @@ def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = Non
             if rank in ranks:
                 groups[axis] = group
     control = dist.new_group(backend="gloo", timeout=END_OF_RUN_TIMEOUT)
-    return Layout(plan, rank, groups, control)
+    return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout))
+
+
+def _replica_control(plan: LayoutPlan, rank: int, timeout: Optional[timedelta]):
+    """This replica's gloo group (every rank creates every replica's, in one order)."""
+    mine = None
+    if plan.workers == 1:
+        return mine
+    for replica in range(plan.replicas):
+        ranks = list(range(replica * plan.workers, (replica + 1) * plan.workers))
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -1,0 +1,250 @@
+"""The results directory's writer protocol: one run at a time, one writer per file, every record
+whole, and a rerun resumes only what the same settings produced.
+
+- **Lock.** Global rank 0 holds an exclusive ``fcntl`` lock on ``.ditrun.lock`` for the whole run.
+  POSIX record locks are what NFS (v3 through lockd, v4 natively), Lustre (mounted with
+  ``flock``), GPFS and BeeGFS implement across nodes, and the kernel drops the lock when its
+  holder dies, SIGKILL included, so a crashed run never blocks the next one. On a file system
+  without locks (ENOLCK), a lease file that the holder refreshes every few seconds takes its
+  place; a lease left unrefreshed for ``LEASE_STALE_S`` belongs to a dead run.
+- **One writer per file.** Replica 0's writer (rank 0) appends to ``edits.jsonl``; replica ``r``'s
+  to ``edits.replica<r>.jsonl``. Concurrent ``O_APPEND`` writes from several nodes are not atomic
+  on NFS, so no file ever has two writers; rank 0 merges the replica files into ``edits.jsonl``
+  when every rank has finished (and when a rerun starts, after a crash).
+- **Whole records.** Each record is one ``write`` of one line, then ``fsync``. A line that does not
+  parse, lacks the record's fields or repeats an edit (a torn write, a foreign line, a raced
+  run) is moved to ``edits.rejected.jsonl`` with a warning when the next run starts, and its edit
+  runs again.
+- **Resume only what matches.** Each record carries ``settings`` (everything that changes the
+  edit's result: model and weights, dtype, precision, sampling settings, the edit's size, seed
+  and inputs; not the layout, transport or world size, which change only how it is computed) and
+  their ``fingerprint``. A rerun whose settings differ for an edit already recorded fails before
+  any model is built, naming what differs.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ditrun.errors import UserError
+from ditrun.metrics.results import EDITS_FILE, append_line
+
+LOCK_FILE = ".ditrun.lock"
+LEASE_FILE = ".ditrun.lease"
+REJECTED_FILE = "edits.rejected.jsonl"
+REPLICA_FILE = "edits.replica{}.jsonl"
+LEASE_REFRESH_S = 5.0
+LEASE_STALE_S = 60.0
+# Every record has these; a line without them is not one of ours.
+RECORD_KEYS = ("edit", "seed", "width", "height", "steps", "dit_s", "image", "fingerprint", "settings")
+
+
+class DirectoryBusy(UserError):
+    """Another run holds the results directory."""
+
+
+class SettingsChanged(UserError):
+    """The directory's records were made with other settings than this run's."""
+
+
+def records_file(out_dir: Path, replica: int) -> Path:
+    return out_dir / (EDITS_FILE if replica == 0 else REPLICA_FILE.format(replica))
+
+
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RunLock:
+    """The exclusive right to write into a results directory, held by global rank 0."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self._fd: Optional[int] = None
+        self._lease_stop: Optional[threading.Event] = None
+
+    def acquire(self) -> "RunLock":
+        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EACCES, errno.EAGAIN):
+                raise self._busy((self.out_dir / LOCK_FILE).read_text().strip()) from None
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return self._take_lease()
+            raise
+        os.ftruncate(fd, 0)
+        os.write(fd, _holder().encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+        if self._lease_stop is not None:
+            self._lease_stop.set()
+            (self.out_dir / LEASE_FILE).unlink(missing_ok=True)
+            self._lease_stop = None
+
+    def _busy(self, holder: str) -> DirectoryBusy:
+        return DirectoryBusy(
+            f"results directory {self.out_dir} is in use by another ditrun run ({holder or 'holder unknown'}); "
+            "wait for it to end, or give this run another directory (hydra.run.dir=... or output_dir=...)."
+        )
+
+    def _take_lease(self) -> "RunLock":
+        """No locks on this file system: an exclusively created lease file, refreshed while we run."""
+        path = self.out_dir / LEASE_FILE
+        for _ in range(2):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                if time.time() - _mtime(path) < LEASE_STALE_S:
+                    raise self._busy(path.read_text().strip()) from None
+                path.unlink(missing_ok=True)  # its holder stopped refreshing it: a dead run
+                continue
+            os.write(fd, _holder().encode())
+            os.close(fd)
+            self._lease_stop = threading.Event()
+            threading.Thread(target=self._refresh, args=(path, self._lease_stop), daemon=True,
+                             name="ditrun-lease").start()
+            return self
+        raise self._busy(path.read_text().strip())
+
+    @staticmethod
+    def _refresh(path: Path, stop: threading.Event) -> None:
+        while not stop.wait(LEASE_REFRESH_S):
+            os.utime(path)
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
+def _holder() -> str:
+    job = os.environ.get("SLURM_JOB_ID")
+    return (f"host {socket.gethostname()}, pid {os.getpid()}" + (f", Slurm job {job}" if job else "")
+            + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+
+
+def recover(out_dir: Path) -> list[dict]:
+    """The directory's good records (rank 0, holding the lock, before any rank runs an edit).
+
+    Replica files left by an interrupted run are merged into ``edits.jsonl`` first; bad lines are
+    moved aside; temporary files of interrupted writes are removed.
+    """
+    merge_replica_files(out_dir)
+    path = out_dir / EDITS_FILE
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    good, rejected, seen = [], [], set()
+    for line in lines:
+        record = _parse(line)
+        if record is None or record["edit"] in seen:
+            rejected.append(line)
+            continue
+        seen.add(record["edit"])
+        good.append(record)
+    if rejected or (lines and not path.read_bytes().endswith(b"\n")):
+        _set_aside(out_dir, rejected, good)
+    for tmp in out_dir.glob("*.tmp.*"):
+        tmp.unlink(missing_ok=True)
+    return good
+
+
+def _parse(line: str) -> Optional[dict]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
+        return None
+    return record
+
+
+def _set_aside(out_dir: Path, rejected: list[str], good: list[dict]) -> None:
+    """Move ``rejected`` lines to edits.rejected.jsonl and rewrite edits.jsonl with ``good`` only."""
+    for line in rejected:
+        append_line(out_dir / REJECTED_FILE, line)
+    tmp = out_dir / (EDITS_FILE + ".rewrite")
+    with open(tmp, "w") as file:
+        file.writelines(json.dumps(record) + "\n" for record in good)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, out_dir / EDITS_FILE)
+    if rejected:
+        print(f"ditrun: warning: {len(rejected)} line(s) of {out_dir / EDITS_FILE} were torn, foreign or "
+              f"repeated; moved to {REJECTED_FILE}, and their edits run again", file=sys.stderr, flush=True)
+
+
+def merge_replica_files(out_dir: Path) -> int:
+    """Append every replica file's records to ``edits.jsonl`` (each edit once), then remove them."""
+    merged = 0
+    for replica_file in sorted(out_dir.glob(REPLICA_FILE.format("*"))):
+        present = {r["edit"] for r in _records_in(out_dir / EDITS_FILE)}
+        for line in replica_file.read_text(errors="replace").splitlines():
+            record = _parse(line)
+            if record is not None and record["edit"] not in present:
+                append_line(out_dir / EDITS_FILE, json.dumps(record))
+                present.add(record["edit"])
+                merged += 1
+        replica_file.unlink()
+    return merged
+
+
+def _records_in(path: Path) -> Iterable[dict]:
+    if not path.exists():
+        return []
+    return [r for r in map(_parse, path.read_text(errors="replace").splitlines()) if r is not None]
+
+
+def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> list[str]:
+    """Ids of this run's edits that ``records`` already hold with the same settings.
+
+    ``settings`` maps each edit of this run to its result settings. A record of one of them made
+    with other settings is an error that names the first difference.
+    """
+    done = []
+    for record in records:
+        wanted = settings.get(record["edit"])
+        if wanted is None:
+            continue  # an edit this run does not ask for: kept, not touched
+        if record["fingerprint"] != fingerprint(wanted):
+            raise SettingsChanged(_changed_message(record, wanted, out_dir))
+        done.append(record["edit"])
+    return done
+
+
+def _changed_message(record: dict, wanted: dict, out_dir: Path) -> str:
+    changes = differences(record["settings"], wanted)
+    shown = "; ".join(f"{key}: {old} recorded, {new} now" for key, old, new in changes[:3])
+    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
+    return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({shown}{more}); "
+            "rerun with the recorded settings to resume, or give this run another directory "
+            "(hydra.run.dir=... or output_dir=...).")
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) of every leaf that differs."""
+    found = []
+    for key in sorted(set(old) | set(new), key=str):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found += differences(a, b, f"{prefix}{key}.")
+        elif json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
+            found.append((f"{prefix}{key}", a, b))
+    return found
