@@ -140,6 +140,8 @@ class FaultConfig:
     """Global rank that raises an error on purpose."""
     crash_at_step: int = 0
     """Denoising step (of the first edit it runs) at which ``crash_rank`` fails."""
+    hang_rank: Optional[int] = None
+    """Global rank that hangs (sleeps, forever) once its edits are done, as a stuck rank would."""
 
 
 @dataclass

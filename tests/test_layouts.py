@@ -59,7 +59,9 @@ def test_layout_equals_single(tmp_path, single_run, world, layout, head_groups):
     run_layout(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
     for record in check_equal_to_single(tmp_path, single_run, layout, world):
         assert record["head_groups"] == head_groups
-        assert record["exposed_transfer_s"] > 0 and 0 < record["exposed_transfer_pct"] < 100
+        # Timings are not asserted (a loaded machine can make any of them anything); only how they relate.
+        assert record["exposed_transfer_s"] >= 0
+        assert record["exposed_transfer_pct"] == pytest.approx(100 * record["exposed_transfer_s"] / record["dit_s"])
 
 
 @pytest.mark.timeout(150)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
-from ditrun.launch.stop import RunStopped, StopRequest
+from ditrun.launch.stop import RunStopped, process_stop
 from ditrun.errors import UserError
 
 
@@ -43,7 +43,7 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
         from ditrun.launch import spawn
 
         return spawn.spawn_local(cfg, out_dir)
-    stop = StopRequest().install()
+    stop = process_stop().install()
     try:
         return worker.run(cfg, out_dir, LocalJob(stop))
     finally:
@@ -81,7 +81,7 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     if info.rank == 0:
         print(f"ditrun: {info.world} ranks on {info.nodes} node(s) ({info.launcher}) met at {meeting.address}; "
               f"{backend}, rank 0 on {device}", flush=True)
-    stop = StopRequest().install()
+    stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
     try:

@@ -8,8 +8,9 @@ watchdogs quietly at the end of a good run. A rank that dies without a word (kil
 is caught by the launcher (``srun --kill-on-bad-exit``, ``mpiexec``, torchrun, ditrun's own
 spawner) and, at the latest, by the collective timeout of the ranks waiting for it.
 
-``inject`` is the test hook: ``launcher.fault.crash_rank`` fails on purpose inside the
-denoising loop at ``launcher.fault.crash_at_step``.
+``inject`` and ``hang`` are the test hooks: ``launcher.fault.crash_rank`` fails on purpose inside
+the denoising loop at ``launcher.fault.crash_at_step``; ``launcher.fault.hang_rank`` hangs once
+its edits are done.
 """
 
 from __future__ import annotations
@@ -48,11 +49,18 @@ def inject(fault_cfg, step: int) -> None:
         )
 
 
+def hang(fault_cfg) -> None:
+    """Called once a rank's edits are done: the chosen rank never gets further."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    while rank == fault_cfg.hang_rank:
+        time.sleep(3600)
+
+
 def check_fault_config(fault_cfg, world: int, steps: int) -> None:
-    if fault_cfg.crash_rank is not None and not 0 <= fault_cfg.crash_rank < world:
-        raise UserError(
-            f"launcher.fault.crash_rank={fault_cfg.crash_rank} is not a rank of this job; allowed: 0 to {world - 1}."
-        )
+    for key in ("crash_rank", "hang_rank"):
+        rank = getattr(fault_cfg, key)
+        if rank is not None and not 0 <= rank < world:
+            raise UserError(f"launcher.fault.{key}={rank} is not a rank of this job; allowed: 0 to {world - 1}.")
     if not 0 <= fault_cfg.crash_at_step < steps:
         raise UserError(
             f"launcher.fault.crash_at_step={fault_cfg.crash_at_step} is not a denoising step; "

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ditrun.launch import env, faults, rendezvous
-from ditrun.launch.stop import RunStopped, StopRequest
+from ditrun.launch.stop import RunStopped, StopRequest, process_stop
 from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -43,7 +43,7 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     context = multiprocessing.get_context("spawn")
     # One pipe per rank, not a shared queue: a rank ended abruptly leaves no lock behind.
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
-    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, pipes[rank][1]),
+    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, pipes[rank][1], os.getpid()),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
     stop = StopRequest().install(relay=lambda signum: _relay(ranks, signum))
     try:
@@ -75,8 +75,11 @@ def check_local_devices(device_key: str, world: int) -> None:
         )
 
 
-def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender) -> None:
+def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender, supervisor: int) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit."""
+    # Watched from the very start: a supervisor killed while this rank still imports or waits at
+    # the rendezvous must not leave it behind.
+    process_stop().watch_parent(cfg.launcher.stop_timeout_s, f"rank {rank}", parent=supervisor)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from tqdm import tqdm
@@ -128,12 +131,19 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float) -> di
         if alive and stop_at is not None and time.monotonic() > stop_at:
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
-    stopped = [payload for _, payload, kind in reports if kind == "stopped"]
+    stopped = {payload for _, payload, kind in reports if kind == "stopped"}
+    if stop.signum is not None:
+        stopped.add(stop.signum)  # ranks the relayed signal reached before their handlers did die of it
     _raise_first_failure([(rank, payload) for rank, payload, kind in reports if kind == "failed"],
-                         [(rank, code) for rank, code in exits if not stopped or code != 128 + stopped[0]])
-    if stopped or stop.signum is not None:
-        raise RunStopped(stopped[0] if stopped else stop.signum)
+                         [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)])
+    if any(kind == "stopped" for _, _, kind in reports) or any(_stopped_by(code, stopped) for _, code in exits):
+        raise RunStopped(min(stopped))
     return summary
+
+
+def _stopped_by(code: int, signals: set) -> bool:
+    """An exit status that a stop signal explains: died of it (-N), or stopped on it (128 + N)."""
+    return bool(code) and (-code in signals or code - 128 in signals)
 
 
 def _failed(reports: list) -> bool:

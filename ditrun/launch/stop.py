@@ -51,6 +51,7 @@ class StopRequest:
         self.reason = ""
         self._previous: dict[int, object] = {}
         self._relay: Optional[Callable[[int], None]] = None
+        self._watching = False
 
     def request(self, signum: int, reason: str = "") -> None:
         if self.signum is None:
@@ -77,9 +78,13 @@ class StopRequest:
         if self._relay is not None:
             self._relay(signum)
 
-    def watch_parent(self, grace_s: float, label: str) -> None:
-        """Stop when the parent process exits; end the process ``grace_s`` later if still running."""
-        parent = os.getppid()
+    def watch_parent(self, grace_s: float, label: str, parent: Optional[int] = None) -> None:
+        """Stop when the parent process (``parent``, default: the current one) exits; end this
+        process ``grace_s`` later if it is still running. Watching twice changes nothing."""
+        if self._watching:
+            return
+        self._watching = True
+        parent = parent or os.getppid()
         thread = threading.Thread(target=self._watch_parent, args=(parent, grace_s, label),
                                   name="ditrun-parent-watch", daemon=True)
         thread.start()
@@ -87,8 +92,16 @@ class StopRequest:
     def _watch_parent(self, parent: int, grace_s: float, label: str) -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
-        self.request(signal.SIGTERM, f"its parent process {parent} exited")
+        self.request(signal.SIGTERM, f"parent process {parent} exited")
         time.sleep(grace_s)
         print(f"ditrun: {label}: parent process {parent} exited and this rank did not stop within "
               f"{grace_s:g} s (launcher.stop_timeout_s); ending it", file=sys.stderr, flush=True)
         os._exit(128 + signal.SIGTERM)
+
+
+_PROCESS_STOP = StopRequest()
+
+
+def process_stop() -> StopRequest:
+    """This process's stop request: signal handlers and the parent are the process's, not a run's."""
+    return _PROCESS_STOP

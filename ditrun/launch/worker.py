@@ -273,6 +273,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None) -> Optional[dict]:
         state.load()
         logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
         stopped = _run_edits(state, job, done, out_dir, logger)
+        faults.hang(cfg.launcher.fault)
         job.end_of_run()  # rank 0: every replica's records are written
         if layout.rank == 0:
             rundir.merge_replica_files(out_dir)
