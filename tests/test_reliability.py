@@ -22,13 +22,15 @@ from ditrun.metrics import rundir
 from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
 
 FAST = ["metrics.ssim=false", "metrics.report=false", "launcher.stop_timeout_s=10"]
+# Six edits large enough that a run is still busy when a signal arrives.
+SIX_EDITS = ["workload.limit=null", "workload.width=64", "workload.height=64", "workload.steps=6"]
+SPAWNED = ["launcher.world=2", "layout=ulysses", *SIX_EDITS]
 
 
 @pytest.fixture(scope="module")
 def six_reference(tmp_path_factory):
     folder = tmp_path_factory.mktemp("six")
-    return single_reference(folder / "single", f"workload.manifest={six_edits(folder)}", "workload.limit=null",
-                            *FAST)
+    return single_reference(folder / "single", f"workload.manifest={six_edits(folder)}", *SIX_EDITS, *FAST)
 
 
 def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
@@ -93,8 +95,6 @@ def ranks_of(parent: int) -> list[int]:
     return ranks
 
 
-SPAWNED = ["launcher.world=2", "layout=ulysses", "workload.limit=null", "workload.width=64", "workload.height=64",
-           "workload.steps=6"]
 
 
 @pytest.mark.timeout(240)
