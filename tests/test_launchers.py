@@ -127,16 +127,16 @@ def test_a_rank_failing_mid_edit_stops_all_four_and_is_named(tmp_path):
     assert not (out / "edits.jsonl").exists()  # the edit never finished, so nothing was recorded
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_stuck_rank_fails_the_others_collectives_within_the_timeout(tmp_path):
     """A rank that stops answering (SIGSTOP: alive, its sockets open) is noticed by no exit and no
     report; the others' collectives, on every process group, give up after
     launcher.collective_timeout_s, and they exit non-zero instead of waiting for it."""
     port, out = free_port(), tmp_path / "run"
-    ranks = [start_rank(r, 4, port, out, tmp_path, "layout=ulysses", "workload.limit=2", "workload.steps=40",
+    ranks = [start_rank(r, 4, port, out, tmp_path, "layout=ulysses", "workload.limit=2", "workload.steps=24",
                         "launcher.collective_timeout_s=5") for r in range(4)]
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # four ranks on a loaded 2-core machine
         while _count_lines(out / "edits.jsonl") < 1:  # the first edit is done, the second under way
             assert time.monotonic() < deadline and all(rank.poll() is None for rank in ranks)
             time.sleep(0.02)
