@@ -31,7 +31,8 @@ from ditrun.model.presets import PRESETS  # noqa: E402
 from ditrun.model.sampler import EditInputs  # noqa: E402
 from ditrun.parallel.cfg import layout_velocity  # noqa: E402
 from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
-from ditrun.transport.base import make_transport  # noqa: E402
+from ditrun.config import TransportConfig  # noqa: E402
+from ditrun.transport.registry import make_transport  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
@@ -67,7 +68,8 @@ def step_function(model, inputs: EditInputs, name: str, head_groups: int):
     """One CFG step's velocity under ``name`` on this one GPU."""
     layout = build_layout(plan_layout(LayoutArgs(name, head_groups), 1, FLUX_DEV.num_attention_heads))
     timer = ExposedTransfer(torch.device("cuda"))
-    transports = {axis: make_transport("collective", layout.groups[axis], timer) for axis in ("sp", "cfg")}
+    transports = {axis: make_transport(TransportConfig(), layout.groups[axis], timer, torch.device("cuda"), 60.0)
+                  for axis in ("sp", "cfg")}
     dtype = next(model.parameters()).dtype
     velocity = layout_velocity(layout, transports, model, inputs, 2.5, 3.5, dtype)
     return lambda: velocity(inputs.noise, 0.6)
