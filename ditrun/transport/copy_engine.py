@@ -186,10 +186,10 @@ class CopyEngineTransport:
         self._open_lanes()
 
     def _open_lanes(self) -> None:
-        self.compute = self.fabric.compute_lane(self.timeout_s)
         self.lanes = [self.fabric.peer_lane(f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}", self.timeout_s,
                                             self.chaos_s, seed=self.ranks[self.rank] * 1000 + j)
                       if self.local[j] else None for j in range(self.size)]
+        self.compute = self.fabric.compute_lane(self.timeout_s, self.lanes)
 
     def _drain(self) -> None:
         """Let every copy finish and stop the lanes (before a region is replaced)."""

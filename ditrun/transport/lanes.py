@@ -23,7 +23,7 @@ import queue
 import random
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,11 +34,16 @@ Describe = Callable[[float], str]
 """Builds the sentence of a timeout (given its seconds): which rank waited, for what, from which peer."""
 
 
-def poll_at_least(flags: np.ndarray, index: int, value: int, timeout_s: float, describe: Describe) -> None:
-    """Spin (backing off to 1 ms) until ``flags[index] >= value``; ``PeerLost`` after ``timeout_s``."""
+def poll_at_least(flags: np.ndarray, index: int, value: int, timeout_s: float, describe: Describe,
+                  lanes: Sequence = ()) -> None:
+    """Spin (backing off to 1 ms) until ``flags[index] >= value``; ``PeerLost`` after ``timeout_s``.
+
+    A failure of one of ``lanes`` (the copy lanes this wait depends on) is raised at once.
+    """
     deadline = time.monotonic() + timeout_s
     delay = 0.0
     while flags[index] < value:
+        raise_lane_error(lanes)
         if time.monotonic() > deadline:
             raise PeerLost(describe(timeout_s))
         time.sleep(delay)
@@ -48,15 +53,17 @@ def poll_at_least(flags: np.ndarray, index: int, value: int, timeout_s: float, d
 class InlineLane:
     """The compute thread on a CPU: every operation runs now."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, lanes: Sequence = ()):
         self.timeout_s = timeout_s
+        self.lanes = lanes
+        """The copy lanes whose failures a wait raises at once."""
         self.error: Optional[BaseException] = None
 
     def follow_compute(self) -> None:
         pass
 
     def wait_value(self, flags: np.ndarray, index: int, value: int, describe: Describe) -> None:
-        poll_at_least(flags, index, value, self.timeout_s, describe)
+        poll_at_least(flags, index, value, self.timeout_s, describe, self.lanes)
 
     def write_value(self, flags: np.ndarray, index: int, value: int) -> None:
         flags[index] = value
@@ -67,7 +74,8 @@ class InlineLane:
     def wait_marks(self, marks: list, lanes: list) -> None:
         """Wait until every lane has passed its mark (its copies out of a send slot are done)."""
         for mark in marks:
-            if not mark.wait(self.timeout_s):
+            # Twice the timeout: a lane stuck on a lost peer times out first, and names it.
+            if not mark.wait(2 * self.timeout_s):
                 raise PeerLost("a copy lane did not finish its copies within the timeout")
         raise_lane_error(lanes)
 
@@ -94,6 +102,7 @@ class ThreadLane(InlineLane):
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
+    @torch.inference_mode()  # like the compute thread: slots may be inference tensors, never autograd's
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
             fn, always = job

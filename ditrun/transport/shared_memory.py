@@ -48,8 +48,8 @@ class SharedMemoryFabric:
             os.unlink(path)
         return SharedMemoryRegion(regions)
 
-    def compute_lane(self, timeout_s: float) -> InlineLane:
-        return InlineLane(timeout_s)
+    def compute_lane(self, timeout_s: float, lanes: list) -> InlineLane:
+        return InlineLane(timeout_s, lanes)
 
     def peer_lane(self, name: str, timeout_s: float, chaos_s: float, seed: int) -> ThreadLane:
         return ThreadLane(name, timeout_s, chaos_s, seed)
