@@ -33,8 +33,13 @@ def assert_bitwise_equal(tmp_path, world: int, *overrides: str) -> None:
     """``overrides`` under transport=collective and transport=copy_engine give the same bits."""
     configs = [tiny_config(*FAST, f"launcher.world={world}", *overrides, f"transport={name}")
                for name in ("collective", "copy_engine")]
+    compare_transports(tmp_path, world, configs)
+
+
+def compare_transports(tmp_path, world: int, configs, backend: str = "gloo") -> None:
+    """Run both configs on the same ranks; the copy-engine run's latents are the collective run's, bit for bit."""
     out_dirs = [tmp_path / "collective", tmp_path / "copy_engine"]
-    run_ranks(_both_transports, world, (configs, out_dirs), timeout=120)
+    run_ranks(_both_transports, world, (configs, out_dirs), timeout=240, backend=backend)
     [expected], [found] = records(out_dirs[0]), records(out_dirs[1])
     assert found["transport"] == "copy_engine" and found["exposed_transfer_s"] > 0
     assert torch.equal(latents(out_dirs[1], found["edit"]), latents(out_dirs[0], expected["edit"]))
@@ -137,3 +142,15 @@ def _release_out_of_order(rank, world):
 @pytest.mark.timeout(60)
 def test_received_slots_are_released_in_order():
     run_ranks(_release_out_of_order, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
+def test_copy_engine_on_two_gpus_equals_collective(tmp_path, layout):
+    """Symmetric memory, a stream per peer, stream write/wait-value flags: the same bits as NCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    configs = [tiny_config(*FAST, "launcher.world=2", "device=cuda", "model.dtype=fp32", f"layout={layout}",
+                           "layout.head_groups=2", f"transport={name}") for name in ("collective", "copy_engine")]
+    compare_transports(tmp_path, 2, configs, backend="nccl")

@@ -163,7 +163,7 @@ class CopyEngineTransport:
         nodes = node_ids(group, node_size)
         self.local = [nodes[j] == nodes[self.rank] for j in range(self.size)]
         self.chaos_s = chaos_s
-        self.fabric = _fabric(device)
+        self.fabric = _fabric(device, timeout_s)
         self.layout: Optional[SlotLayout] = None
         self.lanes: list = []
         self.compute = None
@@ -175,7 +175,7 @@ class CopyEngineTransport:
             return
         self._drain()
         layout = SlotLayout.for_plans(plans) if self.layout is None else self.layout.merged(plans)
-        self.region = self.fabric.map(layout.total_bytes, self.group, self.local)
+        self.region = self.fabric.map(layout.total_bytes, self.group, self.local, layout.n_flags)
         self.send_slots = {(kind, g, s): torch.empty(layout.send_bytes[k], dtype=torch.uint8, device=self.device)
                            for k, kind in enumerate(layout.kinds)
                            for g in range(layout.head_groups[k]) for s in range(2)}
@@ -186,10 +186,10 @@ class CopyEngineTransport:
         self._open_lanes()
 
     def _open_lanes(self) -> None:
-        self.lanes = [self.fabric.peer_lane(f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}", self.timeout_s,
-                                            self.chaos_s, seed=self.ranks[self.rank] * 1000 + j)
+        self.lanes = [self.fabric.peer_lane(f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}", self.chaos_s,
+                                            seed=self.ranks[self.rank] * 1000 + j)
                       if self.local[j] else None for j in range(self.size)]
-        self.compute = self.fabric.compute_lane(self.timeout_s, self.lanes)
+        self.compute = self.fabric.compute_lane(self.lanes)
 
     def _drain(self) -> None:
         """Let every copy finish and stop the lanes (before a region is replaced)."""
@@ -293,12 +293,13 @@ class CopyEngineTransport:
                                   "stalled.")
 
 
-def _fabric(device: torch.device):
+def _fabric(device: torch.device, timeout_s: float):
+    """What maps regions and makes lanes: GPU memory and streams, or shared memory and threads."""
     if device.type == "cuda":
         from ditrun.transport.device import SymmetricMemoryFabric
 
-        return SymmetricMemoryFabric(device)
+        return SymmetricMemoryFabric(device, timeout_s)
     from ditrun.transport.shared_memory import SharedMemoryFabric
 
-    return SharedMemoryFabric()
+    return SharedMemoryFabric(timeout_s)
 

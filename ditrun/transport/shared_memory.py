@@ -34,7 +34,10 @@ class SharedMemoryRegion:
 
 
 class SharedMemoryFabric:
-    def map(self, nbytes: int, group, local: list[bool]) -> SharedMemoryRegion:
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def map(self, nbytes: int, group, local: list[bool], flag_count: int) -> SharedMemoryRegion:
         path = os.path.join(SHM_DIR, f"ditrun-copy-engine-{uuid.uuid4().hex}")
         with open(path, "wb") as f:
             f.truncate(nbytes)  # zero-filled: every flag starts at epoch 0
@@ -48,11 +51,11 @@ class SharedMemoryFabric:
             os.unlink(path)
         return SharedMemoryRegion(regions)
 
-    def compute_lane(self, timeout_s: float, lanes: list) -> InlineLane:
-        return InlineLane(timeout_s, lanes)
+    def compute_lane(self, lanes: list) -> InlineLane:
+        return InlineLane(self.timeout_s, lanes)
 
-    def peer_lane(self, name: str, timeout_s: float, chaos_s: float, seed: int) -> ThreadLane:
-        return ThreadLane(name, timeout_s, chaos_s, seed)
+    def peer_lane(self, name: str, chaos_s: float, seed: int) -> ThreadLane:
+        return ThreadLane(name, self.timeout_s, chaos_s, seed)
 
     def drain(self, lanes: list) -> None:
         for lane in lanes:
