@@ -21,7 +21,17 @@ from launching import latents, records, tiny_config
 from ranks import run_ranks
 from test_ulysses import _qkv, world_transport
 
-FAST = ["model.num_attention_heads=16", "metrics.ssim=false", "metrics.report=false"]
+# One double and one single block, one step: 4 exchanges of each kind and head group per run, so
+# both slots of every head group are used twice and every credit path runs.
+FAST = ["model.num_attention_heads=16", "model.num_layers=1", "model.num_single_layers=1", "workload.steps=1",
+        "metrics.ssim=false", "metrics.report=false"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warm_parent(tmp_path_factory):
+    """One run in the test process first: what it imports and loads lazily (workload images, metrics,
+    writers) is then inherited by every forked rank instead of being loaded again in each."""
+    worker.run(tiny_config(*FAST), tmp_path_factory.mktemp("warm"))
 
 
 def _both_transports(rank, world, configs, out_dirs):
@@ -57,7 +67,8 @@ def test_copy_engine_equals_collective(tmp_path, world, layout, head_groups):
 @pytest.mark.parametrize("layout, world", [("ulysses", 4), ("cfg_split", 4), ("cfg_batch", 2)])
 def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
     """Random delays before every copy: epochs and credits still order every slot's reuse."""
-    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003")
+    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003",
+                         "workload.steps=2")
 
 
 @pytest.mark.timeout(150)
@@ -154,3 +165,14 @@ def test_copy_engine_on_two_gpus_equals_collective(tmp_path, layout):
     configs = [tiny_config(*FAST, "launcher.world=2", "device=cuda", "model.dtype=fp32", f"layout={layout}",
                            "layout.head_groups=2", f"transport={name}") for name in ("collective", "copy_engine")]
     compare_transports(tmp_path, 2, configs, backend="nccl")
+
+
+def test_transport_mistakes_are_one_sentence():
+    from ditrun.config import TransportConfig
+    from ditrun.errors import UserError
+    from ditrun.transport.registry import check_transport
+
+    with pytest.raises(UserError, match=r"^transport='nccl' is not available; allowed: collective, copy_engine\.$"):
+        check_transport(TransportConfig(name="nccl"))
+    with pytest.raises(UserError, match=r"^transport.chaos_s=-1"):
+        check_transport(TransportConfig(name="copy_engine", chaos_s=-1))

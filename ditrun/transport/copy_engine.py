@@ -140,6 +140,22 @@ def node_ids(group, node_size: int) -> list:
     return names
 
 
+class StagedAllToAll:
+    """``all_to_all`` into scattered blocks for gloo, whose ``all_to_all`` needs blocks of one size:
+    ``all_to_all_single`` through contiguous staging buffers, then each block copied into place."""
+
+    def __init__(self, outputs: list, inputs: list, group):
+        self.outputs = outputs
+        self.staged = torch.empty((sum(o.shape[0] for o in outputs), *outputs[0].shape[1:]), dtype=outputs[0].dtype)
+        self.work = dist.all_to_all_single(self.staged, torch.cat(inputs), [o.shape[0] for o in outputs],
+                                           [i.shape[0] for i in inputs], group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        for out, block in zip(self.outputs, self.staged.split([o.shape[0] for o in self.outputs])):
+            out.copy_(block)
+
+
 class CopyEngineHandle:
     def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int, work):
         self.transport, self.plan, self.head_group, self.epoch, self.work = transport, plan, head_group, epoch, work
@@ -261,6 +277,8 @@ class CopyEngineTransport:
         for j in range(self.size):  # local peers' blocks move by copies: empty in the collective
             if self.local[j]:
                 outputs[j], inputs[j] = outputs[j][:0], inputs[j][:0]
+        if dist.get_backend(self.group) == "gloo":
+            return StagedAllToAll(outputs, inputs, self.group)
         return dist.all_to_all(outputs, inputs, group=self.group, async_op=True)
 
     def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, work) -> torch.Tensor:

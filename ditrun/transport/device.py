@@ -94,6 +94,7 @@ def dma_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, op
     if src.dtype != dst.dtype or not src.is_contiguous() or not dst.is_contiguous() or src.shape != dst.shape:
         raise RuntimeError("copy_engine: a peer copy must be contiguous and of one dtype (one memcpy); got "
                            f"{tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}.")
+    src.record_stream(stream)  # a caller's own send tensor must outlive the copy
     if ops.memcpy_no_cu is not None:
         code = ops.memcpy_no_cu(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(),
                                 HIP_MEMCPY_DEVICE_TO_DEVICE_NO_CU, stream.cuda_stream)
@@ -177,8 +178,12 @@ class StreamLane:
         # Waits are always on this rank's own flags, which the watchdog reads.
         self.watchdog.watch(index, value, describe)
         if self.ops.available:
-            self.ops.wait(self.stream, flags[index:].data_ptr(), value)
-            return
+            try:
+                self.ops.wait(self.stream, flags[index:].data_ptr(), value)
+                return
+            except RuntimeError as err:  # e.g. a driver with stream memory operations disabled
+                self.ops.available = False
+                warnings.warn(f"{err} Flags are polled by the host from now on.")
         while self.watchdog.flags[index].item() < value:  # the portable fallback: the host polls
             raise_lane_error([self])
             time.sleep(1e-5)
@@ -260,6 +265,8 @@ class SymmetricMemoryFabric:
     def _symmetric(self, nbytes: int, group, local: list[bool]):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older releases, a no-op when done
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         buffer.zero_()  # every flag starts at epoch 0
         handle = symm_mem.rendezvous(buffer, group)
