@@ -37,10 +37,11 @@ def _sharded_attention(rank, world, lengths, head_groups, name="collective"):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["collective", "copy_engine"])
 @pytest.mark.parametrize("lengths, head_groups", [([5, 4], 1), ([5, 4], 3), ([4, 3, 3], 2), ([3, 0, 2], 1)])
-def test_ulysses_attention_equals_full_attention(lengths, head_groups):
+def test_ulysses_attention_equals_full_attention(lengths, head_groups, transport):
     """Uneven (even empty) shards, head groups pipelined: the gathered output is one process's attention."""
-    outs = run_ranks(_sharded_attention, len(lengths), (lengths, head_groups))
+    outs = run_ranks(_sharded_attention, len(lengths), (lengths, head_groups, transport))
     q, k, v = _qkv(lengths)
     expected = sdpa_attention(q, k, v)
     got = torch.cat([out for out, _, _ in outs], dim=1)

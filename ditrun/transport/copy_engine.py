@@ -230,6 +230,8 @@ class CopyEngineTransport:
         if self.layout is None or not self.layout.fits([plan]):
             raise RuntimeError(f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
                                "every plan of the run before the timed region).")
+        if not 0 <= head_group < plan.head_groups:
+            raise RuntimeError(f"copy_engine: head group {head_group} of a plan with {plan.head_groups}.")
         return plan.kind, head_group
 
     # -- one exchange ---------------------------------------------------------------------------

@@ -78,9 +78,14 @@ class StreamOps:
         args = (stream.cuda_stream, address, value, WAIT_GEQ) + ((0xFFFFFFFF,) if HIP else ())
         _check(self._wait(*args), "stream wait-value")
 
-    def write(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+    def write(self, stream: torch.cuda.Stream, flags: torch.Tensor, index: int, value: int) -> None:
+        """``flags[index] = value`` in stream order (a one-element fill kernel without stream operations)."""
+        if not self.available:
+            with torch.cuda.stream(stream):
+                flags[index].fill_(value)
+            return
         # Flags 0: the write is ordered after every memory operation before it on the stream.
-        _check(self._write(stream.cuda_stream, address, value, 0), "stream write-value")
+        _check(self._write(stream.cuda_stream, flags[index:].data_ptr(), value, 0), "stream write-value")
 
 
 def _check(code: int, what: str) -> None:
@@ -147,7 +152,7 @@ class Watchdog:
                 done.append(entry)
             elif now > deadline:
                 self.error = self.error or PeerLost(describe(self.timeout_s))
-                self.ops.write(stream, self.flags[index:].data_ptr(), value)  # let the stream move on
+                self.ops.write(stream, self.flags, index, value)  # let the stream move on
                 done.append(entry)
         with self.lock:
             self.entries = [e for e in self.entries if e not in done]
@@ -189,11 +194,7 @@ class StreamLane:
             time.sleep(1e-5)
 
     def write_value(self, flags: torch.Tensor, index: int, value: int) -> None:
-        if self.ops.available:
-            self.ops.write(self.stream, flags[index:].data_ptr(), value)
-        else:
-            with torch.cuda.stream(self.stream):
-                flags[index].fill_(value)
+        self.ops.write(self.stream, flags, index, value)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dma_copy(dst, src, self.stream, self.ops)
