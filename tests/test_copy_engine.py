@@ -8,6 +8,7 @@ that neither 2 nor 4 divides) with 16 heads, so that 4 ranks with 4 head groups 
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -21,9 +22,10 @@ from launching import latents, records, tiny_config
 from ranks import run_ranks
 from test_ulysses import _qkv, world_transport
 
-# One double and one single block, one step: 4 exchanges of each kind and head group per run, so
-# both slots of every head group are used twice and every credit path runs.
-FAST = ["model.num_attention_heads=16", "model.num_layers=1", "model.num_single_layers=1", "workload.steps=1",
+# One double and one single block, three steps: every kind of exchange (Q/K/V and attention
+# outputs per head group: 2 to 4 a step; the velocity gather and the CFG swap: 1 a step) runs at
+# least 3 times, so each reuses a slot and waits for its credit.
+FAST = ["model.num_attention_heads=16", "model.num_layers=1", "model.num_single_layers=1", "workload.steps=3",
         "metrics.ssim=false", "metrics.report=false"]
 
 
@@ -67,8 +69,7 @@ def test_copy_engine_equals_collective(tmp_path, world, layout, head_groups):
 @pytest.mark.parametrize("layout, world", [("ulysses", 4), ("cfg_split", 4), ("cfg_batch", 2)])
 def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
     """Random delays before every copy: epochs and credits still order every slot's reuse."""
-    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003",
-                         "workload.steps=2")
+    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003")
 
 
 @pytest.mark.timeout(150)
@@ -135,6 +136,33 @@ def test_slot_layout_is_sized_for_the_largest_plan():
     # Rank 1's rows land after rank 0's in every receiver's slot.
     assert large.landing_row(1, 0) == 5 and large.landing_row(1, 1) == 5
     assert layout.credit_flag("qkv", 1, 0) == layout.n_flags // 2 + layout.data_flag("qkv", 1, 0)
+
+
+def _hold_a_slot(rank, world):
+    """Rank 1 keeps exchange 0's rows for a while; rank 0 runs ahead to exchange 2, which uses the same slot."""
+    transport = world_transport("copy_engine", timeout_s=10.0)
+    plan = gather_plan("gather", [1] * world, (4,), torch.float32)
+    transport.prepare([plan])
+    handles, seen = [], []
+    for n in range(3):
+        send = transport.send_buffer(plan)
+        send.fill_(float(n))
+        handles.append(transport.start(send, plan))
+        if n == 0:
+            rows = handles[0].wait()
+            if rank == 1:
+                time.sleep(0.5)  # without the credit, rank 0's exchange 2 would land here meanwhile
+            seen.append(rows.clone())
+            handles[0].release()
+    for handle in handles[1:]:
+        seen.append(handle.wait().clone())
+        handle.release()
+    return [t.unique().tolist() for t in seen]
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_is_not_overwritten_before_its_release():
+    assert run_ranks(_hold_a_slot, 2) == [[[0.0], [1.0], [2.0]]] * 2
 
 
 def _release_out_of_order(rank, world):
