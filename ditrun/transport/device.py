@@ -26,6 +26,7 @@ None of this has run on AMD hardware yet; the CUDA path is exercised by ``benchm
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -159,6 +160,7 @@ class Watchdog:
 
     def close(self) -> None:
         self.closed = True
+        self.thread.join(1.0)  # not mid-CUDA-call while the interpreter shuts down
 
 
 class StreamLane:
@@ -248,6 +250,7 @@ class SymmetricMemoryFabric:
                           "copies run as blit kernels on the compute units.")
         self.device, self.ops, self._timeout_s = device, StreamOps(), timeout_s
         self.watchdog: Optional[Watchdog] = None
+        atexit.register(lambda: self.watchdog and self.watchdog.close())
 
     def map(self, nbytes: int, group, local: list[bool], flag_count: int) -> DeviceRegion:
         rank = dist.get_rank(group)
