@@ -19,8 +19,8 @@ transport must know where its rows land in each peer's buffer. The life of one e
    stream. The received tensor is valid until then and only until then: a one-sided
    transport hands its slot back to the senders at ``release``, and a sender waits for that
    credit before it writes the slot again (two slots per head group, so a sender can run one
-   exchange ahead). A handle that is never released stalls the second-next exchange of its
-   kind and head group until the transport's timeout names the stalled rank.
+   exchange ahead). Releases come in start order per (kind, head group), and exchange ``n``
+   starts only once this rank released exchange ``n - 2``: at most two are held at a time.
 
 Between ``start`` and ``wait`` the exchange runs on the transport's own streams (GPUs) or
 threads (CPUs), so the caller can compute something else: that is how head groups overlap.

@@ -13,13 +13,14 @@ slots sized for the largest plan of the run. Exchange ``n`` of a (kind, head gro
 The receiver's compute lane waits until every peer's epoch flag reaches ``n + 1`` (``wait``),
 reads the slot, and on ``release`` writes its credit ``n + 1`` into every sender's region.
 Epochs only grow, so a flag is never reset and a late reader cannot mistake an old one.
-Each rank's own block goes through a lane of its own the same way. Every wait has the
-transport's timeout: a peer that died or hangs is named, never waited on forever.
+Each rank's own block is copied by a lane of its own, which the compute lane waits for by its
+mark (an event), with no flag and no credit: ``start`` of exchange ``n`` requires that this rank
+released exchange ``n - 2`` (checked), and the lane follows the compute stream. Every wait has
+the transport's timeout: a peer that died or hangs is named, never waited on forever.
 
 Peers on another node (host name, or ``transport.node_size``) have no mapping: their rows go
 through the process group's collective (``all_to_all`` with empty blocks for the local peers),
-straight into the same slot; the receiver's own ``start`` is their credit, so it checks that
-the slot was released first.
+straight into the same slot; the receiver's own ``start`` is their credit.
 
 Backends: CPU = shared-memory files + ``ThreadLane`` per peer (CI runs the real schedule);
 CUDA/ROCm = ``torch.distributed._symmetric_memory`` + ``StreamLane`` per peer (``device.py``).
@@ -157,12 +158,14 @@ class StagedAllToAll:
 
 
 class CopyEngineHandle:
-    def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int, work):
-        self.transport, self.plan, self.head_group, self.epoch, self.work = transport, plan, head_group, epoch, work
+    def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int,
+                 own_copy, work):
+        self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
+        self.own_copy, self.work = own_copy, work
 
     def wait(self) -> torch.Tensor:
         with self.transport.timer.timed(self.plan.kind, self.head_group):
-            return self.transport._receive(self.plan, self.head_group, self.epoch, self.work)
+            return self.transport._receive(self.plan, self.head_group, self.epoch, self.own_copy, self.work)
 
     def release(self) -> None:
         self.transport._release(self.plan, self.head_group, self.epoch)
@@ -243,6 +246,9 @@ class CopyEngineTransport:
         if not send.is_contiguous():
             raise RuntimeError("copy_engine: the send buffer must be contiguous (one memcpy per peer).")
         epoch = self.started.get(key, 0)
+        if self.released.get(key, 0) < epoch - 1:
+            raise RuntimeError(f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
+                               f"{epoch - 2}, the last one in its slot, was released.")
         self.started[key] = epoch + 1
         offset, first = self.layout.slot_offset(*key, epoch % 2), 0
         marks = []
@@ -251,28 +257,32 @@ class CopyEngineTransport:
                 marks.append(self._send_to(j, send[first:first + rows], plan, head_group, epoch, offset))
             first += rows
         self.sent_marks[(*key, epoch % 2)] = marks
-        return CopyEngineHandle(self, plan, head_group, epoch, self._start_remote(send, plan, key, epoch, offset))
+        own_copy = marks[sum(self.local[:self.rank])]
+        return CopyEngineHandle(self, plan, head_group, epoch, own_copy,
+                                self._start_remote(send, plan, epoch, offset))
 
     def _send_to(self, j: int, rows: torch.Tensor, plan: ExchangePlan, head_group: int, epoch: int, offset: int):
         lane, layout = self.lanes[j], self.layout
         lane.follow_compute()  # the rows were written on the compute stream
-        if epoch >= 2:  # j must have released exchange epoch - 2, the slot's previous tenant
+        # The own block needs neither credit nor flag: its lane follows the compute stream, on which
+        # exchange epoch - 2 was released before this start (checked), and the compute stream waits
+        # for its mark (an event, a dependency the GPU scheduler sees: a stream waiting on a flag
+        # that a stream of the same process writes could be queued ahead of that writer).
+        if epoch >= 2 and j != self.rank:  # j released exchange epoch - 2, the slot's previous tenant
             lane.wait_value(self.region.flags(self.rank), layout.credit_flag(plan.kind, head_group, j), epoch - 1,
                             self._describe("free slot (credit)", plan, head_group, j))
         if rows.shape[0]:
             dst = typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan,
                         rows.shape[0])
             lane.copy(dst, rows)
-        lane.write_value(self.region.flags(j), layout.data_flag(plan.kind, head_group, self.rank), epoch + 1)
+        if j != self.rank:
+            lane.write_value(self.region.flags(j), layout.data_flag(plan.kind, head_group, self.rank), epoch + 1)
         return lane.mark()
 
-    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, key, epoch: int, offset: int):
+    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, epoch: int, offset: int):
         """The collective for the peers on other nodes (None when every peer is on this node)."""
         if all(self.local):
             return None
-        if self.released.get(key, 0) < epoch - 1:
-            raise RuntimeError(f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
-                               f"{epoch - 2} was released; a remote peer would overwrite it.")
         recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
         outputs = list(recv.split(plan.recv_splits(self.rank)))
         inputs = list(send.split(plan.send_splits(self.rank)))
@@ -283,10 +293,11 @@ class CopyEngineTransport:
             return StagedAllToAll(outputs, inputs, self.group)
         return dist.all_to_all(outputs, inputs, group=self.group, async_op=True)
 
-    def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, work) -> torch.Tensor:
+    def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, own_copy, work) -> torch.Tensor:
         # -> [sum(recv_splits), *row]: the slot, valid until release()
+        self.compute.wait_marks([own_copy], self.lanes)
         for j in range(self.size):
-            if self.local[j]:
+            if self.local[j] and j != self.rank:
                 self.compute.wait_value(self.region.flags(self.rank), self.layout.data_flag(plan.kind, head_group, j),
                                         epoch + 1, self._describe(f"rows of exchange {epoch}", plan, head_group, j))
         if work is not None:
@@ -302,7 +313,7 @@ class CopyEngineTransport:
                                f"(released {self.released.get(key, 0)}, releasing {epoch}).")
         self.released[key] = epoch + 1
         for j in range(self.size):
-            if self.local[j]:
+            if self.local[j] and j != self.rank:
                 self.compute.write_value(self.region.flags(j), self.layout.credit_flag(plan.kind, head_group, self.rank),
                                          epoch + 1)
 
