@@ -9,18 +9,33 @@ thermal drift hit all of them alike; each row is the median of ``--repeats`` ste
 
     python benchmarks/bench_layouts.py --width 1024 --height 1024 --out results/bench
 
-Needs a CUDA/ROCm GPU with ~30 GB free; exits 0 with a message otherwise.
+``--world 2`` instead runs two ranks (one per GPU; ``--share-gpu``: both on GPU 0 over a gloo
+process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run and in alternation,
+every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
+``single`` on the same inputs: the relative error of the guided velocity (bf16 tolerance),
+whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
+transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table (issue 10):
+``ulysses`` with 2 head groups over ``copy_engine`` exposes <= 1.5% of its DiT time and is at
+least 5% faster than over ``collective``.
+
+    python benchmarks/bench_layouts.py --world 2 --out results/bench
+
+Needs a CUDA/ROCm GPU with ~30 GB free (per rank); exits 0 with a message otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -29,9 +44,10 @@ from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.load import random_model  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
 from ditrun.model.sampler import EditInputs  # noqa: E402
-from ditrun.parallel.cfg import layout_velocity  # noqa: E402
+from ditrun.parallel.cfg import layout_velocity, prepare_transports  # noqa: E402
 from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
-from ditrun.transport.base import make_transport  # noqa: E402
+from ditrun.config import TransportConfig  # noqa: E402
+from ditrun.transport.registry import make_transport  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
@@ -63,13 +79,18 @@ def edit_inputs(width: int, height: int, text_len: int) -> EditInputs:
     )
 
 
-def step_function(model, inputs: EditInputs, name: str, head_groups: int):
-    """One CFG step's velocity under ``name`` on this one GPU."""
-    layout = build_layout(plan_layout(LayoutArgs(name, head_groups), 1, FLUX_DEV.num_attention_heads))
-    timer = ExposedTransfer(torch.device("cuda"))
-    transports = {axis: make_transport("collective", layout.groups[axis], timer) for axis in ("sp", "cfg")}
+def step_function(model, inputs: EditInputs, name: str, head_groups: int, world: int = 1,
+                  transport: str = "collective", timer=None):
+    """One CFG step's velocity under ``name`` over ``world`` ranks (every rank calls this, in one order)."""
+    layout = build_layout(plan_layout(LayoutArgs(name, head_groups), world if name != "single" else 1,
+                                      FLUX_DEV.num_attention_heads))
+    device = torch.device("cuda", torch.cuda.current_device())
+    timer = timer or ExposedTransfer(device)
+    transports = {axis: make_transport(TransportConfig(name=transport), layout.groups[axis], timer, device, 120.0)
+                  for axis in ("sp", "cfg")}
     dtype = next(model.parameters()).dtype
     velocity = layout_velocity(layout, transports, model, inputs, 2.5, 3.5, dtype)
+    prepare_transports(layout, transports, inputs, FLUX_DEV, dtype)  # outside every timed call
     return lambda: velocity(inputs.noise, 0.6)
 
 
@@ -89,10 +110,17 @@ def main() -> int:
     parser.add_argument("--text-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--world", type=int, default=1, help="2: the layouts x transports on two ranks")
+    parser.add_argument("--share-gpu", action="store_true", help="with --world 2: both ranks on GPU 0")
+    parser.add_argument("--steps", type=int, default=4, help="steps per edit for the DiT time column")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_layouts: no CUDA/ROCm GPU visible; nothing to measure.")
+    needed = 1 if args.world == 1 or args.share_gpu else args.world
+    if torch.cuda.device_count() < needed:
+        print(f"bench_layouts: needs {needed} CUDA/ROCm GPU(s), {torch.cuda.device_count()} visible; "
+              "nothing to measure.")
         return 0
+    if args.world > 1:
+        return multi_gpu(args)
 
     model = random_model(FLUX_DEV, seed=0, dtype=torch.bfloat16, device="cuda")
     inputs = edit_inputs(args.width, args.height, args.text_len)
@@ -138,6 +166,97 @@ def print_table(report: dict) -> None:
     verdict = "within" if ulysses["overhead_pct"] <= TARGET_PCT else "OVER"
     print(f"ulysses (P=1, 1 head group) vs single: {ulysses['overhead_pct']:+.1f}%, {verdict} the "
           f"{TARGET_PCT:.0f}% target")
+
+
+
+# -- two ranks: every layout x transport x head groups against single ---------------------------------
+
+TRANSPORTS = ("collective", "copy_engine")
+MULTI_ROWS = [("single", 1, "collective")] + [(name, groups, transport) for name in ("ulysses", "cfg_batch", "cfg_split")
+                                              for groups in (1, 2) for transport in TRANSPORTS]
+BF16_TOLERANCE = 5e-2
+"""Max |difference| / max |single| of a bf16 guided velocity (other kernels for other shapes)."""
+TARGET_EXPOSED_PCT, TARGET_SPEEDUP_PCT = 1.5, 5.0
+
+
+def multi_gpu(args) -> int:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(multi_gpu_rank, args=(args, port), nprocs=args.world, join=True)
+    return 0
+
+
+def multi_gpu_rank(rank: int, args, port: int) -> None:
+    device = torch.device("cuda", 0 if args.share_gpu else rank)
+    torch.cuda.set_device(device)
+    backend = "gloo" if args.share_gpu else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
+                            **({} if args.share_gpu else {"device_id": device}))
+    model = random_model(FLUX_DEV, seed=0, dtype=torch.bfloat16, device=device)
+    inputs = edit_inputs(args.width, args.height, args.text_len)
+    rows = [row for row in MULTI_ROWS if not args.share_gpu or row[0] == "single" or row[2] == "copy_engine"]
+    timers = {row: ExposedTransfer(device) for row in rows}
+    steps = {row: step_function(model, inputs, row[0], row[1], args.world, row[2], timers[row]) for row in rows}
+    times: dict = {row: [] for row in rows}
+    exposed: dict = {row: [] for row in rows}
+    with torch.inference_mode():
+        outputs = {row: fn().float() for row, fn in steps.items()}
+        for _ in range(args.repeats):
+            for row, fn in steps.items():
+                timers[row].take()
+                times[row].append(time_once(fn))
+                exposed[row].append(timers[row].take()["total_s"])
+    report = summarise_multi(times, exposed, outputs, args)
+    if rank == 0:
+        print_multi(report)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_layouts_multi.json").write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarise_multi(times: dict, exposed: dict, outputs: dict, args) -> dict:
+    reference = outputs[MULTI_ROWS[0]]
+    rows = []
+    for row in outputs:
+        name, groups, transport = row
+        step_s = statistics.median(times[row])
+        error = ((outputs[row] - reference).abs().max() / reference.abs().max()).item()
+        twin = outputs.get((name, groups, "collective"))
+        rows.append({"layout": name, "head_groups": groups, "transport": transport, "step_s": step_s,
+                     "dit_s": args.steps * step_s, "exposed_pct": 100 * statistics.median(exposed[row]) / step_s,
+                     "max_rel_error_vs_single": error,
+                     "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin))})
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": args.world,
+            "share_gpu": args.share_gpu, "width": args.width, "height": args.height, "text_len": args.text_len,
+            "repeats": args.repeats, "steps": args.steps, "rows": rows}
+
+
+def print_multi(report: dict) -> None:
+    print(f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit, "
+          f"{report['world']} ranks on {report['device']}{' (one GPU shared)' if report['share_gpu'] else ''}, "
+          f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps")
+    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'DiT s':>7} {'exposed':>8} "
+          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}")
+    for r in report["rows"]:
+        ok = "yes" if r["max_rel_error_vs_single"] <= BF16_TOLERANCE else "NO"
+        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['dit_s']:>7.3f} "
+              f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
+              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}")
+    find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
+    copy, coll = find[("ulysses", 2, "copy_engine")], find.get(("ulysses", 2, "collective"))
+    if coll is None:
+        print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (no NCCL row on a shared GPU)")
+        return
+    faster = 100 * (1 - copy["dit_s"] / coll["dit_s"])
+    print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (target <= "
+          f"{TARGET_EXPOSED_PCT}%: {'met' if copy['exposed_pct'] <= TARGET_EXPOSED_PCT else 'MISSED'}), DiT time "
+          f"{faster:+.1f}% below collective (target >= {TARGET_SPEEDUP_PCT}%: "
+          f"{'met' if faster >= TARGET_SPEEDUP_PCT else 'MISSED'})")
 
 
 if __name__ == "__main__":

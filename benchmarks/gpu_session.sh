@@ -33,14 +33,23 @@ if [[ $what == cli || $what == all ]]; then
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
 fi
 if [[ $what == multi ]]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py \
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \
     2>&1 | tee "$OUT/tests_multi.log" | tail -8
+  # Issue 10: collective vs copy_engine per message, kernel slowdown beside transfers, profile; then every
+  # layout x transport x head groups {1, 2} against single. With one GPU both ranks share it (CUDA IPC).
+  share=""; [[ $(python3 -c "import torch; print(torch.cuda.device_count())") -lt 2 ]] && share="--share-gpu"
+  python3 benchmarks/alltoall.py $share --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -25
+  python3 benchmarks/bench_layouts.py --world 2 $share --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -20
   # The layouts side by side on the same 1024x1024 Kontext-style edits, FLUX.1-dev geometry, bf16;
   # the first run also makes the cached bf16 references every later run's SSIM is measured against.
   i=0
   for spec in "layout=single launcher.world=1" "layout=ulysses launcher.world=2" \
               "layout=ulysses launcher.world=2 layout.head_groups=2" "layout=cfg_batch launcher.world=2" \
-              "layout=cfg_split launcher.world=2" "layout=single launcher.world=2 layout.replicas=2"; do
+              "layout=cfg_split launcher.world=2" "layout=single launcher.world=2 layout.replicas=2" \
+              "layout=ulysses launcher.world=2 transport=copy_engine" \
+              "layout=ulysses launcher.world=2 layout.head_groups=2 transport=copy_engine" \
+              "layout=cfg_batch launcher.world=2 transport=copy_engine" \
+              "layout=cfg_split launcher.world=2 transport=copy_engine"; do
     # shellcheck disable=SC2086
     python3 -m ditrun model=flux-dev workload.width=1024 workload.height=1024 workload.steps=4 \
       workload.limit=3 workload.text_len=512 wandb.mode=disabled metrics.report=false progress=false \

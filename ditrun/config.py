@@ -78,7 +78,16 @@ class TransportConfig:
     """How the all-to-all of sequence-parallel attention moves data."""
 
     name: str = "collective"
-    """``collective`` (NCCL/RCCL/gloo all_to_all_single), ``copy_engine`` or ``mpi``."""
+    """A name in ``ditrun.transport.registry.TRANSPORTS``: ``collective`` (NCCL/RCCL/gloo
+    ``all_to_all_single``) or ``copy_engine`` (per-peer one-sided copies; docs/LAYOUTS.md)."""
+    timeout_s: Optional[float] = None
+    """``copy_engine``: seconds any wait for a peer may take before the run fails naming that peer;
+    unset means ``launcher.collective_timeout_s``."""
+    chaos_s: float = 0.0
+    """``copy_engine`` on CPUs: a random delay of up to this many seconds before each copy (tests)."""
+    node_size: int = 0
+    """``copy_engine``: peers on another node go through the collective; 0 finds nodes by host name,
+    N > 0 treats each N consecutive ranks of the run as one node (tests of the mixed path)."""
 
 
 @dataclass

@@ -52,8 +52,12 @@ def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: 
 
 
 def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: float = 60.0,
-              collective_timeout: float = 30.0, backend: str = "gloo") -> list:
-    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own rank."""
+              collective_timeout: float = 30.0, backend: str = "gloo", lost: Sequence[int] = ()) -> list:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own rank.
+
+    Ranks in ``lost`` are expected to die without a result (a test of how the others cope): their
+    entries are None and only the other ranks are waited for.
+    """
     ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
     results = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="ranks-")
@@ -63,7 +67,7 @@ def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: 
     for p in procs:
         p.start()
     try:
-        return _collect(procs, results, world, timeout)
+        return _collect(procs, results, world, timeout, set(lost))
     finally:
         for p in procs:
             if p.is_alive():
@@ -72,29 +76,29 @@ def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: 
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _collect(procs, results, world: int, timeout: float) -> list:
+def _collect(procs, results, world: int, timeout: float, lost: set) -> list:
     deadline = time.monotonic() + timeout
     values: dict[int, Any] = {}
     suspects: set[int] = set()
-    while len(values) < world:
+    while len(values) < world - len(lost):
         try:
             rank, ok, payload = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
         except queue.Empty:
             # A rank that exited may still have its result in the pipe: convict it on the second miss.
-            dead = {r for r, p in enumerate(procs) if r not in values and not p.is_alive()}
+            dead = {r for r, p in enumerate(procs) if r not in values and r not in lost and not p.is_alive()}
             if dead & suspects:
                 gone = sorted(dead & suspects)
                 raise RankFailed(f"rank(s) {gone} exited without a result (exit codes "
                                  f"{[procs[r].exitcode for r in gone]}).")
             suspects = dead
             if time.monotonic() > deadline:
-                missing = sorted(set(range(world)) - set(values))
+                missing = sorted(set(range(world)) - set(values) - lost)
                 raise TimeoutError(f"rank(s) {missing} did not finish within {timeout:.0f} s.")
             continue
         if not ok:
             raise RankFailed(_failures({rank: payload}, results))
         values[rank] = pickle.loads(payload)
-    return [values[r] for r in range(world)]
+    return [values.get(r) for r in range(world)]
 
 
 def _failures(failed: dict[int, str], results, grace: float = 2.0) -> str:

@@ -4,10 +4,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from ditrun.config import TransportConfig
 from ditrun.metrics.timing import ExposedTransfer
 from ditrun.model.dit import sdpa_attention
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, even_splits
-from ditrun.transport.base import LocalTransport, all_gather_rows, make_transport
+from ditrun.transport.base import LocalTransport, all_gather_rows
+from ditrun.transport.registry import make_transport
 from ranks import RankFailed, run_ranks
 
 
@@ -16,21 +18,30 @@ def _qkv(lengths, heads=6, dim=8, batch=2, seed=0):
     return [torch.randn(batch, sum(lengths), heads, dim, generator=gen) for _ in range(3)]
 
 
-def _sharded_attention(rank, world, lengths, head_groups):
+def world_transport(name: str = "collective", timer=None, **keys):
+    """The transport ``name`` over every rank of the test, on the CPU."""
+    timer = timer or ExposedTransfer(torch.device("cpu"))
+    return make_transport(TransportConfig(name=name, **keys), dist.group.WORLD, timer, torch.device("cpu"), 20.0)
+
+
+def _sharded_attention(rank, world, lengths, head_groups, name="collective"):
     timer = ExposedTransfer(torch.device("cpu"))
-    transport = make_transport("collective", dist.group.WORLD, timer)
+    transport = world_transport(name, timer)
     start = sum(lengths[:rank])
     q, k, v = (t[:, start:start + lengths[rank]] for t in _qkv(lengths))
-    out = UlyssesAttention(transport, lengths, head_groups)(q, k, v)
+    attention = UlyssesAttention(transport, lengths, head_groups)
+    transport.prepare(attention.plans(q))
+    out = attention(q, k, v)
     waits = timer.take()
     return out, sorted(waits["by_kind"]), sorted(waits["by_group"])
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["collective", "copy_engine"])
 @pytest.mark.parametrize("lengths, head_groups", [([5, 4], 1), ([5, 4], 3), ([4, 3, 3], 2), ([3, 0, 2], 1)])
-def test_ulysses_attention_equals_full_attention(lengths, head_groups):
+def test_ulysses_attention_equals_full_attention(lengths, head_groups, transport):
     """Uneven (even empty) shards, head groups pipelined: the gathered output is one process's attention."""
-    outs = run_ranks(_sharded_attention, len(lengths), (lengths, head_groups))
+    outs = run_ranks(_sharded_attention, len(lengths), (lengths, head_groups, transport))
     q, k, v = _qkv(lengths)
     expected = sdpa_attention(q, k, v)
     got = torch.cat([out for out, _, _ in outs], dim=1)
@@ -40,9 +51,9 @@ def test_ulysses_attention_equals_full_attention(lengths, head_groups):
 
 
 def _gather(rank, world, sizes):
-    transport = make_transport("collective", dist.group.WORLD, ExposedTransfer(torch.device("cpu")))
+    transport = world_transport()
     rows = torch.full((sizes[rank], 3), float(rank))
-    return all_gather_rows(transport, rows, sizes, "gather").wait()
+    return all_gather_rows(transport, rows, sizes, "gather")
 
 
 @pytest.mark.timeout(60)
@@ -83,23 +94,26 @@ class _LoggedTransport:
 
     def __init__(self, inner, log):
         self.inner, self.log, self.size, self.rank = inner, log, inner.size, inner.rank
+        self.prepare, self.send_buffer = inner.prepare, inner.send_buffer
 
-    def start(self, send, send_splits, recv_splits, kind, group=0):
-        self.log.append(f"start {kind} {group}")
-        handle, log = self.inner.start(send, send_splits, recv_splits, kind, group), self.log
+    def start(self, send, plan, head_group=0):
+        self.log.append(f"start {plan.kind} {head_group}")
+        handle, log = self.inner.start(send, plan, head_group), self.log
 
         class Logged:
             def wait(self):
-                log.append(f"wait {kind} {group}")
+                log.append(f"wait {plan.kind} {head_group}")
                 return handle.wait()
+
+            def release(self):
+                handle.release()
 
         return Logged()
 
 
 def _pipeline_order(rank, world):
     log = []
-    transport = _LoggedTransport(make_transport("collective", dist.group.WORLD, ExposedTransfer(torch.device("cpu"))),
-                                 log)
+    transport = _LoggedTransport(world_transport(), log)
     q, k, v = (t[:, 3 * rank:3 * rank + 3] for t in _qkv([3, 3], heads=6))
     UlyssesAttention(transport, [3, 3], head_groups=3)(q, k, v)
     return log

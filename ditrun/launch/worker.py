@@ -32,15 +32,14 @@ from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
 from ditrun.model.presets import geometry_from_config
 from ditrun.model.sampler import denoise
-from ditrun.parallel.cfg import layout_velocity
+from ditrun.parallel.cfg import layout_velocity, prepare_transports
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
-from ditrun.transport.base import make_transport
+from ditrun.transport.registry import check_transport, make_transport
 from ditrun.workload import Edit, check_sources, edit_inputs, resolve_edits
 from ditrun.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMPLEMENTED_FORMATS = ("bf16",)
-IMPLEMENTED_TRANSPORTS = ("collective",)
 
 
 @dataclass
@@ -80,10 +79,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
             raise UserError(
                 f"precision.{component}={value!r} is not available; allowed: {', '.join(IMPLEMENTED_FORMATS)}."
             )
-    if cfg.transport.name not in IMPLEMENTED_TRANSPORTS:
-        raise UserError(
-            f"transport={cfg.transport.name!r} is not available; allowed: {', '.join(IMPLEMENTED_TRANSPORTS)}."
-        )
+    check_transport(cfg.transport)
     if cfg.workload.steps < 1:
         raise UserError(f"workload.steps={cfg.workload.steps} must be at least 1.")
     metrics.check_config(cfg)
@@ -149,7 +145,8 @@ class Run:
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
-        self.transports = {axis: make_transport(cfg.transport.name, self.layout.groups[axis], self.exposed)
+        self.transports = {axis: make_transport(cfg.transport, self.layout.groups[axis], self.exposed,
+                                                self.placement.device, cfg.launcher.collective_timeout_s)
                            for axis in ("sp", "cfg")}
         self.model = build_model(cfg.model, self.placement)
         self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
@@ -191,6 +188,8 @@ class Run:
         velocity = layout_velocity(
             self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype
         )
+        # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
+        prepare_transports(self.layout, self.transports, inputs, self.geometry, placement.dtype)
         timer = StepTimer(placement.device)
         self.exposed.take()  # start the edit's count from zero
 

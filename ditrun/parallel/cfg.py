@@ -18,8 +18,8 @@ import torch
 
 from ditrun.model.sampler import EditInputs, VelocityFn, branch_inputs, combine_cfg, sequential_cfg_velocity
 from ditrun.parallel.layout import Layout
-from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention
-from ditrun.transport.base import Transport, all_gather_rows
+from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
+from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
 
 # FluxDiT.forward inputs that have no batch dim: both branches share them.
 _SHARED_INPUTS = ("img_ids", "txt_ids")
@@ -51,6 +51,42 @@ class LocalBranches:
         return out[:1], out[1:]
 
 
+def _shards(transports: dict[str, Transport], inputs: EditInputs) -> SequenceShards:
+    sp = transports["sp"]
+    return SequenceShards.split(inputs.prompt.shape[1], inputs.noise.shape[1], inputs.ref_latents.shape[1],
+                                sp.size, sp.rank)
+
+
+def exchange_plans(layout: Layout, transports: dict[str, Transport], inputs: EditInputs, num_heads: int,
+                   head_dim: int, dtype: torch.dtype) -> dict[str, list[ExchangePlan]]:
+    """Every exchange one edit's velocity makes, per axis: what ``prepare`` sizes buffers for.
+
+    They are the plans the exchange sites build themselves (``attention_plans``, ``all_gather_rows``):
+    Q/K/V and attention outputs in the model dtype, the guided velocity (fp32) over ``sp``, and
+    under ``cfg_split`` the prediction swap (fp32) over ``cfg``.
+    """
+    name = layout.plan.name
+    if name == "single":
+        return {}
+    shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
+    batch = 2 if name == "cfg_batch" else 1
+    sp = [*attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
+          gather_plan("velocity_gather", shards.output, (1, channels), torch.float32)]
+    if name != "cfg_split":
+        return {"sp": sp}
+    mine = shards.output[shards.rank]
+    return {"sp": sp, "cfg": [gather_plan("cfg_pair", [mine, mine], (channels,), torch.float32)]}
+
+
+def prepare_transports(layout: Layout, transports: dict[str, Transport], inputs: EditInputs, geometry,
+                       dtype: torch.dtype) -> None:
+    """Size and map every transport's buffers for one edit (collective over each axis; untimed)."""
+    plans = exchange_plans(layout, transports, inputs, geometry.num_attention_heads, geometry.attention_head_dim,
+                           dtype)
+    for axis, axis_plans in plans.items():
+        transports[axis].prepare(axis_plans)
+
+
 def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inputs: EditInputs,
                     guidance_scale: float, guidance: Optional[float], dtype: torch.dtype,
                     inner_attention=None) -> VelocityFn:
@@ -59,8 +95,7 @@ def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inp
     if name == "single":
         return sequential_cfg_velocity(model, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
     sp = transports["sp"]
-    shards = SequenceShards.split(inputs.prompt.shape[1], inputs.noise.shape[1], inputs.ref_latents.shape[1],
-                                  sp.size, sp.rank)
+    shards = _shards(transports, inputs)
     extra = {} if inner_attention is None else {"inner": inner_attention}
     attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
     branches = LocalBranches(model, inputs, shards, attention, dtype, guidance)
@@ -93,7 +128,7 @@ def _split(branches: LocalBranches, sp: Transport, cfg: Transport, scale: float)
 
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
         mine = branches.one(x, sigma, conditional)[0]  # [O_r, C]
-        pair = all_gather_rows(cfg, mine, [mine.shape[0]] * 2, "cfg_pair").wait()  # [2 O_r, C]: cond, uncond
+        pair = all_gather_rows(cfg, mine, [mine.shape[0]] * 2, "cfg_pair")  # [2 O_r, C]: cond, uncond
         cond, uncond = pair.chunk(2)
         return branches.shards.gather_output(sp, combine_cfg(cond, uncond, scale)[None])
 

@@ -23,7 +23,7 @@ import torch
 
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.model.sampler import EditInputs
-from ditrun.transport.base import Handle, Transport, all_gather_rows
+from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows
 
 
 def even_splits(n: int, parts: int) -> list[int]:
@@ -71,7 +71,21 @@ class SequenceShards:
     def gather_output(self, transport: Transport, local: torch.Tensor, kind: str = "velocity_gather") -> torch.Tensor:
         """Every rank's output-token rows, in sequence order. local: [B, O_r, C] -> [B, O, C]."""
         rows = local.transpose(0, 1)  # [O_r, B, C]: rows are tokens
-        return all_gather_rows(transport, rows, self.output, kind).wait().transpose(0, 1)
+        return all_gather_rows(transport, rows, self.output, kind).transpose(0, 1)
+
+
+def attention_plans(joint: list[int], batch: int, heads: int, head_dim: int, head_groups: int,
+                    dtype: torch.dtype) -> tuple[ExchangePlan, ExchangePlan]:
+    """The two exchanges of Ulysses attention over an SP group whose ranks hold ``joint[i]`` tokens.
+
+    qkv: rank i sends its joint[i] tokens of each destination's heads to every rank, rows
+    [3, B, H/(PG), D]; attention_out: rank i sends rank j's joint[j] tokens back, rows [B, H/(PG), D].
+    """
+    p = len(joint)
+    per_rank = heads // (p * head_groups)
+    qkv = ExchangePlan("qkv", tuple((n,) * p for n in joint), (3, batch, per_rank, head_dim), dtype, head_groups)
+    out = ExchangePlan("attention_out", (tuple(joint),) * p, (batch, per_rank, head_dim), dtype, head_groups)
+    return qkv, out
 
 
 class UlyssesAttention:
@@ -86,22 +100,30 @@ class UlyssesAttention:
                  inner: AttentionFn = sdpa_attention):
         self.transport, self.splits, self.head_groups, self.inner = transport, joint_splits, head_groups, inner
 
+    def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ExchangePlan]:
+        """The (qkv, attention_out) plans for queries shaped like ``q`` ([B, L_r, H, D])."""
+        return attention_plans(self.splits, q.shape[0], q.shape[2], q.shape[3], self.head_groups, q.dtype)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, L_r, H, D] (this rank's tokens, every head) -> [B, L_r, H, D]
         if self.transport.size == 1:
             return self._local(q, k, v)
+        qkv_plan, out_plan = self.plans(q)
         out = torch.empty_like(q)
-        incoming = [self._send_qkv(q, k, v, 0)]
+        incoming = [self._send_qkv(q, k, v, 0, qkv_plan)]
         outgoing: list[Handle] = []
         for g in range(self.head_groups):
             if g + 1 < self.head_groups:
-                incoming.append(self._send_qkv(q, k, v, g + 1))
+                incoming.append(self._send_qkv(q, k, v, g + 1, qkv_plan))
             qkv = incoming[g].wait()  # [S, 3, B, H/(PG), D]
-            incoming[g] = None  # free the buffer before the next group's attention
             attended = self.inner(*(qkv[:, i].transpose(0, 1) for i in range(3)))  # [B, S, H/(PG), D]
-            outgoing.append(self._send_back(attended, g))
+            incoming[g].release()  # attention is queued: the slot may take the next exchange
+            incoming[g] = None
+            # Sent back at once, so that it travels while the next group's attention runs.
+            outgoing.append(self._send_back(attended, g, out_plan))
         for g, handle in enumerate(outgoing):
             self._place(out, handle.wait(), g)
+            handle.release()
         return out
 
     def _local(self, q, k, v) -> torch.Tensor:
@@ -116,19 +138,20 @@ class UlyssesAttention:
         per_group = x.shape[2] // self.head_groups
         return x[:, :, g * per_group:(g + 1) * per_group].unflatten(2, (self.transport.size, -1))
 
-    def _send_qkv(self, q, k, v, g: int) -> Handle:
-        # -> send: [P * L_r, 3, B, H/(PG), D], the rows for destination rank j contiguous
-        p, (b, length, _, d) = self.transport.size, q.shape
-        send = q.new_empty(p, length, 3, b, q.shape[2] // (p * self.head_groups), d)
+    def _send_qkv(self, q, k, v, g: int, plan: ExchangePlan) -> Handle:
+        # -> send: [P * L_r, 3, B, H/(PG), D], the rows for destination rank j contiguous, written
+        # straight into the transport's send slot
+        send = self.transport.send_buffer(plan, g)
+        blocks = send.view(self.transport.size, q.shape[1], *plan.row_shape)  # [P, L_r, 3, B, H/(PG), D]
         for i, t in enumerate((q, k, v)):
-            send[:, :, i].copy_(self._group_heads(t, g).permute(2, 1, 0, 3, 4))
-        return self.transport.start(send.flatten(0, 1), [length] * p, self.splits, "qkv", g)
+            blocks[:, :, i].copy_(self._group_heads(t, g).permute(2, 1, 0, 3, 4))
+        return self.transport.start(send, plan, g)
 
-    def _send_back(self, attended: torch.Tensor, g: int) -> Handle:
+    def _send_back(self, attended: torch.Tensor, g: int, plan: ExchangePlan) -> Handle:
         # attended: [B, S, H/(PG), D] -> send: [S, B, H/(PG), D], rank j's tokens contiguous
-        send = attended.transpose(0, 1)
-        length = self.splits[self.transport.rank]
-        return self.transport.start(send, self.splits, [length] * self.transport.size, "attention_out", g)
+        send = self.transport.send_buffer(plan, g)
+        send.copy_(attended.transpose(0, 1))
+        return self.transport.start(send, plan, g)
 
     def _place(self, out: torch.Tensor, received: torch.Tensor, g: int) -> None:
         # received: [P * L_r, B, H/(PG), D], source j's heads in block j -> out[:, :, group g's heads]

@@ -1,29 +1,97 @@
-"""The transport protocol: start an all-to-all over one process-group axis, wait for it later.
+"""The transport protocol: an all-to-all over one process-group axis, planned once, started, awaited.
 
-``start`` is called on the compute stream once the data to send is ready and returns at once
-with a ``Handle``; ``Handle.wait`` makes the compute stream wait for the received data and
-returns it. Between the two the exchange runs on the transport's own stream (GPUs) or threads
-(CPUs), so the caller can compute something else: that is how head groups overlap. Every wait
-is timed through ``ExposedTransfer.timed`` so the run reports how long compute really stalled.
+A layout describes each exchange as an ``ExchangePlan``: the P x P matrix of row counts (row
+``i`` = what rank ``i`` sends to each peer), the shape and dtype of one row, and how many head
+groups may be in flight at once. Every rank holds the whole matrix, because a one-sided
+transport must know where its rows land in each peer's buffer. The life of one exchange:
 
-Buffers are row-major along dim 0: ``send`` holds ``send_splits[j]`` rows for peer ``j``, one
-after the other; the received buffer holds ``recv_splits[j]`` rows from peer ``j``. Splits may be
-uneven (a sequence that the group size does not divide), and may be 0.
+1. ``prepare(plans)``, once per run shape, outside every timed region and on every rank of the
+   axis at the same point (it may allocate and map buffers into the peers: a collective call);
+2. ``send_buffer(plan, head_group)``: the tensor the producer writes its rows into (the
+   transport's own send slot, so no extra copy is made), row-major along dim 0, the rows for
+   peer ``j`` contiguous and in peer order;
+3. ``start(send, plan, head_group)`` on the compute stream once those rows are written; it
+   returns at once with a ``Handle``; ``send`` must not be written again (the transport reads
+   it until its copies are done, and reuses a send slot only after that);
+4. ``Handle.wait()`` makes the compute stream wait for every peer's rows and returns them
+   (``sum(recv_splits)`` rows, peer ``j``'s block at row ``sum(counts[:j][rank])``);
+5. ``Handle.release()`` once the last read of the received tensor is queued on the compute
+   stream. The received tensor is valid until then and only until then: a one-sided
+   transport hands its slot back to the senders at ``release``, and a sender waits for that
+   credit before it writes the slot again (two slots per head group, so a sender can run one
+   exchange ahead). Releases come in start order per (kind, head group), and exchange ``n``
+   starts only once this rank released exchange ``n - 2``: at most two are held at a time.
+
+Between ``start`` and ``wait`` the exchange runs on the transport's own streams (GPUs) or
+threads (CPUs), so the caller can compute something else: that is how head groups overlap.
+Every wait is timed through ``ExposedTransfer.timed`` so the run reports how long compute
+really stalled. Splits may be uneven (a sequence that the group size does not divide), and 0.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
 
-from ditrun.metrics.timing import ExposedTransfer
-from ditrun.errors import UserError
+
+class PeerLost(RuntimeError):
+    """A peer did not deliver (or hand back) a buffer within the transport's timeout: dead or stalled."""
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One all-to-all's geometry, the same on every rank of the axis."""
+
+    kind: str
+    """What is exchanged (``qkv``, ``attention_out``, ...): labels the timed wait and names the buffers."""
+    counts: tuple[tuple[int, ...], ...]
+    """``counts[i][j]``: rows that rank ``i`` sends to rank ``j``."""
+    row_shape: tuple[int, ...]
+    """The shape of one row (dims after dim 0)."""
+    dtype: torch.dtype
+    head_groups: int = 1
+    """Exchanges of this kind that may be in flight at once (one per head group)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.counts)
+
+    def send_splits(self, rank: int) -> list[int]:
+        return list(self.counts[rank])
+
+    def recv_splits(self, rank: int) -> list[int]:
+        return [row[rank] for row in self.counts]
+
+    def landing_row(self, source: int, dest: int) -> int:
+        """Where ``source``'s rows start in ``dest``'s received tensor."""
+        return sum(self.counts[i][dest] for i in range(source))
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.row_shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def max_recv_rows(self) -> int:
+        """The most rows any rank receives (buffers are laid out alike on every rank)."""
+        return max(sum(self.recv_splits(r)) for r in range(self.size))
+
+    def max_send_rows(self) -> int:
+        return max(sum(row) for row in self.counts)
+
+
+def gather_plan(kind: str, sizes: Sequence[int], row_shape: Sequence[int], dtype: torch.dtype) -> ExchangePlan:
+    """An all-gather as an all-to-all: rank ``i`` sends its ``sizes[i]`` rows to every rank."""
+    return ExchangePlan(kind, tuple(tuple([n] * len(sizes)) for n in sizes), tuple(row_shape), dtype)
 
 
 class Handle(Protocol):
     def wait(self) -> torch.Tensor:
         """Make the compute stream wait for the exchange; returns the received rows."""
+
+    def release(self) -> None:
+        """The received rows are read (as far as the compute stream is concerned): the slot may be reused."""
 
 
 class Transport(Protocol):
@@ -32,9 +100,14 @@ class Transport(Protocol):
     rank: int
     """This rank's index along the axis."""
 
-    def start(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-              kind: str, group: int = 0) -> Handle:
-        """Start the exchange; ``kind`` and ``group`` (head group) label the timed wait."""
+    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
+        """Size (and map) buffers for these plans; collective, outside every timed region."""
+
+    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+        """``[sum(send_splits), *row_shape]``: where the producer writes the rows to send."""
+
+    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> Handle:
+        """Start the exchange; ``plan.kind`` and ``head_group`` label the timed wait."""
 
 
 class Ready:
@@ -46,6 +119,14 @@ class Ready:
     def wait(self) -> torch.Tensor:
         return self.data
 
+    def release(self) -> None:
+        self.data = None
+
+
+def fresh_send_buffer(plan: ExchangePlan, rank: int, device: torch.device) -> torch.Tensor:
+    """A newly allocated send buffer, for transports that own no send slots."""
+    return torch.empty((sum(plan.send_splits(rank)), *plan.row_shape), dtype=plan.dtype, device=device)
+
 
 class LocalTransport:
     """The transport of an axis of size 1: the received rows are the sent rows."""
@@ -53,26 +134,30 @@ class LocalTransport:
     size = 1
     rank = 0
 
-    def start(self, send, send_splits, recv_splits, kind, group=0) -> Handle:
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
+
+    def prepare(self, plans) -> None:
+        pass
+
+    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+        return fresh_send_buffer(plan, 0, self.device)
+
+    def start(self, send, plan, head_group=0) -> Handle:
         return Ready(send)
 
 
-def make_transport(name: str, group, timer: ExposedTransfer) -> Transport:
-    """The transport ``name`` over ``group`` (None: an axis of one rank)."""
-    if group is None:
-        return LocalTransport()
-    if name == "collective":
-        from ditrun.transport.collective import CollectiveTransport
-
-        return CollectiveTransport(group, timer)
-    raise UserError(f"transport={name!r} is not available; allowed: collective.")
-
-
-def all_gather_rows(transport: Transport, rows: torch.Tensor, sizes: Sequence[int], kind: str) -> Handle:
+def all_gather_rows(transport: Transport, rows: torch.Tensor, sizes: Sequence[int], kind: str) -> torch.Tensor:
     """Every rank's ``rows`` (``sizes[j]`` of them on rank ``j``), concatenated in rank order.
 
-    rows: [sizes[rank], ...] -> [sum(sizes), ...]. An all-to-all in which each rank sends the
-    same rows to every peer, so that it runs on any transport.
+    rows: [sizes[rank], ...] -> [sum(sizes), ...], a tensor of the caller's own (the received
+    slot is copied out and released at once). An all-to-all in which each rank sends the same
+    rows to every peer, so that it runs on any transport.
     """
-    send = rows.unsqueeze(0).expand(transport.size, *rows.shape).reshape(-1, *rows.shape[1:])
-    return transport.start(send, [rows.shape[0]] * transport.size, sizes, kind)
+    plan = gather_plan(kind, sizes, rows.shape[1:], rows.dtype)
+    send = transport.send_buffer(plan)
+    send.view(transport.size, *rows.shape).copy_(rows.unsqueeze(0).expand(transport.size, *rows.shape))
+    handle = transport.start(send, plan)
+    gathered = handle.wait().clone()
+    handle.release()
+    return gathered

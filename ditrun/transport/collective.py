@@ -5,6 +5,9 @@ after the work already queued on the compute stream when it is started; ``Work.w
 inserts a wait into the compute stream only, so the host never blocks and the compute stream
 stalls only where the data is needed. On gloo (CPUs) the exchange runs on gloo's threads and
 ``Work.wait`` blocks the calling thread until the data has arrived.
+
+It owns no buffers: ``prepare`` has nothing to do, each send buffer and each received tensor is
+a fresh allocation (the caching allocator recycles them), and ``release`` only drops them.
 """
 
 from __future__ import annotations
@@ -15,35 +18,44 @@ import torch
 import torch.distributed as dist
 
 from ditrun.metrics.timing import ExposedTransfer
+from ditrun.transport.base import ExchangePlan, fresh_send_buffer
 
 
 class CollectiveHandle:
     def __init__(self, work, recv: torch.Tensor, send: torch.Tensor, timer: ExposedTransfer, kind: str,
-                 group: int):
+                 head_group: int):
         # The send buffer is kept alive until the wait, whatever the backend does with it.
         self.work, self.recv, self.send = work, recv, send
-        self.timer, self.kind, self.group = timer, kind, group
+        self.timer, self.kind, self.head_group = timer, kind, head_group
 
     def wait(self) -> torch.Tensor:
-        with self.timer.timed(self.kind, self.group):
+        with self.timer.timed(self.kind, self.head_group):
             self.work.wait()
         self.send = None
         return self.recv
+
+    def release(self) -> None:
+        self.recv = None
 
 
 class CollectiveTransport:
     """All-to-all over one process group with the group's own collective library."""
 
-    def __init__(self, group, timer: ExposedTransfer):
-        self.group, self.timer = group, timer
+    def __init__(self, group, timer: ExposedTransfer, device: torch.device):
+        self.group, self.timer, self.device = group, timer, device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
 
-    def start(self, send: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-              kind: str, group: int = 0) -> CollectiveHandle:
-        # send: [sum(send_splits), ...] -> received: [sum(recv_splits), ...]
+    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
+        pass
+
+    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+        return fresh_send_buffer(plan, self.rank, self.device)
+
+    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> CollectiveHandle:
+        # send: [sum(send_splits), *row] -> received: [sum(recv_splits), *row]
         send = send.contiguous()
-        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        work = dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group,
-                                      async_op=True)
-        return CollectiveHandle(work, recv, send, self.timer, kind, group)
+        recv = send.new_empty((sum(plan.recv_splits(self.rank)), *send.shape[1:]))
+        work = dist.all_to_all_single(recv, send, plan.recv_splits(self.rank), plan.send_splits(self.rank),
+                                      group=self.group, async_op=True)
+        return CollectiveHandle(work, recv, send, self.timer, plan.kind, head_group)

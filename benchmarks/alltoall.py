@@ -1,0 +1,248 @@
+"""``collective`` against ``copy_engine`` on 2 GPUs: each Flux exchange's time and bandwidth, what an
+in-flight transfer costs the GEMM and the attention kernel running beside it, and a profile of
+the copy engine's exchange (memcpys, not kernels).
+
+    python benchmarks/alltoall.py --out results/alltoall              # one process per GPU (2)
+    python benchmarks/alltoall.py --share-gpu --out results/alltoall  # 2 processes on GPU 0 (CUDA IPC)
+
+With ``--share-gpu`` the process group is gloo (NCCL refuses two ranks on one GPU), so only
+``copy_engine`` is measured (its code path through IPC handles), without the NCCL columns.
+
+Messages are the Q/K/V and attention-output exchanges of FLUX.1-dev (24 heads of 128, bf16,
+Ulysses P=2, 512 text tokens) at a 1 MP edit (1 MP output + 1 MP reference) and at a 4 MP
+output with a 1 MP reference, with 1 and 2 head groups. Each row is the median of
+``--repeats`` exchanges, both ranks released together (barrier), CUDA events on the compute
+stream from ``start`` to the end of ``wait``. Bandwidth counts the bytes sent to the peer.
+
+The interference table runs a bf16 8192^3 GEMM and a Flux-sized SDPA attention alone, then
+beside a transfer of ~0.8 GB in flight on each transport, and prints the ratio (target: the
+copy engine's <= 1.05 and below the collective's). Exits 0 with a message without 2 GPUs
+(or 1 GPU with ``--share-gpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ditrun.config import TransportConfig  # noqa: E402
+from ditrun.metrics.timing import ExposedTransfer  # noqa: E402
+from ditrun.parallel.ulysses import attention_plans, even_splits  # noqa: E402
+from ditrun.transport.base import ExchangePlan  # noqa: E402
+from ditrun.transport.registry import make_transport  # noqa: E402
+
+TRANSPORTS = ("collective", "copy_engine")
+
+
+def transports_for(share_gpu: bool) -> tuple[str, ...]:
+    """NCCL needs one GPU per rank: two ranks sharing a GPU measure the copy engine alone."""
+    return ("copy_engine",) if share_gpu else TRANSPORTS
+HEADS, HEAD_DIM, TEXT = 24, 128, 512
+# (label, output side in pixels, reference side in pixels)
+EDITS = [("1 MP", 1024, 1024), ("4 MP out + 1 MP ref", 2048, 1024)]
+TARGET_SLOWDOWN = 1.05
+
+
+def joint_tokens(out_side: int, ref_side: int) -> int:
+    return (out_side // 16) ** 2 + (ref_side // 16) ** 2 + TEXT
+
+
+def flux_plans(world: int) -> list[tuple[str, int, ExchangePlan]]:
+    """(edit label, head groups, plan) for every measured message."""
+    rows = []
+    for label, out_side, ref_side in EDITS:
+        splits = even_splits(joint_tokens(out_side, ref_side), world)
+        for groups in (1, 2):
+            for plan in attention_plans(splits, 1, HEADS, HEAD_DIM, groups, torch.bfloat16):
+                rows.append((label, groups, plan))
+    return rows
+
+
+def stream_plan(world: int) -> ExchangePlan:
+    """A transfer kept in flight beside a kernel: 8 independent lanes x 2 slots of ~48 MB to each peer."""
+    rows = 65536
+    return ExchangePlan("in_flight", tuple((rows,) * world for _ in range(world)), (3, 1, 1, 128), torch.bfloat16,
+                        head_groups=8)
+
+
+def peer_bytes(plan: ExchangePlan, rank: int) -> int:
+    return sum(n for j, n in enumerate(plan.send_splits(rank)) if j != rank) * plan.row_bytes
+
+
+def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int) -> float:
+    """Median seconds from start to the end of wait on the compute stream."""
+    samples = []
+    for i in range(repeats + 2):
+        send = transport.send_buffer(plan, head_group)
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        handle = transport.start(send, plan, head_group)
+        handle.wait()
+        end.record()
+        handle.release()
+        end.synchronize()
+        if i >= 2:  # two warm-ups: the first use of each slot
+            samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def kernels(device) -> dict:
+    """The kernels whose slowdown is measured, each a closure on fixed inputs."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    tokens = joint_tokens(1024, 1024)
+    q, k, v = (torch.randn(1, HEADS // 2, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
+    return {"GEMM bf16 8192^3": lambda: a @ b, f"SDPA {HEADS // 2} heads x {tokens} tokens": lambda: F.scaled_dot_product_attention(q, k, v)}
+
+
+def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> float:
+    """Median kernel seconds, alone or with ``plan``'s exchanges in flight on ``transport``."""
+    samples = []
+    for _ in range(repeats + 1):
+        sends = [] if transport is None else [transport.send_buffer(plan, g) for g in range(plan.head_groups)]
+        torch.cuda.synchronize()
+        dist.barrier()
+        handles = [] if transport is None else [transport.start(s, plan, g) for g, s in enumerate(sends)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel()
+        end.record()
+        for handle in handles:
+            handle.wait()
+            handle.release()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples[1:])
+
+
+def profile_exchange(transport, plan: ExchangePlan, out: Path, name: str) -> dict:
+    """What one exchange runs on the GPU: memcpys and kernels by name (a trace is saved)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    send = transport.send_buffer(plan)
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        handle = transport.start(send, plan)
+        handle.wait()
+        handle.release()
+        torch.cuda.synchronize()
+    trace = out / f"profile_{name}_rank{dist.get_rank()}.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    by_cat: dict = {}
+    for event in events:
+        if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            by_cat.setdefault(event["cat"], []).append(event["name"])
+    return {cat: sorted(set(names)) for cat, names in by_cat.items()} | {
+        f"{cat}_count": len(names) for cat, names in by_cat.items()}
+
+
+def rank_main(rank: int, world: int, args, port: int) -> None:
+    device = torch.device("cuda", 0 if args.share_gpu else rank)
+    torch.cuda.set_device(device)
+    init_ranks(rank, world, port, device, args.share_gpu)
+    timer = ExposedTransfer(device)
+    transports = {name: make_transport(TransportConfig(name=name), dist.group.WORLD, timer, device, 120.0)
+                  for name in transports_for(args.share_gpu)}
+    plans = flux_plans(world)
+    bulk = stream_plan(world)
+    for transport in transports.values():
+        transport.prepare([plan for _, _, plan in plans] + [bulk])
+    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world": world,
+              "share_gpu": args.share_gpu, "exchanges": [], "slowdown": [], "profile": {}}
+    for label, groups, plan in plans:
+        row = {"edit": label, "kind": plan.kind, "head_groups": groups, "peer_mb": peer_bytes(plan, rank) / 1e6}
+        for name, transport in transports.items():
+            row[f"{name}_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats)
+        report["exchanges"].append(row)
+    for label, kernel in kernels(device).items():
+        row = {"kernel": label, "alone_ms": 1e3 * time_kernel(kernel)}
+        for name, transport in transports.items():
+            row[f"{name}_ms"] = 1e3 * time_kernel(kernel, transport, bulk)
+        report["slowdown"].append(row)
+    small = plans[0][2]
+    for name, transport in transports.items():
+        report["profile"][name] = profile_exchange(transport, small, args.out, name)
+    if rank == 0:
+        print_tables(report)
+        (args.out / "alltoall.json").write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def init_ranks(rank: int, world: int, port: int, device: torch.device, share_gpu: bool) -> None:
+    backend = "gloo" if share_gpu else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            **({} if share_gpu else {"device_id": device}))
+
+
+def _ms(row: dict, transport: str) -> str:
+    return f"{row[transport + '_ms']:.3f}" if transport + "_ms" in row else "-"
+
+
+def print_tables(report: dict) -> None:
+    print(f"\nall-to-all over {report['world']} ranks on {report['device']}"
+          f"{' (one GPU shared, CUDA IPC)' if report['share_gpu'] else ''}, torch {report['torch']}")
+    print(f"{'edit':<20} {'exchange':<14} {'groups':>6} {'to peer MB':>10} {'collective ms':>14} {'GB/s':>7} "
+          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8}")
+    for r in report["exchanges"]:
+        gbps = {t: f"{r['peer_mb'] / r[t + '_ms']:.0f}" if t + "_ms" in r else "-" for t in TRANSPORTS}
+        speedup = f"{r['collective_ms'] / r['copy_engine_ms']:.2f}x" if "collective_ms" in r else "-"
+        print(f"{r['edit']:<20} {r['kind']:<14} {r['head_groups']:>6} {r['peer_mb']:>10.1f} "
+              f"{_ms(r, 'collective'):>14} {gbps['collective']:>7} {_ms(r, 'copy_engine'):>15} "
+              f"{gbps['copy_engine']:>7} {speedup:>8}")
+    print(f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
+          f"(kernel time beside an in-flight transfer / alone; target copy_engine <= {TARGET_SLOWDOWN})")
+    for r in report["slowdown"]:
+        ratio = {t: r[f"{t}_ms"] / r["alone_ms"] for t in TRANSPORTS if f"{t}_ms" in r}
+        verdict = "ok" if ratio["copy_engine"] <= TARGET_SLOWDOWN and ratio["copy_engine"] < ratio.get(
+            "collective", float("inf")) else "MISSED"
+        shown = {t: f"{ratio[t]:.3f}x" if t in ratio else "-" for t in TRANSPORTS}
+        print(f"{r['kernel']:<28} {r['alone_ms']:>9.3f} {shown['collective']:>18} {shown['copy_engine']:>19}"
+              f"   {verdict}")
+    print("\nprofile of one 1 MP qkv exchange (rank 0):")
+    for name, found in report["profile"].items():
+        print(f"  {name}: {found.get('gpu_memcpy_count', 0)} memcpy, {found.get('kernel_count', 0)} kernels "
+              f"{found.get('kernel', [])}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--share-gpu", action="store_true", help="run both ranks on GPU 0 (CUDA IPC between them)")
+    parser.add_argument("--out", type=Path, default=Path("results/alltoall"))
+    args = parser.parse_args()
+    needed = 1 if args.share_gpu else 2
+    if torch.cuda.device_count() < needed:
+        print(f"alltoall: needs {needed} GPU(s), {torch.cuda.device_count()} visible; nothing to measure.")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    mp.spawn(rank_main, args=(2, args, free_port()), nprocs=2, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The ``copy_engine`` transport: an all-to-all made of one-sided copies into peers' receive slots.
+
+Every rank of an SP group maps one region into every peer once (``prepare``), laid out alike on
+all ranks (``SlotLayout``): a flag area, then, per exchange kind and head group, two receive
+slots sized for the largest plan of the run. Exchange ``n`` of a (kind, head group) uses slot
+``n % 2``. To send, rank ``i``, on the lane (stream or thread) of each peer ``j``:
+
+1. waits for ``j``'s credit for the slot (``j`` has released exchange ``n - 2``), unless ``n < 2``;
+2. copies its rows for ``j`` — one contiguous block, so one memcpy — to where they land in
+   ``j``'s slot (the plan's row-count matrix says where);
+3. raises the epoch flag ``data[kind, group, i]`` in ``j``'s region to ``n + 1``.
+
+The receiver's compute lane waits until every peer's epoch flag reaches ``n + 1`` (``wait``),
+reads the slot, and on ``release`` writes its credit ``n + 1`` into every sender's region.
+Epochs only grow, so a flag is never reset and a late reader cannot mistake an old one.
+Each rank's own block is copied by a lane of its own, which the compute lane waits for by its
+mark (an event), with no flag and no credit: ``start`` of exchange ``n`` requires that this rank
+released exchange ``n - 2`` (checked), and the lane follows the compute stream. Every wait has
+the transport's timeout: a peer that died or hangs is named, never waited on forever.
+
+Peers on another node (host name, or ``transport.node_size``) have no mapping: their rows go
+through the process group's collective (``all_to_all`` with empty blocks for the local peers),
+straight into the same slot; the receiver's own ``start`` is their credit.
+
+Backends: CPU = shared-memory files + ``ThreadLane`` per peer (CI runs the real schedule);
+CUDA/ROCm = ``torch.distributed._symmetric_memory`` + ``StreamLane`` per peer (``device.py``).
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ditrun.metrics.timing import ExposedTransfer
+from ditrun.transport.base import ExchangePlan
+from ditrun.transport.lanes import raise_lane_error
+
+ALIGN = 256
+"""Bytes every slot is aligned to (a GPU copy engine's preferred alignment; plenty for a CPU)."""
+FLAG_BYTES = 4
+"""Flags are 32-bit: what a GPU stream write-value / wait-value operation reads and writes."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Where each flag and slot sits in a region; the same on every rank of the group."""
+
+    size: int
+    kinds: tuple[str, ...]
+    head_groups: tuple[int, ...]
+    """Per kind: head groups in flight at once."""
+    recv_bytes: tuple[int, ...]
+    """Per kind: bytes of one receive slot."""
+    send_bytes: tuple[int, ...]
+    """Per kind: bytes of one send slot (local memory, not mapped)."""
+
+    @classmethod
+    def for_plans(cls, plans: Sequence[ExchangePlan]) -> "SlotLayout":
+        kinds = tuple(sorted({p.kind for p in plans}))
+        of = {k: [p for p in plans if p.kind == k] for k in kinds}
+        return cls(
+            plans[0].size, kinds, tuple(max(p.head_groups for p in of[k]) for k in kinds),
+            tuple(_aligned(max(p.max_recv_rows() * p.row_bytes for p in of[k])) for k in kinds),
+            tuple(_aligned(max(p.max_send_rows() * p.row_bytes for p in of[k])) for k in kinds),
+        )
+
+    def fits(self, plans: Sequence[ExchangePlan]) -> bool:
+        """Whether every plan has a slot here large enough (then nothing is remapped)."""
+        for p in plans:
+            if p.kind not in self.kinds:
+                return False
+            k = self.kinds.index(p.kind)
+            if (p.head_groups > self.head_groups[k] or p.max_recv_rows() * p.row_bytes > self.recv_bytes[k]
+                    or p.max_send_rows() * p.row_bytes > self.send_bytes[k]):
+                return False
+        return True
+
+    def merged(self, plans: Sequence[ExchangePlan]) -> "SlotLayout":
+        """A layout for these plans and every slot this one had, each the larger of the two."""
+        mine = SlotLayout.for_plans(plans)
+        kinds = tuple(sorted(set(self.kinds) | set(mine.kinds)))
+
+        def biggest(field: str, kind: str) -> int:
+            return max(getattr(layout, field)[layout.kinds.index(kind)]
+                       for layout in (self, mine) if kind in layout.kinds)
+
+        return SlotLayout(self.size, kinds, *(tuple(biggest(f, k) for k in kinds)
+                                              for f in ("head_groups", "recv_bytes", "send_bytes")))
+
+    def _lane_index(self, kind: str, head_group: int) -> int:
+        k = self.kinds.index(kind)
+        return sum(self.head_groups[:k]) + head_group
+
+    @property
+    def n_flags(self) -> int:
+        """Two flags (epoch, credit) per (kind, head group, peer)."""
+        return 2 * sum(self.head_groups) * self.size
+
+    def data_flag(self, kind: str, head_group: int, source: int) -> int:
+        """Index of the epoch flag that ``source`` raises in a receiver's region."""
+        return self._lane_index(kind, head_group) * self.size + source
+
+    def credit_flag(self, kind: str, head_group: int, receiver: int) -> int:
+        """Index of the credit flag that ``receiver`` raises in a sender's region."""
+        return self.n_flags // 2 + self.data_flag(kind, head_group, receiver)
+
+    def slot_offset(self, kind: str, head_group: int, slot: int) -> int:
+        """Byte offset of a receive slot."""
+        offset = _aligned(self.n_flags * FLAG_BYTES)
+        k = self.kinds.index(kind)
+        for j in range(k):
+            offset += 2 * self.head_groups[j] * self.recv_bytes[j]
+        return offset + (2 * head_group + slot) * self.recv_bytes[k]
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_offset(self.kinds[-1], self.head_groups[-1], 0)
+
+
+def typed(region: torch.Tensor, offset: int, plan: ExchangePlan, rows: int) -> torch.Tensor:
+    """``rows`` rows of ``plan`` at byte ``offset`` of a byte tensor: [rows, *row_shape]."""
+    nbytes = rows * plan.row_bytes
+    return region[offset:offset + nbytes].view(plan.dtype).view(rows, *plan.row_shape)
+
+
+def node_ids(group, node_size: int) -> list:
+    """The node of every rank of ``group``: consecutive blocks of ``node_size`` global ranks, else host names."""
+    ranks = dist.get_process_group_ranks(group)
+    if node_size > 0:
+        return [r // node_size for r in ranks]
+    names: list = [None] * len(ranks)
+    dist.all_gather_object(names, socket.gethostname(), group=group)
+    return names
+
+
+class StagedAllToAll:
+    """``all_to_all`` into scattered blocks for gloo, whose ``all_to_all`` needs blocks of one size:
+    ``all_to_all_single`` through contiguous staging buffers, then each block copied into place."""
+
+    def __init__(self, outputs: list, inputs: list, group):
+        self.outputs = outputs
+        self.staged = torch.empty((sum(o.shape[0] for o in outputs), *outputs[0].shape[1:]), dtype=outputs[0].dtype)
+        self.work = dist.all_to_all_single(self.staged, torch.cat(inputs), [o.shape[0] for o in outputs],
+                                           [i.shape[0] for i in inputs], group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        for out, block in zip(self.outputs, self.staged.split([o.shape[0] for o in self.outputs])):
+            out.copy_(block)
+
+
+class CopyEngineHandle:
+    def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int,
+                 own_copy, work):
+        self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
+        self.own_copy, self.work = own_copy, work
+
+    def wait(self) -> torch.Tensor:
+        with self.transport.timer.timed(self.plan.kind, self.head_group):
+            return self.transport._receive(self.plan, self.head_group, self.epoch, self.own_copy, self.work)
+
+    def release(self) -> None:
+        self.transport._release(self.plan, self.head_group, self.epoch)
+
+
+class CopyEngineTransport:
+    """All-to-all over ``group`` by one-sided copies (module docstring); ``prepare`` before use."""
+
+    def __init__(self, group, timer: ExposedTransfer, device: torch.device, timeout_s: float,
+                 chaos_s: float = 0.0, node_size: int = 0):
+        self.group, self.timer, self.device, self.timeout_s = group, timer, device, timeout_s
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group)
+        nodes = node_ids(group, node_size)
+        self.local = [nodes[j] == nodes[self.rank] for j in range(self.size)]
+        self.chaos_s = chaos_s
+        self.fabric = _fabric(device, timeout_s)
+        self.layout: Optional[SlotLayout] = None
+        self.lanes: list = []
+        self.compute = None
+
+    # -- buffers --------------------------------------------------------------------------------
+
+    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
+        if not plans or (self.layout is not None and self.layout.fits(plans)):
+            return
+        self._drain()
+        layout = SlotLayout.for_plans(plans) if self.layout is None else self.layout.merged(plans)
+        self.region = self.fabric.map(layout.total_bytes, self.group, self.local, layout.n_flags)
+        self.send_slots = {(kind, g, s): torch.empty(layout.send_bytes[k], dtype=torch.uint8, device=self.device)
+                           for k, kind in enumerate(layout.kinds)
+                           for g in range(layout.head_groups[k]) for s in range(2)}
+        self.started: dict = {}
+        self.released: dict = {}
+        self.sent_marks: dict = {}
+        self.layout = layout
+        self._open_lanes()
+
+    def _open_lanes(self) -> None:
+        self.lanes = [self.fabric.peer_lane(f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}", self.chaos_s,
+                                            seed=self.ranks[self.rank] * 1000 + j)
+                      if self.local[j] else None for j in range(self.size)]
+        self.compute = self.fabric.compute_lane(self.lanes)
+
+    def _drain(self) -> None:
+        """Let every copy finish and stop the lanes (before a region is replaced)."""
+        if self.layout is None:
+            return
+        self.fabric.drain(self.lanes)
+        self.lanes = []
+
+    def close(self) -> None:
+        self._drain()
+
+    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+        """The send slot of the next exchange, once the copies out of its previous use are done."""
+        key = self._key(plan, head_group)
+        slot = self.started.get(key, 0) % 2
+        marks = self.sent_marks.pop((*key, slot), None)
+        if marks:
+            self.compute.wait_marks(marks, self.lanes)
+        return typed(self.send_slots[(*key, slot)], 0, plan, sum(plan.send_splits(self.rank)))
+
+    def _key(self, plan: ExchangePlan, head_group: int) -> tuple[str, int]:
+        if self.layout is None or not self.layout.fits([plan]):
+            raise RuntimeError(f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
+                               "every plan of the run before the timed region).")
+        if not 0 <= head_group < plan.head_groups:
+            raise RuntimeError(f"copy_engine: head group {head_group} of a plan with {plan.head_groups}.")
+        return plan.kind, head_group
+
+    # -- one exchange ---------------------------------------------------------------------------
+
+    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> CopyEngineHandle:
+        # send: [sum(send_splits), *row], contiguous; peer j's rows land at landing_row(rank, j) in j's slot
+        key = self._key(plan, head_group)
+        raise_lane_error(self.lanes)
+        if not send.is_contiguous():
+            raise RuntimeError("copy_engine: the send buffer must be contiguous (one memcpy per peer).")
+        epoch = self.started.get(key, 0)
+        if self.released.get(key, 0) < epoch - 1:
+            raise RuntimeError(f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
+                               f"{epoch - 2}, the last one in its slot, was released.")
+        self.started[key] = epoch + 1
+        offset, first = self.layout.slot_offset(*key, epoch % 2), 0
+        marks = []
+        for j, rows in enumerate(plan.send_splits(self.rank)):
+            if self.local[j]:
+                marks.append(self._send_to(j, send[first:first + rows], plan, head_group, epoch, offset))
+            first += rows
+        self.sent_marks[(*key, epoch % 2)] = marks
+        own_copy = marks[sum(self.local[:self.rank])]
+        return CopyEngineHandle(self, plan, head_group, epoch, own_copy,
+                                self._start_remote(send, plan, epoch, offset))
+
+    def _send_to(self, j: int, rows: torch.Tensor, plan: ExchangePlan, head_group: int, epoch: int, offset: int):
+        lane, layout = self.lanes[j], self.layout
+        lane.follow_compute()  # the rows were written on the compute stream
+        # The own block needs neither credit nor flag: its lane follows the compute stream, on which
+        # exchange epoch - 2 was released before this start (checked), and the compute stream waits
+        # for its mark (an event, a dependency the GPU scheduler sees: a stream waiting on a flag
+        # that a stream of the same process writes could be queued ahead of that writer).
+        if epoch >= 2 and j != self.rank:  # j released exchange epoch - 2, the slot's previous tenant
+            lane.wait_value(self.region.flags(self.rank), layout.credit_flag(plan.kind, head_group, j), epoch - 1,
+                            self._describe("free slot (credit)", plan, head_group, j))
+        if rows.shape[0]:
+            dst = typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan,
+                        rows.shape[0])
+            lane.copy(dst, rows)
+        if j != self.rank:
+            lane.write_value(self.region.flags(j), layout.data_flag(plan.kind, head_group, self.rank), epoch + 1)
+        return lane.mark()
+
+    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, epoch: int, offset: int):
+        """The collective for the peers on other nodes (None when every peer is on this node)."""
+        if all(self.local):
+            return None
+        recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
+        outputs = list(recv.split(plan.recv_splits(self.rank)))
+        inputs = list(send.split(plan.send_splits(self.rank)))
+        for j in range(self.size):  # local peers' blocks move by copies: empty in the collective
+            if self.local[j]:
+                outputs[j], inputs[j] = outputs[j][:0], inputs[j][:0]
+        if dist.get_backend(self.group) == "gloo":
+            return StagedAllToAll(outputs, inputs, self.group)
+        return dist.all_to_all(outputs, inputs, group=self.group, async_op=True)
+
+    def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, own_copy, work) -> torch.Tensor:
+        # -> [sum(recv_splits), *row]: the slot, valid until release()
+        self.compute.wait_marks([own_copy], self.lanes)
+        for j in range(self.size):
+            if self.local[j] and j != self.rank:
+                self.compute.wait_value(self.region.flags(self.rank), self.layout.data_flag(plan.kind, head_group, j),
+                                        epoch + 1, self._describe(f"rows of exchange {epoch}", plan, head_group, j))
+        if work is not None:
+            work.wait()
+        raise_lane_error(self.lanes)
+        offset = self.layout.slot_offset(plan.kind, head_group, epoch % 2)
+        return typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
+
+    def _release(self, plan: ExchangePlan, head_group: int, epoch: int) -> None:
+        key = (plan.kind, head_group)
+        if self.released.get(key, 0) != epoch:
+            raise RuntimeError(f"copy_engine: {plan.kind!r} exchanges must be released in order "
+                               f"(released {self.released.get(key, 0)}, releasing {epoch}).")
+        self.released[key] = epoch + 1
+        for j in range(self.size):
+            if self.local[j] and j != self.rank:
+                self.compute.write_value(self.region.flags(j), self.layout.credit_flag(plan.kind, head_group, self.rank),
+                                         epoch + 1)
+
+    def _describe(self, what: str, plan: ExchangePlan, head_group: int, peer: int):
+        me, them = self.ranks[self.rank], self.ranks[peer]
+        return lambda timeout_s: (f"copy_engine: rank {me} got no {what} for its {plan.kind} exchange (head group "
+                                  f"{head_group}) from rank {them} within {timeout_s:g} s; rank {them} is dead or "
+                                  "stalled.")
+
+
+def _fabric(device: torch.device, timeout_s: float):
+    """What maps regions and makes lanes: GPU memory and streams, or shared memory and threads."""
+    if device.type == "cuda":
+        from ditrun.transport.device import SymmetricMemoryFabric
+
+        return SymmetricMemoryFabric(device, timeout_s)
+    from ditrun.transport.shared_memory import SharedMemoryFabric
+
+    return SharedMemoryFabric(timeout_s)
+
