@@ -70,15 +70,18 @@ def _compose_and_run() -> None:
     Hydra prints its own errors and exits 1 unless ``HYDRA_FULL_ERROR`` is set, in which case it
     raises them: ditrun sets it (a user who set it already sees Hydra's traceback, as Hydra says).
     """
-    user_wants_traceback = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    users_setting = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         _hydra_main()
     except Exception as err:
-        sentence = None if user_wants_traceback else hydra_errors.sentence(err)
+        sentence = None if users_setting else hydra_errors.sentence(err)
         if sentence is None:
             raise
         _user_error(err, sentence)
+    finally:
+        if users_setting is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 def main() -> None:
