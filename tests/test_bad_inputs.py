@@ -178,3 +178,20 @@ def test_grey_alpha_png_and_boolean_image_run_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in (tmp_path / "run" / "edits.jsonl").read_text().splitlines()]
     assert [r["edit"] for r in records] == ["la", "horse"]
+
+
+@pytest.mark.timeout(120)
+def test_hydra_flags_sweeps_and_debug_keep_working(tmp_path):
+    sweep = ["-m", *QUICK, "workload.steps=1,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    table = [["--help"], ["--cfg", "job", "workload.steps=3"], sweep]
+    (tmp_path / "cases.json").write_text(json.dumps(table))
+    proc = subprocess.run([sys.executable, str(HERE / "cli_batch.py"), str(tmp_path / "cases.json")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=100, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    helped, shown, swept = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert helped["exit"] == 0 and "== Configuration groups ==" in helped["stdout"]
+    assert shown["exit"] == 0 and "steps: 3" in shown["stdout"]
+    assert swept["exit"] == 2 and "ditrun: error: workload.steps='abc' is not an integer" in swept["stderr"]
+    for debug in ({"DITRUN_DEBUG": "1"}, {"HYDRA_FULL_ERROR": "1"}):  # the traceback behind the sentence
+        proc = subprocess.run([sys.executable, "-m", "ditrun", "model=huge"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, **debug})
+        assert proc.returncode == 1 and "Traceback" in proc.stderr and "MissingConfigException" in proc.stderr
