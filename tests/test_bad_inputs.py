@@ -79,8 +79,8 @@ def _image_cases(files: Path) -> list[tuple[list[str], str]]:
         ([_manifest(files, "gif", image=str(files / "two.gif"))], "holds 2 frames; give one picture."),
         ([_manifest(files, "faces", image="skimage:lfw_subset")],
          "edit 'faces': image 'skimage:lfw_subset' is an array of shape (200, 25, 25), not a grey"),
-        (["workload.width=65536", "workload.height=65536"],
-         "edit 'astronaut' (65536x65536, 33554464 tokens) needs about"),
+        (["workload.width=131072", "workload.height=131072"],
+         "edit 'astronaut' (131072x131072, 134217760 tokens) needs about"),
     ]
 
 
