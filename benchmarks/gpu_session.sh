@@ -21,10 +21,13 @@ python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.d
 
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_layouts.py tests/test_model_equivalence.py \
+    tests/test_memory.py \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/bench_layouts.py --out "$OUT" 2>&1 | tee "$OUT/bench_layouts.log" | tail -20
+  # The memory estimate that refuses too-large edits, beside the measured peak (flux-dev, bf16).
+  python3 benchmarks/memory_estimate.py --sizes 512 1024 2048 4096 2>&1 | tee "$OUT/memory_estimate.log" | tail -6
 fi
 if [[ $what == cli || $what == all ]]; then
   # The whole CLI path on the GPU: flux-dev geometry, random weights, bf16, SSIM vs cached reference.

@@ -1,7 +1,9 @@
 """The ``ditrun`` command: compose the Hydra config and hand it to the launcher.
 
 ``ditrun report PATH`` is dispatched before Hydra sees the arguments: it compares finished runs
-and composes no config.
+and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
+in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
+``DITRUN_DEBUG=1`` shows the traceback behind it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 
+from ditrun import hydra_errors
 from ditrun.config import RunConfig, register_configs
 from ditrun.errors import UserError
 
@@ -31,10 +34,11 @@ def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.metrics.wandb import apply_sweep_defaults
 
     hydra_cfg = HydraConfig.get()
-    out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
     try:
+        hydra_errors.check_composed(cfg)
+        out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
         launch(cfg, out_dir)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
@@ -51,14 +55,38 @@ def _hydra_main(cfg: RunConfig) -> None:
         sys.exit(1)
     except UserError as err:
         # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
-        if os.environ.get("DITRUN_DEBUG"):
-            raise
-        print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _user_error(err)
+
+
+def _user_error(err: BaseException, sentence: str | None = None) -> None:
+    if os.environ.get("DITRUN_DEBUG"):
+        raise err
+    print(f"ditrun: error: {sentence or err}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 def is_user_error(err: BaseException) -> bool:
     return isinstance(err, UserError)
+
+
+def _compose_and_run() -> None:
+    """Run Hydra's main; a mistake Hydra finds while composing the config becomes one sentence.
+
+    Hydra prints its own errors and exits 1 unless ``HYDRA_FULL_ERROR`` is set, in which case it
+    raises them: ditrun sets it (a user who set it already sees Hydra's traceback, as Hydra says).
+    """
+    users_setting = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except Exception as err:
+        sentence = None if users_setting else hydra_errors.sentence(err)
+        if sentence is None:
+            raise
+        _user_error(err, sentence)
+    finally:
+        if users_setting is None:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
 
 
 def main() -> None:
@@ -66,7 +94,7 @@ def main() -> None:
         from ditrun.metrics.report import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
-    _hydra_main()
+    _compose_and_run()
     if _gate_failures:
         print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the SSIM gate:", file=sys.stderr)
         for failure in _gate_failures:

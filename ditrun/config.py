@@ -101,10 +101,11 @@ class EditConfig:
     prompt: str = ""
     """The instruction; seeds the stand-in embedding when no ``prompt_embeds`` file is given."""
     prompt_embeds: Optional[str] = None
-    """A safetensors file with ``prompt_embeds`` [L, D] and ``pooled_prompt_embeds`` [P] (and optionally
-    ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds``)."""
+    """A safetensors file with ``prompt_embeds`` [L, D] or [1, L, D] and ``pooled_prompt_embeds`` [P] or
+    [1, P] (and optionally ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` of the same forms);
+    D and P are the model's ``joint_attention_dim`` and ``pooled_projection_dim``."""
     seed: Optional[int] = None
-    """Noise seed; unset means ``workload.seed`` + the edit's index."""
+    """Noise seed (0 to 2**64 - 1); unset means ``workload.seed`` + the edit's index."""
     width: Optional[int] = None
     """Output width in pixels (multiple of 16); unset means ``workload.width``."""
     height: Optional[int] = None
@@ -122,21 +123,21 @@ class WorkloadConfig:
     manifest: Optional[str] = None
     """A YAML (a list, or a mapping with ``edits:``) or JSONL file of edits with the keys of ``EditConfig``."""
     limit: Optional[int] = None
-    """Run only the first N edits."""
+    """Run only the first N edits (a positive integer); unset runs them all."""
     width: int = 256
     """Default output width in pixels (multiple of 16)."""
     height: int = 256
     """Default output height in pixels (multiple of 16)."""
     steps: int = 8
-    """Denoising steps per edit."""
+    """Denoising steps per edit (at least 1)."""
     guidance_scale: float = 2.5
     """True classifier-free guidance scale (conditional and unconditional branch every step)."""
     distilled_guidance: float = 3.5
     """Value fed to the guidance embedding of guidance-distilled models (ignored by others)."""
     seed: int = 0
-    """Base noise seed."""
+    """Base noise seed (0 to 2**64 - 1)."""
     text_len: int = 32
-    """Tokens of the stand-in prompt embedding."""
+    """Tokens of the stand-in prompt embedding (at least 1; an embeddings file brings its own length)."""
     vae_path: Optional[str] = None
     """A diffusers ``AutoencoderKL`` folder; unset uses the fixed linear RGB<->latent map."""
 

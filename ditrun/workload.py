@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,16 @@ _EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height
 # An edit id names its output files, so it must be a plain file stem: nothing that could climb
 # out of the results directory, make a sub-folder or hide a file.
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# torch.Generator.manual_seed takes 0 .. 2**64 - 1 (a negative seed would alias a large one).
+SEED_LIMIT = 2**64
+# Tensors of an embeddings file: name -> (the token axis or not, the geometry field giving its width).
+EMBEDDING_TENSORS = {
+    "prompt_embeds": (True, "joint_attention_dim"),
+    "pooled_prompt_embeds": (False, "pooled_projection_dim"),
+    "negative_prompt_embeds": (True, "joint_attention_dim"),
+    "negative_pooled_prompt_embeds": (False, "pooled_projection_dim"),
+}
+REQUIRED_EMBEDDINGS = ("prompt_embeds", "pooled_prompt_embeds")
 
 
 class WorkloadError(UserError):
@@ -73,6 +84,28 @@ def _read_manifest(path: str) -> list[dict]:
     return data
 
 
+def check_config(workload_cfg) -> None:
+    """The numbers of ``workload.*``, checked before the edits are resolved (and before
+    ``launcher.fault`` is checked against ``workload.steps``)."""
+    limit, steps, text_len = workload_cfg.limit, workload_cfg.steps, workload_cfg.text_len
+    if limit is not None and limit < 1:
+        raise WorkloadError(f"workload.limit={limit} must be a positive number of edits, or unset for all of them.")
+    if steps < 1:
+        raise WorkloadError(f"workload.steps={steps} must be at least 1.")
+    if text_len < 1:
+        raise WorkloadError(f"workload.text_len={text_len} must be a positive number of stand-in prompt tokens.")
+    for key in ("guidance_scale", "distilled_guidance"):
+        value = getattr(workload_cfg, key)
+        if not math.isfinite(value):
+            raise WorkloadError(f"workload.{key}={value} must be a finite number.")
+    _check_seed("workload.seed", workload_cfg.seed)
+
+
+def _check_seed(where: str, seed: int) -> None:
+    if not 0 <= seed < SEED_LIMIT:
+        raise WorkloadError(f"{where}={seed} is not a noise seed; allowed: 0 to 2**64 - 1.")
+
+
 def resolve_edits(workload_cfg) -> list[Edit]:
     """The run's edits in order, with defaults filled in and every field checked."""
     if workload_cfg.manifest:
@@ -105,50 +138,119 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
         raise WorkloadError(f"edit {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(_EDIT_KEYS)}.")
     if not entry.get("image"):
         raise WorkloadError(f"edit {name!r} names no image (key 'image': skimage:<name> or a file path).")
-    edit = Edit(
-        index=index, id=str(name), image=str(entry["image"]), prompt=str(entry.get("prompt") or ""),
-        seed=int(entry["seed"]) if entry.get("seed") is not None else workload_cfg.seed + index,
-        width=int(entry.get("width") or workload_cfg.width), height=int(entry.get("height") or workload_cfg.height),
-        prompt_embeds=entry.get("prompt_embeds"),
-    )
+    defaults = {"seed": workload_cfg.seed + index, "width": workload_cfg.width, "height": workload_cfg.height}
+    numbers = {key: _int_field(name, entry, key, default) for key, default in defaults.items()}
+    edit = Edit(index=index, id=str(name), image=str(entry["image"]), prompt=str(entry.get("prompt") or ""),
+                prompt_embeds=entry.get("prompt_embeds"), **numbers)
     for key in ("width", "height"):
         value = getattr(edit, key)
         if value <= 0 or value % (2 * VAE_SCALE):
-            raise WorkloadError(f"edit {edit.id!r} has {key}={value}; it must be a positive multiple of 16.")
+            source = "" if entry.get(key) is not None else f" (workload.{key})"
+            raise WorkloadError(f"edit {edit.id!r} has {key}={value}{source}; it must be a positive multiple of 16.")
+    _check_seed(f"edit {edit.id!r}: seed", edit.seed)
     return edit
 
 
-def check_sources(edits: list[Edit]) -> None:
-    """Fail before any model is built if an image or embedding file does not exist."""
-    from skimage import data as skdata
+def _int_field(name: str, entry: dict, key: str, default: int) -> int:
+    value = entry.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise WorkloadError(f"edit {name!r} has {key}={value!r}; it must be an integer.")
+    return value
 
+
+def check_sources(edits: list[Edit]) -> None:
+    """Fail before any model is built if an image or embedding file does not exist, or an image is
+    not a picture ditrun can edit (files: from their headers; skimage pictures: their pixels)."""
     for edit in edits:
         if edit.image.startswith("skimage:"):
-            name = edit.image.split(":", 1)[1]
-            if not callable(getattr(skdata, name, None)):
-                raise WorkloadError(f"edit {edit.id!r}: scikit-image ships no image named {name!r}.")
-        elif not Path(edit.image).is_file():
-            raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} does not exist.")
+            _check_pixels(edit, _skimage_pixels(edit))
+        else:
+            _check_image_file(edit)
         if edit.prompt_embeds and not Path(edit.prompt_embeds).is_file():
             raise WorkloadError(f"edit {edit.id!r}: prompt_embeds file {edit.prompt_embeds!r} does not exist.")
 
 
-def load_image(edit: Edit) -> torch.Tensor:
-    """The reference image resized to the edit's output size. -> [1, 3, H, W] fp32 in [0, 1]."""
-    from skimage import color, io, transform
+def check_inputs(edits: list[Edit], geometry) -> None:
+    """Every edit's image and embeddings, from headers where files allow, before any model is built."""
+    check_sources(edits)
+    check_embeddings(edits, geometry)
+
+
+# PIL modes of the pictures ditrun converts to RGB: 1-bit, grey (8/16 bit), grey + alpha, palette, RGB(A).
+IMAGE_MODES = ("1", "L", "I;16", "I;16L", "I;16B", "LA", "P", "PA", "RGB", "RGBA")
+
+
+def _check_image_file(edit: Edit) -> None:
+    """Reads the file's header only: format, mode and number of frames."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not Path(edit.image).is_file():
+        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} does not exist.")
+    try:
+        with Image.open(edit.image) as picture:
+            mode, frames = picture.mode, getattr(picture, "n_frames", 1)
+    except (UnidentifiedImageError, OSError) as err:
+        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} is not a picture PIL can read ({err}).")
+    if mode not in IMAGE_MODES:
+        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} has PIL mode {mode!r}; allowed: "
+                            f"{', '.join(IMAGE_MODES)} (convert it to RGB).")
+    if frames != 1:
+        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} holds {frames} frames; give one picture.")
+
+
+def _skimage_pixels(edit: Edit) -> np.ndarray:
     from skimage import data as skdata
 
+    name = edit.image.split(":", 1)[1]
+    if not callable(getattr(skdata, name, None)):
+        raise WorkloadError(f"edit {edit.id!r}: scikit-image ships no image named {name!r}.")
     try:
-        if edit.image.startswith("skimage:"):
-            img = getattr(skdata, edit.image.split(":", 1)[1])()
-        else:
-            img = io.imread(edit.image)
-    except Exception as err:  # any decoder failure is the same user-facing problem
-        raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} cannot be read: {err}.")
-    if img.ndim == 2:
-        img = color.gray2rgb(img)
-    img = img[..., :3]
-    img = transform.resize(img, (edit.height, edit.width), anti_aliasing=True, preserve_range=False)
+        return getattr(skdata, name)()
+    except Exception as err:  # e.g. a picture scikit-image must download first, with no network
+        raise WorkloadError(f"edit {edit.id!r}: scikit-image cannot provide {name!r} ({type(err).__name__}: {err}).")
+
+
+def _check_pixels(edit: Edit, pixels) -> None:
+    """A picture is [H, W] (grey) or [H, W, C] with C = 1 (grey), 2 (grey + alpha), 3 (RGB) or 4 (RGBA)."""
+    shape = getattr(pixels, "shape", None)
+    ok = shape is not None and (len(shape) == 2 or (len(shape) == 3 and 1 <= shape[2] <= 4))
+    if not ok or not (np.issubdtype(pixels.dtype, np.number) or pixels.dtype == bool) or min(shape) < 1:
+        what = f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(pixels).__name__}"
+        raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} is {what}, not a grey, grey+alpha, RGB or "
+                            "RGBA picture.")
+
+
+def to_rgb(pixels: np.ndarray) -> np.ndarray:
+    """A checked picture as RGB floats in [0, 1]: booleans become 0 and 1, integers are scaled by
+    their type's range, grey is repeated into R, G and B, and alpha is dropped (taken as opaque).
+
+    pixels: [H, W] or [H, W, C], C in 1..4 -> [H, W, 3] float
+    """
+    from skimage.util import img_as_float
+
+    rgb = img_as_float(pixels)
+    if rgb.ndim == 3 and rgb.shape[2] <= 2:
+        rgb = rgb[..., 0]
+    if rgb.ndim == 2:
+        rgb = np.repeat(rgb[..., None], 3, axis=2)
+    return rgb[..., :3]
+
+
+def load_image(edit: Edit) -> torch.Tensor:
+    """The reference image resized to the edit's output size. -> [1, 3, H, W] fp32 in [0, 1]."""
+    from skimage import io, transform
+
+    if edit.image.startswith("skimage:"):
+        pixels = _skimage_pixels(edit)
+    else:
+        try:
+            pixels = io.imread(edit.image)
+        except Exception as err:  # any decoder failure is the same user-facing problem
+            raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} cannot be read: {err}.")
+    _check_pixels(edit, pixels)
+    img = transform.resize(to_rgb(pixels), (edit.height, edit.width), anti_aliasing=True, preserve_range=False)
     return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)).permute(2, 0, 1)[None]
 
 
@@ -162,23 +264,70 @@ def standin_embeds(text: str, length: int, joint_dim: int, pooled_dim: int):
     return torch.randn(1, length, joint_dim, generator=gen), torch.randn(1, pooled_dim, generator=gen)
 
 
-def prompt_embeddings(edit: Edit, text_len: int, joint_dim: int, pooled_dim: int):
-    """(prompt, pooled, negative prompt, negative pooled) for an edit, checked against the model."""
+def check_embeddings(edits: list[Edit], geometry) -> None:
+    """Every embeddings file's tensor names, dtypes and shapes against the model, from the safetensors
+    header alone (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    for edit in edits:
+        if not edit.prompt_embeds:
+            continue
+        try:
+            with safe_open(edit.prompt_embeds, framework="pt") as f:
+                header = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}
+        except (SafetensorError, OSError) as err:
+            raise WorkloadError(f"edit {edit.id!r}: prompt_embeds file {edit.prompt_embeds!r} is not a safetensors "
+                                f"file ({err}).")
+        for name, (dtype, shape) in header.items():
+            if name in EMBEDDING_TENSORS and dtype not in ("F64", "F32", "F16", "BF16"):
+                raise WorkloadError(f"edit {edit.id!r}: {name} in {edit.prompt_embeds} is {dtype}; embeddings are floats.")
+        _check_embedding_shapes(edit, {name: shape for name, (_, shape) in header.items()}, geometry)
+
+
+def _check_embedding_shapes(edit: Edit, shapes: dict, geometry) -> None:
+    """Token embeddings are [L, D] or [1, L, D] with D = joint_attention_dim; pooled ones [P] or
+    [1, P] with P = pooled_projection_dim. Anything else (a batch of prompts, say) is refused,
+    never reshaped."""
+    for name in REQUIRED_EMBEDDINGS:
+        if name not in shapes:
+            raise WorkloadError(f"edit {edit.id!r}: {edit.prompt_embeds} has no tensor {name!r}.")
+    for name, (tokens, width_key) in EMBEDDING_TENSORS.items():
+        if name not in shapes:
+            continue
+        shape, width = tuple(shapes[name]), getattr(geometry, width_key)
+        body = shape[1:] if len(shape) == (3 if tokens else 2) and shape[0] == 1 else shape
+        if len(body) != (2 if tokens else 1) or body[-1] != width or (tokens and body[0] < 1):
+            allowed = f"[L, {width}] or [1, L, {width}]" if tokens else f"[{width}] or [1, {width}]"
+            raise WorkloadError(f"edit {edit.id!r}: {name} in {edit.prompt_embeds} has shape {list(shape)}; "
+                                f"allowed: {allowed} ({width_key}={width}).")
+
+
+def edit_tokens(edit: Edit, text_len: int) -> int:
+    """Tokens of the edit's joint sequence: text (the embeddings file's length, read from its header,
+    or ``text_len``) + output latents + reference latents (the reference is resized to the output)."""
+    text = text_len
+    if edit.prompt_embeds:
+        from safetensors import safe_open
+
+        with safe_open(edit.prompt_embeds, framework="pt") as f:
+            text = f.get_slice("prompt_embeds").get_shape()[-2]
+    return text + 2 * (edit.height // (2 * VAE_SCALE)) * (edit.width // (2 * VAE_SCALE))
+
+
+def prompt_embeddings(edit: Edit, text_len: int, geometry):
+    """(prompt, pooled, negative prompt, negative pooled) for an edit, checked against the model.
+
+    -> [1, L, joint_dim], [1, pooled_dim], [1, L', joint_dim], [1, pooled_dim]
+    """
+    joint_dim, pooled_dim = geometry.joint_attention_dim, geometry.pooled_projection_dim
     neg = standin_embeds("", text_len, joint_dim, pooled_dim)
     if not edit.prompt_embeds:
         return (*standin_embeds(edit.prompt, text_len, joint_dim, pooled_dim), *neg)
     from safetensors.torch import load_file
 
     tensors = load_file(edit.prompt_embeds)
-    for key in ("prompt_embeds", "pooled_prompt_embeds"):
-        if key not in tensors:
-            raise WorkloadError(f"edit {edit.id!r}: {edit.prompt_embeds} has no tensor {key!r}.")
+    _check_embedding_shapes(edit, {name: t.shape for name, t in tensors.items()}, geometry)
     prompt, pooled = tensors["prompt_embeds"].float(), tensors["pooled_prompt_embeds"].float()
-    if prompt.shape[-1] != joint_dim or pooled.shape[-1] != pooled_dim:
-        raise WorkloadError(
-            f"edit {edit.id!r}: embeddings are {prompt.shape[-1]}/{pooled.shape[-1]} wide, the model takes "
-            f"joint_attention_dim={joint_dim}/pooled_projection_dim={pooled_dim}."
-        )
     neg_prompt = tensors.get("negative_prompt_embeds", torch.zeros_like(prompt)).float()
     neg_pooled = tensors.get("negative_pooled_prompt_embeds", torch.zeros_like(pooled)).float()
     return prompt.reshape(1, -1, joint_dim), pooled.reshape(1, pooled_dim), \
@@ -191,9 +340,7 @@ def edit_inputs(edit: Edit, codec, geometry, text_len: int, device: torch.device
     ref = pack(codec.encode(load_image(edit).to(device)).float())
     gen = torch.Generator().manual_seed(edit.seed)
     noise = torch.randn(1, (h // 2) * (w // 2), geometry.in_channels, generator=gen)
-    prompt, pooled, neg_prompt, neg_pooled = prompt_embeddings(
-        edit, text_len, geometry.joint_attention_dim, geometry.pooled_projection_dim
-    )
+    prompt, pooled, neg_prompt, neg_pooled = prompt_embeddings(edit, text_len, geometry)
     if neg_prompt.shape[1] != prompt.shape[1]:
         neg_prompt = _fit_length(neg_prompt, prompt.shape[1])
     return EditInputs(

@@ -1,12 +1,19 @@
 """A real offline W&B run, read back from the record file W&B wrote (no mocks, no network)."""
 
 import json
+import os
+import re
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ditrun_cli import TINY, ditrun, reference_dir, without_network
+from ditrun_cli import TINY, ditrun, reference_dir, strace_prefix, without_network
+
+NET_AUDIT = Path(__file__).parent / "netaudit"
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
 _BLOCK = 32768
@@ -100,3 +107,42 @@ def test_disabled_mode_writes_no_wandb_directory(tmp_path, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     assert not (out / "wandb").exists() and "W&B" not in proc.stdout
     assert json.loads((out / "summary.json").read_text())["wandb"] is None
+
+
+def _audit_env(log) -> dict:
+    """Every Python process of the run (ranks, W&B's helpers) loads tests/netaudit/sitecustomize.py, whose
+    audit hook writes each non-loopback, non-Unix-socket name lookup, connect or send to ``log``."""
+    path = os.pathsep.join(p for p in (str(NET_AUDIT), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "DITRUN_NET_AUDIT": str(log)}
+
+
+def test_the_network_audit_hook_sees_an_attempt(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    code = "import socket\ntry: socket.getaddrinfo('api.wandb.ai', 443)\nexcept OSError: pass"
+    subprocess.run([sys.executable, "-c", code], env={**os.environ, **_audit_env(log)}, timeout=60, check=True)
+    assert [json.loads(line)["host"] for line in log.read_text().splitlines()] == ["api.wandb.ai"]
+
+
+# A connect/send system call to an IPv4/IPv6 address that is not loopback, or to any DNS server (port 53,
+# a local stub resolver included: a name lookup is an attempt to reach another machine).
+_REMOTE_SYSCALL = re.compile(r"sa_family=AF_INET6?, .*?(inet_addr|inet_pton)\((AF_INET6, )?\"(?!127\.|::1\"|::ffff:127\.)"
+                             r"|sa_family=AF_INET6?, sin6?_port=htons\(53\)")
+
+
+@pytest.mark.timeout(300)
+def test_default_offline_run_makes_no_network_attempt(tmp_path):
+    """The default settings, with no WANDB_* variable set: no name lookup, connect or send to another
+    machine from any Python process (audit hook) nor, where strace runs, from any process at all
+    (wandb-core included), under a network namespace with no interfaces where the machine allows one."""
+    audit, trace = tmp_path / "audit.jsonl", tmp_path / "strace.txt"
+    out = tmp_path / "run"
+    proc = ditrun(*TINY, "workload.limit=1", "workload.steps=1", "metrics.ssim=false", "metrics.report=false",
+                  f"hydra.run.dir={out}", cwd=tmp_path, env=_audit_env(audit), unset=("WANDB_",),
+                  prefix=(*without_network(), *strace_prefix(trace)))
+    assert proc.returncode == 0, proc.stderr
+    assert list(out.glob("wandb/offline-run-*/run-*.wandb")), "the offline W&B run was not written"
+    attempts = audit.read_text().splitlines() if audit.exists() else []
+    assert attempts == [], attempts
+    if trace.exists():
+        remote = [line for line in trace.read_text().splitlines() if _REMOTE_SYSCALL.search(line)]
+        assert remote == [], remote

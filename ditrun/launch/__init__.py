@@ -18,11 +18,13 @@ to share rank 0's decisions, stop together and end the run together.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Optional
 
 import torch.distributed as dist
 
+from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
@@ -52,6 +54,8 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
 
 def check_config(cfg, world: int) -> None:
     """Everything a user can get wrong, checked on ``world`` ranks before any process starts."""
+    # The workload's numbers first: the fault injection's step is checked against workload.steps.
+    workload.check_config(cfg.workload)
     check_launcher_config(cfg, world)
     worker.check_config(cfg, world)
 
@@ -62,7 +66,7 @@ def check_launcher_config(cfg, world: int) -> None:
     if world < 1:
         raise UserError(f"launcher.world={world} must be at least 1.")
     for key in ("rendezvous_timeout_s", "collective_timeout_s", "stop_timeout_s"):
-        if getattr(launcher, key) <= 0:
+        if not 0 < getattr(launcher, key) < math.inf:
             raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
     if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
         raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")

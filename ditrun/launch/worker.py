@@ -35,7 +35,9 @@ from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import layout_velocity, prepare_transports
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
-from ditrun.workload import Edit, check_sources, edit_inputs, resolve_edits
+from ditrun.model.memory import check_memory
+from ditrun.workload import Edit, check_inputs, check_sources, edit_inputs, resolve_edits
+from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -80,11 +82,12 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
                 f"precision.{component}={value!r} is not available; allowed: {', '.join(IMPLEMENTED_FORMATS)}."
             )
     check_transport(cfg.transport)
-    if cfg.workload.steps < 1:
-        raise UserError(f"workload.steps={cfg.workload.steps} must be at least 1.")
+    check_workload_config(cfg.workload)
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
-    return plan_layout(cfg.layout, world, model_geometry(cfg.model).num_attention_heads)
+    geometry = model_geometry(cfg.model)
+    check_inputs(resolve_edits(cfg.workload), geometry)
+    return plan_layout(cfg.layout, world, geometry.num_attention_heads)
 
 
 def build_model(model_cfg, placement: Placement) -> FluxDiT:
@@ -136,6 +139,7 @@ class Run:
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
+        check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
 
     def load(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ditrun.errors import UserError
 
 
@@ -18,6 +20,6 @@ def check_config(cfg) -> None:
                          f"allowed: {', '.join(REFERENCE_DTYPES)} (or unset for the run's own dtype).")
     if metrics.min_ssim_pct is not None and not metrics.ssim:
         raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} needs metrics.ssim=true.")
-    if metrics.min_ssim_pct is not None and metrics.min_ssim_pct <= 0:
+    if metrics.min_ssim_pct is not None and not 0 < metrics.min_ssim_pct < math.inf:
         raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} must be a percentage above 0.")
     wandb_log.check_config(cfg.wandb)

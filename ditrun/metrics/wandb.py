@@ -1,7 +1,10 @@
 """Weights & Biases: one W&B run per ditrun run, written by global rank 0 only.
 
 ``wandb.mode=offline`` (the default) writes the run under the ditrun run directory's
-``wandb/`` and never touches the network; ``wandb sync <dir>`` uploads it later. The W&B run
+``wandb/`` and never touches the network; ``wandb sync <dir>`` uploads it later. Offline in
+``wandb.init`` alone is not enough: the installed wandb (0.31) builds its process-wide settings
+from the environment, and with those online it resolves its telemetry host and posts usage
+metrics at exit. So, before W&B starts, ``OFFLINE_ENVIRONMENT`` is applied (see there). The W&B run
 carries the whole resolved config, one history row per edit, a table of every edit, images
 (output, reference, SSIM map) of the first edits, and the run's medians as its summary. It is
 grouped by Hydra sweep, typed by layout and tagged with precision and transport so that
@@ -13,6 +16,7 @@ Nothing here reads or writes an API key: online mode takes the login W&B itself 
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -23,6 +27,17 @@ from ditrun.metrics.quality import ssim_map
 from ditrun.errors import UserError
 
 MODES = ("offline", "online", "disabled")
+# Set before W&B starts in offline mode; each closes one way W&B would reach for the network.
+OFFLINE_ENVIRONMENT = {
+    # Process-wide settings offline: no OpenTelemetry proxy (the usage metrics POSTed at exit),
+    # and the wandb-core service starts offline too (no API, file-stream or update-check calls).
+    "WANDB_MODE": "offline",
+    # No error reports (Sentry) and no telemetry recorder, in Python and in wandb-core.
+    "WANDB_ERROR_REPORTING": "false",
+    # No git remote lookup and no code upload bookkeeping.
+    "WANDB_DISABLE_GIT": "true",
+    "WANDB_DISABLE_CODE": "true",
+}
 # Record fields logged as history, one row per edit (numbers only; the table has the rest).
 HISTORY_FIELDS = ("dit_s", "encode_s", "decode_s", "exposed_transfer_s", "exposed_transfer_pct",
                   "ssim", "ssim_rerun", "ssim_pct_of_rerun")
@@ -123,6 +138,8 @@ def start(cfg, out_dir: Path, is_global_rank0: bool = True):
     if cfg.wandb.mode == "disabled" or not is_global_rank0:
         return NullLogger()
     begin = time.perf_counter()
+    if cfg.wandb.mode == "offline":
+        os.environ.update(OFFLINE_ENVIRONMENT)
     import wandb
 
     settings = wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ditrun.errors import UserError
 from ditrun.model.dit import DiTGeometry, FluxDiT
+from ditrun.model.presets import check_geometry_numbers
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -39,7 +40,10 @@ def geometry_from_json(path: Path) -> DiTGeometry:
         raise CheckpointError(f"{path} is missing: a model folder needs config.json beside its safetensors.")
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{path} is not valid JSON ({err}).")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object of model settings.")
     fields = {k: v for k, v in raw.items() if k in _GEOMETRY_KEYS}
+    check_geometry_numbers(fields, f"{path}: ")
     if "axes_dims_rope" in fields:
         fields["axes_dims_rope"] = tuple(fields["axes_dims_rope"])
     try:
@@ -49,19 +53,21 @@ def geometry_from_json(path: Path) -> DiTGeometry:
 
 
 def checkpoint_geometry(path: str | Path) -> DiTGeometry:
-    """The geometry of a diffusers-format folder, read without touching the weights."""
+    """The geometry of a diffusers-format folder, read without touching the weights (the weight
+    index or the safetensors headers are checked too, so a broken folder fails before any work)."""
     folder = Path(path)
     if not folder.is_dir():
         raise CheckpointError(f"model.path={str(path)!r} is not a folder with config.json and *.safetensors.")
-    return geometry_from_json(folder / CONFIG_NAME)
+    geometry = geometry_from_json(folder / CONFIG_NAME)
+    _weight_files(folder)
+    return geometry
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Map every tensor name to the file that holds it (sharded or single-file checkpoints)."""
     index = folder / INDEX_NAME
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: folder / file for name, file in weight_map.items()}
+        return _read_index(index)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no *.safetensors weights (only safetensors is read, never pickles).")
@@ -70,6 +76,26 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         with _open(file) as f:
             names.update({name: file for name in f.keys()})
     return names
+
+
+def _read_index(index: Path) -> dict[str, Path]:
+    """A sharded checkpoint's ``{"weight_map": {tensor name: file in the folder}}``, every file present."""
+    try:
+        raw = json.loads(index.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{index} is not valid JSON ({err}).")
+    weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no \"weight_map\" object of tensor name -> safetensors file.")
+    files = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
+            raise CheckpointError(f"{index} maps {name!r} to {file!r}; allowed: a *.safetensors file name in "
+                                  f"{index.parent}.")
+        if not (index.parent / file).is_file():
+            raise CheckpointError(f"{index} maps {name!r} to {file}, which is not in {index.parent}.")
+        files[name] = index.parent / file
+    return files
 
 
 def _open(file: Path, device: str = "cpu"):

@@ -42,8 +42,38 @@ def geometry_from_config(model_cfg) -> DiTGeometry:
     if model_cfg.preset not in PRESETS:
         raise UserError(f"model.preset={model_cfg.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
     overrides = {k: getattr(model_cfg, k) for k in _OVERRIDABLE if getattr(model_cfg, k) is not None}
+    check_geometry_numbers(overrides, "model.")
+    if not 0 <= model_cfg.weights_seed < 2**64:
+        raise UserError(f"model.weights_seed={model_cfg.weights_seed} is not a seed; allowed: 0 to 2**64 - 1.")
+    _check_head_dim(model_cfg.preset, overrides.get("attention_head_dim"))
     if model_cfg.variant is not None:
         if model_cfg.variant not in VARIANTS:
             raise UserError(f"model.variant={model_cfg.variant!r} is unknown; allowed: {', '.join(VARIANTS)}.")
         overrides.update(VARIANTS[model_cfg.variant])
     return dataclasses.replace(PRESETS[model_cfg.preset], **overrides)
+
+
+# Geometry numbers that must be at least 1, and those that may be 0 (a model of one block kind only).
+_AT_LEAST_ONE = ("num_attention_heads", "attention_head_dim", "joint_attention_dim", "pooled_projection_dim")
+_BLOCK_COUNTS = ("num_layers", "num_single_layers")
+
+
+def check_geometry_numbers(values: dict, where: str) -> None:
+    """Sizes in ``values`` (config overrides, or a checkpoint's config.json) that no model can have;
+    ``where`` prefixes the key in the message (``model.``, or the file)."""
+    for key in _AT_LEAST_ONE:
+        if key in values and not (isinstance(values[key], int) and values[key] >= 1):
+            raise UserError(f"{where}{key}={values[key]!r} must be a positive integer.")
+    for key in _BLOCK_COUNTS:
+        if key in values and not (isinstance(values[key], int) and values[key] >= 0):
+            raise UserError(f"{where}{key}={values[key]!r} must be 0 or more blocks.")
+    if all(key in values for key in _BLOCK_COUNTS) and not values["num_layers"] + values["num_single_layers"]:
+        raise UserError(f"{where}num_layers and {where}num_single_layers are both 0; a model needs a block.")
+
+
+def _check_head_dim(preset: str, head_dim) -> None:
+    """The rotary axes come with the preset and must fill each head exactly."""
+    axes = PRESETS[preset].axes_dims_rope
+    if head_dim is not None and head_dim != sum(axes):
+        raise UserError(f"model.attention_head_dim={head_dim} does not fit preset {preset!r}, whose rotary axes "
+                        f"{axes} fill {sum(axes)} channels per head; leave it unset or choose another model preset.")
