@@ -220,7 +220,7 @@ def test_soak_random_faults_then_reruns_give_every_edit_once_and_exact(tmp_path,
         target, sig = chance.choice([process.pid, *ranks]), chance.choice(SIGNALS)
         if process.poll() is None:
             os.kill(target, sig)
-        code = process.wait(timeout=90)
+        code = process.wait(timeout=120)
         wait_until_gone(process.pid, 30)
         print(f"round {round_}: {sig.name} to {'the parent' if target == process.pid else 'a rank'}: exit {code}")
         found = [r["edit"] for r in records(out)] if (out / "edits.jsonl").exists() else []
