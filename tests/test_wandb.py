@@ -6,7 +6,7 @@ import struct
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ditrun_cli import TINY, ditrun, reference_dir, without_network
+from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, without_network
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
 _BLOCK = 32768
@@ -68,8 +68,8 @@ def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp
     records = [json.loads(line) for line in (out / "edits.jsonl").read_text().splitlines()]
 
     run, config, history, summary, exit_code = run_contents(out)
-    assert (run.project, run.job_type, run.display_name) == ("ditrun", "single", "single-bf16-collective-w1")
-    assert set(run.tags) == {"precision:bf16", "transport:collective"}
+    assert (run.project, run.job_type, run.display_name) == ("ditrun", "single", f"single-{PLAIN}-collective-w1")
+    assert set(run.tags) == {f"precision:{PLAIN}", "transport:collective"}
     assert config["model"]["preset"] == "tiny" and config["workload"]["steps"] == 2
     assert config["wandb"]["mode"] == "offline" and config["metrics"]["ssim"] is True
 

@@ -2,10 +2,16 @@
 
 INT8-QK attention (after SageAttention's recipe): K is smoothed by subtracting its mean over the
 tokens (softmax(q.k_j - q.m) = softmax(q.k_j): a constant per query row cancels), then Q and K are
-quantized to INT8 per block of tokens and head (scale = amax / 127); the scores are the INT8
-dot products (exact in int32) times the two scales, the softmax runs in fp32, and P @ V in the
-compute dtype with V optionally quantized (FP8 E4M3 with one power-of-two scale per head, or MXFP6
-E2M3 in blocks of 32 tokens, both exactly representable in BF16).
+quantized to INT8 with one scale per token and head (scale = amax / 127 over the head's channels);
+the scores are the INT8 dot products (exact in int32) times the outer product of the scales, the
+softmax runs in fp32, and P @ V in the compute dtype with V optionally quantized (FP8 E4M3 with
+one power-of-two scale per head, or MXFP6 E2M3 in blocks of 32 channels of a token, both exactly
+representable in BF16).
+
+Scales are per token rather than per block of tokens on purpose: a parallel layout gathers the
+sequence in another order (``parallel/ulysses.py``), and a scale shared by a block of tokens
+would then change with the layout; per token, every layout gives the single process's result.
+The kernel's cost is the same (a vector of scales per tile instead of a scalar).
 
 ``int8qk_reference`` is the torch reference (runs anywhere, in query chunks so that memory
 stays O(S * chunk)); on a GPU with Triton the same quantized operands go to a flash-attention
@@ -27,9 +33,9 @@ from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
 BLOCK_Q = 128
-"""Query tokens per INT8 scale (and per Triton program)."""
+"""Queries per Triton program."""
 BLOCK_K = 64
-"""Key tokens per INT8 scale (and per inner Triton tile)."""
+"""Keys per inner Triton tile."""
 V_FORMATS = ("bf16", "fp8", "mxfp6")
 
 
@@ -37,15 +43,11 @@ V_FORMATS = ("bf16", "fp8", "mxfp6")
 # Quantizing the operands (shared by the reference and the kernel)
 
 
-def quantize_int8_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, H, S, D] -> (int8 [B, H, S, D], fp32 scale [B, H, ceil(S/block)]) with x ~ int8 * scale."""
-    b, h, s, d = x.shape
-    padded = F.pad(x.float(), (0, 0, 0, -s % block))  # zeros do not change a block's amax
-    blocks = padded.unflatten(2, (-1, block))  # [B, H, nblocks, block, D]
-    amax = blocks.abs().amax(dim=(-2, -1))
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]) with x ~ int8 * scale, per token."""
+    amax = x.float().abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    q = torch.round(blocks / scale[..., None, None]).clamp(-127, 127).to(torch.int8)
-    return q.flatten(2, 3)[:, :, :s], scale
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 
 def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
@@ -58,10 +60,14 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
         exponent = formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
         codes = formats.encode(torch.ldexp(v.float(), -exponent), "fp8_e4m3")
         return torch.ldexp(formats.decode(codes, "fp8_e4m3"), exponent).to(v.dtype)
-    # MXFP6: P @ V sums over tokens, so V's blocks of 32 run along the tokens.
-    s = v.shape[2]
-    vt = F.pad(v.float().transpose(2, 3), (0, -s % 32))  # [B, H, D, S']
-    return formats.fake_quantize(vt, "fp6_e2m3")[..., :s].transpose(2, 3).to(v.dtype)
+    # MXFP6 blocks run along each token's channels, so no block mixes tokens (see the module doc).
+    return formats.fake_quantize(v, "fp6_e2m3").to(v.dtype)
+
+
+def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
+    """K minus its mean over the tokens (``dim``): the scores of a query row move by one constant,
+    which softmax ignores, and what is left to quantize is the part that differs between keys."""
+    return k - k.float().mean(dim=dim, keepdim=True).to(k.dtype)
 
 
 @dataclass
@@ -78,9 +84,9 @@ class Int8QK:
 def quantize_operands(q, k, v, v_format: str) -> Int8QK:
     # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k = k - k.float().mean(dim=2, keepdim=True).to(k.dtype)  # smoothing: softmax is unchanged
-    q8, q_scale = quantize_int8_blocks(q, BLOCK_Q)
-    k8, k_scale = quantize_int8_blocks(k, BLOCK_K)
+    k = smooth_k(k, dim=2)
+    q8, q_scale = quantize_int8_rows(q)
+    k8, k_scale = quantize_int8_rows(k)
     return Int8QK(q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous())
 
 
@@ -90,9 +96,7 @@ def quantize_operands(q, k, v, v_format: str) -> Int8QK:
 
 def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
     """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype."""
-    k_scale = ops.k_scale.repeat_interleave(BLOCK_K, dim=-1)[..., :ops.k.shape[2]]  # [B, H, S]
-    q_scale = ops.q_scale.repeat_interleave(BLOCK_Q, dim=-1)[..., :ops.q.shape[2]]
-    k = ops.k.float()
+    q_scale, k_scale, k = ops.q_scale, ops.k_scale, ops.k.float()  # scales: [B, H, S]
     out = torch.empty_like(ops.v)
     for start in range(0, ops.q.shape[2], chunk):
         rows = slice(start, start + chunk)
@@ -165,10 +169,11 @@ def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
 
 
 def fp8_attention(fast: bool) -> AttentionFn:
-    """Q, K and V fake-quantized to FP8 E4M3 (one power-of-two scale per head), then SDPA."""
+    """Q, smoothed K and V fake-quantized to FP8 E4M3 (one power-of-two scale per head), then SDPA."""
 
     def attention(q, k, v):
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
+        k = smooth_k(k, dim=1)
         q, k, v = (quantize_v(t.transpose(1, 2), "fp8").transpose(1, 2) for t in (q, k, v))
         return sdpa_attention(q, k, v)
 
@@ -184,7 +189,7 @@ ATTENTION_KERNELS.register("fp8", AttentionKernel(
 for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
     ATTENTION_KERNELS.register(_name, AttentionKernel(
-        _name, f"INT8 Q and K (smoothed K, per-block scales), fp32 softmax, V in {_v.upper()}",
+        _name, f"INT8 Q and K (smoothed K, a scale per token), fp32 softmax, V in {_v.upper()}",
         lambda fast, _v=_v: int8qk_attention(_v, fast)))
 
 

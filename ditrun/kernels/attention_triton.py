@@ -3,7 +3,8 @@
 One program per (block of BLOCK_Q queries, batch x head): the INT8 Q tile stays in registers,
 K/V tiles of BLOCK_K tokens stream through; Q.K^T is an INT8 tensor-core dot (int32, exact),
 scaled by the two per-block scales, and an online softmax in fp32 (base 2) accumulates P @ V
-with P cast to V's dtype. The block sizes are the quantization blocks, so a tile has one scale.
+with P cast to V's dtype. Q and K carry one scale per token: a tile's scores are scaled by the
+outer product of two scale vectors.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ LOG2_E = 1.4426950408889634
     key=["S", "D"],
 )
 @triton.jit
-def _int8qk_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H,
-                    stride_b, stride_h, stride_s, scale_b, scale_h, kscale_b, kscale_h,
+def _int8qk_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s, scale_b, scale_h,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
     block_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -31,15 +31,16 @@ def _int8qk_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H,
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, D)
     q = tl.load(Q + base + rows[:, None] * stride_s + dims[None, :], mask=rows[:, None] < S, other=0)
-    q_scale = tl.load(QS + b * scale_b + h * scale_h + block_m) * sm_scale_log2
+    scales = b * scale_b + h * scale_h
+    q_scale = tl.load(QS + scales + rows, mask=rows < S, other=0.0) * sm_scale_log2
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for start in range(0, S, BLOCK_N):
         keys = start + cols
         k = tl.load(K + base + keys[None, :] * stride_s + dims[:, None], mask=keys[None, :] < S, other=0)
-        k_scale = tl.load(KS + b * kscale_b + h * kscale_h + start // BLOCK_N)
-        scores = tl.dot(q, k).to(tl.float32) * (q_scale * k_scale)  # [BLOCK_M, BLOCK_N], log2 units
+        k_scale = tl.load(KS + scales + keys, mask=keys < S, other=0.0)
+        scores = tl.dot(q, k).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])  # log2 units
         scores = tl.where(keys[None, :] < S, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.math.exp2(scores - m_new[:, None])
@@ -61,5 +62,5 @@ def int8qk_flash(ops, sm_scale: float, block_q: int, block_k: int) -> torch.Tens
     grid = (triton.cdiv(s, block_q), b * h)
     _int8qk_forward[grid](q, q_scale, k, k_scale, v, out, sm_scale * LOG2_E, s, h,
                           q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
-                          k_scale.stride(0), k_scale.stride(1), BLOCK_M=block_q, BLOCK_N=block_k, D=d)
+                          BLOCK_M=block_q, BLOCK_N=block_k, D=d)
     return out

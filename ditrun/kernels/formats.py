@@ -116,7 +116,7 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
     values = _values_on(fmt, x.device)
     y = x.float()
     mag = y.abs().clamp(max=values[-1])
-    hi = torch.bucketize(mag, values).clamp(max=len(values) - 1)  # values[hi - 1] < mag <= values[hi]
+    hi = torch.bucketize(mag.contiguous(), values).clamp(max=len(values) - 1)  # values[hi - 1] < mag <= values[hi]
     lo = (hi - 1).clamp(min=0)
     midpoint = (values[lo] + values[hi]) * 0.5  # exact: both have few significant bits
     take_hi = (mag > midpoint) | ((mag == midpoint) & (hi % 2 == 0))
