@@ -156,3 +156,17 @@ def test_fake_quantize_keeps_dtype_and_fp8_rowwise():
     err = (F.fake_quantize_fp8(x.float()) - x.float()).abs().max() / x.float().abs().max()
     assert err < 2**-4
     assert F.quantize_fp8(x, rowwise=False)[1].shape == ()
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("scale_mode", F.SCALE_MODES)
+def test_fake_quantize_equals_quantize_then_dequantize(fmt, scale_mode):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 128, generator=gen) * 2.0 ** torch.randint(-30, 30, (6, 128), generator=gen)
+    x[0, :32] = 0.0
+    x[1, 3], x[2, 70], x[3, 100] = math.nan, math.inf, -math.inf
+    assert same(F.fake_quantize(x, fmt, scale_mode=scale_mode),
+                F.dequantize_mx(*F.quantize_mx(x, fmt, scale_mode=scale_mode), fmt))
+    if fmt.startswith("fp8"):  # per-row FP8 of finite rows (an infinite row has no meaningful fp32 scale)
+        finite = x[[0, 4, 5]]
+        assert same(F.fake_quantize_fp8(finite, fmt), F.dequantize_fp8(*F.quantize_fp8(finite, fmt), fmt))

@@ -1,6 +1,7 @@
 """The precision seam: registries and config checks, the component map, quantized linears
 (emulation, and every fast backend against it), INT8-QK attention, labels and the dispatch table."""
 
+import functools
 import inspect
 import math
 
@@ -93,6 +94,7 @@ def test_every_block_linear_but_the_modulation_has_one_component(variant):
         assert len(found[component]) == 2 * per_double[component] + 2 * per_single[component]
 
 
+@functools.cache  # built once per session: the tests only read the models
 def _quantized_model(precision, variant="flux"):
     cfg = tiny_config(f"precision={precision}", f"model.variant={variant}")
     placement = select_placement("cpu", "fp32")
@@ -156,7 +158,7 @@ def test_arithmetic_rounding_equals_the_codec_on_every_midpoint(element):
     x = torch.cat([values, mids, -mids, torch.nextafter(mids, torch.zeros_like(mids)), values * 1.7, values * 9])
     x = torch.cat([x, torch.randn(4000, generator=gen(7)) * fmt.max_value / 3])
     expected = formats.decode(formats.encode(x, fmt), fmt)
-    assert torch.equal(L.round_to_element_grid(x, fmt), expected)
+    assert torch.equal(formats.round_to_grid(x, fmt), expected)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"])

@@ -126,6 +126,19 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
     return torch.where(torch.isnan(y), nan, code).to(torch.uint8)
 
 
+def round_to_grid(v: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
+    """Round fp32 values onto the format's grid, as ``decode(encode(v))`` (tested equal), arithmetically.
+
+    The grid step in v's binade is 2^(exponent - mantissa_bits), never finer than the subnormals';
+    ``torch.round`` rounds half to even, and an even multiple of the step is an even code. Plain
+    tensor arithmetic, so it is fast and torch.compile fuses it; the table codec stays the reference.
+    """
+    fmt = element_format(fmt)
+    exponent = floor_log2(v.abs()).clamp(min=1 - fmt.bias)
+    step = torch.ldexp(torch.ones_like(v), (exponent - fmt.mantissa_bits).float())
+    return (torch.round(v / step) * step).clamp(-fmt.max_value, fmt.max_value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Packing
 
@@ -224,8 +237,17 @@ def dequantize_mx(codes: torch.Tensor, scales: torch.Tensor, fmt: str) -> torch.
 
 
 def fake_quantize(x: torch.Tensor, fmt: str, block: int = 32, scale_mode: str = "rceil") -> torch.Tensor:
-    """Quantize to MX and back, in x's dtype: what an MX GEMM sees of x."""
-    return dequantize_mx(*quantize_mx(x, fmt, block, scale_mode), fmt).to(x.dtype)
+    """Quantize to MX and back, in x's dtype: what an MX GEMM sees of x.
+
+    Equal to ``dequantize_mx(*quantize_mx(x, ...))`` (tested), computed without codes: a few times faster.
+    """
+    element = element_format(fmt)
+    blocks = _blocks(x, block)
+    amax = torch.nan_to_num(blocks.abs(), nan=0.0).amax(dim=-1, keepdim=True)
+    exponent = shared_exponents(amax, element, scale_mode).float()
+    values = torch.ldexp(round_to_grid(torch.ldexp(blocks, -exponent), element), exponent)
+    values = torch.where(torch.isnan(blocks).any(dim=-1, keepdim=True), float("nan"), values)  # the NaN scale
+    return values.flatten(-2).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,4 +272,6 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, fmt: str = "fp8_e4m
 
 
 def fake_quantize_fp8(x: torch.Tensor, fmt: str = "fp8_e4m3", rowwise: bool = True) -> torch.Tensor:
-    return dequantize_fp8(*quantize_fp8(x, fmt, rowwise), fmt).to(x.dtype)
+    """``dequantize_fp8(*quantize_fp8(x))`` in x's dtype (tested equal), computed without codes."""
+    scale = fp8_scale(x, fmt, rowwise)
+    return (round_to_grid(x.float() / scale, fmt) * scale).to(x.dtype)

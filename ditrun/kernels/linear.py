@@ -89,17 +89,6 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 
-def round_to_element_grid(v: torch.Tensor, element: formats.ElementFormat) -> torch.Tensor:
-    """Round fp32 values to the element format's grid (nearest, ties to even, saturating), arithmetically.
-
-    The grid step in v's binade is 2^(exponent - mantissa_bits), never finer than the subnormals';
-    ``torch.round`` rounds half to even, and an even multiple of the step is an even code.
-    """
-    exponent = formats.floor_log2(v.abs()).clamp(min=1 - element.bias)
-    step = torch.ldexp(torch.ones_like(v), (exponent - element.mantissa_bits).float())
-    return (torch.round(v / step) * step).clamp(-element.max_value, element.max_value)
-
-
 def repack_headroom(element: formats.ElementFormat) -> int:
     """Binades by which a block's largest element can grow and still fit FP8 E4M3 (max 448)."""
     return int(math.floor(math.log2(448.0 / element.max_value)))
@@ -116,7 +105,7 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     blocks = x.float().unflatten(-1, (-1, block))  # [R, K/block, block]
     amax = blocks.abs().amax(dim=-1)
     exponent = formats.shared_exponents(amax, element, scale_mode)  # [R, K/block]
-    grid = round_to_element_grid(torch.ldexp(blocks, -exponent[..., None].float()), element)
+    grid = formats.round_to_grid(torch.ldexp(blocks, -exponent[..., None].float()), element)
     row_exponent = exponent.amax(dim=-1, keepdim=True) - repack_headroom(element)  # [R, 1]
     shifted = torch.ldexp(grid, (exponent - row_exponent)[..., None].float()).flatten(-2)
     fp8 = shifted.to(torch.float8_e4m3fn)
