@@ -1,7 +1,7 @@
 """The ``ditrun`` command: compose the Hydra config and hand it to the launcher.
 
 ``ditrun report PATH`` is dispatched before Hydra sees the arguments: it compares finished runs
-and composes no config.
+and composes no config. ``ditrun tune key=value ...`` likewise: it composes the config itself.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ def main() -> None:
         from ditrun.metrics.report import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["tune"]:
+        from ditrun.kernels.tune import main as tune_main
+
+        sys.exit(tune_main(sys.argv[2:]))
     _hydra_main()
     if _gate_failures:
         print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the SSIM gate:", file=sys.stderr)

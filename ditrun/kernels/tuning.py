@@ -47,8 +47,10 @@ class DispatchTable:
     """Saved choices, plus the rule for shapes without one."""
 
     def __init__(self, device: torch.device, mode: str = "auto", entries: Optional[dict[str, str]] = None,
-                 path: Optional[Path] = None, announce: bool = True):
+                 path: Optional[Path] = None, announce: bool = True, prepare_all: bool = False):
         self.device, self.mode, self.path, self.announce = device, mode, path, announce
+        self.prepare_all = prepare_all
+        """Prepare weights for every candidate (``ditrun tune`` times them all on the same weights)."""
         self.entries: dict[str, str] = dict(entries or {})
         self._said: set[str] = set()
 
@@ -88,7 +90,7 @@ class DispatchTable:
         default = allowed[0]
         if default == "emulation" and self.mode == "auto" and self.device.type == "cuda":
             self._say_once(fmt.name, f"{fmt.name} has no fast backend on this device; it runs as the exact emulation.")
-        names = sorted(set(tuned.values())) or [default]
+        names = allowed if self.prepare_all else sorted(set(tuned.values())) or [default]
         backends = {name: LINEAR_BACKENDS.get(name, "precision.backend")() for name in names}
         first = names[0]
 

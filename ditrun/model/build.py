@@ -169,8 +169,11 @@ class BuiltModel:
 
 
 def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
-                announce: bool = True) -> BuiltModel:
-    """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model."""
+                announce: bool = True, table: Optional[DispatchTable] = None) -> BuiltModel:
+    """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
+
+    ``table`` picks the linear backends; unset loads ``precision.tuning_file``.
+    """
     geometry = model_geometry(model_cfg)
     with torch.device("meta"):
         model = FluxDiT(geometry)
@@ -180,13 +183,14 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
         draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
     built = BuiltModel(model, ATTENTION_KERNELS.get("bf16", "precision.attention").make(False))
     if precision is not None and precision.quantized:
-        built = _quantize(model, precision, placement.device, announce)
+        table = table or DispatchTable.load(precision.tuning_file, placement.device, precision.backend, announce)
+        built = _quantize(model, precision, table, placement.device, announce)
     built.model.eval().requires_grad_(False)
     return built
 
 
-def _quantize(model: FluxDiT, plan: PrecisionPlan, device: torch.device, announce: bool) -> BuiltModel:
-    table = DispatchTable.load(plan.tuning_file, device, plan.backend, announce)
+def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device,
+              announce: bool) -> BuiltModel:
     quantize_model(model, plan.linear, plan.scale_mode, table.choose)
     fast_attention = plan.backend != "emulation" and fast_attention_available(plan.attention, device) is None
     if announce and plan.attention.quantized and not fast_attention and device.type == "cuda":
