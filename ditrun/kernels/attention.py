@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats
+from ditrun.kernels.linear import CompiledOnGpu
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
@@ -81,13 +82,17 @@ class Int8QK:
     v: torch.Tensor
 
 
-def quantize_operands(q, k, v, v_format: str) -> Int8QK:
+def operand_tensors(q, k, v, v_format: str) -> tuple[torch.Tensor, ...]:
+    """The fields of ``Int8QK``, as a tuple (what torch.compile returns best)."""
     # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k = smooth_k(k, dim=2)
     q8, q_scale = quantize_int8_rows(q)
-    k8, k_scale = quantize_int8_rows(k)
-    return Int8QK(q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous())
+    k8, k_scale = quantize_int8_rows(smooth_k(k, dim=2))
+    return q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous()
+
+
+def quantize_operands(q, k, v, v_format: str) -> Int8QK:
+    return Int8QK(*operand_tensors(q, k, v, v_format))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,9 +160,11 @@ class AttentionKernel:
 
 
 def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
+    quantize = CompiledOnGpu(operand_tensors) if fast else operand_tensors
+
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
-        ops = quantize_operands(q, k, v, v_format)
+        ops = Int8QK(*quantize(q, k, v, v_format))
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast:
             out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)

@@ -89,6 +89,26 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 
+class CompiledOnGpu:
+    """``fn`` through ``torch.compile`` on GPU tensors (one fused kernel instead of several passes over
+    the activation), eager on the CPU; where compiling fails it says why once and stays eager."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, None
+
+    def __call__(self, *args):
+        if not args[0].is_cuda:
+            return self.fn(*args)
+        if self.compiled is None:
+            try:
+                self.compiled = torch.compile(self.fn, dynamic=True)
+                return self.compiled(*args)
+            except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
+                print(f"ditrun: torch.compile of {self.fn.__name__} failed ({type(err).__name__}); running eager.")
+                self.compiled = self.fn
+        return self.compiled(*args)
+
+
 def repack_headroom(element: formats.ElementFormat) -> int:
     """Binades by which a block's largest element can grow and still fit FP8 E4M3 (max 448)."""
     return int(math.floor(math.log2(448.0 / element.max_value)))
@@ -111,6 +131,10 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     fp8 = shifted.to(torch.float8_e4m3fn)
     inexact = (fp8.float() != shifted).any(dim=-1).sum()
     return fp8, torch.ldexp(torch.ones_like(row_exponent, dtype=torch.float32), row_exponent.float()), inexact
+
+
+quantize_rowwise_fp8_fused = CompiledOnGpu(quantize_rowwise_fp8)
+mx_repack_fp8_fused = CompiledOnGpu(mx_repack_fp8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,7 +198,7 @@ class Fp8Rowwise:
         return {"w8": w8, "scale": scale}
 
     def matmul(self, x, weights, fmt, scale_mode):
-        x8, x_scale = quantize_rowwise_fp8(x, weights["w8"].dtype)
+        x8, x_scale = quantize_rowwise_fp8_fused(x, weights["w8"].dtype)
         return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], x.dtype)
 
 
@@ -200,7 +224,7 @@ class MxRepackFp8:
         return {"w8": w8, "scale": scale}
 
     def matmul(self, x, weights, fmt, scale_mode):
-        x8, x_scale, inexact = mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
+        x8, x_scale, inexact = mx_repack_fp8_fused(x, fmt.element, fmt.block, scale_mode)
         seen = self.inexact_rows["activation"]
         self.inexact_rows["activation"] = inexact if seen is None else seen + inexact  # no host sync
         return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], x.dtype)

@@ -25,7 +25,8 @@ TOLERANCE = 2e-2
 REPEATS = 20
 
 
-def _time_ms(fn, device: torch.device, repeats: int = REPEATS) -> float:
+def time_ms(fn, device: torch.device, repeats: int = REPEATS) -> float:
+    """Median milliseconds per call after one warm-up call (CUDA events on GPUs)."""
     fn()  # warm-up: compilation, allocator, library heuristics
     times = []
     for _ in range(repeats):
@@ -76,7 +77,7 @@ def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.devic
             if not error <= TOLERANCE:
                 notes[name] = f"rejected (error {error:.1e})"
                 continue
-        timings[name] = _time_ms(call(name), device)
+        timings[name] = time_ms(call(name), device)
         notes[name] = f"{timings[name]:.3f} ms"
     return min(timings, key=timings.get), notes
 
