@@ -229,7 +229,25 @@ def test_triton_int8qk_equals_the_reference():
 
 
 # ---------------------------------------------------------------------------------------------
-# Fast linear backends against the emulation (GPU)
+# Fast linear backends against the emulation
+
+
+@pytest.mark.parametrize("fmt, backend", [("fp8", "fp8_rowwise"), ("mxfp8", "mx_repack_fp8"),
+                                          ("mxfp6", "mx_repack_fp8"), ("mxfp4", "mx_repack_fp8")])
+def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
+    """The GPU backends' own code, run through torch._scaled_mm's CPU implementation (fp32 out)."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("no torch._scaled_mm")
+    f = L.LINEAR_FORMATS.get(fmt, "test")
+    w, x = torch.randn(48, 128, generator=gen(12)) / 8, torch.randn(70, 128, generator=gen(13))
+    fast = L.LINEAR_BACKENDS.get(backend, "test")()
+    got = fast.matmul(x, fast.prepare(w, f, "rceil"), f, "rceil")
+    emulation = L.Emulation()
+    want = emulation.matmul(x, emulation.prepare(w, f, "rceil"), f, "rceil")
+    # MX repack is exact: the same products, summed in another order; FP8 rowwise rounds x/scale the same way.
+    assert relative_error(got, want) < 1e-5
+    if backend == "mx_repack_fp8":
+        assert fast.inexact_rows["weight"] == 0 and int(fast.inexact_rows["activation"]) == 0
 
 
 @pytest.mark.gpu
