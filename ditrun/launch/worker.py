@@ -25,8 +25,8 @@ from ditrun.metrics import quality, reference, results, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
-from ditrun.model.build import (build_model, inexact_repack_rows, model_geometry, plan_precision, precision_label,
-                                 select_placement)
+from ditrun.model.build import (build_model, compute_dtype, device_kind, inexact_repack_rows, model_geometry,
+                                 plan_precision, precision_label, select_placement)
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import layout_velocity
@@ -44,7 +44,9 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     ``world`` is the number of ranks that will run (default: ``launcher.world``), so a launcher
     can call this before it spawns anything.
     """
-    plan_precision(cfg.precision, select_placement(cfg.device, cfg.model.dtype).device)
+    device = device_kind(cfg.device)
+    compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
+    plan_precision(cfg.precision, device)
     if cfg.transport.name not in IMPLEMENTED_TRANSPORTS:
         raise UserError(
             f"transport={cfg.transport.name!r} is not available; allowed: {', '.join(IMPLEMENTED_TRANSPORTS)}."

@@ -45,25 +45,41 @@ class Placement:
 
     @property
     def dtype_name(self) -> str:
-        return next(name for name, d in DTYPES.items() if d == self.dtype)
+        return dtype_name(self.dtype)
 
 
-def select_placement(device_key: str, dtype_key: str) -> Placement:
+def device_kind(device_key: str) -> torch.device:
+    """``cuda`` or ``cpu`` as ``device=`` decides, without initialising CUDA (launchers check configs
+    before they spawn ranks, and a CUDA context there would hold GPU memory for the whole run)."""
     if device_key not in ("auto", "cuda", "cpu"):
         raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
     if device_key == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
     from ditrun.launch import rendezvous  # here: ditrun.launch imports the worker, which imports this module
 
-    use_gpu = rendezvous.uses_gpu(device_key)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
+    return torch.device("cuda" if rendezvous.uses_gpu(device_key) else "cpu")
+
+
+def compute_dtype(device: torch.device, dtype_key: str) -> tuple[torch.dtype, str]:
+    """The compute dtype and the note that says why."""
     if dtype_key not in ("auto", *DTYPES):
         raise UserError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
     if dtype_key != "auto":
-        return Placement(device, DTYPES[dtype_key], f"{dtype_key} (model.dtype)")
-    if use_gpu:
-        return Placement(device, torch.bfloat16, "bf16")
-    return Placement(device, torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)")
+        return DTYPES[dtype_key], f"{dtype_key} (model.dtype)"
+    if device.type == "cuda":
+        return torch.bfloat16, "bf16"
+    return torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def select_placement(device_key: str, dtype_key: str) -> Placement:
+    device = device_kind(device_key)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Placement(device, *compute_dtype(device, dtype_key))
 
 
 def model_geometry(model_cfg) -> DiTGeometry:
@@ -149,8 +165,8 @@ def precision_label(plan: PrecisionPlan, dtype_name: str) -> str:
 
 def run_precision_label(cfg) -> str:
     """``precision_label`` of a whole run config (for names chosen before any worker starts)."""
-    placement = select_placement(cfg.device, cfg.model.dtype)
-    return precision_label(plan_precision(cfg.precision, placement.device), placement.dtype_name)
+    device = device_kind(cfg.device)
+    return precision_label(plan_precision(cfg.precision, device), dtype_name(compute_dtype(device, cfg.model.dtype)[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,10 +246,10 @@ def result_settings(cfg) -> dict:
     The model (its folder, or preset + geometry + weights seed), the compute dtype actually used
     on this machine, and the per-component precision map with the backend rule and scale mode.
     """
-    placement = select_placement(cfg.device, cfg.model.dtype)
-    plan = plan_precision(cfg.precision, placement.device)
+    device = device_kind(cfg.device)
+    plan = plan_precision(cfg.precision, device)
     geometry = dataclasses.asdict(model_geometry(cfg.model))
     model = ({"path": str(cfg.model.path), "geometry": geometry} if cfg.model.path
              else {"preset": cfg.model.preset, "geometry": geometry, "weights_seed": cfg.model.weights_seed})
-    return {"model": model, "dtype": placement.dtype_name,
+    return {"model": model, "dtype": dtype_name(compute_dtype(device, cfg.model.dtype)[0]),
             "precision": {**plan.formats(), "backend": plan.backend, "scale_mode": plan.scale_mode}}
