@@ -8,9 +8,11 @@ change it: a layout's latents equal the single process's of the same precision t
 import json
 
 import pytest
+import torch
 
 from ditrun.launch import worker
-from launching import assert_same_latents, ditrun_command, records, run, single_reference, tiny_config
+from launching import (assert_same_latents, ditrun_command, latents, records, relative_error, run, single_reference,
+                       tiny_config)
 from ranks import run_ranks
 
 
@@ -53,3 +55,26 @@ def test_precision_in_a_layout_on_two_ranks_equals_single(tmp_path, singles, pre
     cfg = tiny_config(f"precision={precision}", f"layout={layout}", "launcher.world=2", "metrics.report=false")
     run_ranks(_run_worker, 2, (cfg, tmp_path), timeout=120)
     assert_same_latents(tmp_path, singles(precision), layout, 2)
+
+
+GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["fp8", "mxfp6", "mxfp4", "krea"])
+def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, precision):
+    """One GPU: the fast backends run the whole edit; two GPUs (when present): Ulysses equals one GPU."""
+    summary = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "one")
+    detail = summary["precision_detail"]
+    # Hopper and MI300+ run every quantized linear format fast (bf16 components have no backends).
+    assert all("emulation" not in d["backends"] for c, d in detail.items() if c != "attention"), detail
+    if precision == "krea":
+        assert detail["attention"]["backends"] == ["triton"]
+    assert summary["ssim_median"] > 0.9 and summary["precision"] == precision
+    if torch.cuda.device_count() < 2:
+        return
+    cfg = tiny_config(f"precision={precision}", *GPU, "layout=ulysses", "launcher.world=2")
+    run_ranks(_run_worker, 2, (cfg, tmp_path / "two"), timeout=300, backend="nccl")
+    for edit in [r["edit"] for r in records(tmp_path / "one")]:
+        assert relative_error(latents(tmp_path / "two", edit), latents(tmp_path / "one", edit)) < 5e-2
