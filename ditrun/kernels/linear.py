@@ -179,8 +179,12 @@ def _has_rowwise_fp8(device: torch.device) -> bool:
 
 
 def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
-    # a8: [M, K] row-major, b8: [N, K] row-major (so b8.t() is the column-major [K, N] it wants)
-    return torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=out_dtype)
+    # a8: [M, K] row-major, b8: [N, K] row-major (so b8.t() is the column-major [K, N] it wants);
+    # scale_a: [M, 1], scale_b: [N, 1] -> [1, N]. K and N must be multiples of 16.
+    # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast.
+    gemm_dtype = torch.bfloat16 if a8.is_cuda and out_dtype == torch.float32 else out_dtype
+    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype)
+    return out.to(out_dtype)
 
 
 class Fp8Rowwise:
@@ -297,7 +301,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         # x: [..., K] -> [..., N] (or a tuple split along N)
-        rows = x.reshape(-1, self.in_features)
+        rows = x.reshape(-1, self.in_features).contiguous()  # FP8 GEMMs want a row-major activation
         name = self.choose(rows.shape[0])
         out = self.backends[name].matmul(rows, self.weights[name], self.fmt, self.scale_mode)
         if self.bias is not None:
