@@ -40,7 +40,7 @@ def _int8qk_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h,
         keys = start + cols
         k = tl.load(K + base + keys[None, :] * stride_s + dims[:, None], mask=keys[None, :] < S, other=0)
         k_scale = tl.load(KS + scales + keys, mask=keys < S, other=0.0)
-        scores = tl.dot(q, k).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])  # log2 units
+        scores = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * (q_scale[:, None] * k_scale[None, :])  # log2 units
         scores = tl.where(keys[None, :] < S, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.math.exp2(scores - m_new[:, None])
