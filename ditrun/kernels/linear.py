@@ -110,6 +110,30 @@ class CompiledOnGpu:
             return self.fn(*args)
 
 
+def repack_headroom(element: formats.ElementFormat) -> int:
+    """Binades by which a block's largest element can grow and still fit FP8 E4M3 (max 448)."""
+    return int(math.floor(math.log2(448.0 / element.max_value)))
+
+
+def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str):
+    """MX-quantize x [R, K] and re-express each row as E4M3 values under one power-of-two scale.
+
+    Returns (fp8 [R, K], fp32 row scale [R, 1], inexact rows: a 0-dim int64 tensor). A block b of
+    a row with top block exponent e_max holds q * 2^e_b = (q * 2^(e_b - e_row)) * 2^e_row, with
+    e_row = e_max - headroom; the E4M3 value is exact unless it falls below E4M3's subnormals.
+    """
+    element = formats.element_format(element_name)
+    blocks = x.float().unflatten(-1, (-1, block))  # [R, K/block, block]
+    amax = blocks.abs().amax(dim=-1)
+    exponent = formats.shared_exponents(amax, element, scale_mode)  # [R, K/block]
+    grid = formats.round_to_grid(torch.ldexp(blocks, -exponent[..., None].float()), element)
+    row_exponent = exponent.amax(dim=-1, keepdim=True) - repack_headroom(element)  # [R, 1]
+    shifted = torch.ldexp(grid, (exponent - row_exponent)[..., None].float()).flatten(-2)
+    fp8 = shifted.to(torch.float8_e4m3fn)
+    inexact = (fp8.float() != shifted).any(dim=-1).sum()
+    return fp8, torch.ldexp(torch.ones_like(row_exponent, dtype=torch.float32), row_exponent.float()), inexact
+
+
 quantize_rowwise_fp8_fused = CompiledOnGpu(quantize_rowwise_fp8)
 mx_repack_fp8_fused = CompiledOnGpu(mx_repack_fp8)
 
