@@ -69,9 +69,9 @@ def test_speedup_is_against_the_single_process_bf16_run_and_needs_no_wandb(tmp_p
     _fake_run(tmp_path / "c", "cfg_split", "bf16", 8, dit_s=9.0, exposed_s=1.0, ssim=None)
     text, report = write_report(tmp_path, baseline=None)
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
-    assert rows["a"][5:10] == ["2.0000", "3.00x", "25.0", "0.9700", "97.98"]
+    assert rows["a"][5:11] == ["2.0000", "3.00x", "25.0", "0.9700", "0.9900", "97.98"]
     assert rows["b"][1] == "(baseline)" and rows["b"][6:8] == ["6.0000", "1.00x"]
-    assert rows["c"][5:10] == ["9.0000", "0.67x", "11.1", "-", "-"]
+    assert rows["c"][5:11] == ["9.0000", "0.67x", "11.1", "-", "-", "-"]
     text, _ = write_report(tmp_path, baseline="c")
     assert "c (baseline)" in text
     assert (tmp_path / "dit_time.png").is_file() and (tmp_path / "ssim.png").is_file()
