@@ -66,12 +66,9 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
         if not backends:
             row[name] = "no fast backend"
             continue
-        backend = L.LINEAR_BACKENDS.get(backends[0], "backend")()
-        weights = backend.prepare(w, fmt, "rceil")
-        ms = time_ms(lambda: backend.matmul(x, weights, fmt, "rceil"), CUDA, repeats)
-        emulation = L.Emulation()
-        error = relative_error(backend.matmul(x, weights, fmt, "rceil"),
-                               emulation.matmul(x, emulation.prepare(w, fmt, "rceil"), fmt, "rceil"))
+        layer = L.QuantizedLinear.with_backend(w, fmt, backends[0])  # the model's path: compiled quantizer + GEMM
+        ms = time_ms(lambda: layer(x), CUDA, repeats)
+        error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
         fp8_path = ms if name == "fp8" else fp8_path
         versus_fp8 = f", {ms / fp8_path:.2f} of fp8" if fp8_path and name != "fp8" else ""
         row[name] = f"{ms:.3f} ({bf16 / ms:.2f}x{versus_fp8}; {backends[0]}; err {error:.1e})"

@@ -113,6 +113,16 @@ def test_emulated_linear_is_the_product_of_the_quantized_operands(fmt):
 
 
 @pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_the_down_projection_quantizes_the_activation_output_it_is_given(variant):
+    built, _, _ = _quantized_model("mxfp6", variant)
+    ff = built.model.transformer_blocks[0].ff
+    x = torch.randn(2, 5, 256, generator=gen(14))
+    hidden = ff.net[0].proj(x)
+    assert torch.equal(ff(x), ff.net[2](ff.activation(hidden)))  # the fused call computes the same product
+    assert isinstance(ff.net[2], L.QuantizedLinear)
+
+
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
 def test_stacked_projections_equal_separate_quantized_ones(variant):
     built, cfg, placement = _quantized_model("fp8", variant)
     attn = built.model.transformer_blocks[0].attn
@@ -240,14 +250,14 @@ def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
         pytest.skip("no torch._scaled_mm")
     f = L.LINEAR_FORMATS.get(fmt, "test")
     w, x = torch.randn(48, 128, generator=gen(12)) / 8, torch.randn(70, 128, generator=gen(13))
-    fast = L.LINEAR_BACKENDS.get(backend, "test")()
-    got = fast.matmul(x, fast.prepare(w, f, "rceil"), f, "rceil")
-    emulation = L.Emulation()
-    want = emulation.matmul(x, emulation.prepare(w, f, "rceil"), f, "rceil")
+    fast = L.QuantizedLinear.with_backend(w, f, backend)
+    got = fast(x)
+    want = L.QuantizedLinear.with_backend(w, f, "emulation")(x)
     # MX repack is exact: the same products, summed in another order; FP8 rowwise rounds x/scale the same way.
     assert relative_error(got, want) < 1e-5
     if backend == "mx_repack_fp8":
-        assert fast.inexact_rows["weight"] == 0 and int(fast.inexact_rows["activation"]) == 0
+        counts = fast.backends[backend].inexact_rows
+        assert counts["weight"] == 0 and int(counts["activation"]) == 0
 
 
 @pytest.mark.gpu
@@ -261,11 +271,9 @@ def test_fast_linear_backends_match_the_emulation(fmt):
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(512, 1024, device=device, generator=g).to(torch.bfloat16) / 32
     x = torch.randn(300, 1024, device=device, generator=g).to(torch.bfloat16)
-    emulation = L.Emulation()
-    want = emulation.matmul(x, emulation.prepare(w, f, "rceil"), f, "rceil").float()
+    want = L.QuantizedLinear.with_backend(w, f, "emulation")(x).float()
     for name in names:
-        backend = L.LINEAR_BACKENDS.get(name, "test")()
-        got = backend.matmul(x, backend.prepare(w, f, "rceil"), f, "rceil").float()
+        got = L.QuantizedLinear.with_backend(w, f, name)(x).float()  # the model's path: compiled quantizer
         assert relative_error(got, want) < 2e-2, name
 
 

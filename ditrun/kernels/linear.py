@@ -134,10 +134,6 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     return fp8, torch.ldexp(torch.ones_like(row_exponent, dtype=torch.float32), row_exponent.float()), inexact
 
 
-quantize_rowwise_fp8_fused = CompiledOnGpu(quantize_rowwise_fp8)
-mx_repack_fp8_fused = CompiledOnGpu(mx_repack_fp8)
-
-
 # ---------------------------------------------------------------------------------------------
 # Backends
 
@@ -151,8 +147,11 @@ class LinearBackend(Protocol):
     def prepare(self, weight: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> dict[str, torch.Tensor]:
         """The weight [N, K] as this backend keeps it (done once, at load)."""
 
-    def matmul(self, x: torch.Tensor, weights: dict, fmt: LinearFormat, scale_mode: str) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's dtype, bias not included."""
+    def quantize(self, x: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> tuple[torch.Tensor, ...]:
+        """x [M, K] -> the GEMM's activation operand (a pure function: it may be compiled with what precedes it)."""
+
+    def gemm(self, operand: tuple, weights: dict, fmt: LinearFormat, out_dtype: torch.dtype) -> torch.Tensor:
+        """The operand times the prepared weight -> [M, N] in ``out_dtype``, bias not included."""
 
 
 class Emulation:
@@ -166,8 +165,11 @@ class Emulation:
     def prepare(self, weight, fmt, scale_mode):
         return {"weight": fmt.fake_quantize(weight, scale_mode)}
 
-    def matmul(self, x, weights, fmt, scale_mode):
-        return F.linear(fmt.fake_quantize(x, scale_mode), weights["weight"])
+    def quantize(self, x, fmt, scale_mode):
+        return (fmt.fake_quantize(x, scale_mode),)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        return F.linear(operand[0], weights["weight"]).to(out_dtype)
 
 
 def _has_rowwise_fp8(device: torch.device) -> bool:
@@ -202,9 +204,12 @@ class Fp8Rowwise:
         w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
         return {"w8": w8, "scale": scale}
 
-    def matmul(self, x, weights, fmt, scale_mode):
-        x8, x_scale = quantize_rowwise_fp8_fused(x, weights["w8"].dtype)
-        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], x.dtype)
+    def quantize(self, x, fmt, scale_mode):
+        return quantize_rowwise_fp8(x, fp8_dtype())
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale = operand
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
 
 
 class MxRepackFp8:
@@ -228,11 +233,14 @@ class MxRepackFp8:
         self.inexact_rows["weight"] += int(inexact)
         return {"w8": w8, "scale": scale}
 
-    def matmul(self, x, weights, fmt, scale_mode):
-        x8, x_scale, inexact = mx_repack_fp8_fused(x, fmt.element, fmt.block, scale_mode)
+    def quantize(self, x, fmt, scale_mode):
+        return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale, inexact = operand
         seen = self.inexact_rows["activation"]
         self.inexact_rows["activation"] = inexact if seen is None else seen + inexact  # no host sync
-        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], x.dtype)
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
 
 
 class MxScaledMm:
@@ -251,18 +259,18 @@ class MxScaledMm:
             return None if ok else "needs gfx950 (MI350/MI355X)"
         return None if torch.cuda.get_device_capability(device) >= (10, 0) else "needs Blackwell (sm100) or gfx950"
 
-    def _operand(self, t: torch.Tensor, fmt: LinearFormat, scale_mode: str):
-        codes, scales = formats.quantize_mx(t, fmt.element, fmt.block, scale_mode)
+    def quantize(self, x, fmt, scale_mode):
+        codes, scales = formats.quantize_mx(x, fmt.element, fmt.block, scale_mode)
         return codes.view(getattr(torch, self.ELEMENTS[fmt.element])), scales.view(torch.float8_e8m0fnu)
 
     def prepare(self, weight, fmt, scale_mode):
-        codes, scales = self._operand(weight, fmt, scale_mode)
+        codes, scales = self.quantize(weight, fmt, scale_mode)
         return {"codes": codes, "scales": scales}
 
-    def matmul(self, x, weights, fmt, scale_mode):
-        codes, scales = self._operand(x, fmt, scale_mode)
+    def gemm(self, operand, weights, fmt, out_dtype):
+        codes, scales = operand
         return torch._scaled_mm(codes, weights["codes"].t(), scale_a=scales, scale_b=weights["scales"],
-                                out_dtype=x.dtype)
+                                out_dtype=out_dtype)
 
 
 LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
@@ -299,16 +307,41 @@ class QuantizedLinear(nn.Module):
         self.backends = backends
         self.weights = {name: backend.prepare(weight, fmt, scale_mode) for name, backend in backends.items()}
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._quantizers: dict[tuple, CompiledOnGpu] = {}
 
-    def forward(self, x: torch.Tensor):
+    def _quantizer(self, name: str, activation: Optional[Callable]) -> CompiledOnGpu:
+        """Backend ``name``'s input quantizer, after ``activation`` when given, as one compiled function."""
+        key = (name, activation)
+        if key not in self._quantizers:
+            backend, fmt, scale_mode = self.backends[name], self.fmt, self.scale_mode
+
+            def quantize(x):
+                return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
+
+            quantize.__name__ = f"{name}_quantize"
+            self._quantizers[key] = CompiledOnGpu(quantize)
+        return self._quantizers[key]
+
+    def forward(self, x: torch.Tensor, activation: Optional[Callable] = None):
         # x: [..., K] -> [..., N] (or a tuple split along N)
-        rows = x.reshape(-1, self.in_features).contiguous()  # FP8 GEMMs want a row-major activation
-        name = self.choose(rows.shape[0])
-        out = self.backends[name].matmul(rows, self.weights[name], self.fmt, self.scale_mode)
+        """``activation``: applied to x first, inside the quantizer, so that a quantized down projection
+        takes the MLP's hidden state and its activation's output is quantized as it is made."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # FP8 GEMMs want a row-major activation
+        out = self.matmul(rows, self.choose(rows.shape[0]), activation)
         if self.bias is not None:
             out = out + self.bias
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.splits is None else out.split(self.splits, dim=-1)
+
+    def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None) -> torch.Tensor:
+        """rows [M, K] through backend ``name`` -> [M, N], bias not included."""
+        operand = self._quantizer(name, activation)(rows)
+        return self.backends[name].gemm(operand, self.weights[name], self.fmt, rows.dtype)
+
+    @classmethod
+    def with_backend(cls, weight: torch.Tensor, fmt: LinearFormat, name: str, scale_mode: str = "rceil"):
+        """A bias-free linear that always runs backend ``name`` (tests, benchmarks)."""
+        return cls(weight, None, fmt, scale_mode, {name: LINEAR_BACKENDS.get(name, "backend")()}, lambda m: name)
 
     def _apply(self, fn, recurse=True):
         # Prepared weights are plain tensors in dicts (one per backend); move them with the module.

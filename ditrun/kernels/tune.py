@@ -66,7 +66,7 @@ def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple
 def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.device) -> tuple[str, dict[str, str]]:
     """The fastest backend matching the emulation on ``x``, and a note per candidate (ms or why not)."""
     def call(name):
-        return lambda: module.backends[name].matmul(x, module.weights[name], module.fmt, module.scale_mode)
+        return lambda: module.matmul(x, name)
 
     reference = call("emulation")().float() if "emulation" in module.backends else None
     notes, timings = {}, {}

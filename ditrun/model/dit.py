@@ -12,6 +12,7 @@ and ``forward`` takes the same named inputs. Two things differ on purpose:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -256,9 +257,15 @@ class FeedForward(nn.Module):
         proj = nn.Module()
         proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
+        self.activation = functools.partial(mlp_activation, swiglu=self.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](mlp_activation(self.net[0].proj(x), self.swiglu))
+        hidden, down = self.net[0].proj(x), self.net[2]
+        if isinstance(down, nn.Linear):
+            return down(self.activation(hidden))
+        # A quantized down projection takes the hidden state and the activation, so that the
+        # activation's output is quantized as it is computed (one fused pass on GPUs).
+        return down(hidden, activation=self.activation)
 
 
 def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
