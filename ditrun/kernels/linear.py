@@ -22,6 +22,7 @@ Backends, by device:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -147,8 +148,9 @@ class LinearBackend(Protocol):
     def prepare(self, weight: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> dict[str, torch.Tensor]:
         """The weight [N, K] as this backend keeps it (done once, at load)."""
 
-    def quantize(self, x: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> tuple[torch.Tensor, ...]:
-        """x [M, K] -> the GEMM's activation operand (a pure function: it may be compiled with what precedes it)."""
+    @staticmethod
+    def quantize(x: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> tuple[torch.Tensor, ...]:
+        """x [M, K] -> the GEMM's activation operand (pure: compiled with the activation before it, on GPUs)."""
 
     def gemm(self, operand: tuple, weights: dict, fmt: LinearFormat, out_dtype: torch.dtype) -> torch.Tensor:
         """The operand times the prepared weight -> [M, N] in ``out_dtype``, bias not included."""
@@ -165,7 +167,8 @@ class Emulation:
     def prepare(self, weight, fmt, scale_mode):
         return {"weight": fmt.fake_quantize(weight, scale_mode)}
 
-    def quantize(self, x, fmt, scale_mode):
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
         return (fmt.fake_quantize(x, scale_mode),)
 
     def gemm(self, operand, weights, fmt, out_dtype):
@@ -204,7 +207,8 @@ class Fp8Rowwise:
         w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
         return {"w8": w8, "scale": scale}
 
-    def quantize(self, x, fmt, scale_mode):
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
         return quantize_rowwise_fp8(x, fp8_dtype())
 
     def gemm(self, operand, weights, fmt, out_dtype):
@@ -233,7 +237,8 @@ class MxRepackFp8:
         self.inexact_rows["weight"] += int(inexact)
         return {"w8": w8, "scale": scale}
 
-    def quantize(self, x, fmt, scale_mode):
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 
     def gemm(self, operand, weights, fmt, out_dtype):
@@ -259,9 +264,10 @@ class MxScaledMm:
             return None if ok else "needs gfx950 (MI350/MI355X)"
         return None if torch.cuda.get_device_capability(device) >= (10, 0) else "needs Blackwell (sm100) or gfx950"
 
-    def quantize(self, x, fmt, scale_mode):
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
         codes, scales = formats.quantize_mx(x, fmt.element, fmt.block, scale_mode)
-        return codes.view(getattr(torch, self.ELEMENTS[fmt.element])), scales.view(torch.float8_e8m0fnu)
+        return codes.view(getattr(torch, MxScaledMm.ELEMENTS[fmt.element])), scales.view(torch.float8_e8m0fnu)
 
     def prepare(self, weight, fmt, scale_mode):
         codes, scales = self.quantize(weight, fmt, scale_mode)
@@ -290,6 +296,21 @@ def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
 # The module
 
 
+@functools.cache
+def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str,
+                     activation: Optional[Callable]) -> CompiledOnGpu:
+    """The input quantizer of ``backend`` (after ``activation`` when given) as one compiled function.
+
+    One per (backend, format, scale rule, activation), shared by every linear that uses it: torch.compile
+    then compiles it once instead of once per module (and never hits its recompilation limit).
+    """
+    def quantize(x):
+        return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
+
+    quantize.__name__ = f"{backend.name}_{fmt.name}_quantize"
+    return CompiledOnGpu(quantize)
+
+
 class QuantizedLinear(nn.Module):
     """A linear (or several stacked ones) with quantized weights and per-call quantized activations.
 
@@ -307,20 +328,6 @@ class QuantizedLinear(nn.Module):
         self.backends = backends
         self.weights = {name: backend.prepare(weight, fmt, scale_mode) for name, backend in backends.items()}
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._quantizers: dict[tuple, CompiledOnGpu] = {}
-
-    def _quantizer(self, name: str, activation: Optional[Callable]) -> CompiledOnGpu:
-        """Backend ``name``'s input quantizer, after ``activation`` when given, as one compiled function."""
-        key = (name, activation)
-        if key not in self._quantizers:
-            backend, fmt, scale_mode = self.backends[name], self.fmt, self.scale_mode
-
-            def quantize(x):
-                return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
-
-            quantize.__name__ = f"{name}_quantize"
-            self._quantizers[key] = CompiledOnGpu(quantize)
-        return self._quantizers[key]
 
     def forward(self, x: torch.Tensor, activation: Optional[Callable] = None):
         # x: [..., K] -> [..., N] (or a tuple split along N)
@@ -335,7 +342,7 @@ class QuantizedLinear(nn.Module):
 
     def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None) -> torch.Tensor:
         """rows [M, K] through backend ``name`` -> [M, N], bias not included."""
-        operand = self._quantizer(name, activation)(rows)
+        operand = shared_quantizer(type(self.backends[name]), self.fmt, self.scale_mode, activation)(rows)
         return self.backends[name].gemm(operand, self.weights[name], self.fmt, rows.dtype)
 
     @classmethod

@@ -12,7 +12,6 @@ and ``forward`` takes the same named inputs. Two things differ on purpose:
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -257,7 +256,8 @@ class FeedForward(nn.Module):
         proj = nn.Module()
         proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
-        self.activation = functools.partial(mlp_activation, swiglu=self.swiglu)
+        # A module-level function, the same object in every block (quantizers are shared by it).
+        self.activation = swiglu_activation if self.swiglu else gelu_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, down = self.net[0].proj(x), self.net[2]
@@ -268,11 +268,18 @@ class FeedForward(nn.Module):
         return down(hidden, activation=self.activation)
 
 
-def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    if swiglu:
-        a, b = h.chunk(2, dim=-1)
-        return F.silu(a) * b
+def gelu_activation(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
+
+
+def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
+    # h: [..., 2 * hidden] -> [..., hidden]
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def mlp_activation(h: torch.Tensor, swiglu_mlp: bool) -> torch.Tensor:
+    return swiglu_activation(h) if swiglu_mlp else gelu_activation(h)
 
 
 # ---------------------------------------------------------------------------------------------
