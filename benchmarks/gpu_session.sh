@@ -39,11 +39,14 @@ if [[ $what == precision ]]; then
     | tee "$OUT/tests_precision.log" | tail -8
   python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
+  # The dispatch table for the krea mix on the sweep's real shapes (the sweep's runs load it).
+  python3 -m ditrun tune model=flux-dev precision=krea workload.width=1024 workload.height=1024 \
+    workload.text_len=512 precision.tuning_file="$OUT/dispatch.json" 2>&1 | tee "$OUT/tune.log" | tail -25
   # Item 5: SSIM vs the BF16 output and a BF16 rerun, and DiT time per edit, per precision, in one sweep
   # (random weights: numerical drift, not image quality). The first job makes the cached references.
   python3 -m ditrun -m model=flux-dev precision=bf16,fp8,mxfp6,mxfp4,krea workload.width=1024 workload.height=1024 \
     workload.steps=8 workload.limit=3 workload.text_len=512 wandb.mode=disabled progress=false \
-    hydra.sweep.dir=/tmp/precision-sweep 2>&1 | tee "$OUT/precision_sweep.log" | tail -14
+    precision.tuning_file="$OUT/dispatch.json" hydra.sweep.dir=/tmp/precision-sweep 2>&1 | tee "$OUT/precision_sweep.log" | tail -14
   for job in /tmp/precision-sweep/[0-9]*; do cp "$job/summary.json" "$OUT/precision_summary_$(basename "$job").json"; done
 fi
 if [[ $what == multi ]]; then
