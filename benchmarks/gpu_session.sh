@@ -4,8 +4,9 @@
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
 #   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
 #   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
-#   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention
-#                                                            benchmarks, the 1024x1024 flux-dev precision sweep)
+#   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
+#   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
+#                                                            precision sweep; each mode fits one 10-minute command)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -37,8 +38,12 @@ fi
 if [[ $what == precision ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_formats.py 2>&1 \
     | tee "$OUT/tests_precision.log" | tail -8
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_precision_layouts.py 2>&1 \
+    | tee "$OUT/tests_precision_gpu.log" | tail -8
   python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
+fi
+if [[ $what == sweep ]]; then
   # The dispatch table for the krea mix on the sweep's real shapes (the sweep's runs load it).
   python3 -m ditrun tune model=flux-dev precision=krea workload.width=1024 workload.height=1024 \
     workload.text_len=512 precision.tuning_file="$OUT/dispatch.json" 2>&1 | tee "$OUT/tune.log" | tail -25
