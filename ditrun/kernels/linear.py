@@ -330,9 +330,9 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor, activation: Optional[Callable] = None):
-        # x: [..., K] -> [..., N] (or a tuple split along N)
         """``activation``: applied to x first, inside the quantizer, so that a quantized down projection
         takes the MLP's hidden state and its activation's output is quantized as it is made."""
+        # x: [..., K] (K before the activation) -> [..., N] (or a tuple split along N)
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # FP8 GEMMs want a row-major activation
         out = self.matmul(rows, self.choose(rows.shape[0]), activation)
         if self.bias is not None:
