@@ -297,10 +297,11 @@ def test_dispatch_table_round_trip_and_untuned_shapes_say_so_once(tmp_path, caps
 def test_tune_saves_a_choice_per_real_shape_that_later_builds_load(tmp_path, capsys):
     from ditrun.kernels.tune import tune
 
-    cfg = tiny_config("precision=fp8", f"precision.tuning_file={tmp_path / 'dispatch.json'}")
+    cfg = tiny_config("precision=fp8", "model.variant=krea3", f"precision.tuning_file={tmp_path / 'dispatch.json'}")
     tune(cfg)
     assert f"dispatch table: {tmp_path / 'dispatch.json'}" in capsys.readouterr().out
     table = DispatchTable.load(tmp_path / "dispatch.json", CPU)
     fmt = L.LINEAR_FORMATS.get("fp8", "test")
-    assert table.tuned(fmt, 256, 1024) and set(table.entries.values()) == {"emulation"}  # the MLP's up projection
+    assert table.tuned(fmt, 256, 2048) and table.tuned(fmt, 1024, 256)  # the SwiGLU MLP's up and down projections
+    assert set(table.entries.values()) == {"emulation"}
     assert all("|cpu|torch " in key for key in table.entries)

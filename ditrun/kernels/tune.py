@@ -48,13 +48,15 @@ def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple
     """(format, M bucket, K, N) -> (a linear of that shape, the first input it saw) over one ``run_once()``."""
     seen: dict[tuple, tuple[QuantizedLinear, torch.Tensor]] = {}
 
-    def hook(module: QuantizedLinear, args):
-        rows = args[0].reshape(-1, module.in_features)
+    def hook(module: QuantizedLinear, args, kwargs):
+        x, activation = args[0], kwargs.get("activation")  # a down projection gets the pre-activation state
+        rows = (x if activation is None else activation(x)).reshape(-1, module.in_features)
         key = (module.fmt.name, m_bucket(rows.shape[0]), module.in_features, module.out_features)
         if key not in seen:
             seen[key] = (module, rows.detach().clone())
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, QuantizedLinear)]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if isinstance(m, QuantizedLinear)]
     try:
         run_once()
     finally:
