@@ -59,8 +59,7 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
         # One power-of-two scale per head keeps every E4M3 value exact in BF16.
         amax = v.float().abs().amax(dim=(-2, -1), keepdim=True)
         exponent = formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
-        codes = formats.encode(torch.ldexp(v.float(), -exponent), "fp8_e4m3")
-        return torch.ldexp(formats.decode(codes, "fp8_e4m3"), exponent).to(v.dtype)
+        return torch.ldexp(formats.round_to_grid(torch.ldexp(v.float(), -exponent), "fp8_e4m3"), exponent).to(v.dtype)
     # MXFP6 blocks run along each token's channels, so no block mixes tokens (see the module doc).
     return formats.fake_quantize(v, "fp6_e2m3").to(v.dtype)
 
