@@ -17,7 +17,8 @@ Backends, by device:
   such rows are counted (``inexact_rows``) and reported;
 * ``mx_scaled_mm`` — MXFP8/MXFP4 on ``torch._scaled_mm`` with E8M0 block scales, on gfx950
   (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md. MXFP6 has no library
-  GEMM there; a kernel for it plugs in as one more backend.
+  GEMM there; a kernel for it plugs in as one more backend;
+* ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
 """
 
 from __future__ import annotations
@@ -279,11 +280,46 @@ class MxScaledMm:
                                 out_dtype=out_dtype)
 
 
+def _aiter_gemm():
+    """AITER's per-token x per-channel FP8 GEMM (CK), when AITER is installed; None otherwise."""
+    try:
+        import aiter
+    except ImportError:
+        return None
+    return getattr(aiter, "gemm_a8w8_CK", None)
+
+
+class AiterFp8:
+    """FP8 per-token x per-channel through AITER's CK GEMM (ROCm). Unrun: used only where ``ditrun tune``
+    measured it faster than ``fp8_rowwise`` and equal to the emulation (its API differs across versions)."""
+
+    name = "aiter_fp8"
+
+    def unavailable(self, fmt, device):
+        if fmt.name != "fp8":
+            return "runs fp8 only"
+        if not torch.version.hip or device.type != "cuda":
+            return "needs ROCm"
+        return None if _aiter_gemm() is not None else "needs AITER (aiter.gemm_a8w8_CK)"
+
+    def prepare(self, weight, fmt, scale_mode):
+        w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
+        return {"w8": w8, "scale": scale}
+
+    quantize = staticmethod(Fp8Rowwise.quantize)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale = operand
+        gemm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+        return _aiter_gemm()(x8, weights["w8"], x_scale, weights["scale"], None, gemm_dtype).to(out_dtype)
+
+
 LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
-for _backend in (Emulation, Fp8Rowwise, MxRepackFp8, MxScaledMm):
+for _backend in (Emulation, Fp8Rowwise, MxRepackFp8, MxScaledMm, AiterFp8):
     LINEAR_BACKENDS.register(_backend.name, _backend)
-# Order of preference where nothing was tuned: the most specific hardware path first.
-DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "emulation")
+# Order of preference where nothing was tuned: the most specific hardware path first; AITER's API is
+# not pinned, so it comes after torch's own GEMM and runs first only where tuning chose it.
+DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "aiter_fp8", "emulation")
 
 
 def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
