@@ -4,6 +4,9 @@
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
 #   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
 #   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
+#   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
+#   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
+#                                                            precision sweep; each mode fits one 10-minute command)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -34,6 +37,25 @@ if [[ $what == cli || $what == all ]]; then
   python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
     workload.text_len=256 wandb.mode=disabled hydra.run.dir=/tmp/cli-flux-dev 2>&1 | tee "$OUT/cli.log" | tail -12
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
+fi
+if [[ $what == precision ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_formats.py 2>&1 \
+    | tee "$OUT/tests_precision.log" | tail -8
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_precision_layouts.py 2>&1 \
+    | tee "$OUT/tests_precision_gpu.log" | tail -8
+  python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt"
+  python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
+fi
+if [[ $what == sweep ]]; then
+  # The dispatch table for the krea mix on the sweep's real shapes (the sweep's runs load it).
+  python3 -m ditrun tune model=flux-dev precision=krea workload.width=1024 workload.height=1024 \
+    workload.text_len=512 precision.tuning_file="$OUT/dispatch.json" 2>&1 | tee "$OUT/tune.log" | tail -25
+  # Item 5: SSIM vs the BF16 output and a BF16 rerun, and DiT time per edit, per precision, in one sweep
+  # (random weights: numerical drift, not image quality). The first job makes the cached references.
+  python3 -m ditrun -m model=flux-dev precision=bf16,fp8,mxfp6,mxfp4,krea workload.width=1024 workload.height=1024 \
+    workload.steps=8 workload.limit=3 workload.text_len=512 wandb.mode=disabled progress=false \
+    precision.tuning_file="$OUT/dispatch.json" hydra.sweep.dir=/tmp/precision-sweep 2>&1 | tee "$OUT/precision_sweep.log" | tail -14
+  for job in /tmp/precision-sweep/[0-9]*; do cp "$job/summary.json" "$OUT/precision_summary_$(basename "$job").json"; done
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \

@@ -3,7 +3,8 @@
 ``ditrun report PATH`` is dispatched before Hydra sees the arguments: it compares finished runs
 and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
 in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
-``DITRUN_DEBUG=1`` shows the traceback behind it.
+``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
+the config itself and tunes the precision backends (``ditrun/kernels/tune.py``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ def main() -> None:
         from ditrun.metrics.report import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["tune"]:
+        from ditrun.kernels.tune import main as tune_main
+
+        sys.exit(tune_main(sys.argv[2:]))
     _compose_and_run()
     if _gate_failures:
         print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the SSIM gate:", file=sys.stderr)

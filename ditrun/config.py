@@ -59,18 +59,29 @@ class LayoutConfig:
 
 @dataclass
 class PrecisionConfig:
-    """Numeric format per model component."""
+    """Numeric format per model component (docs/PRECISION.md). The allowed names are the registries'
+    (``ditrun.kernels.linear.LINEAR_FORMATS``, ``ditrun.kernels.attention.ATTENTION_KERNELS``)."""
 
     name: str = "bf16"
-    """A label for reports (the file under ``conf/precision/`` that was chosen)."""
+    """The preset chosen (the file under ``conf/precision/``); records name what actually ran."""
     mlp: str = "bf16"
-    """MLP linears: ``bf16``, ``fp8``, ``mxfp8``, ``mxfp6``, ``mxfp4``."""
+    """MLP linears (and the single blocks' fused ``proj_out``): ``bf16`` (not quantized), ``fp8``, ``mxfp8``,
+    ``mxfp6``, ``mxfp6_e3m2``, ``mxfp4``."""
     qkv: str = "bf16"
-    """Q/K/V projections: same choices as ``mlp``."""
+    """Q/K/V (and gate) projections, stacked into one GEMM when quantized: same choices as ``mlp``."""
     out: str = "bf16"
     """Attention output projections: same choices as ``mlp``."""
     attention: str = "bf16"
-    """Attention itself: ``bf16``, ``fp8`` or ``int8qk``."""
+    """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8``, ``int8qk`` (INT8 Q/K, V in the compute
+    dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
+    backend: str = "auto"
+    """``auto`` (the tuned or preferred fast backend where the device has one, else the exact emulation,
+    said once), ``emulation`` (always), ``fast`` (fast backends only: an error before any GPU work if a
+    format has none here)."""
+    scale_mode: str = "rceil"
+    """MX block scales: ``rceil`` (round the needed scale up; NVIDIA, cuDNN, AITER) or ``floor`` (OCP v1.0)."""
+    tuning_file: Optional[str] = None
+    """The dispatch table written by ``ditrun tune``; unset means ``$XDG_CACHE_HOME/ditrun/dispatch.json``."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from skimage import io
 
 from ditrun.metrics.report import main as report_main
 from ditrun.metrics.report import write_report
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import PLAIN, TINY, ditrun, reference_dir
 from test_wandb import run_contents
 
 
@@ -27,7 +27,7 @@ def test_report_compares_the_three_runs_of_a_sweep(tmp_path, tmp_path_factory):
     # One W&B run per job, grouped by the sweep, named apart.
     runs = [run_contents(sweep / str(job))[0] for job in range(3)]
     assert {r.run_group for r in runs} == {f"{tmp_path.name}/sweep"}
-    assert [r.display_name for r in runs] == [f"single-bf16-collective-w1-job{j}" for j in range(3)]
+    assert [r.display_name for r in runs] == [f"single-{PLAIN}-collective-w1-job{j}" for j in range(3)]
 
     (sweep / "report.md").unlink()
     report = ditrun("report", str(sweep), cwd=tmp_path)
@@ -38,13 +38,13 @@ def test_report_compares_the_three_runs_of_a_sweep(tmp_path, tmp_path_factory):
     slowest = medians.index(max(medians))
     for job in range(3):
         row = next(line for line in lines if line.startswith(f"{job}: workload.steps={job + 1}"))
-        assert "single" in row and "bf16" in row and "1.0000" in row and "100.00" in row
+        assert "single" in row and PLAIN in row and "1.0000" in row and "100.00" in row
         assert f"{medians[job]:.4f}" in row and f"{medians[slowest] / medians[job]:.2f}x" in row
         assert ("(baseline)" in row) == (job == slowest)
     assert lines[-1] == f"report: {sweep / 'report.md'}"
 
     markdown = (sweep / "report.md").read_text()
-    assert markdown.count("| single | bf16 | collective | 1 |") == 3
+    assert markdown.count(f"| single | {PLAIN} | collective | 1 |") == 3
     assert "![DiT time per edit](dit_time.png)" in markdown and "![SSIM per precision](ssim.png)" in markdown
     _chart_ok(sweep / "dit_time.png")
     _chart_ok(sweep / "ssim.png")
@@ -69,9 +69,9 @@ def test_speedup_is_against_the_single_process_bf16_run_and_needs_no_wandb(tmp_p
     _fake_run(tmp_path / "c", "cfg_split", "bf16", 8, dit_s=9.0, exposed_s=1.0, ssim=None)
     text, report = write_report(tmp_path, baseline=None)
     rows = {line.split()[0]: line.split() for line in text.splitlines()[1:]}
-    assert rows["a"][5:10] == ["2.0000", "3.00x", "25.0", "0.9700", "97.98"]
+    assert rows["a"][5:11] == ["2.0000", "3.00x", "25.0", "0.9700", "0.9900", "97.98"]
     assert rows["b"][1] == "(baseline)" and rows["b"][6:8] == ["6.0000", "1.00x"]
-    assert rows["c"][5:10] == ["9.0000", "0.67x", "11.1", "-", "-"]
+    assert rows["c"][5:11] == ["9.0000", "0.67x", "11.1", "-", "-", "-"]
     text, _ = write_report(tmp_path, baseline="c")
     assert "c (baseline)" in text
     assert (tmp_path / "dit_time.png").is_file() and (tmp_path / "ssim.png").is_file()

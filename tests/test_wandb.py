@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
-from ditrun_cli import TINY, ditrun, reference_dir, strace_prefix, without_network
+from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
 
 NET_AUDIT = Path(__file__).parent / "netaudit"
 
@@ -75,8 +75,8 @@ def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp
     records = [json.loads(line) for line in (out / "edits.jsonl").read_text().splitlines()]
 
     run, config, history, summary, exit_code = run_contents(out)
-    assert (run.project, run.job_type, run.display_name) == ("ditrun", "single", "single-bf16-collective-w1")
-    assert set(run.tags) == {"precision:bf16", "transport:collective"}
+    assert (run.project, run.job_type, run.display_name) == ("ditrun", "single", f"single-{PLAIN}-collective-w1")
+    assert set(run.tags) == {f"precision:{PLAIN}", "transport:collective"}
     assert config["model"]["preset"] == "tiny" and config["workload"]["steps"] == 2
     assert config["wandb"]["mode"] == "offline" and config["metrics"]["ssim"] is True
 

@@ -10,7 +10,6 @@ import dataclasses
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -27,10 +26,9 @@ from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
-from ditrun.model.dit import FluxDiT
+from ditrun.model.build import (build_model, compute_dtype, device_kind, inexact_repack_rows, model_geometry,
+                                 plan_precision, precision_label, select_placement)
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
-from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
-from ditrun.model.presets import geometry_from_config
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import layout_velocity, prepare_transports
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
@@ -40,33 +38,6 @@ from ditrun.workload import Edit, check_inputs, check_sources, edit_inputs, reso
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-IMPLEMENTED_FORMATS = ("bf16",)
-
-
-@dataclass
-class Placement:
-    """Where this worker runs and in which dtype, with the reason for the dtype."""
-
-    device: torch.device
-    dtype: torch.dtype
-    dtype_note: str
-
-
-def select_placement(device_key: str, dtype_key: str) -> Placement:
-    if device_key not in ("auto", "cuda", "cpu"):
-        raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
-    if device_key == "cuda" and not torch.cuda.is_available():
-        raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
-    use_gpu = rendezvous.uses_gpu(device_key)
-    device = torch.device("cuda", torch.cuda.current_device()) if use_gpu else torch.device("cpu")
-    if dtype_key not in ("auto", *DTYPES):
-        raise UserError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
-    if dtype_key != "auto":
-        return Placement(device, DTYPES[dtype_key], f"{dtype_key} (model.dtype)")
-    if use_gpu:
-        return Placement(device, torch.bfloat16, "bf16")
-    return Placement(device, torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)")
 
 
 def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
@@ -75,12 +46,9 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     ``world`` is the number of ranks that will run (default: ``launcher.world``), so a launcher
     can call this before it spawns anything.
     """
-    for component in ("mlp", "qkv", "out", "attention"):
-        value = getattr(cfg.precision, component)
-        if value not in IMPLEMENTED_FORMATS:
-            raise UserError(
-                f"precision.{component}={value!r} is not available; allowed: {', '.join(IMPLEMENTED_FORMATS)}."
-            )
+    device = device_kind(cfg.device)
+    compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
+    plan_precision(cfg.precision, device)
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
     metrics.check_config(cfg)
@@ -88,21 +56,6 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     geometry = model_geometry(cfg.model)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
-
-
-def build_model(model_cfg, placement: Placement) -> FluxDiT:
-    """Load the weights at ``model.path``, or draw seeded random weights of the preset."""
-    if model_cfg.path:
-        return from_pretrained(model_cfg.path, dtype=placement.dtype, device=placement.device)
-    geometry = geometry_from_config(model_cfg)
-    return random_model(geometry, seed=model_cfg.weights_seed, dtype=placement.dtype, device=placement.device)
-
-
-def model_geometry(model_cfg):
-    """The geometry without building the model (for early checks)."""
-    if model_cfg.path:
-        return checkpoint_geometry(model_cfg.path)
-    return geometry_from_config(model_cfg)
 
 
 def git_revision() -> str:
@@ -138,6 +91,7 @@ class Run:
         check_sources(self.edits)
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
+        self.precision = plan_precision(cfg.precision, self.placement.device)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
         check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
@@ -152,7 +106,9 @@ class Run:
         self.transports = {axis: make_transport(cfg.transport, self.layout.groups[axis], self.exposed,
                                                 self.placement.device, cfg.launcher.collective_timeout_s)
                            for axis in ("sp", "cfg")}
-        self.model = build_model(cfg.model, self.placement)
+        self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0)
+        self.model = self.built.model
+        self.precision_label = precision_label(self.precision, self.placement.dtype_name)
         self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
 
     def _result_settings(self, edit: Edit) -> dict:
@@ -160,8 +116,8 @@ class Run:
         _, described = reference.reference_key(self.cfg, self.geometry, edit, self.placement.dtype,
                                                self.placement.device.type)
         described.pop("format")
-        precision = self.cfg.precision
-        return {**described, "precision": {c: getattr(precision, c) for c in ("mlp", "qkv", "out", "attention")}}
+        # The backend is left out, like the layout: fast kernels match the exact emulation.
+        return {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
 
     def _references(self) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
@@ -175,7 +131,7 @@ class Run:
             rank0 = self.layout.rank == 0
             with Progress(cfg.progress and rank0, len(share), desc="references") as progress:
                 references.make_missing(share, cfg, self.geometry, placement.device,
-                                        lambda d: build_model(cfg.model, dataclasses.replace(placement, dtype=d)),
+                                        lambda d: build_model(cfg.model, dataclasses.replace(placement, dtype=d)).model,
                                         progress, announce=rank0)
         self.layout.barrier()
         return references
@@ -190,7 +146,8 @@ class Run:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
         guidance = cfg.workload.distilled_guidance if self.geometry.guidance_embeds else None
         velocity = layout_velocity(
-            self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype
+            self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype,
+            inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
         prepare_transports(self.layout, self.transports, inputs, self.geometry, placement.dtype)
@@ -229,11 +186,11 @@ class Run:
         quality_fields = {key: measured.pop(key, None) for key in quality.QUALITY_FIELDS}
         return {
             "edit": edit.id, "seed": edit.seed, "width": edit.width, "height": edit.height,
-            "steps": cfg.workload.steps, "layout": plan.name, "precision": cfg.precision.name,
+            "steps": cfg.workload.steps, "layout": plan.name, "precision": self.precision_label,
             "transport": cfg.transport.name, "world": plan.world,
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
             **quality_fields, "image": png, "replica": self.layout.replica, "head_groups": plan.head_groups,
-            "latents": f"{edit.id}.latents.safetensors", **measured,
+            "latents": f"{edit.id}.latents.safetensors", "precision_map": self.precision.formats(), **measured,
             "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 
@@ -250,6 +207,9 @@ class Run:
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
             "device": device_name(self.placement.device),
             "dtype": self.placement.dtype_note,
+            "precision": self.precision_label,
+            "precision_detail": self.built.details,
+            "mx_repack_inexact_rows": inexact_repack_rows(self.model),
             "torch": torch.__version__,
             "git": git_revision(),
         }
@@ -356,8 +316,8 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
 def _print_start(state: Run, out_dir: Path, n_done: int) -> None:
     plan = state.layout.plan
     print(f"ditrun: {len(state.edits)} edits on {device_name(state.placement.device)}, "
-          f"{state.placement.dtype_note}, layout {plan.name} ({plan.replicas} replica(s) x {plan.workers} "
-          f"worker(s)), results in {out_dir}", flush=True)
+          f"{state.placement.dtype_note}, precision {state.precision_label}, layout {plan.name} "
+          f"({plan.replicas} replica(s) x {plan.workers} worker(s)), results in {out_dir}", flush=True)
     if n_done:
         print(f"ditrun: resuming, {n_done} edits already in {results.EDITS_FILE} are skipped", flush=True)
 

@@ -21,11 +21,13 @@ from hydra.experimental.callback import Callback
 from ditrun.metrics.results import EDITS_FILE, SUMMARY_FILE, finished_edits
 from ditrun.errors import UserError
 
+# Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
+UNQUANTIZED = ("bf16", "fp16", "fp32")
 REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
 HEADER = ("run", "layout", "precision", "transport", "world", "DiT s/edit", "speedup", "exposed %", "SSIM",
-          "% of rerun")
+          "rerun SSIM", "% of rerun")
 
 
 @dataclass
@@ -39,8 +41,10 @@ class RunResult:
     overrides: list[str] = field(default_factory=list)
 
     def setting(self, key: str):
-        """``layout`` / ``precision`` / ``transport`` / ``world`` as the run's config had it."""
+        """``layout`` / ``transport`` / ``world`` as the run's config had it; ``precision`` as it ran."""
         config = self.summary.get("config", {})
+        if key == "precision" and "precision" in self.summary:
+            return self.summary["precision"]
         if key == "world":
             return config.get("launcher", {}).get("world")
         return config.get(key, {}).get("name")
@@ -88,7 +92,8 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[
             raise UserError(f"--baseline {baseline!r} names no run; runs: {', '.join(r.label for r in runs)}.")
         return match[0]
     timed = [r for r in runs if r.dit_s]
-    plain = [r for r in timed if (r.setting("layout"), r.setting("precision"), r.setting("world")) == ("single", "bf16", 1)]
+    plain = [r for r in timed if (r.setting("layout"), r.setting("world")) == ("single", 1)
+             and r.setting("precision") in UNQUANTIZED]
     return max(plain or timed, key=lambda r: r.dit_s, default=None)
 
 
@@ -106,7 +111,7 @@ def table_rows(runs: list[RunResult], baseline: Optional[RunResult]) -> list[tup
                      str(r.setting("precision")), str(r.setting("transport")), str(r.setting("world")),
                      _fmt(r.dit_s, ".4f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
                      _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),
-                     _fmt(s.get("ssim_pct_of_rerun_median"), ".2f")))
+                     _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f")))
     return rows
 
 

@@ -52,8 +52,18 @@ def check_config(wandb_cfg) -> None:
         raise UserError(f"wandb.images={wandb_cfg.images} must be 0 or more.")
 
 
+def precision_label(cfg) -> str:
+    """The precision that runs (a CPU run of the bf16 preset computes in fp32: ``fp32``), not the preset's name."""
+    from ditrun.model.build import run_precision_label
+
+    try:
+        return run_precision_label(cfg)
+    except UserError:  # the worker reports the mistake; a name is no place for it
+        return cfg.precision.name
+
+
 def default_name(cfg) -> str:
-    return f"{cfg.layout.name}-{cfg.precision.name}-{cfg.transport.name}-w{cfg.launcher.world}"
+    return f"{cfg.layout.name}-{precision_label(cfg)}-{cfg.transport.name}-w{cfg.launcher.world}"
 
 
 def apply_sweep_defaults(cfg, sweep_dir: str, job_num: int) -> None:
@@ -147,7 +157,7 @@ def start(cfg, out_dir: Path, is_global_rank0: bool = True):
     run = wandb.init(
         mode=cfg.wandb.mode, dir=str(out_dir), project=cfg.wandb.project, entity=cfg.wandb.entity,
         group=cfg.wandb.group, name=cfg.wandb.name or default_name(cfg), job_type=cfg.layout.name,
-        tags=[f"precision:{cfg.precision.name}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
+        tags=[f"precision:{precision_label(cfg)}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
         config=OmegaConf.to_container(cfg, resolve=True), settings=settings, reinit="finish_previous",
     )
     return WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images)

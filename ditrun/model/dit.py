@@ -214,20 +214,36 @@ class Attention(nn.Module):
             self.to_add_out = nn.Linear(dim, dim)
             self.add_gate = nn.Linear(dim, dim) if geo.attention_gate else None
 
+        # Set when the projections are quantized: per stream ("image", "text"), one module computing
+        # Q, K, V (and the gate) in one GEMM from one quantized input (see model/components.py).
+        self.stacked = nn.ModuleDict()
+
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.unflatten(-1, (-1, self.head_dim))  # [B, S, C] -> [B, S, H, D]
 
-    def project(self, x: torch.Tensor, text: bool = False):
-        """Q, K (normalised per head) and V for one stream. x: [B, S, C] -> 3 x [B, S, H, D]."""
+    def linears(self, text: bool) -> list[Optional[nn.Linear]]:
+        """The stream's Q, K, V and gate (or None) linears, in that order."""
         if text:
-            q, k, v = self.add_q_proj(x), self.add_k_proj(x), self.add_v_proj(x)
-            return self.norm_added_q(self._heads(q)), self.norm_added_k(self._heads(k)), self._heads(v)
-        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
-        return self.norm_q(self._heads(q)), self.norm_k(self._heads(k)), self._heads(v)
+            return [self.add_q_proj, self.add_k_proj, self.add_v_proj, self.add_gate]
+        return [self.to_q, self.to_k, self.to_v, self.to_gate]
+
+    def project(self, x: torch.Tensor, text: bool = False):
+        """Q, K (normalised per head), V and the sigmoid gate (None without one) for one stream.
+
+        x: [B, S, C] -> 3 x [B, S, H, D] and [B, S, C] or None.
+        """
+        stream = "text" if text else "image"
+        if stream in self.stacked:
+            q, k, v, *gate = self.stacked[stream](x)
+        else:
+            q, k, v, *gate = (linear(x) for linear in self.linears(text) if linear is not None)
+        gate = torch.sigmoid(gate[0]) if gate else None
+        norm_q, norm_k = (self.norm_added_q, self.norm_added_k) if text else (self.norm_q, self.norm_k)
+        return norm_q(self._heads(q)), norm_k(self._heads(k)), self._heads(v), gate
 
     @staticmethod
-    def gated(out: torch.Tensor, x: torch.Tensor, gate: Optional[nn.Linear]) -> torch.Tensor:
-        return out if gate is None else out * torch.sigmoid(gate(x))
+    def gated(out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        return out if gate is None else out * gate
 
 
 class FeedForward(nn.Module):
@@ -240,16 +256,30 @@ class FeedForward(nn.Module):
         proj = nn.Module()
         proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
+        # A module-level function, the same object in every block (quantizers are shared by it).
+        self.activation = swiglu_activation if self.swiglu else gelu_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net[2](mlp_activation(self.net[0].proj(x), self.swiglu))
+        hidden, down = self.net[0].proj(x), self.net[2]
+        if isinstance(down, nn.Linear):
+            return down(self.activation(hidden))
+        # A quantized down projection takes the hidden state and the activation, so that the
+        # activation's output is quantized as it is computed (one fused pass on GPUs).
+        return down(hidden, activation=self.activation)
 
 
-def mlp_activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
-    if swiglu:
-        a, b = h.chunk(2, dim=-1)
-        return F.silu(a) * b
+def gelu_activation(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
+
+
+def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
+    # h: [..., 2 * hidden] -> [..., hidden]
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+def mlp_activation(h: torch.Tensor, swiglu_mlp: bool) -> torch.Tensor:
+    return swiglu_activation(h) if swiglu_mlp else gelu_activation(h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,15 +303,15 @@ class DoubleStreamBlock(nn.Module):
         # img: [B, S_img, C], txt: [B, S_txt, C]; the joint sequence is [txt, img]
         img_mod, (img_gate, img_shift2, img_scale2, img_gate2) = self.norm1(img, temb)
         txt_mod, (txt_gate, txt_shift2, txt_scale2, txt_gate2) = self.norm1_context(txt, temb)
-        qi, ki, vi = self.attn.project(img_mod)
-        qt, kt, vt = self.attn.project(txt_mod, text=True)
+        qi, ki, vi, img_gate_attn = self.attn.project(img_mod)
+        qt, kt, vt, txt_gate_attn = self.attn.project(txt_mod, text=True)
         q, k, v = (torch.cat(pair, dim=1) for pair in ((qt, qi), (kt, ki), (vt, vi)))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = attention(q, k, v).flatten(2).to(q.dtype)
         txt_attn, img_attn = out.split([txt.shape[1], img.shape[1]], dim=1)
 
-        img_attn = self.attn.to_out[0](self.attn.gated(img_attn, img_mod, self.attn.to_gate))
-        txt_attn = self.attn.to_add_out(self.attn.gated(txt_attn, txt_mod, self.attn.add_gate))
+        img_attn = self.attn.to_out[0](self.attn.gated(img_attn, img_gate_attn))
+        txt_attn = self.attn.to_add_out(self.attn.gated(txt_attn, txt_gate_attn))
         img = self._mlp_residual(img, img_attn, img_gate, img_shift2, img_scale2, img_gate2, self.norm2, self.ff)
         txt = self._mlp_residual(
             txt, txt_attn, txt_gate, txt_shift2, txt_scale2, txt_gate2, self.norm2_context, self.ff_context
@@ -311,9 +341,9 @@ class SingleStreamBlock(nn.Module):
     def forward(self, x, temb, rope, attention: AttentionFn):
         # x: [B, S_txt + S_img, C]
         h, (gate,) = self.norm(x, temb)
-        q, k, v = self.attn.project(h)
+        q, k, v, attn_gate = self.attn.project(h)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        attn_out = self.attn.gated(attention(q, k, v).flatten(2).to(q.dtype), h, self.attn.to_gate)
+        attn_out = self.attn.gated(attention(q, k, v).flatten(2).to(q.dtype), attn_gate)
         mlp_out = mlp_activation(self.proj_mlp(h), self.swiglu)
         x = x + gate[:, None] * self.proj_out(torch.cat([attn_out, mlp_out], dim=2))
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x

@@ -143,33 +143,42 @@ def _read_tensors(files: dict[str, Path], device: torch.device, dtype: torch.dty
     return state
 
 
+def load_pretrained_weights(model: FluxDiT, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a ``meta`` model from a diffusers-format folder, each tensor read straight onto ``device`` in ``dtype``."""
+    files = _weight_files(Path(path))
+    _check_names_and_shapes(model, files)
+    model.load_state_dict(_read_tensors(files, torch.device(device), dtype), strict=True, assign=True)
+
+
 def from_pretrained(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> FluxDiT:
     """Load a diffusers-format transformer folder (``FluxTransformer2DModel.save_pretrained``)."""
-    folder = Path(path)
-    geometry = checkpoint_geometry(folder)
     with torch.device("meta"):
-        model = FluxDiT(geometry)
-    files = _weight_files(folder)
-    _check_names_and_shapes(model, files)
-    model.load_state_dict(_read_tensors(files, torch.device(device), dtype), strict=True, assign=True)
+        model = FluxDiT(checkpoint_geometry(path))
+    load_pretrained_weights(model, path, dtype, torch.device(device))
     return model.eval().requires_grad_(False)
 
 
 def random_model(
     geometry: DiTGeometry, seed: int = 0, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> FluxDiT:
-    """A model with seeded random weights: the same seed gives the same weights on every rank.
+    """A model with seeded random weights: the same seed gives the same weights on every rank."""
+    with torch.device("meta"):
+        model = FluxDiT(geometry)
+    draw_random_weights(model, seed, dtype, torch.device(device))
+    return model.eval().requires_grad_(False)
+
+
+def draw_random_weights(model: FluxDiT, seed: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a ``meta`` model with seeded random weights on ``device`` in ``dtype``.
 
     Weights are drawn in fp32 on the target device, tensor by tensor in name order, then cast.
     Linear weights are uniform in +-1/sqrt(fan_in) (PyTorch's default scale); biases and norm
     weights are drawn around their neutral values so that no code path is trivially zero.
     """
-    with torch.device("meta"):
-        model = FluxDiT(geometry)
     # Cast while still on meta (free), so the device only ever holds the target dtype.
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model.to(dtype=dtype).to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -180,7 +189,6 @@ def random_model(
                 bound = 1.0 / (param.shape[-1] ** 0.5) if param.ndim == 2 else 0.02
                 data.uniform_(-bound, bound, generator=gen)
             param.copy_(data)
-    return model.eval().requires_grad_(False)
 
 
 def save_pretrained(model: FluxDiT, path: str | Path, max_shard_bytes: Optional[int] = None) -> None:

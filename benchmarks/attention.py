@@ -1,0 +1,81 @@
+"""INT8-QK attention (Triton) against PyTorch SDPA in BF16 on one GPU, with the output error.
+
+    python benchmarks/attention.py              # S = 20992 and 4608, 24 heads of 128, batch 1
+    python benchmarks/attention.py --s 20992 --repeats 10
+
+Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
+``int8qk kernel`` (the Triton kernel on operands quantized beforehand) and ``int8qk`` end to
+end for each V format (operand quantization, torch.compile'd, + kernel), as the model calls it.
+Error: max |out - SDPA in fp32| / max |SDPA in fp32| over the first 2048 queries (fp32 SDPA is
+the exact reference; BF16 SDPA's own error is printed beside it for scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ditrun.kernels.attention import ATTENTION_KERNELS, int8qk_attention_op, quantize_operands  # noqa: E402
+from gemm import CUDA, print_table, relative_error  # noqa: E402
+from ditrun.kernels.tune import time_ms  # noqa: E402
+
+ERROR_QUERIES = 2048
+
+
+def sdpa(q, k, v):
+    # [B, S, H, D] in and out, as the model's attention functions
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def fp32_reference(q, k, v):
+    """Exact attention of the first ERROR_QUERIES queries, in fp32."""
+    return sdpa(q[:, :ERROR_QUERIES].float(), k.float(), v.float())
+
+
+def bench(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+               for _ in range(3))
+    k = k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)  # a key bias
+    exact = fp32_reference(q, k, v)
+    flops = 4 * s * s * heads * head_dim
+    base = time_ms(lambda: sdpa(q, k, v), CUDA, repeats)
+    rows = [{"S": str(s), "kernel": "sdpa bf16", "ms": f"{base:.3f}", "TF/s": f"{flops / base / 1e9:.0f}",
+             "vs sdpa": "1.00x", "error": f"{relative_error(sdpa(q, k, v)[:, :ERROR_QUERIES], exact):.1e}"}]
+    ops = quantize_operands(q, k, v, "bf16")
+    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim))
+    kernel = time_ms(lambda: int8qk_attention_op(*args), CUDA, repeats)
+    rows.append({"S": str(s), "kernel": "int8qk kernel only", "ms": f"{kernel:.3f}",
+                 "TF/s": f"{flops / kernel / 1e9:.0f}", "vs sdpa": f"{base / kernel:.2f}x", "error": "-"})
+    for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v"):
+        attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
+        ms = time_ms(lambda: attention(q, k, v), CUDA, repeats)
+        error = relative_error(attention(q, k, v)[:, :ERROR_QUERIES], exact)
+        rows.append({"S": str(s), "kernel": name, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
+                     "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--s", type=int, nargs="*", default=[20992, 4608])
+    parser.add_argument("--heads", type=int, default=24)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")
+    rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats)]
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Attention kernels, by name: PyTorch SDPA, FP8 Q/K/V, and INT8-QK attention with V in BF16/FP8/MXFP6.
+
+INT8-QK attention (after SageAttention's recipe): K is smoothed by subtracting its mean over the
+tokens (softmax(q.k_j - q.m) = softmax(q.k_j): a constant per query row cancels), then Q and K are
+quantized to INT8 with one scale per token and head (scale = amax / 127 over the head's channels);
+the scores are the INT8 dot products (exact in int32) times the outer product of the scales, the
+softmax runs in fp32, and P @ V in the compute dtype with V optionally quantized (FP8 E4M3 with
+one power-of-two scale per head, or MXFP6 E2M3 in blocks of 32 channels of a token, both exactly
+representable in BF16).
+
+Scales are per token rather than per block of tokens on purpose: a parallel layout gathers the
+sequence in another order (``parallel/ulysses.py``), and a scale shared by a block of tokens
+would then change with the layout; per token, every layout gives the single process's result.
+The kernel's cost is the same (a vector of scales per tile instead of a scalar).
+
+``int8qk_reference`` is the torch reference (runs anywhere, in query chunks so that memory
+stays O(S * chunk)); on a GPU with Triton the same quantized operands go to a flash-attention
+kernel (``ditrun::int8qk_attention``, a ``torch.library.custom_op`` with a fake implementation,
+so ``torch.compile`` traces through it). The op runs the reference math on other devices.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ditrun.kernels import formats
+from ditrun.kernels.linear import CompiledOnGpu
+from ditrun.model.dit import AttentionFn, sdpa_attention
+from ditrun.registry import Registry
+
+BLOCK_Q = 128
+"""Queries per Triton program."""
+BLOCK_K = 64
+"""Keys per inner Triton tile."""
+V_FORMATS = ("bf16", "fp8", "mxfp6")
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing the operands (shared by the reference and the kernel)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]) with x ~ int8 * scale, per token."""
+    amax = x.float().abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
+    """V [B, H, S, D] fake-quantized in its own dtype (every value exact in BF16)."""
+    if v_format == "bf16":
+        return v
+    if v_format == "fp8":
+        # One power-of-two scale per head keeps every E4M3 value exact in BF16.
+        amax = v.float().abs().amax(dim=(-2, -1), keepdim=True)
+        exponent = formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
+        return torch.ldexp(formats.round_to_grid(torch.ldexp(v.float(), -exponent), "fp8_e4m3"), exponent).to(v.dtype)
+    # MXFP6 blocks run along each token's channels, so no block mixes tokens (see the module doc).
+    return formats.fake_quantize(v, "fp6_e2m3").to(v.dtype)
+
+
+def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
+    """K minus its mean over the tokens (``dim``): the scores of a query row move by one constant,
+    which softmax ignores, and what is left to quantize is the part that differs between keys."""
+    return k - k.float().mean(dim=dim, keepdim=True).to(k.dtype)
+
+
+@dataclass
+class Int8QK:
+    """The quantized operands of one attention call, in [B, H, S, D] layout."""
+
+    q: torch.Tensor
+    q_scale: torch.Tensor
+    k: torch.Tensor
+    k_scale: torch.Tensor
+    v: torch.Tensor
+
+
+def operand_tensors(q, k, v, v_format: str) -> tuple[torch.Tensor, ...]:
+    """The fields of ``Int8QK``, as a tuple (what torch.compile returns best)."""
+    # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    q8, q_scale = quantize_int8_rows(q)
+    k8, k_scale = quantize_int8_rows(smooth_k(k, dim=2))
+    return q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous()
+
+
+def quantize_operands(q, k, v, v_format: str) -> Int8QK:
+    return Int8QK(*operand_tensors(q, k, v, v_format))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference
+
+
+def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
+    """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype."""
+    q_scale, k_scale, k = ops.q_scale, ops.k_scale, ops.k.float()  # scales: [B, H, S]
+    out = torch.empty_like(ops.v)
+    for start in range(0, ops.q.shape[2], chunk):
+        rows = slice(start, start + chunk)
+        # int8 x int8 sums over D <= 256 stay below 2^24: exact in fp32
+        scores = ops.q[:, :, rows].float() @ k.transpose(-1, -2)  # [B, H, c, S]
+        scores = scores * (q_scale[:, :, rows, None] * k_scale[:, :, None, :] * sm_scale)
+        p = torch.softmax(scores, dim=-1)
+        out[:, :, rows] = (p @ ops.v.float()).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton kernel (GPU) behind a custom op
+
+
+def _triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
+def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
+                        v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype."""
+    ops = Int8QK(q, q_scale, k, k_scale, v)
+    if _triton_available(q.device):
+        from ditrun.kernels.attention_triton import int8qk_flash
+
+        return int8qk_flash(ops, sm_scale, BLOCK_Q, BLOCK_K)
+    return int8qk_reference(ops, sm_scale)
+
+
+@int8qk_attention_op.register_fake
+def _(q, q_scale, k, k_scale, v, sm_scale):
+    return torch.empty_like(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """One ``precision.attention`` choice: how to make the ``attention(q, k, v)`` function."""
+
+    name: str
+    doc: str
+    make: Callable[[bool], AttentionFn]
+    """fast -> the function (fast: the custom op / fused kernel; else the torch reference)."""
+    quantized: bool = True
+
+
+def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
+    quantize = CompiledOnGpu(operand_tensors) if fast else operand_tensors
+
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [B, S, H, D] -> [B, S, H, D]
+        ops = Int8QK(*quantize(q, k, v, v_format))
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+        if fast:
+            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
+        else:
+            out = int8qk_reference(ops, sm_scale)
+        return out.transpose(1, 2)
+
+    return attention
+
+
+def fp8_attention(fast: bool) -> AttentionFn:
+    """Q, smoothed K and V fake-quantized to FP8 E4M3 (one power-of-two scale per head), then SDPA."""
+
+    def attention(q, k, v):
+        # q, k, v: [B, S, H, D] -> [B, S, H, D]
+        k = smooth_k(k, dim=1)
+        q, k, v = (quantize_v(t.transpose(1, 2), "fp8").transpose(1, 2) for t in (q, k, v))
+        return sdpa_attention(q, k, v)
+
+    return attention
+
+
+ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel")
+ATTENTION_KERNELS.register("bf16", AttentionKernel(
+    "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda fast: sdpa_attention, quantized=False))
+ATTENTION_KERNELS.register("fp8", AttentionKernel(
+    "fp8", "Q, K, V in FP8 E4M3 (power-of-two scale per head), SDPA on the dequantized values (emulated)",
+    fp8_attention))
+for _v in V_FORMATS:
+    _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
+    ATTENTION_KERNELS.register(_name, AttentionKernel(
+        _name, f"INT8 Q and K (smoothed K, a scale per token), fp32 softmax, V in {_v.upper()}",
+        lambda fast, _v=_v: int8qk_attention(_v, fast)))
+
+
+def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> Optional[str]:
+    """None when ``kernel`` has a fast implementation on ``device``, else why not."""
+    if not kernel.quantized:
+        return None
+    if kernel.name.startswith("int8qk"):
+        return None if _triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
+    return "has no fast kernel yet (emulated on every device)"

@@ -1,0 +1,396 @@
+"""Quantized linears: the formats a linear can run in, the backends that run them, and the module.
+
+Weights are converted once, when the model is built (``QuantizedLinear.__init__``); activations
+are quantized on every call. Which backend runs a call is the dispatch table's choice
+(``kernels/tuning.py``); every backend computes the same quantized product as ``emulation``
+(the reference: dequantize, then an ordinary matmul in the compute dtype), up to the GEMM's
+accumulation order, and is tested against it.
+
+Backends, by device:
+
+* ``emulation`` — everywhere (CPU included); exact quantization, the matmul in the compute dtype;
+* ``fp8_rowwise`` — FP8 E4M3 with one fp32 scale per token and per output channel on
+  ``torch._scaled_mm`` (Hopper sm90+/Ada sm89; MI300+ on ROCm);
+* ``mx_repack_fp8`` — MX formats on Hopper, which has no MX hardware: each row's blocks are
+  re-expressed exactly as FP8 E4M3 values under one power-of-two scale per row, then the FP8
+  GEMM runs. It is exact unless a row's block exponents spread further than E4M3's range allows;
+  such rows are counted (``inexact_rows``) and reported;
+* ``mx_scaled_mm`` — MXFP8/MXFP4 on ``torch._scaled_mm`` with E8M0 block scales, on gfx950
+  (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md. MXFP6 has no library
+  GEMM there; a kernel for it plugs in as one more backend;
+* ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ditrun.kernels import formats
+from ditrun.registry import Registry
+
+
+@dataclass(frozen=True)
+class LinearFormat:
+    """How a linear's weights and input activations are quantized."""
+
+    name: str
+    element: Optional[str]
+    """Element format (``kernels/formats.py``); None: not quantized (the compute dtype)."""
+    block: Optional[int]
+    """MX block size along K (one E8M0 scale per block); None: one fp32 scale per row (FP8)."""
+    doc: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.element is not None
+
+    def fake_quantize(self, x: torch.Tensor, scale_mode: str) -> torch.Tensor:
+        """The exact reference: x quantized along its last dim and dequantized, in x's dtype."""
+        if not self.quantized:
+            return x
+        if self.block is None:
+            return formats.fake_quantize_fp8(x, self.element, rowwise=True)
+        return formats.fake_quantize(x, self.element, self.block, scale_mode)
+
+
+LINEAR_FORMATS: Registry[LinearFormat] = Registry("linear format")
+for _format in (
+    LinearFormat("bf16", None, None, "not quantized: the model's compute dtype (bf16 on GPUs, fp32 on CPUs)"),
+    LinearFormat("fp8", "fp8_e4m3", None, "FP8 E4M3, one fp32 scale per output channel and per token"),
+    LinearFormat("mxfp8", "fp8_e4m3", 32, "MXFP8: E4M3 elements, one E8M0 scale per 32 along K"),
+    LinearFormat("mxfp6", "fp6_e2m3", 32, "MXFP6: E2M3 elements, one E8M0 scale per 32 along K"),
+    LinearFormat("mxfp6_e3m2", "fp6_e3m2", 32, "MXFP6 with E3M2 elements (more range, less precision)"),
+    LinearFormat("mxfp4", "fp4_e2m1", 32, "MXFP4: E2M1 elements, one E8M0 scale per 32 along K"),
+):
+    LINEAR_FORMATS.register(_format.name, _format)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast quantizers (plain tensor arithmetic: fused by torch.compile, no table lookups)
+
+
+def fp8_dtype() -> torch.dtype:
+    """The E4M3 type of this GPU: MI300 (gfx942) has the FNUZ variant (max 240); everything else OCP "fn"."""
+    if torch.version.hip and torch.cuda.is_available() and "gfx94" in torch.cuda.get_device_properties(0).gcnArchName:
+        return torch.float8_e4m3fnuz
+    return torch.float8_e4m3fn
+
+
+def quantize_rowwise_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]) with x ~ fp8 * scale."""
+    top = torch.finfo(dtype).max
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+
+
+class CompiledOnGpu:
+    """``fn`` through ``torch.compile`` on GPU tensors (one fused kernel instead of several passes over
+    the activation), eager on the CPU; where compiling fails it says why once and stays eager."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled = fn, None
+
+    def __call__(self, *args):
+        if not args[0].is_cuda or self.compiled is self.fn:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True)
+        try:
+            return self.compiled(*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
+            print(f"ditrun: torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); running eager.",
+                  flush=True)
+            self.compiled = self.fn
+            return self.fn(*args)
+
+
+def repack_headroom(element: formats.ElementFormat) -> int:
+    """Binades by which a block's largest element can grow and still fit FP8 E4M3 (max 448)."""
+    return int(math.floor(math.log2(448.0 / element.max_value)))
+
+
+def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str):
+    """MX-quantize x [R, K] and re-express each row as E4M3 values under one power-of-two scale.
+
+    Returns (fp8 [R, K], fp32 row scale [R, 1], inexact rows: a 0-dim int64 tensor). A block b of
+    a row with top block exponent e_max holds q * 2^e_b = (q * 2^(e_b - e_row)) * 2^e_row, with
+    e_row = e_max - headroom; the E4M3 value is exact unless it falls below E4M3's subnormals.
+    """
+    element = formats.element_format(element_name)
+    blocks = x.float().unflatten(-1, (-1, block))  # [R, K/block, block]
+    amax = blocks.abs().amax(dim=-1)
+    exponent = formats.shared_exponents(amax, element, scale_mode)  # [R, K/block]
+    grid = formats.round_to_grid(torch.ldexp(blocks, -exponent[..., None].float()), element)
+    row_exponent = exponent.amax(dim=-1, keepdim=True) - repack_headroom(element)  # [R, 1]
+    shifted = torch.ldexp(grid, (exponent - row_exponent)[..., None].float()).flatten(-2)
+    fp8 = shifted.to(torch.float8_e4m3fn)
+    inexact = (fp8.float() != shifted).any(dim=-1).sum()
+    return fp8, torch.ldexp(torch.ones_like(row_exponent, dtype=torch.float32), row_exponent.float()), inexact
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends
+
+
+class LinearBackend(Protocol):
+    name: str
+
+    def unavailable(self, fmt: LinearFormat, device: torch.device) -> Optional[str]:
+        """None when this backend runs ``fmt`` on ``device``, else why not (one phrase)."""
+
+    def prepare(self, weight: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> dict[str, torch.Tensor]:
+        """The weight [N, K] as this backend keeps it (done once, at load)."""
+
+    @staticmethod
+    def quantize(x: torch.Tensor, fmt: LinearFormat, scale_mode: str) -> tuple[torch.Tensor, ...]:
+        """x [M, K] -> the GEMM's activation operand (pure: compiled with the activation before it, on GPUs)."""
+
+    def gemm(self, operand: tuple, weights: dict, fmt: LinearFormat, out_dtype: torch.dtype) -> torch.Tensor:
+        """The operand times the prepared weight -> [M, N] in ``out_dtype``, bias not included."""
+
+
+class Emulation:
+    """Dequantized weights, exactly fake-quantized activations, an ordinary matmul: the reference."""
+
+    name = "emulation"
+
+    def unavailable(self, fmt, device):
+        return None
+
+    def prepare(self, weight, fmt, scale_mode):
+        return {"weight": fmt.fake_quantize(weight, scale_mode)}
+
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
+        return (fmt.fake_quantize(x, scale_mode),)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        return F.linear(operand[0], weights["weight"]).to(out_dtype)
+
+
+def _has_rowwise_fp8(device: torch.device) -> bool:
+    if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
+        return False
+    if torch.version.hip:
+        arch = torch.cuda.get_device_properties(device).gcnArchName
+        return "gfx94" in arch or "gfx95" in arch
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
+    # a8: [M, K] row-major, b8: [N, K] row-major (so b8.t() is the column-major [K, N] it wants);
+    # scale_a: [M, 1], scale_b: [N, 1] -> [1, N]. K and N must be multiples of 16.
+    # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast.
+    gemm_dtype = torch.bfloat16 if a8.is_cuda and out_dtype == torch.float32 else out_dtype
+    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype)
+    return out.to(out_dtype)
+
+
+class Fp8Rowwise:
+    """FP8 E4M3 with per-token and per-channel fp32 scales on ``torch._scaled_mm``."""
+
+    name = "fp8_rowwise"
+
+    def unavailable(self, fmt, device):
+        if fmt.name != "fp8":
+            return "runs fp8 only"
+        return None if _has_rowwise_fp8(device) else "needs torch._scaled_mm rowwise FP8 (sm89+, MI300+)"
+
+    def prepare(self, weight, fmt, scale_mode):
+        w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
+        return {"w8": w8, "scale": scale}
+
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
+        return quantize_rowwise_fp8(x, fp8_dtype())
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale = operand
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
+
+
+class MxRepackFp8:
+    """MX formats as an exact repack to FP8 with one power-of-two scale per row (Hopper)."""
+
+    name = "mx_repack_fp8"
+
+    def __init__(self):
+        self.inexact_rows = {"weight": 0, "activation": None}
+        """Rows whose repack was inexact: weights counted at load; activations summed on the device."""
+
+    def unavailable(self, fmt, device):
+        if fmt.block is None or fmt.element == "fp8_e5m2":
+            return "runs MX formats with E4M3/FP6/FP4 elements only"
+        if torch.version.hip:
+            return "is for GPUs without MX hardware on CUDA (use mx_scaled_mm on gfx950)"
+        return None if _has_rowwise_fp8(device) else "needs torch._scaled_mm rowwise FP8 (sm89+)"
+
+    def prepare(self, weight, fmt, scale_mode):
+        w8, scale, inexact = mx_repack_fp8(weight, fmt.element, fmt.block, scale_mode)
+        self.inexact_rows["weight"] += int(inexact)
+        return {"w8": w8, "scale": scale}
+
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
+        return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale, inexact = operand
+        seen = self.inexact_rows["activation"]
+        self.inexact_rows["activation"] = inexact if seen is None else seen + inexact  # no host sync
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
+
+
+class MxScaledMm:
+    """MXFP8 / MXFP4 on ``torch._scaled_mm`` with E8M0 block scales (gfx950, Blackwell). Unrun: guarded."""
+
+    name = "mx_scaled_mm"
+    ELEMENTS = {"fp8_e4m3": "float8_e4m3fn", "fp4_e2m1": "float4_e2m1fn_x2"}
+
+    def unavailable(self, fmt, device):
+        if fmt.block != 32 or fmt.element not in self.ELEMENTS:
+            return "runs MXFP8 and MXFP4 only (no library MXFP6 GEMM)"
+        if device.type != "cuda" or not hasattr(torch, "float8_e8m0fnu"):
+            return "needs a GPU and torch.float8_e8m0fnu"
+        if torch.version.hip:
+            ok = "gfx950" in torch.cuda.get_device_properties(device).gcnArchName
+            return None if ok else "needs gfx950 (MI350/MI355X)"
+        return None if torch.cuda.get_device_capability(device) >= (10, 0) else "needs Blackwell (sm100) or gfx950"
+
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
+        codes, scales = formats.quantize_mx(x, fmt.element, fmt.block, scale_mode)
+        return codes.view(getattr(torch, MxScaledMm.ELEMENTS[fmt.element])), scales.view(torch.float8_e8m0fnu)
+
+    def prepare(self, weight, fmt, scale_mode):
+        codes, scales = self.quantize(weight, fmt, scale_mode)
+        return {"codes": codes, "scales": scales}
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        codes, scales = operand
+        return torch._scaled_mm(codes, weights["codes"].t(), scale_a=scales, scale_b=weights["scales"],
+                                out_dtype=out_dtype)
+
+
+def _aiter_gemm():
+    """AITER's per-token x per-channel FP8 GEMM (CK), when AITER is installed; None otherwise."""
+    try:
+        import aiter
+    except ImportError:
+        return None
+    return getattr(aiter, "gemm_a8w8_CK", None)
+
+
+class AiterFp8:
+    """FP8 per-token x per-channel through AITER's CK GEMM (ROCm). Unrun: used only where ``ditrun tune``
+    measured it faster than ``fp8_rowwise`` and equal to the emulation (its API differs across versions)."""
+
+    name = "aiter_fp8"
+
+    def unavailable(self, fmt, device):
+        if fmt.name != "fp8":
+            return "runs fp8 only"
+        if not torch.version.hip or device.type != "cuda":
+            return "needs ROCm"
+        return None if _aiter_gemm() is not None else "needs AITER (aiter.gemm_a8w8_CK)"
+
+    def prepare(self, weight, fmt, scale_mode):
+        w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
+        return {"w8": w8, "scale": scale}
+
+    quantize = staticmethod(Fp8Rowwise.quantize)
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale = operand
+        gemm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+        return _aiter_gemm()(x8, weights["w8"], x_scale, weights["scale"], None, gemm_dtype).to(out_dtype)
+
+
+LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
+for _backend in (Emulation, Fp8Rowwise, MxRepackFp8, MxScaledMm, AiterFp8):
+    LINEAR_BACKENDS.register(_backend.name, _backend)
+# Order of preference where nothing was tuned: the most specific hardware path first; AITER's API is
+# not pinned, so it comes after torch's own GEMM and runs first only where tuning chose it.
+DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "aiter_fp8", "emulation")
+
+
+def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
+    """Backends other than emulation that run ``fmt`` on ``device``, most preferred first."""
+    return [name for name in DEFAULT_PREFERENCE
+            if name != "emulation" and LINEAR_BACKENDS.get(name, "backend")().unavailable(fmt, device) is None]
+
+
+# ---------------------------------------------------------------------------------------------
+# The module
+
+
+@functools.cache
+def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str,
+                     activation: Optional[Callable]) -> CompiledOnGpu:
+    """The input quantizer of ``backend`` (after ``activation`` when given) as one compiled function.
+
+    One per (backend, format, scale rule, activation), shared by every linear that uses it: torch.compile
+    then compiles it once instead of once per module (and never hits its recompilation limit).
+    """
+    def quantize(x):
+        return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
+
+    quantize.__name__ = f"{backend.name}_{fmt.name}_quantize"
+    return CompiledOnGpu(quantize)
+
+
+class QuantizedLinear(nn.Module):
+    """A linear (or several stacked ones) with quantized weights and per-call quantized activations.
+
+    ``splits`` is set for stacked projections (Q, K, V and the gate read the same input): the
+    input is quantized once and the output is returned split, one tensor per original linear.
+    ``choose(M)`` names the backend for a call with M rows (the dispatch table's answer).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: LinearFormat, scale_mode: str,
+                 backends: dict[str, LinearBackend], choose: Callable[[int], str],
+                 splits: Optional[list[int]] = None):
+        super().__init__()
+        self.fmt, self.scale_mode, self.splits, self.choose = fmt, scale_mode, splits, choose
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.backends = backends
+        self.weights = {name: backend.prepare(weight, fmt, scale_mode) for name, backend in backends.items()}
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, activation: Optional[Callable] = None):
+        """``activation``: applied to x first, inside the quantizer, so that a quantized down projection
+        takes the MLP's hidden state and its activation's output is quantized as it is made."""
+        # x: [..., K] (K before the activation) -> [..., N] (or a tuple split along N)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # FP8 GEMMs want a row-major activation
+        out = self.matmul(rows, self.choose(rows.shape[0]), activation)
+        if self.bias is not None:
+            out = out + self.bias
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.splits is None else out.split(self.splits, dim=-1)
+
+    def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None) -> torch.Tensor:
+        """rows [M, K] through backend ``name`` -> [M, N], bias not included."""
+        operand = shared_quantizer(type(self.backends[name]), self.fmt, self.scale_mode, activation)(rows)
+        return self.backends[name].gemm(operand, self.weights[name], self.fmt, rows.dtype)
+
+    @classmethod
+    def with_backend(cls, weight: torch.Tensor, fmt: LinearFormat, name: str, scale_mode: str = "rceil"):
+        """A bias-free linear that always runs backend ``name`` (tests, benchmarks)."""
+        return cls(weight, None, fmt, scale_mode, {name: LINEAR_BACKENDS.get(name, "backend")()}, lambda m: name)
+
+    def _apply(self, fn, recurse=True):
+        # Prepared weights are plain tensors in dicts (one per backend); move them with the module.
+        self.weights = {b: {k: fn(v) for k, v in w.items()} for b, w in self.weights.items()}
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}, "
+                f"backends={list(self.backends)}" + (f", splits={self.splits}" if self.splits else ""))

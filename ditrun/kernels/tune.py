@@ -1,0 +1,132 @@
+"""``ditrun tune key=value ...``: time every linear backend on the run's real shapes and data, save the choice.
+
+The model is built as the run would build it (same config), with weights prepared for every
+candidate backend; one denoising step of the first edit (both CFG branches) records the first
+input each quantized linear sees per (format, M bucket, K, N). Each candidate then runs that
+input; the fastest one whose output matches the emulation reference (relative error at most
+``TOLERANCE``) is written to the dispatch table (``precision.tuning_file``), which every later
+run on this device and torch version loads.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+
+from ditrun.errors import UserError
+from ditrun.kernels.linear import QuantizedLinear
+from ditrun.kernels.tuning import DispatchTable, device_key, entry_key, m_bucket
+
+TOLERANCE = 2e-2
+"""Largest |fast - emulation| / max |emulation| a backend may have on a tuning input."""
+REPEATS = 20
+
+
+def time_ms(fn, device: torch.device, repeats: int = REPEATS) -> float:
+    """Median milliseconds per call after one warm-up call (CUDA events on GPUs)."""
+    fn()  # warm-up: compilation, allocator, library heuristics
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple[QuantizedLinear, torch.Tensor]]:
+    """(format, M bucket, K, N) -> (a linear of that shape, the first input it saw) over one ``run_once()``."""
+    seen: dict[tuple, tuple[QuantizedLinear, torch.Tensor]] = {}
+
+    def hook(module: QuantizedLinear, args, kwargs):
+        x, activation = args[0], kwargs.get("activation")  # a down projection gets the pre-activation state
+        rows = (x if activation is None else activation(x)).reshape(-1, module.in_features)
+        key = (module.fmt.name, m_bucket(rows.shape[0]), module.in_features, module.out_features)
+        if key not in seen:
+            seen[key] = (module, rows.detach().clone())
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
+               if isinstance(m, QuantizedLinear)]
+    try:
+        run_once()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.device) -> tuple[str, dict[str, str]]:
+    """The fastest backend matching the emulation on ``x``, and a note per candidate (ms or why not)."""
+    def call(name):
+        return lambda: module.matmul(x, name)
+
+    reference = call("emulation")().float() if "emulation" in module.backends else None
+    notes, timings = {}, {}
+    for name in module.backends:
+        out = call(name)().float()
+        if reference is not None:
+            error = ((out - reference).abs().max() / reference.abs().max().clamp(min=1e-30)).item()
+            if not error <= TOLERANCE:
+                notes[name] = f"rejected (error {error:.1e})"
+                continue
+        timings[name] = time_ms(call(name), device)
+        notes[name] = f"{timings[name]:.3f} ms"
+    return min(timings, key=timings.get), notes
+
+
+def tune(cfg) -> DispatchTable:
+    """Tune the linears of ``cfg``'s model and precision on this device; returns the saved table."""
+    from ditrun.model.build import build_model, model_geometry, plan_precision, select_placement
+    from ditrun.model.latents import make_latent_codec
+    from ditrun.model.sampler import sequential_cfg_velocity
+    from ditrun.workload import edit_inputs, resolve_edits
+
+    placement = select_placement(cfg.device, cfg.model.dtype)
+    plan = plan_precision(cfg.precision, placement.device)
+    table = DispatchTable.load(plan.tuning_file, placement.device, plan.backend, announce=False)
+    candidates = DispatchTable(placement.device, plan.backend, announce=False, prepare_all=True)
+    built = build_model(cfg.model, placement, plan, announce=False, table=candidates)
+    geometry = model_geometry(cfg.model)
+    edit = resolve_edits(cfg.workload)[0]
+    codec = make_latent_codec(cfg.workload.vae_path, placement.device, placement.dtype)
+    inputs = edit_inputs(edit, codec, geometry, cfg.workload.text_len, placement.device)
+    guidance = cfg.workload.distilled_guidance if geometry.guidance_embeds else None
+    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype,
+                                       attention=built.attention)
+    with torch.inference_mode():
+        captured = capture_linear_inputs(built.model, lambda: velocity(inputs.noise, 1.0))
+        for (fmt, bucket, k, n), (module, x) in sorted(captured.items()):
+            chosen, notes = choose_backend(module, x, placement.device)
+            table.entries[entry_key(fmt, bucket, k, n, device_key(placement.device))] = chosen
+            print(f"{fmt:<10} M~{bucket:<6} K={k:<6} N={n:<6} -> {chosen:<14} "
+                  + "  ".join(f"{name}: {note}" for name, note in notes.items()), flush=True)
+    table.save(plan.tuning_file)
+    print(f"dispatch table: {plan.tuning_file} ({len(captured)} shapes tuned)", flush=True)
+    return table
+
+
+def main(argv: list[str]) -> int:
+    """``ditrun tune`` with Hydra overrides, e.g. ``ditrun tune model=flux-dev precision=krea``."""
+    from hydra import compose, initialize_config_module
+
+    from ditrun.config import register_configs
+
+    register_configs()
+    try:
+        with initialize_config_module("ditrun.conf", version_base="1.3"):
+            cfg = compose("config", overrides=argv)
+        tune(cfg)
+    except UserError as err:
+        print(f"ditrun: error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,240 @@
+"""Building the model a run measures, in one path that reads top to bottom:
+
+geometry -> module on ``meta`` (no memory) -> weights (read or drawn straight onto the device in
+the compute dtype) -> quantized per the precision map (weights converted once) -> placed (eval,
+no grad). Weights go to the device before quantizing because quantizing a 12B model is a GPU
+job; quantizing only shrinks what is already there, so nothing is held twice at full size.
+
+Every precision check a config can fail runs in ``plan_precision``, before any weight is read,
+from the registries of linear formats and attention kernels (``kernels/linear.py``,
+``kernels/attention.py``): their names are the allowed values, here and in the docs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import yaml
+
+from ditrun.errors import UserError
+from ditrun.kernels.attention import ATTENTION_KERNELS, AttentionKernel, fast_attention_available
+from ditrun.kernels.formats import SCALE_MODES
+from ditrun.kernels.linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
+from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
+from ditrun.model.components import LINEAR_COMPONENTS
+from ditrun.model.dit import AttentionFn, DiTGeometry, FluxDiT
+from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
+from ditrun.model.presets import geometry_from_config
+from ditrun.model.quantize import quantize_model
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "precision"
+
+
+@dataclass
+class Placement:
+    """Where this worker runs and in which dtype, with the reason for the dtype."""
+
+    device: torch.device
+    dtype: torch.dtype
+    dtype_note: str
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def device_kind(device_key: str) -> torch.device:
+    """``cuda`` or ``cpu`` as ``device=`` decides, without initialising CUDA (launchers check configs
+    before they spawn ranks, and a CUDA context there would hold GPU memory for the whole run)."""
+    if device_key not in ("auto", "cuda", "cpu"):
+        raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
+    if device_key == "cuda" and not torch.cuda.is_available():
+        raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
+    from ditrun.launch import rendezvous  # here: ditrun.launch imports the worker, which imports this module
+
+    return torch.device("cuda" if rendezvous.uses_gpu(device_key) else "cpu")
+
+
+def compute_dtype(device: torch.device, dtype_key: str) -> tuple[torch.dtype, str]:
+    """The compute dtype and the note that says why."""
+    if dtype_key not in ("auto", *DTYPES):
+        raise UserError(f"model.dtype={dtype_key!r} is unknown; allowed: auto, {', '.join(DTYPES)}.")
+    if dtype_key != "auto":
+        return DTYPES[dtype_key], f"{dtype_key} (model.dtype)"
+    if device.type == "cuda":
+        return torch.bfloat16, "bf16"
+    return torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in DTYPES.items() if d == dtype)
+
+
+def select_placement(device_key: str, dtype_key: str) -> Placement:
+    device = device_kind(device_key)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return Placement(device, *compute_dtype(device, dtype_key))
+
+
+def model_geometry(model_cfg) -> DiTGeometry:
+    """The geometry without building the model (for early checks)."""
+    if model_cfg.path:
+        return checkpoint_geometry(model_cfg.path)
+    return geometry_from_config(model_cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision: the checked plan, and what it is called in records
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """The checked ``precision.*`` config: a format per linear component and an attention kernel."""
+
+    name: str
+    linear: dict[str, LinearFormat]
+    attention: AttentionKernel
+    backend: str
+    scale_mode: str
+    tuning_file: Optional[Path] = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.attention.quantized or any(f.quantized for f in self.linear.values())
+
+    def formats(self) -> dict[str, str]:
+        """Component -> format name, the attention included."""
+        return {**{c: f.name for c, f in self.linear.items()}, "attention": self.attention.name}
+
+
+def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
+    """Check ``precision.*`` against the registries (and, for ``backend=fast``, against the device)."""
+    linear = {c: LINEAR_FORMATS.get(getattr(precision_cfg, c), f"precision.{c}") for c in LINEAR_COMPONENTS}
+    attention = ATTENTION_KERNELS.get(precision_cfg.attention, "precision.attention")
+    if precision_cfg.backend not in BACKEND_MODES:
+        raise UserError(f"precision.backend={precision_cfg.backend!r} is unknown; allowed: {', '.join(BACKEND_MODES)}.")
+    if precision_cfg.scale_mode not in SCALE_MODES:
+        raise UserError(f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; "
+                        f"allowed: {', '.join(SCALE_MODES)}.")
+    tuning = Path(precision_cfg.tuning_file) if precision_cfg.tuning_file else default_table_path()
+    plan = PrecisionPlan(precision_cfg.name, linear, attention, precision_cfg.backend, precision_cfg.scale_mode, tuning)
+    if plan.backend == "fast":
+        _check_fast(plan, device)
+    return plan
+
+
+def _check_fast(plan: PrecisionPlan, device: torch.device) -> None:
+    table = DispatchTable(device, "fast", announce=False)
+    for component, fmt in plan.linear.items():
+        if fmt.quantized and not table.candidates(fmt):
+            raise UserError(f"precision.backend=fast but precision.{component}={fmt.name} has no fast backend on "
+                            f"{device.type}; use precision.backend=auto (exact emulation) or another format.")
+    why = fast_attention_available(plan.attention, device)
+    if why is not None:
+        raise UserError(f"precision.backend=fast but precision.attention={plan.attention.name} {why}; "
+                        "use precision.backend=auto or another kernel.")
+
+
+def _preset_formats(name: str) -> Optional[dict]:
+    file = PRESET_DIR / f"{name}.yaml"
+    if not file.is_file():
+        return None
+    preset = yaml.safe_load(file.read_text())
+    return {k: preset.get(k, "bf16") for k in (*LINEAR_COMPONENTS, "attention")}
+
+
+def precision_label(plan: PrecisionPlan, dtype_name: str) -> str:
+    """What ran, in one word: the compute dtype when nothing is quantized (a CPU "bf16" run is
+    ``fp32``); else the preset's name (or ``component=format`` pairs when the map is not a preset's),
+    with ``+<dtype>`` when the unquantized parts did not run in bf16."""
+    if not plan.quantized:
+        return dtype_name
+    formats = plan.formats()
+    if _preset_formats(plan.name) == formats:
+        label = plan.name
+    else:
+        label = ",".join(f"{c}={f}" for c, f in formats.items() if f != "bf16")
+    return label if dtype_name == "bf16" else f"{label}+{dtype_name}"
+
+
+def run_precision_label(cfg) -> str:
+    """``precision_label`` of a whole run config (for names chosen before any worker starts)."""
+    device = device_kind(cfg.device)
+    return precision_label(plan_precision(cfg.precision, device), dtype_name(compute_dtype(device, cfg.model.dtype)[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# The build path
+
+
+@dataclass
+class BuiltModel:
+    """The model and what was decided while building it, for records and reports."""
+
+    model: FluxDiT
+    attention: AttentionFn
+    precision: Optional[PrecisionPlan] = None
+    details: dict = field(default_factory=dict)
+    """Per component: the format and the backends its weights were prepared for; the attention kernel."""
+
+
+def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
+                announce: bool = True, table: Optional[DispatchTable] = None) -> BuiltModel:
+    """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
+
+    ``table`` picks the linear backends; unset loads ``precision.tuning_file``.
+    """
+    geometry = model_geometry(model_cfg)
+    with torch.device("meta"):
+        model = FluxDiT(geometry)
+    if model_cfg.path:
+        load_pretrained_weights(model, model_cfg.path, placement.dtype, placement.device)
+    else:
+        draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
+    built = BuiltModel(model, ATTENTION_KERNELS.get("bf16", "precision.attention").make(False))
+    if precision is not None and precision.quantized:
+        table = table or DispatchTable.load(precision.tuning_file, placement.device, precision.backend, announce)
+        built = _quantize(model, precision, table, placement.device, announce)
+    built.model.eval().requires_grad_(False)
+    return built
+
+
+def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device,
+              announce: bool) -> BuiltModel:
+    quantize_model(model, plan.linear, plan.scale_mode, table.choose)
+    fast_attention = plan.backend != "emulation" and fast_attention_available(plan.attention, device) is None
+    if announce and plan.attention.quantized and not fast_attention and device.type == "cuda":
+        print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference on this device.",
+              flush=True)
+    details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
+    details["attention"] = {"format": plan.attention.name,
+                            "backends": ["triton" if fast_attention else "reference"] if plan.attention.quantized
+                            else ["sdpa"]}
+    return BuiltModel(model, plan.attention.make(fast_attention), plan, details)
+
+
+def _backends_of(model: FluxDiT, fmt: str) -> list[str]:
+    return sorted({name for m in model.modules() if isinstance(m, QuantizedLinear) and m.fmt.name == fmt
+                   for name in m.backends})
+
+
+def inexact_repack_rows(model: FluxDiT) -> dict[str, int]:
+    """Rows of the MX -> FP8 repack that were not exact: weights (at load) and activations (so far)."""
+    total = {"weight": 0, "activation": 0}
+    for module in model.modules():
+        for backend in getattr(module, "backends", {}).values():
+            counts = getattr(backend, "inexact_rows", None)
+            if counts is not None:
+                total["weight"] += counts["weight"]
+                total["activation"] += int(counts["activation"] or 0)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# What decides a run's results (for resume fingerprints)

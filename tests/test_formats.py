@@ -1,0 +1,172 @@
+"""The reference codecs, code by code: values, rounding ties, saturation, subnormals, zero blocks, NaN."""
+
+import math
+
+import pytest
+import torch
+
+from ditrun.kernels import formats as F
+
+# The OCP MX v1.0 spec's value sets (non-negative, code order).
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+E2M3 = [m / 8 for m in range(8)] + [(1 + m / 8) * 2.0**e for e in range(0, 3) for m in range(8)]
+E3M2 = [m / 16 for m in range(4)] + [(1 + m / 4) * 2.0**e for e in range(-2, 5) for m in range(4)]
+SPEC_VALUES = {"fp4_e2m1": E2M1, "fp6_e2m3": E2M3, "fp6_e3m2": E3M2}
+TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0, "fp6_e2m3": 7.5, "fp6_e3m2": 28.0, "fp4_e2m1": 6.0}
+ALL = list(F.FORMATS)
+
+
+def all_codes(fmt: str) -> torch.Tensor:
+    return torch.arange(2 ** F.FORMATS[fmt].bits, dtype=torch.uint8)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN, and zeros with the same sign."""
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
+        torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0)) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.parametrize("fmt", SPEC_VALUES)
+def test_every_code_of_the_mx_element_formats_has_the_spec_value(fmt):
+    values = F.decode(all_codes(fmt), fmt)
+    half = len(values) // 2
+    assert values[:half].tolist() == SPEC_VALUES[fmt]
+    assert same(values[half:], -torch.tensor(SPEC_VALUES[fmt]))
+    assert F.FORMATS[fmt].max_value == MAX[fmt]
+
+
+@pytest.mark.parametrize("fmt", TORCH_FP8)
+def test_every_fp8_code_decodes_as_torch_float8(fmt):
+    codes = all_codes(fmt)
+    assert same(F.decode(codes, fmt), codes.view(TORCH_FP8[fmt]).float())
+    assert F.FORMATS[fmt].max_value == MAX[fmt]
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_every_code_round_trips(fmt):
+    codes = all_codes(fmt)
+    values = F.decode(codes, fmt)
+    finite = torch.isfinite(values)
+    assert torch.equal(F.encode(values[finite], fmt), codes[finite])
+    if fmt == "fp8_e4m3":
+        assert torch.isnan(values).sum() == 2  # only S.1111.111
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_ties_round_to_the_even_code_and_other_points_to_the_nearest(fmt):
+    values = F.finite_values(F.FORMATS[fmt]).double()
+    lo, hi = values[:-1], values[1:]
+    mid = ((lo + hi) / 2).float()
+    codes = F.encode(torch.cat([mid, -mid]), fmt).long()
+    n = len(mid)
+    expected = torch.arange(n) + (torch.arange(n) % 2)  # the even of (i, i+1)
+    sign = 1 << (F.FORMATS[fmt].bits - 1)
+    assert torch.equal(codes[:n], expected) and torch.equal(codes[n:], expected | sign)
+    # Just below / above a midpoint goes down / up.
+    below = torch.nextafter(mid, torch.zeros_like(mid))
+    above = torch.nextafter(mid, torch.full_like(mid, math.inf))
+    assert torch.equal(F.encode(below, fmt).long(), torch.arange(n))
+    assert torch.equal(F.encode(above, fmt).long(), torch.arange(n) + 1)
+
+
+@pytest.mark.parametrize("fmt", TORCH_FP8)
+def test_fp8_encoding_equals_torch_casts_on_random_values(fmt):
+    x = torch.randn(50000, generator=torch.Generator().manual_seed(0)) * 2.0 ** torch.randint(-20, 12, (50000,))
+    x = x.clamp(-MAX[fmt], MAX[fmt])
+    assert torch.equal(F.encode(x, fmt), x.to(TORCH_FP8[fmt]).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_saturation_subnormals_zero_and_nan(fmt):
+    element = F.FORMATS[fmt]
+    big = torch.tensor([MAX[fmt] * 1.5, math.inf, -math.inf, -1e30])
+    assert F.decode(F.encode(big, fmt), fmt).tolist() == [MAX[fmt], MAX[fmt], -MAX[fmt], -MAX[fmt]]
+    smallest = F.finite_values(element)[1].item()
+    assert smallest == 2.0 ** (1 - element.bias - element.mantissa_bits)  # a subnormal, kept
+    tiny = torch.tensor([smallest, smallest * 0.5, smallest * 0.51, -0.0])
+    assert same(F.decode(F.encode(tiny, fmt), fmt), torch.tensor([smallest, 0.0, smallest, -0.0]))
+    nan = F.decode(F.encode(torch.tensor([math.nan]), fmt), fmt)
+    assert torch.isnan(nan).all() if element.nan_codes else nan.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_packing_layout_and_round_trip(fmt):
+    bits = F.FORMATS[fmt].bits
+    codes = torch.randint(0, 2**bits, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    packed = F.pack(codes, fmt)
+    assert packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(F.unpack(packed, fmt), codes)
+    first = codes[0, :4].tolist()
+    if bits == 4:
+        assert packed[0, 0].item() == first[0] | (first[1] << 4)
+    if bits == 6:
+        word = first[0] | first[1] << 6 | first[2] << 12 | first[3] << 18
+        assert packed[0, :3].tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16]
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("scale_mode", F.SCALE_MODES)
+def test_mx_scales_follow_the_rule_exactly(fmt, scale_mode):
+    element = F.FORMATS[fmt]
+    # One block per amax: powers of two, the element max times powers of two, and just above them.
+    base = torch.tensor([1.0, MAX[fmt], 3.0, 1e-3, 5e4])
+    amax = torch.cat([base, torch.nextafter(base, torch.full_like(base, math.inf))])
+    x = torch.zeros(len(amax), 32)
+    x[:, 5] = -amax
+    _, scales = F.quantize_mx(x, fmt, scale_mode=scale_mode)
+    exponent = scales[:, 0].long() - 127
+    for a, e in zip(amax.double().tolist(), exponent.tolist()):
+        floor_rule = math.floor(math.log2(a)) - element.emax
+        if scale_mode == "floor":
+            assert e == floor_rule
+        else:
+            assert a <= MAX[fmt] * 2.0**e and (a > MAX[fmt] * 2.0 ** (e - 1))  # the smallest scale that fits
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_mx_round_trip_zero_blocks_and_nan_blocks(fmt):
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 96, generator=gen) * 2.0 ** torch.randint(-8, 8, (4, 3, 1), generator=gen).repeat_interleave(
+        32, 1).flatten(1)
+    x[1, :32] = 0.0
+    x[2, 40] = math.nan
+    codes, scales = F.quantize_mx(x, fmt)
+    assert scales.shape == (4, 3) and scales.dtype == torch.uint8
+    assert scales[1, 0] == 0 and scales[2, 1] == F.E8M0_NAN
+    y = F.dequantize_mx(codes, scales, fmt)
+    assert y.shape == x.shape and y.dtype == torch.float32
+    assert torch.equal(y[1, :32], torch.zeros(32)) and torch.isnan(y[2, 32:64]).all()
+    # Every other element is the nearest value of its block's grid: error at most half a step of the top binade.
+    ok = ~torch.isnan(y)
+    scale = F.decode_e8m0(scales).repeat_interleave(32, dim=1)
+    step = scale * 2.0 ** (F.FORMATS[fmt].emax - F.FORMATS[fmt].mantissa_bits)
+    assert ((y - x).abs() <= step / 2)[ok].all()
+    # Quantizing a dequantized tensor again changes nothing (rceil scales are stable).
+    again = F.quantize_mx(torch.nan_to_num(y), fmt)
+    assert torch.equal(F.dequantize_mx(*again, fmt), torch.nan_to_num(y))
+
+
+def test_fake_quantize_keeps_dtype_and_fp8_rowwise():
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    assert F.fake_quantize(x, "fp6_e2m3").dtype == torch.bfloat16
+    codes, scale = F.quantize_fp8(x.float())
+    assert scale.shape == (8, 1)
+    assert torch.equal(codes, (x.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+    err = (F.fake_quantize_fp8(x.float()) - x.float()).abs().max() / x.float().abs().max()
+    assert err < 2**-4
+    assert F.quantize_fp8(x, rowwise=False)[1].shape == ()
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("scale_mode", F.SCALE_MODES)
+def test_fake_quantize_equals_quantize_then_dequantize(fmt, scale_mode):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 128, generator=gen) * 2.0 ** torch.randint(-30, 30, (6, 128), generator=gen)
+    x[0, :32] = 0.0
+    x[1, 3], x[2, 70], x[3, 100] = math.nan, math.inf, -math.inf
+    assert same(F.fake_quantize(x, fmt, scale_mode=scale_mode),
+                F.dequantize_mx(*F.quantize_mx(x, fmt, scale_mode=scale_mode), fmt))
+    if fmt.startswith("fp8"):  # per-row FP8 of finite rows (an infinite row has no meaningful fp32 scale)
+        finite = x[[0, 4, 5]]
+        assert same(F.fake_quantize_fp8(finite, fmt), F.dequantize_fp8(*F.quantize_fp8(finite, fmt), fmt))

@@ -1,0 +1,299 @@
+"""The precision seam: registries and config checks, the component map, quantized linears
+(emulation, and every fast backend against it), INT8-QK attention, labels and the dispatch table."""
+
+import functools
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ditrun import config
+from ditrun.errors import UserError
+from ditrun.kernels import formats
+from ditrun.kernels import linear as L
+from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands)
+from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
+from ditrun.model.build import build_model, plan_precision, precision_label, select_placement
+from ditrun.model.components import COMPONENT_LINEARS, component_linears
+from ditrun.model.dit import FluxDiT, sdpa_attention
+from ditrun.model.presets import geometry_from_config
+from launching import relative_error, tiny_config
+
+MX = ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"]
+QUANTIZED = ["fp8", *MX]
+CPU = torch.device("cpu")
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registries and config
+
+
+def test_config_docstrings_name_every_registered_choice():
+    source = inspect.getsource(config.PrecisionConfig)
+    for name in [*L.LINEAR_FORMATS, *ATTENTION_KERNELS]:
+        assert f"``{name}``" in source, name
+
+
+@pytest.mark.parametrize("override, message", [
+    ("precision.mlp=fp7", "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, "
+                          "mxfp6_e3m2, mxfp4."),
+    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, fp8, "
+                                 "int8qk, int8qk_fp8v, int8qk_mxfp6v."),
+    ("precision.backend=cuda", "precision.backend='cuda' is unknown; allowed: auto, emulation, fast."),
+    ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
+    ("precision.backend=fast", "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
+                               "use precision.backend=auto (exact emulation) or another format."),
+])
+def test_precision_mistakes_are_one_sentence(override, message):
+    cfg = tiny_config("precision=fp8", override)
+    with pytest.raises(UserError) as err:
+        plan_precision(cfg.precision, CPU)
+    assert str(err.value) == message
+
+
+def test_labels_name_what_ran():
+    cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32",
+             ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32", ("fp8", "precision.attention=int8qk"):
+             "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32"}
+    for overrides, label in cases.items():
+        cfg = tiny_config(f"precision={overrides[0]}", *overrides[1:])
+        assert precision_label(plan_precision(cfg.precision, CPU), "fp32") == label
+    assert precision_label(plan_precision(tiny_config("precision=krea").precision, CPU), "bf16") == "krea"
+
+
+# ---------------------------------------------------------------------------------------------
+# The component map and the quantized model
+
+
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_every_block_linear_but_the_modulation_has_one_component(variant):
+    with torch.device("meta"):
+        model = FluxDiT(geometry_from_config(tiny_config(f"model.variant={variant}").model))
+    found = component_linears(model)
+    covered = {n for names in found.values() for n in names}
+    blocks = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n
+              and ".norm" not in n}
+    assert covered == blocks
+    per_double = {"qkv": 8 if variant == "krea3" else 6, "out": 2, "mlp": 4}
+    per_single = {"qkv": 4 if variant == "krea3" else 3, "out": 0, "mlp": 2}
+    for component in COMPONENT_LINEARS:
+        assert len(found[component]) == 2 * per_double[component] + 2 * per_single[component]
+
+
+@functools.cache  # built once per session: the tests only read the models
+def _quantized_model(precision, variant="flux"):
+    cfg = tiny_config(f"precision={precision}", f"model.variant={variant}")
+    placement = select_placement("cpu", "fp32")
+    return build_model(cfg.model, placement, plan_precision(cfg.precision, CPU), announce=False), cfg, placement
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_emulated_linear_is_the_product_of_the_quantized_operands(fmt):
+    w, x, b = torch.randn(48, 64, generator=gen(1)), torch.randn(5, 3, 64, generator=gen(2)), torch.randn(48)
+    fmt_ = L.LINEAR_FORMATS.get(fmt, "test")
+    table = DispatchTable(CPU, "auto", announce=False)
+    layer = L.QuantizedLinear(w, b, fmt_, "rceil", *table.choose(fmt_, 64, 48))
+    expected = F.linear(fmt_.fake_quantize(x, "rceil"), fmt_.fake_quantize(w, "rceil"), b)
+    assert torch.equal(layer(x), expected)
+    assert relative_error(layer(x), F.linear(x, w, b)) < {"fp8": 0.05, "mxfp4": 0.4}.get(fmt, 0.15)
+
+
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_the_down_projection_quantizes_the_activation_output_it_is_given(variant):
+    built, _, _ = _quantized_model("mxfp6", variant)
+    ff = built.model.transformer_blocks[0].ff
+    x = torch.randn(2, 5, 256, generator=gen(14))
+    hidden = ff.net[0].proj(x)
+    assert torch.equal(ff(x), ff.net[2](ff.activation(hidden)))  # the fused call computes the same product
+    assert isinstance(ff.net[2], L.QuantizedLinear)
+
+
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_stacked_projections_equal_separate_quantized_ones(variant):
+    built, cfg, placement = _quantized_model("fp8", variant)
+    attn = built.model.transformer_blocks[0].attn
+    assert set(attn.stacked) == {"image", "text"} and attn.to_q is None
+    plain = build_model(cfg.model, placement).model.transformer_blocks[0].attn
+    x = torch.randn(2, 5, 256, generator=gen(3))
+    fmt = L.LINEAR_FORMATS.get("fp8", "test")
+    stacked = attn.project(x)
+    for got, linear in zip(stacked, [plain.to_q, plain.to_k, plain.to_v]):
+        want = F.linear(fmt.fake_quantize(x, "rceil"), fmt.fake_quantize(linear.weight, "rceil"), linear.bias)
+        assert relative_error(got.flatten(2) if got.ndim == 4 else got, want) < 1e-6 or got.ndim == 4
+    # Q and K are normalised per head after projection; V is not: compare V exactly.
+    want_v = F.linear(fmt.fake_quantize(x, "rceil"), fmt.fake_quantize(plain.to_v.weight, "rceil"), plain.to_v.bias)
+    assert torch.allclose(stacked[2].flatten(2), want_v, rtol=1e-6, atol=1e-6)
+    assert (stacked[3] is None) == (variant == "flux")
+
+
+def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close():
+    built, cfg, placement = _quantized_model("bf16")
+    assert not any(isinstance(m, L.QuantizedLinear) for m in built.model.modules())
+    assert built.attention is sdpa_attention
+    for precision in ["fp8", "krea"]:
+        quantized, _, _ = _quantized_model(precision)
+        assert quantized.details["mlp"]["backends"] == ["emulation"]
+        hidden = torch.randn(1, 6, 64, generator=gen(4))
+        inputs = dict(hidden_states=hidden, encoder_hidden_states=torch.randn(1, 3, 64, generator=gen(5)),
+                      pooled_projections=torch.randn(1, 32, generator=gen(6)), timestep=torch.tensor([0.5]),
+                      img_ids=torch.zeros(6, 3), txt_ids=torch.zeros(3, 3), guidance=torch.tensor([3.5]))
+        want = built.model(**inputs)
+        got = quantized.model(**inputs, attention=quantized.attention)
+        assert 0 < relative_error(got, want) < 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast quantizers (plain arithmetic) against the exact codecs; they run on the CPU too
+
+
+@pytest.mark.parametrize("element", [e for e in formats.FORMATS])
+def test_arithmetic_rounding_equals_the_codec_on_every_midpoint(element):
+    fmt = formats.FORMATS[element]
+    values = formats.finite_values(fmt)
+    mids = (values[:-1] + values[1:]) / 2
+    x = torch.cat([values, mids, -mids, torch.nextafter(mids, torch.zeros_like(mids)), values * 1.7, values * 9])
+    x = torch.cat([x, torch.randn(4000, generator=gen(7)) * fmt.max_value / 3])
+    expected = formats.decode(formats.encode(x, fmt), fmt)
+    assert torch.equal(formats.round_to_grid(x, fmt), expected)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"])
+def test_mx_repack_to_fp8_is_exact_unless_counted(fmt):
+    f = L.LINEAR_FORMATS.get(fmt, "test")
+    x = torch.randn(64, 128, generator=gen(8))
+    x[:8, :32] *= 2.0**24  # a block 24 binades above the others: their small values fall below E4M3's range
+    fp8, scale, inexact = L.mx_repack_fp8(x, f.element, 32, "rceil")
+    assert scale.shape == (64, 1) and torch.equal(scale, torch.exp2(torch.log2(scale).round()))  # powers of two
+    got = fp8.float() * scale
+    want = f.fake_quantize(x, "rceil")
+    exact_rows = (got == want).all(dim=1)
+    assert int(inexact) == int((~exact_rows).sum())
+    assert exact_rows[8:].all()  # ordinary rows (one binade of spread) repack exactly
+    if fmt != "mxfp8":
+        assert int(inexact) > 0
+
+
+def test_rowwise_fp8_quantizer_matches_the_codec():
+    x = torch.randn(32, 64, generator=gen(9)) * 5
+    fp8, scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)
+    codes, ref_scale = formats.quantize_fp8(x)
+    assert torch.equal(scale, ref_scale) and torch.equal(fp8.view(torch.uint8), codes)
+
+
+# ---------------------------------------------------------------------------------------------
+# INT8-QK attention
+
+
+def _qkv(b=1, s=300, h=2, d=64, seed=10):
+    g = gen(seed)
+    return [torch.randn(b, s, h, d, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8"])
+def test_quantized_attention_is_close_to_sdpa(name):
+    q, k, v = _qkv()
+    k = k + 3.0  # a large mean over tokens: smoothing removes it before quantizing
+    got = ATTENTION_KERNELS.get(name, "test").make(False)(q, k, v)
+    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8": 0.1}.get(name, 0.05)
+
+
+def test_int8qk_is_independent_of_the_order_of_tokens():
+    """Per-token scales: a layout that gathers the sequence in another order gets the same rows."""
+    q, k, v = _qkv(s=70)
+    perm = torch.randperm(70, generator=gen(11))
+    attention = ATTENTION_KERNELS.get("int8qk_mxfp6v", "test").make(False)
+    out = attention(q, k, v)
+    out_perm = attention(q[:, perm], k[:, perm], v[:, perm])
+    assert torch.allclose(out_perm, out[:, perm], rtol=1e-5, atol=1e-6)
+
+
+def test_the_custom_op_equals_the_reference_and_compiles():
+    q, k, v = _qkv(s=40)
+    ops = quantize_operands(q, k, v, "bf16")
+    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125)
+    assert torch.equal(int8qk_attention_op(*args), int8qk_reference(ops, 0.125))
+    torch.library.opcheck(int8qk_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.gpu
+def test_triton_int8qk_equals_the_reference():
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(b=2, s=1000, h=4, d=128))
+    ops = quantize_operands(q, k, v, "bf16")
+    got = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128))
+    want = int8qk_reference(ops, 1 / math.sqrt(128))
+    assert relative_error(got.float(), want.float()) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast linear backends against the emulation
+
+
+@pytest.mark.parametrize("fmt, backend", [("fp8", "fp8_rowwise"), ("mxfp8", "mx_repack_fp8"),
+                                          ("mxfp6", "mx_repack_fp8"), ("mxfp4", "mx_repack_fp8")])
+def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
+    """The GPU backends' own code, run through torch._scaled_mm's CPU implementation (fp32 out)."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("no torch._scaled_mm")
+    f = L.LINEAR_FORMATS.get(fmt, "test")
+    w, x = torch.randn(48, 128, generator=gen(12)) / 8, torch.randn(70, 128, generator=gen(13))
+    fast = L.QuantizedLinear.with_backend(w, f, backend)
+    got = fast(x)
+    want = L.QuantizedLinear.with_backend(w, f, "emulation")(x)
+    # MX repack is exact: the same products, summed in another order; FP8 rowwise rounds x/scale the same way.
+    assert relative_error(got, want) < 1e-5
+    if backend == "mx_repack_fp8":
+        counts = fast.backends[backend].inexact_rows
+        assert counts["weight"] == 0 and int(counts["activation"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_fast_linear_backends_match_the_emulation(fmt):
+    device = torch.device("cuda")
+    f = L.LINEAR_FORMATS.get(fmt, "test")
+    names = L.fast_backends(f, device)
+    if not names:
+        pytest.skip(f"no fast backend for {fmt} on this GPU")
+    g = torch.Generator(device=device).manual_seed(0)
+    w = torch.randn(512, 1024, device=device, generator=g).to(torch.bfloat16) / 32
+    x = torch.randn(300, 1024, device=device, generator=g).to(torch.bfloat16)
+    want = L.QuantizedLinear.with_backend(w, f, "emulation")(x).float()
+    for name in names:
+        got = L.QuantizedLinear.with_backend(w, f, name)(x).float()  # the model's path: compiled quantizer
+        assert relative_error(got, want) < 2e-2, name
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatch table
+
+
+def test_dispatch_table_round_trip_and_untuned_shapes_say_so_once(tmp_path, capsys):
+    fmt = L.LINEAR_FORMATS.get("mxfp6", "test")
+    table = DispatchTable(CPU, "auto")
+    table.entries[entry_key("mxfp6", 300, 64, 48, "cpu")] = "emulation"
+    table.save(tmp_path / "d.json")
+    loaded = DispatchTable.load(tmp_path / "d.json", CPU)
+    assert loaded.tuned(fmt, 64, 48) == {512: "emulation"} and m_bucket(300) == 512 and m_bucket(3) == 16
+    backends, pick = loaded.choose(fmt, 64, 48)
+    assert list(backends) == ["emulation"] and pick(400) == "emulation" and pick(5) == "emulation"
+    assert capsys.readouterr().out == ""  # one candidate on a CPU: nothing to tune, nothing to say
+    assert DispatchTable(CPU, "emulation").candidates(L.LINEAR_FORMATS.get("fp8", "t")) == ["emulation"]
+
+
+def test_tune_saves_a_choice_per_real_shape_that_later_builds_load(tmp_path, capsys):
+    from ditrun.kernels.tune import tune
+
+    cfg = tiny_config("precision=fp8", "model.variant=krea3", f"precision.tuning_file={tmp_path / 'dispatch.json'}")
+    tune(cfg)
+    assert f"dispatch table: {tmp_path / 'dispatch.json'}" in capsys.readouterr().out
+    table = DispatchTable.load(tmp_path / "dispatch.json", CPU)
+    fmt = L.LINEAR_FORMATS.get("fp8", "test")
+    assert table.tuned(fmt, 256, 2048) and table.tuned(fmt, 1024, 256)  # the SwiGLU MLP's up and down projections
+    assert set(table.entries.values()) == {"emulation"}
+    assert all("|cpu|torch " in key for key in table.entries)

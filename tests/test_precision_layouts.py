@@ -1,0 +1,80 @@
+"""Quantized precisions end to end on the CPU (exact emulation), in parallel layouts, against ``single``.
+
+Quantization is per token (activations: one FP8 scale per row, MX blocks along the channels;
+INT8-QK attention: one scale per token), so how a layout shards or orders the tokens does not
+change it: a layout's latents equal the single process's of the same precision to fp32 rounding.
+"""
+
+import json
+
+import pytest
+import torch
+
+from ditrun.launch import worker
+from launching import (assert_same_latents, ditrun_command, latents, records, relative_error, run, single_reference,
+                       tiny_config)
+from ranks import run_ranks
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """The ``single`` run of each precision, made when first asked for."""
+    made = {}
+
+    def get(precision: str):
+        if precision not in made:
+            made[precision] = single_reference(tmp_path_factory.mktemp(precision), f"precision={precision}",
+                                               "metrics.report=false")
+        return made[precision]
+
+    return get
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("precision, label", [("fp8", "fp8+fp32"), ("krea", "krea+fp32")])
+def test_cli_runs_a_precision_on_two_spawned_ulysses_ranks(tmp_path, singles, precision, label):
+    out = tmp_path / "run"
+    proc = run(ditrun_command(f"precision={precision}", "layout=ulysses", "launcher.world=2", f"hydra.run.dir={out}"),
+               180, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"precision {label}" in proc.stdout
+    assert_same_latents(out, singles(precision), "ulysses", 2)
+    record = records(out)[0]
+    assert record["precision"] == label and 0.9 < record["ssim"] < 1.0  # quantized: close to BF16, not equal
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision"] == label and summary["precision_detail"]["mlp"]["backends"] == ["emulation"]
+
+
+def _run_worker(rank, world, cfg, out_dir):
+    return worker.run(cfg, out_dir)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("precision, layout", [("mxfp6", "cfg_batch"), ("mxfp4", "cfg_split"), ("krea", "cfg_split")])
+def test_precision_in_a_layout_on_two_ranks_equals_single(tmp_path, singles, precision, layout):
+    cfg = tiny_config(f"precision={precision}", f"layout={layout}", "launcher.world=2", "metrics.report=false")
+    run_ranks(_run_worker, 2, (cfg, tmp_path), timeout=120)
+    assert_same_latents(tmp_path, singles(precision), layout, 2)
+
+
+GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["fp8", "mxfp6", "mxfp4", "krea"])
+def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, precision):
+    """One GPU: the fast backends run the whole edit; two GPUs (when present): Ulysses equals one GPU."""
+    summary = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "one")
+    detail = summary["precision_detail"]
+    # Hopper runs every quantized linear format fast (bf16 components have no backends); MI300 has no MX path.
+    assert torch.version.hip or all("emulation" not in d["backends"] for c, d in detail.items() if c != "attention"), detail
+    if precision == "krea":
+        assert detail["attention"]["backends"] == ["triton"]
+    assert summary["ssim_median"] > 0.9 and summary["precision"] == precision
+    if torch.cuda.device_count() < 2:
+        return
+    cfg = tiny_config(f"precision={precision}", *GPU, "layout=ulysses", "launcher.world=2")
+    run_ranks(_run_worker, 2, (cfg, tmp_path / "two"), timeout=300, backend="nccl")
+    for edit in [r["edit"] for r in records(tmp_path / "one")]:
+        assert relative_error(latents(tmp_path / "two", edit), latents(tmp_path / "one", edit)) < 5e-2
