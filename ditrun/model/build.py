@@ -235,6 +235,3 @@ def inexact_repack_rows(model: FluxDiT) -> dict[str, int]:
                 total["activation"] += int(counts["activation"] or 0)
     return total
 
-
-# ---------------------------------------------------------------------------------------------
-# What decides a run's results (for resume fingerprints)
