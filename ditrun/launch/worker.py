@@ -92,6 +92,7 @@ class Run:
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
         self.precision = plan_precision(cfg.precision, self.placement.device)
+        self.precision_label = precision_label(self.precision, self.placement.dtype_name)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
         check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
@@ -108,7 +109,6 @@ class Run:
                            for axis in ("sp", "cfg")}
         self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0)
         self.model = self.built.model
-        self.precision_label = precision_label(self.precision, self.placement.dtype_name)
         self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
 
     def _result_settings(self, edit: Edit) -> dict:
