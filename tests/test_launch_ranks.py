@@ -16,7 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ditrun.errors import UserError
-from ditrun.config import RunConfig
+from ditrun.config import EditConfig, RunConfig
 from ditrun.launch import env, faults, run_as_rank, with_world
 from ditrun.launch.rendezvous import format_ranks
 
@@ -27,6 +27,7 @@ def make_cfg(ranks=1, **launcher):
     """A valid config for ``ranks`` ranks (``single`` layout, one replica per rank), on the CPU
     even where a GPU is visible: these ranks are forked and exchange CPU tensors over gloo."""
     cfg = OmegaConf.structured(RunConfig)
+    cfg.workload.edits = [EditConfig(id="astronaut", image="skimage:astronaut")]  # checked before any rank starts
     cfg.layout.replicas = ranks
     cfg.device = "cpu"
     for key, value in launcher.items():
