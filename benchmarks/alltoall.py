@@ -28,6 +28,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -100,6 +101,27 @@ def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int) 
     return statistics.median(samples)
 
 
+def host_issue_s(transport, plan: ExchangePlan, head_group: int, repeats: int) -> float:
+    """Median host seconds to issue one exchange (send_buffer, start, wait, release), GPU idle before.
+
+    Nothing in between synchronises, so this is what the host adds per exchange; a layout whose
+    compute between exchanges is shorter than it leaves the GPU waiting for the host.
+    """
+    samples = []
+    for i in range(repeats + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.perf_counter()
+        send = transport.send_buffer(plan, head_group)
+        handle = transport.start(send, plan, head_group)
+        handle.wait()
+        handle.release()
+        if i >= 2:
+            samples.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def kernels(device) -> dict:
     """The kernels whose slowdown is measured, each a closure on fixed inputs."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -169,6 +191,7 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         row = {"edit": label, "kind": plan.kind, "head_groups": groups, "peer_mb": peer_bytes(plan, rank) / 1e6}
         for name, transport in transports.items():
             row[f"{name}_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats)
+            row[f"{name}_host_us"] = 1e6 * host_issue_s(transport, plan, 0, args.repeats)
         report["exchanges"].append(row)
     for label, kernel in kernels(device).items():
         row = {"kernel": label, "alone_ms": 1e3 * time_kernel(kernel)}
@@ -195,17 +218,23 @@ def _ms(row: dict, transport: str) -> str:
     return f"{row[transport + '_ms']:.3f}" if transport + "_ms" in row else "-"
 
 
+def _us(row: dict, transport: str) -> str:
+    return f"{row[transport + '_host_us']:.0f}" if transport + "_host_us" in row else "-"
+
+
 def print_tables(report: dict) -> None:
     print(f"\nall-to-all over {report['world']} ranks on {report['device']}"
           f"{' (one GPU shared, CUDA IPC)' if report['share_gpu'] else ''}, torch {report['torch']}")
     print(f"{'edit':<20} {'exchange':<14} {'groups':>6} {'to peer MB':>10} {'collective ms':>14} {'GB/s':>7} "
-          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8}")
+          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8} {'host us: collective':>20} {'copy_engine':>12}")
     for r in report["exchanges"]:
         gbps = {t: f"{r['peer_mb'] / r[t + '_ms']:.0f}" if t + "_ms" in r else "-" for t in TRANSPORTS}
         speedup = f"{r['collective_ms'] / r['copy_engine_ms']:.2f}x" if "collective_ms" in r else "-"
         print(f"{r['edit']:<20} {r['kind']:<14} {r['head_groups']:>6} {r['peer_mb']:>10.1f} "
               f"{_ms(r, 'collective'):>14} {gbps['collective']:>7} {_ms(r, 'copy_engine'):>15} "
-              f"{gbps['copy_engine']:>7} {speedup:>8}")
+              f"{gbps['copy_engine']:>7} {speedup:>8} {_us(r, 'collective'):>20} {_us(r, 'copy_engine'):>12}")
+    print("(ms: CUDA events on the compute stream from before start to after wait, host issue included; host us: "
+          "host time to issue send_buffer + start + wait + release)")
     print(f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
           f"(kernel time beside an in-flight transfer / alone; target copy_engine <= {TARGET_SLOWDOWN})")
     for r in report["slowdown"]:

@@ -31,6 +31,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,12 +96,20 @@ def step_function(model, inputs: EditInputs, name: str, head_groups: int, world:
 
 
 def time_once(fn) -> float:
+    return time_step(fn)[0]
+
+
+def time_step(fn) -> tuple[float, float]:
+    """(GPU seconds, host seconds) of one call: the host time is spent issuing it, no synchronisation
+    inside. When the two are about equal the GPU waited for the host (the host is the bottleneck)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    began = time.perf_counter()
     fn()
+    host_s = time.perf_counter() - began
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return start.elapsed_time(end) / 1e3, host_s
 
 
 def main() -> int:
@@ -201,15 +210,18 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
     timers = {row: ExposedTransfer(device) for row in rows}
     steps = {row: step_function(model, inputs, row[0], row[1], args.world, row[2], timers[row]) for row in rows}
     times: dict = {row: [] for row in rows}
+    host: dict = {row: [] for row in rows}
     exposed: dict = {row: [] for row in rows}
     with torch.inference_mode():
         outputs = {row: fn().float() for row, fn in steps.items()}
         for _ in range(args.repeats):
             for row, fn in steps.items():
                 timers[row].take()
-                times[row].append(time_once(fn))
+                gpu_s, host_s = time_step(fn)
+                times[row].append(gpu_s)
+                host[row].append(host_s)
                 exposed[row].append(timers[row].take()["total_s"])
-    report = summarise_multi(times, exposed, outputs, args)
+    report = summarise_multi(times, exposed, outputs, args, host)
     if rank == 0:
         print_multi(report)
         if args.out:
@@ -219,7 +231,7 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
     dist.destroy_process_group()
 
 
-def summarise_multi(times: dict, exposed: dict, outputs: dict, args) -> dict:
+def summarise_multi(times: dict, exposed: dict, outputs: dict, args, host: dict) -> dict:
     reference = outputs[MULTI_ROWS[0]]
     rows = []
     for row in outputs:
@@ -228,6 +240,7 @@ def summarise_multi(times: dict, exposed: dict, outputs: dict, args) -> dict:
         error = ((outputs[row] - reference).abs().max() / reference.abs().max()).item()
         twin = outputs.get((name, groups, "collective"))
         rows.append({"layout": name, "head_groups": groups, "transport": transport, "step_s": step_s,
+                     "host_s": statistics.median(host[row]),
                      "dit_s": args.steps * step_s, "exposed_pct": 100 * statistics.median(exposed[row]) / step_s,
                      "max_rel_error_vs_single": error,
                      "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin))})
@@ -240,11 +253,14 @@ def print_multi(report: dict) -> None:
     print(f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit, "
           f"{report['world']} ranks on {report['device']}{' (one GPU shared)' if report['share_gpu'] else ''}, "
           f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps")
-    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'DiT s':>7} {'exposed':>8} "
+    print("host s = seconds the host spent issuing the step (no synchronisation inside); close to step s means "
+          "the GPU waited for the host")
+    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'host s':>7} {'DiT s':>7} {'exposed':>8} "
           f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}")
     for r in report["rows"]:
         ok = "yes" if r["max_rel_error_vs_single"] <= BF16_TOLERANCE else "NO"
-        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['dit_s']:>7.3f} "
+        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['host_s']:>7.4f} "
+              f"{r['dit_s']:>7.3f} "
               f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
               f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}")
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
