@@ -19,6 +19,11 @@ transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the ta
 least 5% faster than over ``collective``.
 
     python benchmarks/bench_layouts.py --world 2 --out results/bench
+    python benchmarks/bench_layouts.py --world 2 --layouts ulysses cfg_batch --head-groups 1 2 4
+
+Each row also shows ``host s``, the host's time to issue the step (nothing synchronises inside
+it): when it is close to ``step s`` the GPU waited for the host, and the transport's per-exchange
+host cost, not the transfer, sets the pace.
 
 Needs a CUDA/ROCm GPU with ~30 GB free (per rank); exits 0 with a message otherwise.
 """
@@ -122,6 +127,10 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1, help="2: the layouts x transports on two ranks")
     parser.add_argument("--share-gpu", action="store_true", help="with --world 2: both ranks on GPU 0")
     parser.add_argument("--steps", type=int, default=4, help="steps per edit for the DiT time column")
+    parser.add_argument("--layouts", nargs="+", default=list(MULTI_LAYOUTS), choices=MULTI_LAYOUTS,
+                        help="with --world 2: the layouts to compare")
+    parser.add_argument("--head-groups", nargs="+", type=int, default=[1, 2],
+                        help="with --world 2: the head groups of each layout (24 heads / 2 ranks: 1, 2, 3, 4, 6, 12)")
     args = parser.parse_args()
     needed = 1 if args.world == 1 or args.share_gpu else args.world
     if torch.cuda.device_count() < needed:
@@ -181,8 +190,15 @@ def print_table(report: dict) -> None:
 # -- two ranks: every layout x transport x head groups against single ---------------------------------
 
 TRANSPORTS = ("collective", "copy_engine")
-MULTI_ROWS = [("single", 1, "collective")] + [(name, groups, transport) for name in ("ulysses", "cfg_batch", "cfg_split")
-                                              for groups in (1, 2) for transport in TRANSPORTS]
+MULTI_LAYOUTS = ("ulysses", "cfg_batch", "cfg_split")
+SINGLE_ROW = ("single", 1, "collective")
+
+
+def multi_rows(layouts, head_groups, share_gpu: bool) -> list:
+    """``single`` (the reference) and every layout x head groups x transport asked for, in timing order."""
+    rows = [SINGLE_ROW] + [(name, groups, transport) for name in layouts for groups in head_groups
+                           for transport in TRANSPORTS]
+    return [row for row in rows if not share_gpu or row == SINGLE_ROW or row[2] == "copy_engine"]
 BF16_TOLERANCE = 5e-2
 """Max |difference| / max |single| of a bf16 guided velocity (other kernels for other shapes)."""
 TARGET_EXPOSED_PCT, TARGET_SPEEDUP_PCT = 1.5, 5.0
@@ -206,7 +222,7 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
                             **({} if args.share_gpu else {"device_id": device}))
     model = random_model(FLUX_DEV, seed=0, dtype=torch.bfloat16, device=device)
     inputs = edit_inputs(args.width, args.height, args.text_len)
-    rows = [row for row in MULTI_ROWS if not args.share_gpu or row[0] == "single" or row[2] == "copy_engine"]
+    rows = multi_rows(args.layouts, args.head_groups, args.share_gpu)
     timers = {row: ExposedTransfer(device) for row in rows}
     steps = {row: step_function(model, inputs, row[0], row[1], args.world, row[2], timers[row]) for row in rows}
     times: dict = {row: [] for row in rows}
@@ -232,7 +248,7 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
 
 
 def summarise_multi(times: dict, exposed: dict, outputs: dict, args, host: dict) -> dict:
-    reference = outputs[MULTI_ROWS[0]]
+    reference = outputs[SINGLE_ROW]
     rows = []
     for row in outputs:
         name, groups, transport = row
@@ -264,7 +280,9 @@ def print_multi(report: dict) -> None:
               f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
               f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}")
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
-    copy, coll = find[("ulysses", 2, "copy_engine")], find.get(("ulysses", 2, "collective"))
+    copy, coll = find.get(("ulysses", 2, "copy_engine")), find.get(("ulysses", 2, "collective"))
+    if copy is None:
+        return
     if coll is None:
         print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (no NCCL row on a shared GPU)")
         return
