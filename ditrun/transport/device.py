@@ -78,14 +78,17 @@ class StreamOps:
             self._write.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint]
             self.memcpy = lib.hipMemcpyAsync
             self.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            # A refused runtime call leaves a sticky last error that PyTorch's next launch check would raise.
+            self._clear_error = lib.hipGetLastError
             return
         lib = ctypes.CDLL("libcuda.so.1")
         self._wait = getattr(lib, "cuStreamWaitValue32_v2", None) or lib.cuStreamWaitValue32
         self._write = getattr(lib, "cuStreamWriteValue32_v2", None) or lib.cuStreamWriteValue32
         for fn in (self._wait, self._write):
             fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
-        self.memcpy = lib.cuMemcpyDtoDAsync_v2
-        self.memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.memcpy = getattr(lib, "cuMemcpyDtoDAsync_v2", None)  # without it: torch copies, stream ops kept
+        if self.memcpy is not None:
+            self.memcpy.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
 
     def wait(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
         args = (stream.cuda_stream, address, value, WAIT_GEQ) + ((0xFFFFFFFF,) if HIP else ())
@@ -107,6 +110,8 @@ class StreamOps:
         nbytes = src.numel() * src.element_size()
         if HIP:
             code = self.memcpy(dst.data_ptr(), src.data_ptr(), nbytes, self.memcpy_kind, stream.cuda_stream)
+            if code != 0:
+                self._clear_error()
             if code != 0 and self.memcpy_kind == HIP_MEMCPY_DEVICE_TO_DEVICE_NO_CU:
                 warnings.warn("copy_engine: hipMemcpyDeviceToDeviceNoCU unavailable; peer copies may use compute "
                               "units (set HSA_ENABLE_SDMA=1, ROC_P2P_SDMA_SIZE=0).")
