@@ -236,7 +236,7 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
                 gpu_s, host_s = time_step(fn)
                 times[row].append(gpu_s)
                 host[row].append(host_s)
-                exposed[row].append(timers[row].take()["total_s"])
+                exposed[row].append(timers[row].take())
     report = summarise_multi(times, exposed, outputs, args, host)
     if rank == 0:
         print_multi(report)
@@ -245,6 +245,12 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
             (args.out / "bench_layouts_multi.json").write_text(json.dumps(report, indent=2))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def by_kind_pct(taken: list, step_s: float) -> dict:
+    """Median exposed % of the step per exchange kind (``ExposedTransfer.take()`` of each step)."""
+    kinds = sorted({kind for t in taken for kind in t["by_kind"]})
+    return {kind: 100 * statistics.median(t["by_kind"].get(kind, 0.0) for t in taken) / step_s for kind in kinds}
 
 
 def summarise_multi(times: dict, exposed: dict, outputs: dict, args, host: dict) -> dict:
@@ -257,7 +263,9 @@ def summarise_multi(times: dict, exposed: dict, outputs: dict, args, host: dict)
         twin = outputs.get((name, groups, "collective"))
         rows.append({"layout": name, "head_groups": groups, "transport": transport, "step_s": step_s,
                      "host_s": statistics.median(host[row]),
-                     "dit_s": args.steps * step_s, "exposed_pct": 100 * statistics.median(exposed[row]) / step_s,
+                     "dit_s": args.steps * step_s,
+                     "exposed_pct": 100 * statistics.median(e["total_s"] for e in exposed[row]) / step_s,
+                     "exposed_pct_by_kind": by_kind_pct(exposed[row], step_s),
                      "max_rel_error_vs_single": error,
                      "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin))})
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": args.world,
@@ -272,13 +280,14 @@ def print_multi(report: dict) -> None:
     print("host s = seconds the host spent issuing the step (no synchronisation inside); close to step s means "
           "the GPU waited for the host")
     print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'host s':>7} {'DiT s':>7} {'exposed':>8} "
-          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}")
+          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}  exposed % by kind")
     for r in report["rows"]:
         ok = "yes" if r["max_rel_error_vs_single"] <= BF16_TOLERANCE else "NO"
         print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['host_s']:>7.4f} "
               f"{r['dit_s']:>7.3f} "
               f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
-              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}")
+              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}  "
+              + " ".join(f"{kind} {pct:.1f}" for kind, pct in r["exposed_pct_by_kind"].items()))
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
     copy, coll = find.get(("ulysses", 2, "copy_engine")), find.get(("ulysses", 2, "collective"))
     if copy is None:

@@ -188,16 +188,16 @@ class Route:
 
 class CopyEngineHandle:
     def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int,
-                 own_copy, work):
+                 route: Route, own_copy, work):
         self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
-        self.own_copy, self.work = own_copy, work
+        self.route, self.own_copy, self.work = route, own_copy, work
 
     def wait(self) -> torch.Tensor:
         with self.transport.timer.timed(self.plan.kind, self.head_group):
-            return self.transport._receive(self.plan, self.head_group, self.epoch, self.own_copy, self.work)
+            return self.transport._receive(self)
 
     def release(self) -> None:
-        self.transport._release(self.plan, self.head_group, self.epoch)
+        self.transport._release(self)
 
 
 class CopyEngineTransport:
@@ -324,7 +324,7 @@ class CopyEngineTransport:
         own = self._copy_own(route, sources[self.rank], ready)
         marks = [self._send_to(j, sources[j], route, plan, head_group, epoch, ready) for j in route.peers]
         self.sent_marks[(*key, epoch % 2)] = marks + [own]
-        return CopyEngineHandle(self, plan, head_group, epoch, own, self._start_remote(send, plan, epoch, route))
+        return CopyEngineHandle(self, plan, head_group, epoch, route, own, self._start_remote(send, plan, route))
 
     def _foreign(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
         """The peers' blocks of a send tensor that is not this transport's send slot (kept alive by the lanes)."""
@@ -358,7 +358,7 @@ class CopyEngineTransport:
         lane.write_value(self.region.flags(j), route.data_flag, epoch + 1)
         return lane.mark()
 
-    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, epoch: int, route: Route):
+    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, route: Route):
         """The collective for the peers on other nodes (None when every peer is on this node)."""
         if all(self.local):
             return None
@@ -371,27 +371,26 @@ class CopyEngineTransport:
             return StagedAllToAll(outputs, inputs, self.group)
         return dist.all_to_all(outputs, inputs, group=self.group, async_op=True)
 
-    def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, own_copy, work) -> torch.Tensor:
+    def _receive(self, handle: CopyEngineHandle) -> torch.Tensor:
         # -> [sum(recv_splits), *row]: the slot, valid until release()
-        self.compute.wait_marks([own_copy], self.lanes)
-        route = self._route(plan, head_group, epoch % 2)
+        self.compute.wait_marks([handle.own_copy], self.lanes)
+        route, epoch = handle.route, handle.epoch
         for j in route.peers:
             self.compute.wait_value(self.region.flags(self.rank), route.data_flags[j], epoch + 1,
-                                    self._describe(f"rows of exchange {epoch}", plan, head_group, j))
-        if work is not None:
-            work.wait()
+                                    self._describe(f"rows of exchange {epoch}", handle.plan, handle.head_group, j))
+        if handle.work is not None:
+            handle.work.wait()
         raise_lane_error(self.lanes)
         return route.recv
 
-    def _release(self, plan: ExchangePlan, head_group: int, epoch: int) -> None:
-        key = (plan.kind, head_group)
+    def _release(self, handle: CopyEngineHandle) -> None:
+        key, epoch = (handle.plan.kind, handle.head_group), handle.epoch
         if self.released.get(key, 0) != epoch:
-            raise RuntimeError(f"copy_engine: {plan.kind!r} exchanges must be released in order "
+            raise RuntimeError(f"copy_engine: {key[0]!r} exchanges must be released in order "
                                f"(released {self.released.get(key, 0)}, releasing {epoch}).")
         self.released[key] = epoch + 1
-        route = self._route(plan, head_group, epoch % 2)
-        for j in route.peers:
-            self.compute.write_value(self.region.flags(j), route.credit_flag, epoch + 1)
+        for j in handle.route.peers:
+            self.compute.write_value(self.region.flags(j), handle.route.credit_flag, epoch + 1)
 
     def _describe(self, what: str, plan: ExchangePlan, head_group: int, peer: int):
         me, them = self.ranks[self.rank], self.ranks[peer]
