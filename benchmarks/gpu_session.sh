@@ -37,6 +37,7 @@ if [[ $what == cli || $what == all ]]; then
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \
+    tests/test_copy_engine_schedule.py \
     2>&1 | tee "$OUT/tests_multi.log" | tail -8
   # Issue 10: collective vs copy_engine per message, kernel slowdown beside transfers, profile; then every
   # layout x transport x head groups {1, 2} against single. With one GPU both ranks share it (CUDA IPC).

@@ -140,3 +140,39 @@ def test_the_wait_log_names_the_oldest_late_wait_and_drops_satisfied_ones():
     assert log.check([1, 0], now=2.0)[3] == "wait 1>=1"  # late: named, and dropped
     assert log.check([1, 1], now=2.0)[3] == "wait 0>=2"
     assert log.check([5, 5], now=9.0) is None and not log.pending
+
+
+@pytest.mark.gpu
+def test_a_peer_copy_is_one_raw_driver_memcpy_that_moves_the_bytes():
+    from ditrun.transport.device import StreamOps, dma_copy
+
+    ops, stream = StreamOps(), torch.cuda.Stream()
+    src = torch.arange(4096, device="cuda", dtype=torch.bfloat16)
+    dst = torch.zeros_like(src)
+    stream.wait_stream(torch.cuda.current_stream())
+    dma_copy(dst, src, stream, ops)
+    stream.synchronize()
+    assert ops.memcpy is not None  # the driver call was taken (and not given up on)
+    assert torch.equal(dst, src)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(30)
+def test_the_watchdog_names_a_stream_wait_that_never_ends_and_frees_the_stream():
+    from ditrun.transport.base import PeerLost
+    from ditrun.transport.device import StreamLane, StreamOps, Watchdog
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    flags = torch.zeros(4, dtype=torch.int32, device=device)
+    ops = StreamOps()
+    watchdog = Watchdog(device, ops, flags, timeout_s=0.5)
+    lane = StreamLane(device, ops, watchdog, torch.cuda.Stream(device))
+    try:
+        lane.wait_value(flags, 2, 1, lambda timeout_s: f"no flag within {timeout_s:g} s")
+        lane.stream.synchronize()  # returns once the watchdog has written the awaited value
+    except PeerLost:  # without stream operations the host polls, and raises itself
+        pass
+    finally:
+        watchdog.close()
+    assert isinstance(watchdog.error, PeerLost) and "no flag within 0.5 s" in str(watchdog.error)
+    assert flags[2].item() == 1
