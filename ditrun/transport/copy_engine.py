@@ -22,6 +22,10 @@ Peers on another node (host name, or ``transport.node_size``) have no mapping: t
 through the process group's collective (``all_to_all`` with empty blocks for the local peers),
 straight into the same slot; the receiver's own ``start`` is their credit.
 
+Everything an exchange needs that does not change from one exchange to the next (views of the
+send slot per peer, where they land, flag indices) is worked out once per plan in ``prepare``
+(``Route``): the host's cost per exchange is on the critical path of a head-group pipeline.
+
 Backends: CPU = shared-memory files + ``ThreadLane`` per peer (CI runs the real schedule);
 CUDA/ROCm = ``torch.distributed._symmetric_memory`` + ``StreamLane`` per peer (``device.py``).
 """
@@ -158,7 +162,7 @@ class StagedAllToAll:
             out.copy_(block)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity, never compared: it holds tensors
 class Route:
     """One (plan, head group, slot) worked out once, in ``prepare``: the views and flags ``start`` issues.
 
