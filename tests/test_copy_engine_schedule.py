@@ -176,3 +176,25 @@ def test_the_watchdog_names_a_stream_wait_that_never_ends_and_frees_the_stream()
         watchdog.close()
     assert isinstance(watchdog.error, PeerLost) and "no flag within 0.5 s" in str(watchdog.error)
     assert flags[2].item() == 1
+
+
+class CountingFlags(list):
+    """Flags as read, counting how many the check looks at."""
+
+    reads = 0
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return super().__getitem__(index)
+
+
+def test_a_wait_log_check_reads_only_the_satisfied_waits_and_one_more():
+    # The watchdog checks while holding the interpreter lock that the thread issuing the GPU work
+    # needs; with the host running ahead of the GPU, hundreds of waits are pending at once (the
+    # first GPU run's watchdog read every pending wait and compared lists pairwise, every 5 ms).
+    log = WaitLog(timeout_s=60.0)
+    for n in range(1000):
+        log.watch(n % 8, 1 + n // 8, "wait", now=0.0)
+    seen = CountingFlags([2] * 8)  # the first 16 waits are satisfied
+    assert log.check(seen, now=1.0) is None
+    assert seen.reads == 17 and len(log.pending) == 1000 - 16
