@@ -4,6 +4,7 @@
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
 #   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
 #   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
+#   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -34,6 +35,17 @@ if [[ $what == cli || $what == all ]]; then
   python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
     workload.text_len=256 wandb.mode=disabled hydra.run.dir=/tmp/cli-flux-dev 2>&1 | tee "$OUT/cli.log" | tail -12
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
+fi
+if [[ $what == transport ]]; then
+  # Issue 10's performance run: the copy-engine GPU tests, then per exchange the time with and
+  # without the host's issuing and the host's cost, kernel slowdown beside a transfer that outlasts
+  # it, and ulysses / cfg_batch with 1, 2 and 4 head groups on both transports (GPU backlog, exposed
+  # transfer per kind, the issue's targets).
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_engine_schedule.py tests/test_copy_engine.py \
+    2>&1 | tee "$OUT/tests_transport.log" | tail -4
+  python3 benchmarks/alltoall.py --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -22
+  python3 benchmarks/bench_layouts.py --world 2 --repeats 5 --layouts ulysses cfg_batch --head-groups 1 2 4 \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \

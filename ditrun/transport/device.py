@@ -330,7 +330,9 @@ class SymmetricMemoryFabric:
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed by older releases, a no-op when done
-            symm_mem.enable_symm_mem_for_group(group.group_name)
+            with warnings.catch_warnings():  # newer releases deprecate it (nothing to enable any more)
+                warnings.simplefilter("ignore", FutureWarning)
+                symm_mem.enable_symm_mem_for_group(group.group_name)
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         buffer.zero_()  # every flag starts at epoch 0
         handle = symm_mem.rendezvous(buffer, group)
