@@ -15,7 +15,8 @@ output with a 1 MP reference, with 1 and 2 head groups. Each row is the median o
 stream from ``start`` to the end of ``wait``. Bandwidth counts the bytes sent to the peer.
 
 The interference table runs a bf16 8192^3 GEMM and a Flux-sized SDPA attention alone, then
-beside a transfer of ~0.8 GB in flight on each transport, and prints the ratio (target: the
+beside a transfer of ~1.2 GB in flight on each transport (started with the kernel: a GPU sleep
+holds both until the host has issued everything), and prints the ratio (target: the
 copy engine's <= 1.05 and below the collective's). Exits 0 with a message without 2 GPUs
 (or 1 GPU with ``--share-gpu``).
 """
@@ -28,6 +29,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -70,24 +72,41 @@ def flux_plans(world: int) -> list[tuple[str, int, ExchangePlan]]:
     return rows
 
 
+IN_FLIGHT_EXCHANGES = 24
+"""Exchanges of ~50 MB per peer kept in flight beside a kernel: ~1.2 GB, longer than either kernel on
+either transport (the table shows by how much the transfer outlasted the kernel)."""
+HOLD_CYCLES = 50_000_000
+"""A GPU sleep (~25 ms) queued before the transfers, so that the host has issued them all by the time
+it ends: transfer and kernel then start together on both transports."""
+
+
+def hold_gpu(cycles: int) -> None:
+    """Keep the compute stream busy while the host issues what follows (it then all starts at once)."""
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(cycles)
+
+
 def stream_plan(world: int) -> ExchangePlan:
-    """A transfer kept in flight beside a kernel: 8 independent lanes x 2 slots of ~48 MB to each peer."""
+    """A transfer kept in flight beside a kernel: independent exchanges of ~50 MB to each peer."""
     rows = 65536
     return ExchangePlan("in_flight", tuple((rows,) * world for _ in range(world)), (3, 1, 1, 128), torch.bfloat16,
-                        head_groups=8)
+                        head_groups=IN_FLIGHT_EXCHANGES)
 
 
 def peer_bytes(plan: ExchangePlan, rank: int) -> int:
     return sum(n for j, n in enumerate(plan.send_splits(rank)) if j != rank) * plan.row_bytes
 
 
-def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int) -> float:
-    """Median seconds from start to the end of wait on the compute stream."""
+def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int, hide_host: bool = False) -> float:
+    """Median seconds from start to the end of wait on the compute stream; ``hide_host``: a GPU sleep
+    before the start event covers the host's issuing, so only the GPU's part is timed."""
     samples = []
     for i in range(repeats + 2):
         send = transport.send_buffer(plan, head_group)
         torch.cuda.synchronize()
         dist.barrier()
+        if hide_host:
+            hold_gpu(HOLD_CYCLES // 5)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         handle = transport.start(send, plan, head_group)
@@ -100,6 +119,27 @@ def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int) 
     return statistics.median(samples)
 
 
+def host_issue_s(transport, plan: ExchangePlan, head_group: int, repeats: int) -> float:
+    """Median host seconds to issue one exchange (send_buffer, start, wait, release), GPU idle before.
+
+    Nothing in between synchronises, so this is what the host adds per exchange; a layout whose
+    compute between exchanges is shorter than it leaves the GPU waiting for the host.
+    """
+    samples = []
+    for i in range(repeats + 2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        began = time.perf_counter()
+        send = transport.send_buffer(plan, head_group)
+        handle = transport.start(send, plan, head_group)
+        handle.wait()
+        handle.release()
+        if i >= 2:
+            samples.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def kernels(device) -> dict:
     """The kernels whose slowdown is measured, each a closure on fixed inputs."""
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
@@ -109,24 +149,28 @@ def kernels(device) -> dict:
     return {"GEMM bf16 8192^3": lambda: a @ b, f"SDPA {HEADS // 2} heads x {tokens} tokens": lambda: F.scaled_dot_product_attention(q, k, v)}
 
 
-def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> float:
-    """Median kernel seconds, alone or with ``plan``'s exchanges in flight on ``transport``."""
-    samples = []
+def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> tuple[float, float]:
+    """Median kernel seconds, alone or with ``plan``'s exchanges in flight on ``transport``, and the
+    least time by which the transfer outlasted the kernel (> 0: it was in flight the whole time)."""
+    samples, outlasted = [], []
     for _ in range(repeats + 1):
         sends = [] if transport is None else [transport.send_buffer(plan, g) for g in range(plan.head_groups)]
         torch.cuda.synchronize()
         dist.barrier()
+        hold_gpu(HOLD_CYCLES)
         handles = [] if transport is None else [transport.start(s, plan, g) for g, s in enumerate(sends)]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
         kernel()
         end.record()
         for handle in handles:
             handle.wait()
             handle.release()
+        done.record()
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples[1:])
+        outlasted.append(end.elapsed_time(done) / 1e3)
+    return statistics.median(samples[1:]), min(outlasted[1:])
 
 
 def profile_exchange(transport, plan: ExchangePlan, out: Path, name: str) -> dict:
@@ -169,11 +213,14 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         row = {"edit": label, "kind": plan.kind, "head_groups": groups, "peer_mb": peer_bytes(plan, rank) / 1e6}
         for name, transport in transports.items():
             row[f"{name}_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats)
+            row[f"{name}_gpu_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats, hide_host=True)
+            row[f"{name}_host_us"] = 1e6 * host_issue_s(transport, plan, 0, args.repeats)
         report["exchanges"].append(row)
     for label, kernel in kernels(device).items():
-        row = {"kernel": label, "alone_ms": 1e3 * time_kernel(kernel)}
+        row = {"kernel": label, "alone_ms": 1e3 * time_kernel(kernel)[0]}
         for name, transport in transports.items():
-            row[f"{name}_ms"] = 1e3 * time_kernel(kernel, transport, bulk)
+            kernel_s, outlasted_s = time_kernel(kernel, transport, bulk)
+            row[f"{name}_ms"], row[f"{name}_outlasted_ms"] = 1e3 * kernel_s, 1e3 * outlasted_s
         report["slowdown"].append(row)
     small = plans[0][2]
     for name, transport in transports.items():
@@ -191,21 +238,30 @@ def init_ranks(rank: int, world: int, port: int, device: torch.device, share_gpu
                             **({} if share_gpu else {"device_id": device}))
 
 
-def _ms(row: dict, transport: str) -> str:
-    return f"{row[transport + '_ms']:.3f}" if transport + "_ms" in row else "-"
+def _ms(row: dict, transport: str, suffix: str = "_ms") -> str:
+    return f"{row[transport + suffix]:.3f}" if transport + suffix in row else "-"
+
+
+def _us(row: dict, transport: str) -> str:
+    return f"{row[transport + '_host_us']:.0f}" if transport + "_host_us" in row else "-"
 
 
 def print_tables(report: dict) -> None:
     print(f"\nall-to-all over {report['world']} ranks on {report['device']}"
           f"{' (one GPU shared, CUDA IPC)' if report['share_gpu'] else ''}, torch {report['torch']}")
     print(f"{'edit':<20} {'exchange':<14} {'groups':>6} {'to peer MB':>10} {'collective ms':>14} {'GB/s':>7} "
-          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8}")
+          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8} {'GPU ms: collective':>19} {'copy_engine':>12} "
+          f"{'host us: collective':>20} {'copy_engine':>12}")
     for r in report["exchanges"]:
         gbps = {t: f"{r['peer_mb'] / r[t + '_ms']:.0f}" if t + "_ms" in r else "-" for t in TRANSPORTS}
         speedup = f"{r['collective_ms'] / r['copy_engine_ms']:.2f}x" if "collective_ms" in r else "-"
         print(f"{r['edit']:<20} {r['kind']:<14} {r['head_groups']:>6} {r['peer_mb']:>10.1f} "
               f"{_ms(r, 'collective'):>14} {gbps['collective']:>7} {_ms(r, 'copy_engine'):>15} "
-              f"{gbps['copy_engine']:>7} {speedup:>8}")
+              f"{gbps['copy_engine']:>7} {speedup:>8} {_ms(r, 'collective', '_gpu_ms'):>19} "
+              f"{_ms(r, 'copy_engine', '_gpu_ms'):>12} {_us(r, 'collective'):>20} {_us(r, 'copy_engine'):>12}")
+    print("(ms: CUDA events on the compute stream from before start to after wait, host issue included; GPU ms: "
+          "the same with the host's issuing hidden behind a GPU sleep; host us: host time to issue send_buffer + "
+          "start + wait + release)")
     print(f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
           f"(kernel time beside an in-flight transfer / alone; target copy_engine <= {TARGET_SLOWDOWN})")
     for r in report["slowdown"]:
@@ -213,8 +269,10 @@ def print_tables(report: dict) -> None:
         verdict = "ok" if ratio["copy_engine"] <= TARGET_SLOWDOWN and ratio["copy_engine"] < ratio.get(
             "collective", float("inf")) else "MISSED"
         shown = {t: f"{ratio[t]:.3f}x" if t in ratio else "-" for t in TRANSPORTS}
+        outlasted = " ".join(f"{t} {r[t + '_outlasted_ms']:+.2f}" for t in TRANSPORTS if t + "_outlasted_ms" in r)
         print(f"{r['kernel']:<28} {r['alone_ms']:>9.3f} {shown['collective']:>18} {shown['copy_engine']:>19}"
-              f"   {verdict}")
+              f"   {verdict:<6}  transfer outlasted kernel by ms: {outlasted}")
+    print("(a negative 'outlasted' means the transfer ended before the kernel: the ratio then understates it)")
     print("\nprofile of one 1 MP qkv exchange (rank 0):")
     for name, found in report["profile"].items():
         print(f"  {name}: {found.get('gpu_memcpy_count', 0)} memcpy, {found.get('kernel_count', 0)} kernels "

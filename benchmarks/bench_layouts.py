@@ -19,6 +19,13 @@ transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the ta
 least 5% faster than over ``collective``.
 
     python benchmarks/bench_layouts.py --world 2 --out results/bench
+    python benchmarks/bench_layouts.py --world 2 --layouts ulysses cfg_batch --head-groups 1 2 4
+
+Each row also shows ``backlog ms``: how long the GPU still worked after the host had issued the
+whole step. Near 0 means the GPU had been waiting for the host (the host's cost per exchange, not
+the transfer, set the pace); a host that runs ahead leaves milliseconds of queued work (the
+launch queue holds ~1000 operations), which is why the host's own issue time per step says
+nothing: launches block once the queue is full.
 
 Needs a CUDA/ROCm GPU with ~30 GB free (per rank); exits 0 with a message otherwise.
 """
@@ -31,6 +38,7 @@ import os
 import socket
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -95,12 +103,19 @@ def step_function(model, inputs: EditInputs, name: str, head_groups: int, world:
 
 
 def time_once(fn) -> float:
+    return time_step(fn)[0]
+
+
+def time_step(fn) -> tuple[float, float]:
+    """(GPU seconds, backlog seconds) of one call: the backlog is how long the GPU still ran after the
+    host had issued everything (about 0: the GPU was waiting for the host)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
+    issued = time.perf_counter()
     end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return start.elapsed_time(end) / 1e3, time.perf_counter() - issued
 
 
 def main() -> int:
@@ -113,6 +128,10 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1, help="2: the layouts x transports on two ranks")
     parser.add_argument("--share-gpu", action="store_true", help="with --world 2: both ranks on GPU 0")
     parser.add_argument("--steps", type=int, default=4, help="steps per edit for the DiT time column")
+    parser.add_argument("--layouts", nargs="+", default=list(MULTI_LAYOUTS), choices=MULTI_LAYOUTS,
+                        help="with --world 2: the layouts to compare")
+    parser.add_argument("--head-groups", nargs="+", type=int, default=[1, 2],
+                        help="with --world 2: the head groups of each layout (24 heads / 2 ranks: 1, 2, 3, 4, 6, 12)")
     args = parser.parse_args()
     needed = 1 if args.world == 1 or args.share_gpu else args.world
     if torch.cuda.device_count() < needed:
@@ -172,8 +191,15 @@ def print_table(report: dict) -> None:
 # -- two ranks: every layout x transport x head groups against single ---------------------------------
 
 TRANSPORTS = ("collective", "copy_engine")
-MULTI_ROWS = [("single", 1, "collective")] + [(name, groups, transport) for name in ("ulysses", "cfg_batch", "cfg_split")
-                                              for groups in (1, 2) for transport in TRANSPORTS]
+MULTI_LAYOUTS = ("ulysses", "cfg_batch", "cfg_split")
+SINGLE_ROW = ("single", 1, "collective")
+
+
+def multi_rows(layouts, head_groups, share_gpu: bool) -> list:
+    """``single`` (the reference) and every layout x head groups x transport asked for, in timing order."""
+    rows = [SINGLE_ROW] + [(name, groups, transport) for name in layouts for groups in head_groups
+                           for transport in TRANSPORTS]
+    return [row for row in rows if not share_gpu or row == SINGLE_ROW or row[2] == "copy_engine"]
 BF16_TOLERANCE = 5e-2
 """Max |difference| / max |single| of a bf16 guided velocity (other kernels for other shapes)."""
 TARGET_EXPOSED_PCT, TARGET_SPEEDUP_PCT = 1.5, 5.0
@@ -197,19 +223,22 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
                             **({} if args.share_gpu else {"device_id": device}))
     model = random_model(FLUX_DEV, seed=0, dtype=torch.bfloat16, device=device)
     inputs = edit_inputs(args.width, args.height, args.text_len)
-    rows = [row for row in MULTI_ROWS if not args.share_gpu or row[0] == "single" or row[2] == "copy_engine"]
+    rows = multi_rows(args.layouts, args.head_groups, args.share_gpu)
     timers = {row: ExposedTransfer(device) for row in rows}
     steps = {row: step_function(model, inputs, row[0], row[1], args.world, row[2], timers[row]) for row in rows}
     times: dict = {row: [] for row in rows}
+    backlog: dict = {row: [] for row in rows}
     exposed: dict = {row: [] for row in rows}
     with torch.inference_mode():
         outputs = {row: fn().float() for row, fn in steps.items()}
         for _ in range(args.repeats):
             for row, fn in steps.items():
                 timers[row].take()
-                times[row].append(time_once(fn))
-                exposed[row].append(timers[row].take()["total_s"])
-    report = summarise_multi(times, exposed, outputs, args)
+                gpu_s, backlog_s = time_step(fn)
+                times[row].append(gpu_s)
+                backlog[row].append(backlog_s)
+                exposed[row].append(timers[row].take())
+    report = summarise_multi(times, exposed, outputs, args, backlog)
     if rank == 0:
         print_multi(report)
         if args.out:
@@ -219,8 +248,14 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
     dist.destroy_process_group()
 
 
-def summarise_multi(times: dict, exposed: dict, outputs: dict, args) -> dict:
-    reference = outputs[MULTI_ROWS[0]]
+def by_kind_pct(taken: list, step_s: float) -> dict:
+    """Median exposed % of the step per exchange kind (``ExposedTransfer.take()`` of each step)."""
+    kinds = sorted({kind for t in taken for kind in t["by_kind"]})
+    return {kind: 100 * statistics.median(t["by_kind"].get(kind, 0.0) for t in taken) / step_s for kind in kinds}
+
+
+def summarise_multi(times: dict, exposed: dict, outputs: dict, args, backlog: dict) -> dict:
+    reference = outputs[SINGLE_ROW]
     rows = []
     for row in outputs:
         name, groups, transport = row
@@ -228,7 +263,10 @@ def summarise_multi(times: dict, exposed: dict, outputs: dict, args) -> dict:
         error = ((outputs[row] - reference).abs().max() / reference.abs().max()).item()
         twin = outputs.get((name, groups, "collective"))
         rows.append({"layout": name, "head_groups": groups, "transport": transport, "step_s": step_s,
-                     "dit_s": args.steps * step_s, "exposed_pct": 100 * statistics.median(exposed[row]) / step_s,
+                     "backlog_ms": 1e3 * statistics.median(backlog[row]),
+                     "dit_s": args.steps * step_s,
+                     "exposed_pct": 100 * statistics.median(e["total_s"] for e in exposed[row]) / step_s,
+                     "exposed_pct_by_kind": by_kind_pct(exposed[row], step_s),
                      "max_rel_error_vs_single": error,
                      "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin))})
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": args.world,
@@ -240,15 +278,20 @@ def print_multi(report: dict) -> None:
     print(f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit, "
           f"{report['world']} ranks on {report['device']}{' (one GPU shared)' if report['share_gpu'] else ''}, "
           f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps")
-    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'DiT s':>7} {'exposed':>8} "
-          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}")
+    print("backlog ms = GPU work left when the host had issued the step; about 0 means the GPU waited for the host")
+    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'backlog ms':>10} {'DiT s':>7} {'exposed':>8} "
+          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}  exposed % by kind")
     for r in report["rows"]:
         ok = "yes" if r["max_rel_error_vs_single"] <= BF16_TOLERANCE else "NO"
-        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['dit_s']:>7.3f} "
+        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['backlog_ms']:>10.2f} "
+              f"{r['dit_s']:>7.3f} "
               f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
-              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}")
+              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}  "
+              + " ".join(f"{kind} {pct:.1f}" for kind, pct in r["exposed_pct_by_kind"].items()))
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
-    copy, coll = find[("ulysses", 2, "copy_engine")], find.get(("ulysses", 2, "collective"))
+    copy, coll = find.get(("ulysses", 2, "copy_engine")), find.get(("ulysses", 2, "collective"))
+    if copy is None:
+        return
     if coll is None:
         print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (no NCCL row on a shared GPU)")
         return

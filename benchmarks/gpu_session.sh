@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
 #   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
 #                                                            precision sweep; each mode fits one 10-minute command)
+#   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -57,8 +58,20 @@ if [[ $what == sweep ]]; then
     precision.tuning_file="$OUT/dispatch.json" hydra.sweep.dir=/tmp/precision-sweep 2>&1 | tee "$OUT/precision_sweep.log" | tail -14
   for job in /tmp/precision-sweep/[0-9]*; do cp "$job/summary.json" "$OUT/precision_summary_$(basename "$job").json"; done
 fi
+if [[ $what == transport ]]; then
+  # Issue 10's performance run: the copy-engine GPU tests, then per exchange the time with and
+  # without the host's issuing and the host's cost, kernel slowdown beside a transfer that outlasts
+  # it, and ulysses / cfg_batch with 1, 2 and 4 head groups on both transports (GPU backlog, exposed
+  # transfer per kind, the issue's targets).
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_engine_schedule.py tests/test_copy_engine.py \
+    2>&1 | tee "$OUT/tests_transport.log" | tail -4
+  python3 benchmarks/alltoall.py --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -22
+  python3 benchmarks/bench_layouts.py --world 2 --repeats 5 --layouts ulysses cfg_batch --head-groups 1 2 4 \
+    --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
+fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \
+    tests/test_copy_engine_schedule.py \
     2>&1 | tee "$OUT/tests_multi.log" | tail -8
   # Issue 10: collective vs copy_engine per message, kernel slowdown beside transfers, profile; then every
   # layout x transport x head groups {1, 2} against single. With one GPU both ranks share it (CUDA IPC).

@@ -22,12 +22,17 @@ Peers on another node (host name, or ``transport.node_size``) have no mapping: t
 through the process group's collective (``all_to_all`` with empty blocks for the local peers),
 straight into the same slot; the receiver's own ``start`` is their credit.
 
+Everything an exchange needs that does not change from one exchange to the next (views of the
+send slot per peer, where they land, flag indices) is worked out once per plan in ``prepare``
+(``Route``): the host's cost per exchange is on the critical path of a head-group pipeline.
+
 Backends: CPU = shared-memory files + ``ThreadLane`` per peer (CI runs the real schedule);
 CUDA/ROCm = ``torch.distributed._symmetric_memory`` + ``StreamLane`` per peer (``device.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -157,18 +162,46 @@ class StagedAllToAll:
             out.copy_(block)
 
 
+@dataclass(frozen=True, eq=False)  # identity, never compared: it holds tensors
+class Route:
+    """One (plan, head group, slot) worked out once, in ``prepare``: the views and flags ``start`` issues.
+
+    An exchange then costs the host one dictionary lookup and, per peer, the lane operations
+    themselves (no slicing, no byte offsets, no tensor views made per call).
+    """
+
+    send: torch.Tensor
+    """The send slot's rows, [sum(send_splits), *row]: what ``send_buffer`` hands the producer."""
+    sources: tuple
+    """Per peer: its rows in ``send`` (a view; None for a peer on another node)."""
+    targets: tuple
+    """Per peer: where those rows land in its slot (a view into its mapped region; None off-node)."""
+    recv: torch.Tensor
+    """This rank's received rows in its own slot, [sum(recv_splits), *row]."""
+    data_flag: int
+    """Index of this rank's epoch flag in every receiver's region."""
+    credit_flag: int
+    """Index of this rank's credit flag in every sender's region."""
+    data_flags: tuple
+    """Per peer: the index of its epoch flag in this rank's region (what ``wait`` waits on)."""
+    credit_flags: tuple
+    """Per peer: the index of its credit flag in this rank's region (what a copy into it waits on)."""
+    peers: tuple
+    """The local peers other than this rank, which copies reach and flags order."""
+
+
 class CopyEngineHandle:
     def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int,
-                 own_copy, work):
+                 route: Route, own_copy, work):
         self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
-        self.own_copy, self.work = own_copy, work
+        self.route, self.own_copy, self.work = route, own_copy, work
 
     def wait(self) -> torch.Tensor:
         with self.transport.timer.timed(self.plan.kind, self.head_group):
-            return self.transport._receive(self.plan, self.head_group, self.epoch, self.own_copy, self.work)
+            return self.transport._receive(self)
 
     def release(self) -> None:
-        self.transport._release(self.plan, self.head_group, self.epoch)
+        self.transport._release(self)
 
 
 class CopyEngineTransport:
@@ -186,12 +219,22 @@ class CopyEngineTransport:
         self.layout: Optional[SlotLayout] = None
         self.lanes: list = []
         self.compute = None
+        self.fitting: set = set()
+        """The plans checked against the layout (each once)."""
 
     # -- buffers --------------------------------------------------------------------------------
 
     def prepare(self, plans: Sequence[ExchangePlan]) -> None:
-        if not plans or (self.layout is not None and self.layout.fits(plans)):
+        if not plans:
             return
+        if self.layout is None or not self.layout.fits(plans):
+            self._map(plans)
+        for plan in plans:  # every view and flag index of the run, before the timed region
+            for head_group in range(plan.head_groups):
+                for slot in range(2):
+                    self._route(plan, head_group, slot)
+
+    def _map(self, plans: Sequence[ExchangePlan]) -> None:
         self._drain()
         layout = SlotLayout.for_plans(plans) if self.layout is None else self.layout.merged(plans)
         self.region = self.fabric.map(layout.total_bytes, self.group, self.local, layout.n_flags)
@@ -201,6 +244,8 @@ class CopyEngineTransport:
         self.started: dict = {}
         self.released: dict = {}
         self.sent_marks: dict = {}
+        self.routes: dict = {}
+        self.fitting: set = set()
         self.layout = layout
         self._open_lanes()
 
@@ -220,19 +265,46 @@ class CopyEngineTransport:
     def close(self) -> None:
         self._drain()
 
+    def _route(self, plan: ExchangePlan, head_group: int, slot: int) -> Route:
+        route = self.routes.get((plan, head_group, slot))
+        if route is None:
+            self._key(plan, head_group)
+            route = self.routes[(plan, head_group, slot)] = self._make_route(plan, head_group, slot)
+        return route
+
+    def _make_route(self, plan: ExchangePlan, head_group: int, slot: int) -> Route:
+        offset = self.layout.slot_offset(plan.kind, head_group, slot)
+        send = typed(self.send_slots[(plan.kind, head_group, slot)], 0, plan, sum(plan.send_splits(self.rank)))
+        sources = self._split_send(send, plan)
+        targets = tuple(typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan,
+                              rows) if self.local[j] else None for j, rows in enumerate(plan.send_splits(self.rank)))
+        recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
+        peers = tuple(j for j in range(self.size) if self.local[j] and j != self.rank)
+        flag, credit = (functools.partial(f, plan.kind, head_group) for f in (self.layout.data_flag,
+                                                                              self.layout.credit_flag))
+        return Route(send, sources, targets, recv, flag(self.rank), credit(self.rank),
+                     tuple(flag(j) for j in range(self.size)), tuple(credit(j) for j in range(self.size)), peers)
+
+    def _split_send(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
+        """Each local peer's rows of ``send`` (contiguous: one memcpy each), None for the others."""
+        blocks = send.split(plan.send_splits(self.rank))
+        return tuple(block if self.local[j] else None for j, block in enumerate(blocks))
+
     def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
         """The send slot of the next exchange, once the copies out of its previous use are done."""
         key = self._key(plan, head_group)
         slot = self.started.get(key, 0) % 2
-        marks = self.sent_marks.pop((*key, slot), None)
+        marks = self.sent_marks.pop((plan.kind, head_group, slot), None)
         if marks:
             self.compute.wait_marks(marks, self.lanes)
-        return typed(self.send_slots[(*key, slot)], 0, plan, sum(plan.send_splits(self.rank)))
+        return self._route(plan, head_group, slot).send
 
     def _key(self, plan: ExchangePlan, head_group: int) -> tuple[str, int]:
-        if self.layout is None or not self.layout.fits([plan]):
-            raise RuntimeError(f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
-                               "every plan of the run before the timed region).")
+        if plan not in self.fitting:  # checked once per plan: exchanges after the first cost a set lookup
+            if self.layout is None or not self.layout.fits([plan]):
+                raise RuntimeError(f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
+                                   "every plan of the run before the timed region).")
+            self.fitting.add(plan)
         if not 0 <= head_group < plan.head_groups:
             raise RuntimeError(f"copy_engine: head group {head_group} of a plan with {plan.head_groups}.")
         return plan.kind, head_group
@@ -243,48 +315,58 @@ class CopyEngineTransport:
         # send: [sum(send_splits), *row], contiguous; peer j's rows land at landing_row(rank, j) in j's slot
         key = self._key(plan, head_group)
         raise_lane_error(self.lanes)
-        if not send.is_contiguous():
-            raise RuntimeError("copy_engine: the send buffer must be contiguous (one memcpy per peer).")
         epoch = self.started.get(key, 0)
         if self.released.get(key, 0) < epoch - 1:
             raise RuntimeError(f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
                                f"{epoch - 2}, the last one in its slot, was released.")
+        route = self._route(plan, head_group, epoch % 2)
+        sources = route.sources if send.data_ptr() == route.send.data_ptr() else self._foreign(send, plan)
         self.started[key] = epoch + 1
-        offset, first = self.layout.slot_offset(*key, epoch % 2), 0
-        marks = []
-        for j, rows in enumerate(plan.send_splits(self.rank)):
-            if self.local[j]:
-                marks.append(self._send_to(j, send[first:first + rows], plan, head_group, epoch, offset))
-            first += rows
-        self.sent_marks[(*key, epoch % 2)] = marks
-        own_copy = marks[sum(self.local[:self.rank])]
-        return CopyEngineHandle(self, plan, head_group, epoch, own_copy,
-                                self._start_remote(send, plan, epoch, offset))
+        # One mark of the compute stream, taken after the rows were written, which every lane follows:
+        # a copy waits for its rows and for nothing the compute stream is given later.
+        ready = self.compute.mark()
+        own = self._copy_own(route, sources[self.rank], ready)
+        marks = [self._send_to(j, sources[j], route, plan, head_group, epoch, ready) for j in route.peers]
+        self.sent_marks[(*key, epoch % 2)] = marks + [own]
+        return CopyEngineHandle(self, plan, head_group, epoch, route, own, self._start_remote(send, plan, route))
 
-    def _send_to(self, j: int, rows: torch.Tensor, plan: ExchangePlan, head_group: int, epoch: int, offset: int):
-        lane, layout = self.lanes[j], self.layout
-        lane.follow_compute()  # the rows were written on the compute stream
+    def _foreign(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
+        """The peers' blocks of a send tensor that is not this transport's send slot (kept alive by the lanes)."""
+        if not send.is_contiguous():
+            raise RuntimeError("copy_engine: the send buffer must be contiguous (one memcpy per peer).")
+        for lane in self.lanes:
+            if lane is not None:
+                lane.hold(send)
+        return self._split_send(send, plan)
+
+    def _copy_own(self, route: Route, rows: torch.Tensor, ready):
         # The own block needs neither credit nor flag: its lane follows the compute stream, on which
         # exchange epoch - 2 was released before this start (checked), and the compute stream waits
         # for its mark (an event, a dependency the GPU scheduler sees: a stream waiting on a flag
         # that a stream of the same process writes could be queued ahead of that writer).
-        if epoch >= 2 and j != self.rank:  # j released exchange epoch - 2, the slot's previous tenant
-            lane.wait_value(self.region.flags(self.rank), layout.credit_flag(plan.kind, head_group, j), epoch - 1,
-                            self._describe("free slot (credit)", plan, head_group, j))
+        lane = self.lanes[self.rank]
+        lane.follow(ready)
         if rows.shape[0]:
-            dst = typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan,
-                        rows.shape[0])
-            lane.copy(dst, rows)
-        if j != self.rank:
-            lane.write_value(self.region.flags(j), layout.data_flag(plan.kind, head_group, self.rank), epoch + 1)
+            lane.copy(route.targets[self.rank], rows)
         return lane.mark()
 
-    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, epoch: int, offset: int):
+    def _send_to(self, j: int, rows: torch.Tensor, route: Route, plan: ExchangePlan, head_group: int, epoch: int,
+                 ready):
+        lane = self.lanes[j]
+        lane.follow(ready)
+        if epoch >= 2:  # j released exchange epoch - 2, the slot's previous tenant
+            lane.wait_value(self.region.flags(self.rank), route.credit_flags[j], epoch - 1,
+                            self._describe("free slot (credit)", plan, head_group, j))
+        if rows.shape[0]:
+            lane.copy(route.targets[j], rows)
+        lane.write_value(self.region.flags(j), route.data_flag, epoch + 1)
+        return lane.mark()
+
+    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, route: Route):
         """The collective for the peers on other nodes (None when every peer is on this node)."""
         if all(self.local):
             return None
-        recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
-        outputs = list(recv.split(plan.recv_splits(self.rank)))
+        outputs = list(route.recv.split(plan.recv_splits(self.rank)))
         inputs = list(send.split(plan.send_splits(self.rank)))
         for j in range(self.size):  # local peers' blocks move by copies: empty in the collective
             if self.local[j]:
@@ -293,29 +375,26 @@ class CopyEngineTransport:
             return StagedAllToAll(outputs, inputs, self.group)
         return dist.all_to_all(outputs, inputs, group=self.group, async_op=True)
 
-    def _receive(self, plan: ExchangePlan, head_group: int, epoch: int, own_copy, work) -> torch.Tensor:
+    def _receive(self, handle: CopyEngineHandle) -> torch.Tensor:
         # -> [sum(recv_splits), *row]: the slot, valid until release()
-        self.compute.wait_marks([own_copy], self.lanes)
-        for j in range(self.size):
-            if self.local[j] and j != self.rank:
-                self.compute.wait_value(self.region.flags(self.rank), self.layout.data_flag(plan.kind, head_group, j),
-                                        epoch + 1, self._describe(f"rows of exchange {epoch}", plan, head_group, j))
-        if work is not None:
-            work.wait()
+        self.compute.wait_marks([handle.own_copy], self.lanes)
+        route, epoch = handle.route, handle.epoch
+        for j in route.peers:
+            self.compute.wait_value(self.region.flags(self.rank), route.data_flags[j], epoch + 1,
+                                    self._describe(f"rows of exchange {epoch}", handle.plan, handle.head_group, j))
+        if handle.work is not None:
+            handle.work.wait()
         raise_lane_error(self.lanes)
-        offset = self.layout.slot_offset(plan.kind, head_group, epoch % 2)
-        return typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
+        return route.recv
 
-    def _release(self, plan: ExchangePlan, head_group: int, epoch: int) -> None:
-        key = (plan.kind, head_group)
+    def _release(self, handle: CopyEngineHandle) -> None:
+        key, epoch = (handle.plan.kind, handle.head_group), handle.epoch
         if self.released.get(key, 0) != epoch:
-            raise RuntimeError(f"copy_engine: {plan.kind!r} exchanges must be released in order "
+            raise RuntimeError(f"copy_engine: {key[0]!r} exchanges must be released in order "
                                f"(released {self.released.get(key, 0)}, releasing {epoch}).")
         self.released[key] = epoch + 1
-        for j in range(self.size):
-            if self.local[j] and j != self.rank:
-                self.compute.write_value(self.region.flags(j), self.layout.credit_flag(plan.kind, head_group, self.rank),
-                                         epoch + 1)
+        for j in handle.route.peers:
+            self.compute.write_value(self.region.flags(j), handle.route.credit_flag, epoch + 1)
 
     def _describe(self, what: str, plan: ExchangePlan, head_group: int, peer: int):
         me, them = self.ranks[self.rank], self.ranks[peer]

@@ -3,7 +3,8 @@
 The schedule (``copy_engine.py``) speaks only to lanes: ``copy`` rows into a peer's slot,
 ``write_value`` an epoch or credit into a flag, ``wait_value`` until a flag reaches a value,
 ``mark`` a point that another lane can wait for. A lane runs its operations in order, after
-whatever it was asked to follow. Two kinds:
+whatever it was asked to ``follow`` (a mark of another lane: the compute lane's mark taken once
+per exchange, so each copy waits for the rows it sends and for nothing issued later). Two kinds:
 
 * CPU: ``ThreadLane`` is one thread per peer, the stand-in for a copy engine, running its queue;
   ``InlineLane`` is the compute thread itself (CPU compute is synchronous, so it runs at once).
@@ -59,8 +60,15 @@ class InlineLane:
         """The copy lanes whose failures a wait raises at once."""
         self.error: Optional[BaseException] = None
 
-    def follow_compute(self) -> None:
-        pass
+    def follow(self, mark) -> None:
+        """Run what comes next only after ``mark``; a CPU's compute is synchronous, so its marks are passed."""
+
+    def mark(self):
+        """A point another lane can follow: None on the compute thread, whose operations are already done."""
+        return None
+
+    def hold(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` alive until this lane's queued copies out of it are done (the queued closure does)."""
 
     def wait_value(self, flags: np.ndarray, index: int, value: int, describe: Describe) -> None:
         poll_at_least(flags, index, value, self.timeout_s, describe, self.lanes)
