@@ -99,7 +99,8 @@ class EditConfig:
     image: str = ""
     """``skimage:<name>`` for a photograph shipped with scikit-image, or a path to an image file."""
     prompt: str = ""
-    """The instruction; seeds the stand-in embedding when no ``prompt_embeds`` file is given."""
+    """The instruction: encoded by the text encoders of a diffusers pipeline folder (``model.path``), or
+    the seed of a stand-in embedding; a ``prompt_embeds`` file takes precedence."""
     prompt_embeds: Optional[str] = None
     """A safetensors file with ``prompt_embeds`` [L, D] or [1, L, D] and ``pooled_prompt_embeds`` [P] or
     [1, P] (and optionally ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` of the same forms);
@@ -110,6 +111,11 @@ class EditConfig:
     """Output width in pixels (multiple of 16); unset means ``workload.width``."""
     height: Optional[int] = None
     """Output height in pixels (multiple of 16); unset means ``workload.height``."""
+    ref_width: Optional[int] = None
+    """Reference width in pixels (multiple of 16, set together with ``ref_height``); unset means
+    ``workload.ref_width``, and when both are unset ``ref_resize`` decides."""
+    ref_height: Optional[int] = None
+    """Reference height in pixels (multiple of 16, set together with ``ref_width``)."""
 
 
 @dataclass
@@ -130,10 +136,23 @@ class WorkloadConfig:
     """Default output height in pixels (multiple of 16)."""
     steps: int = 8
     """Denoising steps per edit (at least 1)."""
-    guidance_scale: float = 2.5
-    """True classifier-free guidance scale (conditional and unconditional branch every step)."""
-    distilled_guidance: float = 3.5
-    """Value fed to the guidance embedding of guidance-distilled models (ignored by others)."""
+    ref_width: Optional[int] = None
+    """Default reference width in pixels (multiple of 16, with ``ref_height``); unset lets ``ref_resize`` decide."""
+    ref_height: Optional[int] = None
+    """Default reference height in pixels (multiple of 16, with ``ref_width``)."""
+    ref_resize: str = "output"
+    """Size of a reference without ``ref_width``/``ref_height``: ``output`` (the edit's output size),
+    ``kontext`` (the preferred Kontext resolution of the closest aspect ratio, then rounded down to
+    multiples of 16: diffusers' ``FluxKontextPipeline`` default) or ``none`` (the image's own size
+    rounded down to multiples of 16: diffusers' ``_auto_resize=False``)."""
+    true_cfg_scale: float = 2.5
+    """True classifier-free guidance scale, diffusers' ``true_cfg_scale``: above 1 every step runs a
+    conditional and an unconditional branch; at 1 or below only the conditional one (as diffusers)."""
+    guidance_scale: float = 3.5
+    """Value fed to the guidance embedding of guidance-distilled models, diffusers' ``guidance_scale``
+    (ignored by models without one)."""
+    distilled_guidance: Optional[float] = None
+    """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
     text_len: int = 32

@@ -32,7 +32,7 @@ from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
 from ditrun.model.presets import geometry_from_config
 from ditrun.model.sampler import denoise
-from ditrun.parallel.cfg import layout_velocity, prepare_transports
+from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transports
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
@@ -83,6 +83,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
             )
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
+    check_true_cfg(cfg.layout.name, cfg.workload.true_cfg_scale)
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
@@ -187,10 +188,10 @@ class Run:
         """
         cfg, placement = self.cfg, self.placement
         with Interval(placement.device) as encode:
-            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
-        guidance = cfg.workload.distilled_guidance if self.geometry.guidance_embeds else None
+            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
+        guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
         velocity = layout_velocity(
-            self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype
+            self.layout, self.transports, self.model, inputs, cfg.workload.true_cfg_scale, guidance, placement.dtype
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
         prepare_transports(self.layout, self.transports, inputs, self.geometry, placement.dtype)
@@ -212,7 +213,7 @@ class Run:
         exposed = self.exposed.take()
         if not self.layout.writes_records:
             return None
-        h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE
+        h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE  # the output's latent size (not the reference's)
         with Interval(placement.device) as decode:
             image = results.to_rgb8(self.codec.decode(unpack(latents, h, w)))
         png = f"{edit.id}.png"
