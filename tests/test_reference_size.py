@@ -7,14 +7,15 @@ with 7 text tokens: over 3 Ulysses ranks output, reference and text all split un
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from ditrun.config import WorkloadConfig
+from ditrun.config import WorkloadConfig, register_configs
 from ditrun.launch import worker
 from ditrun.metrics.reference import reference_key
 from ditrun.model.latents import LinearLatentMap
 from ditrun.model.presets import PRESETS
-from ditrun.workload import WorkloadError, check_config, edit_inputs, edit_tokens, resolve_edits
+from ditrun.workload import WorkloadError, check_config, check_sources, edit_inputs, edit_tokens, resolve_edits
 from launching import assert_same_latents, ditrun_command, run, tiny_config
 from ranks import run_ranks
 
@@ -115,3 +116,23 @@ def test_true_cfg_off_layouts_equal_single(tmp_path, layout):
     run_ranks(_run_worker, 2, (tiny_config(*off, f"layout={layout}", "launcher.world=2"), tmp_path / "two"),
               timeout=120)
     assert_same_latents(tmp_path / "two", tmp_path / "single", layout, 2)
+
+
+def test_benchmark_workload_has_the_published_shape():
+    """workload=benchmark: 23 distinct pictures, prompts and seeds, each 4096 reference + 16384 output tokens."""
+    cfg = _composed("workload=benchmark")
+    edits = resolve_edits(cfg.workload)
+    assert len(edits) == 23
+    for key in ("image", "prompt", "seed"):
+        assert len({getattr(e, key) for e in edits}) == 23, key
+    assert {(e.width, e.height, e.ref_width, e.ref_height) for e in edits} == {(2048, 2048, 1024, 1024)}
+    assert {edit_tokens(e, cfg.workload.text_len) for e in edits} == {512 + 16384 + 4096}
+    check_sources(edits)  # every picture ships with scikit-image (no download)
+    assert len(resolve_edits(_composed("workload=benchmark", "workload.limit=2").workload)) == 2
+
+
+def _composed(*overrides: str):
+    """The config a user's command line composes (without the tests' tiny sizes)."""
+    register_configs()
+    with initialize_config_module("ditrun.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
