@@ -20,8 +20,10 @@ class ModelConfig:
     preset: str = "tiny"
     """Size preset: ``tiny`` (CI), ``small`` (a CPU demo), ``flux-dev`` (FLUX.1-dev / Kontext geometry)."""
     path: Optional[str] = None
-    """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``). When set,
-    its ``config.json`` gives the geometry and the preset is ignored; unset means seeded random weights."""
+    """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``), or a whole diffusers
+    FLUX.1 (Kontext) pipeline folder (``model_index.json``, ``transformer/``, ``vae/``, text encoders and
+    tokenizers: prompts are then encoded by its encoders, docs/WORKLOAD.md). When set, the transformer's
+    ``config.json`` gives the geometry and the preset is ignored; unset means seeded random weights."""
     weights_seed: int = 0
     """Seed of the random weights used when ``path`` is unset; every rank draws the same weights."""
     variant: Optional[str] = None
@@ -156,9 +158,14 @@ class WorkloadConfig:
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
     text_len: int = 32
-    """Tokens of the stand-in prompt embedding (at least 1; an embeddings file brings its own length)."""
+    """Tokens of the stand-in prompt embedding, and diffusers' ``max_sequence_length`` (T5 tokens) when a
+    pipeline folder encodes the prompts (at least 1; an embeddings file brings its own length)."""
     vae_path: Optional[str] = None
-    """A diffusers ``AutoencoderKL`` folder; unset uses the fixed linear RGB<->latent map."""
+    """A diffusers ``AutoencoderKL`` folder; unset uses a pipeline folder's ``vae/`` (``model.path``), else
+    the fixed linear RGB<->latent map."""
+    prompt_cache_dir: Optional[str] = None
+    """Cache of prompts encoded by a pipeline folder's text encoders; unset means
+    ``$XDG_CACHE_HOME/ditrun/prompts`` (``~/.cache/ditrun/prompts``)."""
 
 
 @dataclass

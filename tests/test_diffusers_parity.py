@@ -2,6 +2,9 @@
 embeddings, same seed, no latents passed in. A reference smaller than a non-square output, true
 CFG on and off, the guidance embedding on and off: the final latents agree in fp32."""
 
+import json
+import string
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +107,75 @@ def test_final_latents_equal_diffusers_kontext(tmp_path, guidance_embeds, true_c
                           tmp_path / "embeds.safetensors", true_cfg_scale, 2.0)
     assert got.shape == expected.shape == (1, (WIDTH // 16) * (HEIGHT // 16), 64)
     assert relative_error(got, expected) <= 1e-4
+
+
+def _clip_tokenizer(folder):
+    """A hand-written CLIP BPE vocabulary: the specials and single letters (no merges)."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for suffix in ("", "</w>"):
+        vocab.update({c + suffix: len(vocab) for c in string.ascii_lowercase})
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
+                         model_max_length=77)
+
+
+def _t5_tokenizer():
+    """A hand-written T5 unigram vocabulary: the specials, then letters at the start of a word and inside one."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [("\u2581" + c, -1.0) for c in string.ascii_lowercase] + [(c, -2.0) for c in string.ascii_lowercase]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _pipeline_folder(folder, guidance_embeds: bool):
+    """A whole tiny FLUX.1 Kontext pipeline in diffusers' layout (widths: T5 24 = joint, CLIP 12 = pooled)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(5)
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=60, hidden_size=12, intermediate_size=24, num_hidden_layers=1,
+                                        num_attention_heads=2, max_position_embeddings=77, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=1)).eval()
+    t5 = T5EncoderModel(T5Config(vocab_size=60, d_model=24, d_kv=8, d_ff=32, num_layers=1, num_heads=3)).eval()
+    pipe = diffusers.FluxKontextPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                            base_image_seq_len=256, max_image_seq_len=4096),
+        vae=_vae(), text_encoder=clip, tokenizer=_clip_tokenizer(folder.parent / "clip_vocab"), text_encoder_2=t5,
+        tokenizer_2=_t5_tokenizer(), transformer=_transformer(guidance_embeds))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
+    """model.path = a whole pipeline folder: the prompt and the negative "" are encoded once by its
+    encoders (cached on disk); the edit's final latents equal diffusers' run from the prompt text."""
+    from launching import latents, tiny_config
+
+    from ditrun.launch import worker
+
+    pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
+    Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
+    with torch.no_grad():
+        expected = pipe(image=Image.open(tmp_path / "r.png"), prompt="make it red", negative_prompt="",
+                        height=HEIGHT, width=WIDTH, max_area=WIDTH * HEIGHT, num_inference_steps=STEPS,
+                        true_cfg_scale=2.0, guidance_scale=2.0, max_sequence_length=TEXT, _auto_resize=False,
+                        generator=torch.Generator().manual_seed(SEED), output_type="latent").images
+    cache = tmp_path / "prompts"
+    overrides = [f"model.path={tmp_path / 'kontext'}", f"workload.prompt_cache_dir={cache}", "metrics.ssim=false",
+                 f"workload.width={WIDTH}", f"workload.height={HEIGHT}", f"workload.steps={STEPS}",
+                 f"workload.text_len={TEXT}", "workload.ref_resize=none", "workload.true_cfg_scale=2.0",
+                 "workload.guidance_scale=2.0", "metrics.report=false",
+                 f"workload.edits=[{{id: e, image: '{tmp_path / 'r.png'}', prompt: make it red, seed: {SEED}}}]"]
+    worker.run(tiny_config(*overrides), tmp_path / "run")
+    assert relative_error(latents(tmp_path / "run", "e"), expected) <= 1e-4
+    encoded = sorted(p.name for p in cache.glob("*.safetensors"))
+    assert len(encoded) == 3  # the prompt, "" and the pair of them an edit reads
+    worker.run(tiny_config(*overrides), tmp_path / "again")  # from the cache: nothing is encoded again
+    assert sorted(p.name for p in cache.glob("*.safetensors")) == encoded
+    assert torch.equal(latents(tmp_path / "again", "e"), latents(tmp_path / "run", "e"))

@@ -28,6 +28,7 @@ from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
 from ditrun.model.dit import FluxDiT
+from ditrun.model import text
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.load import checkpoint_geometry, from_pretrained, random_model
 from ditrun.model.presets import geometry_from_config
@@ -94,7 +95,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
 def build_model(model_cfg, placement: Placement) -> FluxDiT:
     """Load the weights at ``model.path``, or draw seeded random weights of the preset."""
     if model_cfg.path:
-        return from_pretrained(model_cfg.path, dtype=placement.dtype, device=placement.device)
+        return from_pretrained(text.transformer_folder(model_cfg.path), dtype=placement.dtype, device=placement.device)
     geometry = geometry_from_config(model_cfg)
     return random_model(geometry, seed=model_cfg.weights_seed, dtype=placement.dtype, device=placement.device)
 
@@ -102,7 +103,7 @@ def build_model(model_cfg, placement: Placement) -> FluxDiT:
 def model_geometry(model_cfg):
     """The geometry without building the model (for early checks)."""
     if model_cfg.path:
-        return checkpoint_geometry(model_cfg.path)
+        return checkpoint_geometry(text.transformer_folder(model_cfg.path))
     return geometry_from_config(model_cfg)
 
 
@@ -145,7 +146,10 @@ class Run:
 
     def load(self) -> None:
         cfg = self.cfg
-        # References first: their model is freed before the measured one is built.
+        # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
+        self.edits = text.encode_edits(self.edits, cfg, self.layout.control, self.layout.rank, self.placement.device,
+                                       self.placement.dtype)
+        # References next: their model is freed before the measured one is built.
         self.references = self._references() if cfg.metrics.ssim else None
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
@@ -154,7 +158,8 @@ class Run:
                                                 self.placement.device, cfg.launcher.collective_timeout_s)
                            for axis in ("sp", "cfg")}
         self.model = build_model(cfg.model, self.placement)
-        self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
+        self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), self.placement.device,
+                                       self.placement.dtype)
 
     def _result_settings(self, edit: Edit) -> dict:
         """Everything that changes this edit's result (not the layout, transport or world size)."""

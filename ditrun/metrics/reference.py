@@ -30,6 +30,7 @@ import torch
 from ditrun.metrics.results import save_png, to_rgb8
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
+from ditrun.model.text import vae_folder
 from ditrun.workload import Edit, edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
@@ -146,7 +147,7 @@ class References:
             print(f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
                   f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
         model = build_model(self.dtype)
-        codec = make_latent_codec(cfg.workload.vae_path, device, self.dtype)
+        codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
         for edit in missing:
             runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label)
                     for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
