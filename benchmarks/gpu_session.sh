@@ -2,7 +2,7 @@
 # Everything one GPU session runs, in one command (the device machine has torch, triton,
 # scikit-image and mpi4py but not hydra/omegaconf/submitit/diffusers: carry them as wheels in
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
-#   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
+#   bash benchmarks/gpu_session.sh [tests|bench|cli|workload|all]   (one GPU)
 #   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +34,10 @@ if [[ $what == cli || $what == all ]]; then
   python3 -m ditrun model=flux-dev workload.width=512 workload.height=512 workload.steps=4 workload.limit=3 \
     workload.text_len=256 wandb.mode=disabled hydra.run.dir=/tmp/cli-flux-dev 2>&1 | tee "$OUT/cli.log" | tail -12
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
+fi
+if [[ $what == workload || $what == all ]]; then
+  # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
+  python3 benchmarks/bench_workload.py --limit 2 --steps 28 --out "$OUT" 2>&1 | tee "$OUT/bench_workload.log" | tail -8
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \
