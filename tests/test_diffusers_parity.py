@@ -167,11 +167,7 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
                         true_cfg_scale=2.0, guidance_scale=2.0, max_sequence_length=TEXT, _auto_resize=False,
                         generator=torch.Generator().manual_seed(SEED), output_type="latent").images
     cache = tmp_path / "prompts"
-    overrides = [f"model.path={tmp_path / 'kontext'}", f"workload.prompt_cache_dir={cache}", "metrics.ssim=false",
-                 f"workload.width={WIDTH}", f"workload.height={HEIGHT}", f"workload.steps={STEPS}",
-                 f"workload.text_len={TEXT}", "workload.ref_resize=none", "workload.true_cfg_scale=2.0",
-                 "workload.guidance_scale=2.0", "metrics.report=false",
-                 f"workload.edits=[{{id: e, image: '{tmp_path / 'r.png'}', prompt: make it red, seed: {SEED}}}]"]
+    overrides = _pipeline_overrides(tmp_path, cache)
     worker.run(tiny_config(*overrides), tmp_path / "run")
     assert relative_error(latents(tmp_path / "run", "e"), expected) <= 1e-4
     encoded = sorted(p.name for p in cache.glob("*.safetensors"))
@@ -179,3 +175,38 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     worker.run(tiny_config(*overrides), tmp_path / "again")  # from the cache: nothing is encoded again
     assert sorted(p.name for p in cache.glob("*.safetensors")) == encoded
     assert torch.equal(latents(tmp_path / "again", "e"), latents(tmp_path / "run", "e"))
+
+
+def _pipeline_overrides(tmp_path, cache) -> list[str]:
+    return [f"model.path={tmp_path / 'kontext'}", f"workload.prompt_cache_dir={cache}", "metrics.ssim=false",
+            f"workload.width={WIDTH}", f"workload.height={HEIGHT}", f"workload.steps={STEPS}",
+            f"workload.text_len={TEXT}", "workload.ref_resize=none", "workload.true_cfg_scale=2.0",
+            "workload.guidance_scale=2.0", "metrics.report=false",
+            f"workload.edits=[{{id: e, image: '{tmp_path / 'r.png'}', prompt: make it red, seed: {SEED}}}]"]
+
+
+def _run_with_own_cache(rank, world, tmp_path):
+    """Each rank with a prompt cache of its own, as on nodes without a shared file system."""
+    from launching import tiny_config
+
+    from ditrun.launch import worker
+
+    cache = tmp_path / f"prompts{rank}"
+    return worker.run(tiny_config(*_pipeline_overrides(tmp_path, cache), "layout=ulysses", "launcher.world=2"),
+                      tmp_path / "two")
+
+
+@pytest.mark.timeout(120)
+def test_pipeline_prompts_are_encoded_on_rank_0_and_sent_to_the_others(tmp_path):
+    from launching import latents, tiny_config
+    from ranks import run_ranks
+
+    from ditrun.launch import worker
+
+    _pipeline_folder(tmp_path / "kontext", guidance_embeds=False)
+    Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
+    worker.run(tiny_config(*_pipeline_overrides(tmp_path, tmp_path / "single_cache")), tmp_path / "one")
+    run_ranks(_run_with_own_cache, 2, (tmp_path,), timeout=100)
+    names = [sorted(p.name for p in (tmp_path / f"prompts{rank}").glob("*.safetensors")) for rank in (0, 1)]
+    assert names[0] == names[1] and len(names[0]) == 3
+    assert relative_error(latents(tmp_path / "two", "e"), latents(tmp_path / "one", "e")) <= 1e-5
