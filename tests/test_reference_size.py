@@ -136,3 +136,18 @@ def _composed(*overrides: str):
     register_configs()
     with initialize_config_module("ditrun.conf", version_base="1.3"):
         return compose("config", overrides=list(overrides))
+
+
+def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
+    from ditrun.model import text
+    from ditrun.errors import UserError
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "model_index.json").write_text("{}")
+    cfg = tiny_config(f"model.path={tmp_path}")
+    edits = resolve_edits(cfg.workload)
+    assert text.transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
+    assert text.vae_folder(str(tmp_path), None) == str(tmp_path / "vae")
+    with pytest.raises(UserError, match="is a pipeline folder without text_encoder/, text_encoder_2/, tokenizer/, "
+                                        "tokenizer_2/; give every edit a prompt_embeds file"):
+        text.encode_edits(edits, cfg, None, 0, torch.device("cpu"), torch.float32)

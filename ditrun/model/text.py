@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from ditrun.errors import UserError
+
 # Bump when what is stored under a key changes.
 PROMPT_FORMAT = 1
 # The negative prompt of true CFG, as diffusers' negative_prompt="".
@@ -50,6 +52,16 @@ def vae_folder(model_path: Optional[str], vae_path: Optional[str]) -> Optional[s
     return str(Path(model_path) / "vae")
 
 
+ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+def _check_encoders(folder: Path) -> None:
+    missing = [part for part in ENCODER_PARTS if not (folder / part).is_dir()]
+    if missing:
+        raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {', '.join(f'{m}/' for m in missing)}; "
+                        "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers.")
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "ditrun" / "prompts"
@@ -57,9 +69,8 @@ def default_cache_dir() -> Path:
 
 def _encoder_fingerprint(folder: Path) -> list:
     """What decides an encoding: the encoders' and tokenizers' files (names, sizes, mtimes)."""
-    parts = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
     return sorted([str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns]
-                  for part in parts for f in (folder / part).rglob("*") if f.is_file())
+                  for part in ENCODER_PARTS for f in (folder / part).rglob("*") if f.is_file())
 
 
 @dataclasses.dataclass
@@ -145,8 +156,9 @@ def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dty
     Global rank 0 encodes what the cache lacks; ``control`` (a gloo group over the world, or None
     in a one-process run) then carries the files to the other ranks.
     """
-    if not is_pipeline_folder(cfg.model.path):
+    if not is_pipeline_folder(cfg.model.path) or all(e.prompt_embeds for e in edits):
         return edits
+    _check_encoders(Path(cfg.model.path))
     cache = PromptCache(Path(cfg.model.path), cfg.workload.text_len,
                         Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else default_cache_dir())
     true_cfg = cfg.workload.true_cfg_scale > 1
