@@ -151,3 +151,11 @@ def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
     with pytest.raises(UserError, match="is a pipeline folder without text_encoder/, text_encoder_2/, tokenizer/, "
                                         "tokenizer_2/; give every edit a prompt_embeds file"):
         text.encode_edits(edits, cfg, None, 0, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("layout", ["cfg_batch", "cfg_split"])
+def test_cfg_layouts_with_a_smaller_reference_equal_single(tmp_path, single_uneven, layout):
+    """True CFG on, reference of another size than the output: both CFG layouts on 2 ranks."""
+    run_ranks(_run_worker, 2, (tiny_config(*UNEVEN, f"layout={layout}", "launcher.world=2"), tmp_path), timeout=120)
+    assert_same_latents(tmp_path, single_uneven, layout, 2)
