@@ -81,8 +81,8 @@ def _ditrun_latents(transformer_dir, vae_dir, image_file, embeds_file, true_cfg_
     edit = resolve_edits(workload)[0]
     assert (edit.ref_width, edit.ref_height) == (REF, REF)
     geometry = checkpoint_geometry(transformer_dir)
-    model, codec, cpu = from_pretrained(transformer_dir), DiffusersVAE(str(vae_dir), torch.device("cpu"), torch.float32), \
-        torch.device("cpu")
+    cpu = torch.device("cpu")
+    model, codec = from_pretrained(transformer_dir), DiffusersVAE(str(vae_dir), cpu, torch.float32)
     inputs = edit_inputs(edit, codec, geometry, workload, cpu, torch.float32)
     assert inputs.true_cfg == (true_cfg_scale > 1)
     guidance = guidance_scale if geometry.guidance_embeds else None

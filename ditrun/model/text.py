@@ -58,7 +58,8 @@ ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 def _check_encoders(folder: Path) -> None:
     missing = [part for part in ENCODER_PARTS if not (folder / part).is_dir()]
     if missing:
-        raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {', '.join(f'{m}/' for m in missing)}; "
+        parts = ", ".join(f"{part}/" for part in missing)
+        raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {parts}; "
                         "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers.")
 
 
@@ -132,7 +133,7 @@ def _share(cache: PromptCache, prompts: list[str], control) -> None:
             cache.store(prompt, data)
 
 
-def _negative_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
+def _edit_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
     """The embeddings file of one edit: the prompt's tensors, with the empty prompt's as the negative."""
     from safetensors.torch import load_file, save_file
 
@@ -169,5 +170,5 @@ def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dty
         encode(cache, cache.missing(prompts), device, dtype)
     if control is not None:
         _share(cache, prompts, control)
-    return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_negative_file(cache, e.prompt, true_cfg)))
+    return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
             for e in edits]
