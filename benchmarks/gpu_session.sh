@@ -2,7 +2,7 @@
 # Everything one GPU session runs, in one command (the device machine has torch, triton,
 # scikit-image and mpi4py but not hydra/omegaconf/submitit/diffusers: carry them as wheels in
 # .whl/). Writes logs and JSON under $OUT (default results/gpu).
-#   bash benchmarks/gpu_session.sh [tests|bench|cli|all]   (one GPU)
+#   bash benchmarks/gpu_session.sh [tests|bench|cli|workload|all]   (one GPU)
 #   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 #   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
 #   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
@@ -68,6 +68,10 @@ if [[ $what == transport ]]; then
   python3 benchmarks/alltoall.py --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -22
   python3 benchmarks/bench_layouts.py --world 2 --repeats 5 --layouts ulysses cfg_batch --head-groups 1 2 4 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
+fi
+if [[ $what == workload || $what == all ]]; then
+  # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
+  python3 benchmarks/bench_workload.py --limit 2 --steps 28 --out "$OUT" 2>&1 | tee "$OUT/bench_workload.log" | tail -8
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \

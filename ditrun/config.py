@@ -20,8 +20,10 @@ class ModelConfig:
     preset: str = "tiny"
     """Size preset: ``tiny`` (CI), ``small`` (a CPU demo), ``flux-dev`` (FLUX.1-dev / Kontext geometry)."""
     path: Optional[str] = None
-    """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``). When set,
-    its ``config.json`` gives the geometry and the preset is ignored; unset means seeded random weights."""
+    """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``), or a whole diffusers
+    FLUX.1 (Kontext) pipeline folder (``model_index.json``, ``transformer/``, ``vae/``, text encoders and
+    tokenizers: prompts are then encoded by its encoders, docs/WORKLOAD.md). When set, the transformer's
+    ``config.json`` gives the geometry and the preset is ignored; unset means seeded random weights."""
     weights_seed: int = 0
     """Seed of the random weights used when ``path`` is unset; every rank draws the same weights."""
     variant: Optional[str] = None
@@ -110,7 +112,8 @@ class EditConfig:
     image: str = ""
     """``skimage:<name>`` for a photograph shipped with scikit-image, or a path to an image file."""
     prompt: str = ""
-    """The instruction; seeds the stand-in embedding when no ``prompt_embeds`` file is given."""
+    """The instruction: encoded by the text encoders of a diffusers pipeline folder (``model.path``), or
+    the seed of a stand-in embedding; a ``prompt_embeds`` file takes precedence."""
     prompt_embeds: Optional[str] = None
     """A safetensors file with ``prompt_embeds`` [L, D] or [1, L, D] and ``pooled_prompt_embeds`` [P] or
     [1, P] (and optionally ``negative_prompt_embeds`` / ``negative_pooled_prompt_embeds`` of the same forms);
@@ -121,6 +124,11 @@ class EditConfig:
     """Output width in pixels (multiple of 16); unset means ``workload.width``."""
     height: Optional[int] = None
     """Output height in pixels (multiple of 16); unset means ``workload.height``."""
+    ref_width: Optional[int] = None
+    """Reference width in pixels (multiple of 16, set together with ``ref_height``); unset means
+    ``workload.ref_width``, and when both are unset ``ref_resize`` decides."""
+    ref_height: Optional[int] = None
+    """Reference height in pixels (multiple of 16, set together with ``ref_width``)."""
 
 
 @dataclass
@@ -141,16 +149,34 @@ class WorkloadConfig:
     """Default output height in pixels (multiple of 16)."""
     steps: int = 8
     """Denoising steps per edit (at least 1)."""
-    guidance_scale: float = 2.5
-    """True classifier-free guidance scale (conditional and unconditional branch every step)."""
-    distilled_guidance: float = 3.5
-    """Value fed to the guidance embedding of guidance-distilled models (ignored by others)."""
+    ref_width: Optional[int] = None
+    """Default reference width in pixels (multiple of 16, with ``ref_height``); unset lets ``ref_resize`` decide."""
+    ref_height: Optional[int] = None
+    """Default reference height in pixels (multiple of 16, with ``ref_width``)."""
+    ref_resize: str = "output"
+    """Size of a reference without ``ref_width``/``ref_height``: ``output`` (the edit's output size),
+    ``kontext`` (the preferred Kontext resolution of the closest aspect ratio, then rounded down to
+    multiples of 16: diffusers' ``FluxKontextPipeline`` default) or ``none`` (the image's own size
+    rounded down to multiples of 16: diffusers' ``_auto_resize=False``)."""
+    true_cfg_scale: float = 2.5
+    """True classifier-free guidance scale, diffusers' ``true_cfg_scale``: above 1 every step runs a
+    conditional and an unconditional branch; at 1 or below only the conditional one (as diffusers)."""
+    guidance_scale: float = 3.5
+    """Value fed to the guidance embedding of guidance-distilled models, diffusers' ``guidance_scale``
+    (ignored by models without one)."""
+    distilled_guidance: Optional[float] = None
+    """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
     text_len: int = 32
-    """Tokens of the stand-in prompt embedding (at least 1; an embeddings file brings its own length)."""
+    """Tokens of the stand-in prompt embedding, and diffusers' ``max_sequence_length`` (T5 tokens) when a
+    pipeline folder encodes the prompts (at least 1; an embeddings file brings its own length)."""
     vae_path: Optional[str] = None
-    """A diffusers ``AutoencoderKL`` folder; unset uses the fixed linear RGB<->latent map."""
+    """A diffusers ``AutoencoderKL`` folder; unset uses a pipeline folder's ``vae/`` (``model.path``), else
+    the fixed linear RGB<->latent map."""
+    prompt_cache_dir: Optional[str] = None
+    """Cache of prompts encoded by a pipeline folder's text encoders; unset means
+    ``$XDG_CACHE_HOME/ditrun/prompts`` (``~/.cache/ditrun/prompts``)."""
 
 
 @dataclass

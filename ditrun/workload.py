@@ -1,9 +1,10 @@
 """Workloads: which edits to run, and turning one edit into model inputs.
 
-An edit is a reference image + a prompt embedding + a seed + an output size. Edits come inline
-from ``workload.edits`` or from a YAML/JSONL manifest (``workload.manifest``). Images are
-``skimage:<name>`` (photographs shipped with scikit-image) or files; prompt embeddings come
-from a safetensors file or, without one, a stand-in seeded by the prompt text.
+An edit is a reference image at its own size + a prompt embedding + a seed + an output size.
+Edits come inline from ``workload.edits`` or from a YAML/JSONL manifest (``workload.manifest``).
+Images are ``skimage:<name>`` (photographs shipped with scikit-image) or files; prompt
+embeddings come from a safetensors file or, without one, a stand-in seeded by the prompt text.
+Sizes, seeds and noise follow diffusers' ``FluxKontextPipeline`` (docs/WORKLOAD.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
@@ -22,10 +24,19 @@ import torch
 import yaml
 
 from ditrun.errors import UserError
-from ditrun.model.latents import VAE_SCALE, pack, token_ids
+from ditrun.model.latents import LATENT_CHANNELS, VAE_SCALE, pack, token_ids
 from ditrun.model.sampler import EditInputs
 
-_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height")
+_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height")
+# Pixel sizes are multiples of one packed latent token (2x2 latents of 8x8 pixels).
+PATCH_PIXELS = 2 * VAE_SCALE
+# The (width, height) FLUX.1 Kontext was trained at; diffusers snaps a reference to the one of the
+# closest aspect ratio (pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS, the same list).
+KONTEXT_RESOLUTIONS = (
+    (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
+    (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688),
+    (1568, 672),
+)
 # An edit id names its output files, so it must be a plain file stem: nothing that could climb
 # out of the results directory, make a sub-folder or hide a file.
 SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -56,6 +67,8 @@ class Edit:
     seed: int
     width: int
     height: int
+    ref_width: int
+    ref_height: int
     prompt_embeds: Optional[str] = None
 
 
@@ -94,7 +107,13 @@ def check_config(workload_cfg) -> None:
         raise WorkloadError(f"workload.steps={steps} must be at least 1.")
     if text_len < 1:
         raise WorkloadError(f"workload.text_len={text_len} must be a positive number of stand-in prompt tokens.")
-    for key in ("guidance_scale", "distilled_guidance"):
+    if workload_cfg.distilled_guidance is not None:
+        raise WorkloadError("workload.distilled_guidance was renamed to diffusers' names: the distilled guidance value "
+                            "is workload.guidance_scale and the true-CFG scale is workload.true_cfg_scale.")
+    if workload_cfg.ref_resize not in REF_RESIZE:
+        raise WorkloadError(f"workload.ref_resize={workload_cfg.ref_resize!r} is not a reference size rule; allowed: "
+                            f"{', '.join(REF_RESIZE)}.")
+    for key in ("guidance_scale", "true_cfg_scale"):
         value = getattr(workload_cfg, key)
         if not math.isfinite(value):
             raise WorkloadError(f"workload.{key}={value} must be a finite number.")
@@ -138,17 +157,64 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
         raise WorkloadError(f"edit {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(_EDIT_KEYS)}.")
     if not entry.get("image"):
         raise WorkloadError(f"edit {name!r} names no image (key 'image': skimage:<name> or a file path).")
-    defaults = {"seed": workload_cfg.seed + index, "width": workload_cfg.width, "height": workload_cfg.height}
+    defaults = {"seed": workload_cfg.seed + index, "width": workload_cfg.width, "height": workload_cfg.height,
+                "ref_width": workload_cfg.ref_width, "ref_height": workload_cfg.ref_height}
     numbers = {key: _int_field(name, entry, key, default) for key, default in defaults.items()}
+    for key in ("width", "height", "ref_width", "ref_height"):
+        value = numbers[key]
+        if value is not None and (value <= 0 or value % PATCH_PIXELS):
+            source = "" if entry.get(key) is not None else f" (workload.{key})"
+            raise WorkloadError(f"edit {name!r} has {key}={value}{source}; it must be a positive multiple of 16.")
+    if (numbers["ref_width"] is None) != (numbers["ref_height"] is None):
+        raise WorkloadError(f"edit {name!r} sets only one of ref_width and ref_height; set both, or neither to let "
+                            f"workload.ref_resize={workload_cfg.ref_resize!r} decide.")
     edit = Edit(index=index, id=str(name), image=str(entry["image"]), prompt=str(entry.get("prompt") or ""),
                 prompt_embeds=entry.get("prompt_embeds"), **numbers)
-    for key in ("width", "height"):
-        value = getattr(edit, key)
-        if value <= 0 or value % (2 * VAE_SCALE):
-            source = "" if entry.get(key) is not None else f" (workload.{key})"
-            raise WorkloadError(f"edit {edit.id!r} has {key}={value}{source}; it must be a positive multiple of 16.")
     _check_seed(f"edit {edit.id!r}: seed", edit.seed)
+    if edit.ref_width is None:
+        ref_width, ref_height = REF_RESIZE[workload_cfg.ref_resize](edit)
+        edit = dataclasses.replace(edit, ref_width=ref_width, ref_height=ref_height)
     return edit
+
+
+def _snap_down(size: int) -> int:
+    return size // PATCH_PIXELS * PATCH_PIXELS
+
+
+def _own_size(edit: Edit) -> tuple[int, int]:
+    """The image's (width, height) rounded down to the patch grid (diffusers' get_default_height_width)."""
+    width, height = image_size(edit)
+    if min(width, height) < PATCH_PIXELS:
+        raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} is {width}x{height} pixels; a reference needs "
+                            f"at least {PATCH_PIXELS} each way (or set ref_width and ref_height).")
+    return _snap_down(width), _snap_down(height)
+
+
+def _kontext_size(edit: Edit) -> tuple[int, int]:
+    """The preferred Kontext resolution whose aspect ratio is closest to the image's (ties: the first)."""
+    width, height = _own_size(edit)
+    _, w, h = min((abs(width / height - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    return _snap_down(w), _snap_down(h)
+
+
+# workload.ref_resize: how an edit without ref_width/ref_height sizes its reference -> (width, height).
+REF_RESIZE = {
+    "output": lambda edit: (edit.width, edit.height),
+    "kontext": _kontext_size,
+    "none": _own_size,
+}
+
+
+def image_size(edit: Edit) -> tuple[int, int]:
+    """(width, height) of the edit's image, from a file's header or a scikit-image picture's array."""
+    if edit.image.startswith("skimage:"):
+        height, width = _skimage_shape(edit)
+        return width, height
+    from PIL import Image
+
+    _check_image_file(edit)
+    with Image.open(edit.image) as picture:
+        return picture.size
 
 
 def _int_field(name: str, entry: dict, key: str, default: int) -> int:
@@ -200,6 +266,19 @@ def _check_image_file(edit: Edit) -> None:
         raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} holds {frames} frames; give one picture.")
 
 
+def _skimage_shape(edit: Edit) -> tuple[int, int]:
+    """(height, width) of a scikit-image picture, loaded once per process."""
+    return _cached_skimage_shape(edit.image, edit.id)
+
+
+@lru_cache(maxsize=None)
+def _cached_skimage_shape(image: str, edit_id: str) -> tuple[int, int]:
+    edit = Edit(index=0, id=edit_id, image=image, prompt="", seed=0, width=0, height=0, ref_width=0, ref_height=0)
+    pixels = _skimage_pixels(edit)
+    _check_pixels(edit, pixels)
+    return tuple(pixels.shape[:2])
+
+
 def _skimage_pixels(edit: Edit) -> np.ndarray:
     from skimage import data as skdata
 
@@ -239,8 +318,13 @@ def to_rgb(pixels: np.ndarray) -> np.ndarray:
 
 
 def load_image(edit: Edit) -> torch.Tensor:
-    """The reference image resized to the edit's output size. -> [1, 3, H, W] fp32 in [0, 1]."""
-    from skimage import io, transform
+    """The reference image at the edit's reference size. -> [1, 3, ref_height, ref_width] fp32 in [0, 1].
+
+    Resized as diffusers' VaeImageProcessor does (8-bit RGB, PIL Lanczos), so that a reference
+    made here is the one a diffusers run of the same picture encodes.
+    """
+    from PIL import Image
+    from skimage import io
 
     if edit.image.startswith("skimage:"):
         pixels = _skimage_pixels(edit)
@@ -250,8 +334,10 @@ def load_image(edit: Edit) -> torch.Tensor:
         except Exception as err:  # any decoder failure is the same user-facing problem
             raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} cannot be read: {err}.")
     _check_pixels(edit, pixels)
-    img = transform.resize(to_rgb(pixels), (edit.height, edit.width), anti_aliasing=True, preserve_range=False)
-    return torch.from_numpy(np.ascontiguousarray(img, dtype=np.float32)).permute(2, 0, 1)[None]
+    rgb8 = np.round(to_rgb(pixels) * 255).astype(np.uint8)
+    picture = Image.fromarray(rgb8).resize((edit.ref_width, edit.ref_height), resample=Image.LANCZOS)
+    img = np.asarray(picture, dtype=np.float32) / 255
+    return torch.from_numpy(np.ascontiguousarray(img)).permute(2, 0, 1)[None]
 
 
 def _text_seed(text: str) -> int:
@@ -304,14 +390,15 @@ def _check_embedding_shapes(edit: Edit, shapes: dict, geometry) -> None:
 
 def edit_tokens(edit: Edit, text_len: int) -> int:
     """Tokens of the edit's joint sequence: text (the embeddings file's length, read from its header,
-    or ``text_len``) + output latents + reference latents (the reference is resized to the output)."""
+    or ``text_len``) + output latents + reference latents."""
     text = text_len
     if edit.prompt_embeds:
         from safetensors import safe_open
 
         with safe_open(edit.prompt_embeds, framework="pt") as f:
             text = f.get_slice("prompt_embeds").get_shape()[-2]
-    return text + 2 * (edit.height // (2 * VAE_SCALE)) * (edit.width // (2 * VAE_SCALE))
+    return text + (edit.height // PATCH_PIXELS) * (edit.width // PATCH_PIXELS) \
+        + (edit.ref_height // PATCH_PIXELS) * (edit.ref_width // PATCH_PIXELS)
 
 
 def prompt_embeddings(edit: Edit, text_len: int, geometry):
@@ -334,21 +421,36 @@ def prompt_embeddings(edit: Edit, text_len: int, geometry):
         neg_prompt.reshape(1, -1, joint_dim), neg_pooled.reshape(1, pooled_dim)
 
 
-def edit_inputs(edit: Edit, codec, geometry, text_len: int, device: torch.device) -> EditInputs:
-    """Model inputs of one edit, deterministic in (edit, seed) and independent of the rank."""
+def initial_noise(seed: int, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' initial latents: [1, 16, h, w] drawn in ``dtype`` from a CPU generator seeded with
+    ``seed`` (``generator=torch.Generator("cpu").manual_seed(seed)`` there), then packed.
+
+    -> [1, (h/2)(w/2), 64] fp32, h and w the latent size (pixels / 8)
+    """
+    gen = torch.Generator().manual_seed(seed)
+    return pack(torch.randn(1, LATENT_CHANNELS, height, width, generator=gen, dtype=dtype)).float()
+
+
+def edit_inputs(edit: Edit, codec, geometry, workload_cfg, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> EditInputs:
+    """Model inputs of one edit, deterministic in (edit, seed, dtype) and independent of the rank.
+
+    ``dtype`` is the model's compute dtype, the one diffusers draws its noise in. With true CFG off
+    (``true_cfg_scale`` <= 1, as diffusers decides) there is no unconditional branch to feed.
+    """
     h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE
+    ref_h, ref_w = edit.ref_height // VAE_SCALE, edit.ref_width // VAE_SCALE
     ref = pack(codec.encode(load_image(edit).to(device)).float())
-    gen = torch.Generator().manual_seed(edit.seed)
-    noise = torch.randn(1, (h // 2) * (w // 2), geometry.in_channels, generator=gen)
-    prompt, pooled, neg_prompt, neg_pooled = prompt_embeddings(edit, text_len, geometry)
-    if neg_prompt.shape[1] != prompt.shape[1]:
-        neg_prompt = _fit_length(neg_prompt, prompt.shape[1])
-    return EditInputs(
-        noise=noise.to(device), ref_latents=ref, img_ids=token_ids(h, w, 0, device),
-        ref_ids=token_ids(h, w, 1, device), prompt=prompt.to(device), pooled=pooled.to(device),
-        neg_prompt=neg_prompt.to(device), neg_pooled=neg_pooled.to(device),
-        txt_ids=torch.zeros(prompt.shape[1], 3, device=device),
+    prompt, pooled, neg_prompt, neg_pooled = prompt_embeddings(edit, workload_cfg.text_len, geometry)
+    inputs = EditInputs(
+        noise=initial_noise(edit.seed, h, w, dtype).to(device), ref_latents=ref,
+        img_ids=token_ids(h, w, 0, device), ref_ids=token_ids(ref_h, ref_w, 1, device),
+        prompt=prompt.to(device), pooled=pooled.to(device), txt_ids=torch.zeros(prompt.shape[1], 3, device=device),
     )
+    if workload_cfg.true_cfg_scale > 1:
+        inputs.neg_prompt = _fit_length(neg_prompt, prompt.shape[1]).to(device)
+        inputs.neg_pooled = neg_pooled.to(device)
+    return inputs
 
 
 def _fit_length(x: torch.Tensor, length: int) -> torch.Tensor:

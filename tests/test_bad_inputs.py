@@ -155,7 +155,8 @@ def test_grey_alpha_and_boolean_pictures_become_rgb(tmp_path):
     grey = (np.arange(32 * 48) % 251).astype(np.uint8).reshape(32, 48)
     Image.fromarray(np.stack([grey, np.full_like(grey, 128)], axis=-1), mode="LA").save(tmp_path / "la.png")
     Image.fromarray(grey, mode="L").save(tmp_path / "l.png")
-    edits = {name: Edit(index=0, id=name, image=image, prompt="", seed=0, width=48, height=32)
+    edits = {name: Edit(index=0, id=name, image=image, prompt="", seed=0, width=48, height=32,
+                       ref_width=48, ref_height=32)
              for name, image in (("la", str(tmp_path / "la.png")), ("l", str(tmp_path / "l.png")),
                                  ("horse", "skimage:horse"))}
     la, l, horse = (load_image(edits[name]) for name in ("la", "l", "horse"))

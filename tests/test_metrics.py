@@ -146,7 +146,7 @@ def test_reference_key_names_what_decides_the_image_and_nothing_else():
     assert _key(_cfg(), index=1) == base  # another id, same image, prompt and seed
     assert _key(_cfg("layout.name=ulysses", "precision.name=mxfp4", "transport.name=copy_engine")) == base
     for changed in ("workload.steps=3", "workload.width=128", "workload.seed=5", "model.weights_seed=1",
-                    "workload.guidance_scale=4.0", "model.num_layers=1"):
+                    "workload.true_cfg_scale=4.0", "workload.ref_resize=none", "model.num_layers=1"):
         assert _key(_cfg(changed)) != base, changed
     assert _key(_cfg(), dtype=torch.bfloat16) != base
 

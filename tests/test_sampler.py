@@ -90,3 +90,18 @@ def test_pack_unpack_and_linear_latent_map_roundtrip():
     codec = LinearLatentMap()
     flat = torch.rand(1, 3, 1, 1).expand(1, 3, 48, 64).contiguous()  # constant colour: exact through the map
     torch.testing.assert_close(codec.decode(codec.encode(flat)), flat, rtol=1e-5, atol=1e-5)
+
+
+def test_true_cfg_off_runs_one_branch_per_step():
+    """Without negative embeddings (true_cfg_scale <= 1) each step is one conditional forward."""
+    geo, inputs = _edit_inputs(5)
+    inputs.neg_prompt = inputs.neg_pooled = None
+    model, calls = random_model(geo, seed=0), []
+    model.register_forward_hook(lambda module, args, output: calls.append(1))
+    with torch.no_grad():
+        got = denoise(sequential_cfg_velocity(model, inputs, 1.0, 3.5, torch.float32), inputs.noise, 2)
+        calls_off = len(calls)
+        _, with_neg = _edit_inputs(5)
+        expected = denoise(sequential_cfg_velocity(model, with_neg, 1.0, 3.5, torch.float32), with_neg.noise, 2)
+    assert calls_off == 2 and len(calls) == 2 + 4
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # scale 1 with both branches is the same

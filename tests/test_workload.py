@@ -84,7 +84,7 @@ def test_prompt_embeds_file_and_standin(tmp_path):
         {"id": "t", "image": "skimage:coffee", "prompt": "p", "width": 32, "height": 32},
     ]))
     codec = LinearLatentMap()
-    f, s, t = (edit_inputs(e, codec, geo, 8, torch.device("cpu")) for e in edits)
+    f, s, t = (edit_inputs(e, codec, geo, _cfg(text_len=8), torch.device("cpu")) for e in edits)
     assert torch.equal(f.prompt, torch.ones(1, 3, geo.joint_attention_dim))
     assert f.neg_prompt.shape == f.prompt.shape
     assert s.prompt.shape == (1, 8, geo.joint_attention_dim)
@@ -92,4 +92,4 @@ def test_prompt_embeds_file_and_standin(tmp_path):
 
     save_file({"prompt_embeds": torch.ones(3, 7), "pooled_prompt_embeds": torch.ones(2)}, file)
     with pytest.raises(WorkloadError, match="joint_attention_dim"):
-        edit_inputs(edits[0], codec, geo, 8, torch.device("cpu"))
+        edit_inputs(edits[0], codec, geo, _cfg(text_len=8), torch.device("cpu"))

@@ -87,6 +87,7 @@ def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.devic
 def tune(cfg) -> DispatchTable:
     """Tune the linears of ``cfg``'s model and precision on this device; returns the saved table."""
     from ditrun.model.build import build_model, model_geometry, plan_precision, select_placement
+    from ditrun.model import text
     from ditrun.model.latents import make_latent_codec
     from ditrun.model.sampler import sequential_cfg_velocity
     from ditrun.workload import edit_inputs, resolve_edits
@@ -98,10 +99,11 @@ def tune(cfg) -> DispatchTable:
     built = build_model(cfg.model, placement, plan, announce=False, table=candidates)
     geometry = model_geometry(cfg.model)
     edit = resolve_edits(cfg.workload)[0]
-    codec = make_latent_codec(cfg.workload.vae_path, placement.device, placement.dtype)
-    inputs = edit_inputs(edit, codec, geometry, cfg.workload.text_len, placement.device)
-    guidance = cfg.workload.distilled_guidance if geometry.guidance_embeds else None
-    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype,
+    codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), placement.device,
+                              placement.dtype)
+    inputs = edit_inputs(edit, codec, geometry, cfg.workload, placement.device, placement.dtype)
+    guidance = cfg.workload.guidance_scale if geometry.guidance_embeds else None
+    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.true_cfg_scale, guidance, placement.dtype,
                                        attention=built.attention)
     with torch.inference_mode():
         captured = capture_linear_inputs(built.model, lambda: velocity(inputs.noise, 1.0))

@@ -28,9 +28,10 @@ from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
 from ditrun.model.build import (build_model, compute_dtype, device_kind, inexact_repack_rows, model_geometry,
                                  plan_precision, precision_label, select_placement)
+from ditrun.model import text
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
-from ditrun.parallel.cfg import layout_velocity, prepare_transports
+from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transports
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
@@ -51,6 +52,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     plan_precision(cfg.precision, device)
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
+    check_true_cfg(cfg.layout.name, cfg.workload.true_cfg_scale)
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
@@ -99,7 +101,10 @@ class Run:
 
     def load(self) -> None:
         cfg = self.cfg
-        # References first: their model is freed before the measured one is built.
+        # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
+        self.edits = text.encode_edits(self.edits, cfg, self.layout.control, self.layout.rank, self.placement.device,
+                                       self.placement.dtype)
+        # References next: their model is freed before the measured one is built.
         self.references = self._references() if cfg.metrics.ssim else None
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
@@ -109,7 +114,8 @@ class Run:
                            for axis in ("sp", "cfg")}
         self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0)
         self.model = self.built.model
-        self.codec = make_latent_codec(cfg.workload.vae_path, self.placement.device, self.placement.dtype)
+        self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), self.placement.device,
+                                       self.placement.dtype)
 
     def _result_settings(self, edit: Edit) -> dict:
         """Everything that changes this edit's result (not the layout, transport or world size)."""
@@ -143,10 +149,10 @@ class Run:
         """
         cfg, placement = self.cfg, self.placement
         with Interval(placement.device) as encode:
-            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload.text_len, placement.device)
-        guidance = cfg.workload.distilled_guidance if self.geometry.guidance_embeds else None
+            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
+        guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
         velocity = layout_velocity(
-            self.layout, self.transports, self.model, inputs, cfg.workload.guidance_scale, guidance, placement.dtype,
+            self.layout, self.transports, self.model, inputs, cfg.workload.true_cfg_scale, guidance, placement.dtype,
             inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
@@ -169,7 +175,7 @@ class Run:
         exposed = self.exposed.take()
         if not self.layout.writes_records:
             return None
-        h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE
+        h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE  # the output's latent size (not the reference's)
         with Interval(placement.device) as decode:
             image = results.to_rgb8(self.codec.decode(unpack(latents, h, w)))
         png = f"{edit.id}.png"

@@ -6,7 +6,8 @@ reference dtype (``metrics.reference_dtype``, by default the run's own compute d
 made twice, by two separate denoising runs: the second gives ``ssim_rerun``.
 
 Both images are cached as PNGs under a key of everything that decides them: the model
-geometry and weights, the edit's image, prompt and seed, the steps, size and guidance, the
+geometry and weights, the edit's image, prompt and seed, the steps, output and reference sizes,
+both guidance settings (true CFG and the distilled value), the
 VAE, the dtype and the device type. Any run of any layout, precision or transport with the
 same key reuses them, so a sweep pays for its references once.
 """
@@ -29,10 +30,11 @@ import torch
 from ditrun.metrics.results import save_png, to_rgb8
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
+from ditrun.model.text import vae_folder
 from ditrun.workload import Edit, edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
-REFERENCE_FORMAT = 1
+REFERENCE_FORMAT = 2
 REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -74,10 +76,13 @@ def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: st
         "geometry": dataclasses.asdict(geometry),
         "weights": _file_fingerprint(cfg.model.path) if cfg.model.path else {"seed": cfg.model.weights_seed},
         "edit": {"image": image, "prompt": edit.prompt, "prompt_embeds": _file_fingerprint(edit.prompt_embeds),
-                 "seed": edit.seed, "width": edit.width, "height": edit.height},
+                 "seed": edit.seed, "width": edit.width, "height": edit.height,
+                 "ref_width": edit.ref_width, "ref_height": edit.ref_height},
         "steps": workload.steps,
-        "guidance_scale": workload.guidance_scale,
-        "distilled_guidance": workload.distilled_guidance if geometry.guidance_embeds else None,
+        # true CFG at or below 1 is one branch, whatever the value; the noise convention is diffusers'.
+        "true_cfg_scale": workload.true_cfg_scale if workload.true_cfg_scale > 1 else "off",
+        "guidance_scale": workload.guidance_scale if geometry.guidance_embeds else None,
+        "noise": "diffusers: [1, 16, h, w] in the compute dtype from a CPU generator, packed",
         "text_len": workload.text_len,
         "vae": _file_fingerprint(workload.vae_path),
         "dtype": dtype_name(dtype),
@@ -142,7 +147,7 @@ class References:
             print(f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
                   f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
         model = build_model(self.dtype)
-        codec = make_latent_codec(cfg.workload.vae_path, device, self.dtype)
+        codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
         for edit in missing:
             runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label)
                     for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
@@ -176,9 +181,9 @@ def _render_with_bar(model, codec, geometry, edit: Edit, workload_cfg, dtype, de
 def render_single(model, codec, geometry, edit: Edit, workload_cfg, dtype: torch.dtype, device: torch.device,
                   on_step: Optional[Callable[[int], None]] = None) -> np.ndarray:
     """One edit on one process, both CFG branches one after the other -> [H, W, 3] uint8."""
-    inputs = edit_inputs(edit, codec, geometry, workload_cfg.text_len, device)
-    guidance = workload_cfg.distilled_guidance if geometry.guidance_embeds else None
-    velocity = sequential_cfg_velocity(model, inputs, workload_cfg.guidance_scale, guidance, dtype)
+    inputs = edit_inputs(edit, codec, geometry, workload_cfg, device, dtype)
+    guidance = workload_cfg.guidance_scale if geometry.guidance_embeds else None
+    velocity = sequential_cfg_velocity(model, inputs, workload_cfg.true_cfg_scale, guidance, dtype)
     with torch.inference_mode():
         latents = denoise(velocity, inputs.noise, workload_cfg.steps, on_step=on_step)
         image = codec.decode(unpack(latents, edit.height // VAE_SCALE, edit.width // VAE_SCALE))

@@ -28,6 +28,7 @@ from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_pa
 from ditrun.model.components import LINEAR_COMPONENTS
 from ditrun.model.dit import AttentionFn, DiTGeometry, FluxDiT
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
+from ditrun.model.text import transformer_folder
 from ditrun.model.presets import geometry_from_config
 from ditrun.model.quantize import quantize_model
 
@@ -85,7 +86,7 @@ def select_placement(device_key: str, dtype_key: str) -> Placement:
 def model_geometry(model_cfg) -> DiTGeometry:
     """The geometry without building the model (for early checks)."""
     if model_cfg.path:
-        return checkpoint_geometry(model_cfg.path)
+        return checkpoint_geometry(transformer_folder(model_cfg.path))
     return geometry_from_config(model_cfg)
 
 
@@ -194,7 +195,7 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
     with torch.device("meta"):
         model = FluxDiT(geometry)
     if model_cfg.path:
-        load_pretrained_weights(model, model_cfg.path, placement.dtype, placement.device)
+        load_pretrained_weights(model, transformer_folder(model_cfg.path), placement.dtype, placement.device)
     else:
         draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
     built = BuiltModel(model, ATTENTION_KERNELS.get("bf16", "precision.attention").make(False))

@@ -1,8 +1,9 @@
 """Flow-matching Euler sampling with the Flux time shift, true CFG and Kontext-style editing.
 
 An edit's model input is the noisy output latent followed by the reference image's latent
-tokens; the reference tokens carry position ids whose first axis is 1 (the Kontext
-convention), and only the output tokens' velocity is used. The sampler does not know how a
+tokens; the reference tokens carry position ids on the reference's own grid whose first axis is
+1 (the Kontext convention), and only the output tokens' velocity is used. As in diffusers, true
+CFG runs the unconditional branch only when it changes the result (``true_cfg_scale`` > 1). The sampler does not know how a
 velocity is computed: a *layout* (one process, Ulysses, split or batched CFG) supplies it.
 """
 
@@ -30,17 +31,22 @@ class EditInputs:
     img_ids: torch.Tensor
     """[S_img, 3] position ids of the output tokens (first axis 0)."""
     ref_ids: torch.Tensor
-    """[S_ref, 3] position ids of the reference tokens (first axis 1)."""
+    """[S_ref, 3] position ids of the reference tokens (first axis 1), on the reference's own grid."""
     prompt: torch.Tensor
     """[1, L, joint_dim] conditional text embedding."""
     pooled: torch.Tensor
     """[1, pooled_dim] conditional pooled embedding."""
-    neg_prompt: torch.Tensor
-    """[1, L, joint_dim] unconditional (negative prompt) text embedding."""
-    neg_pooled: torch.Tensor
-    """[1, pooled_dim] unconditional pooled embedding."""
     txt_ids: torch.Tensor
     """[L, 3] text position ids (all zero in Flux)."""
+    neg_prompt: Optional[torch.Tensor] = None
+    """[1, L, joint_dim] unconditional (negative prompt) text embedding; None when true CFG is off."""
+    neg_pooled: Optional[torch.Tensor] = None
+    """[1, pooled_dim] unconditional pooled embedding; None when true CFG is off."""
+
+    @property
+    def true_cfg(self) -> bool:
+        """Whether each step also runs the unconditional branch."""
+        return self.neg_prompt is not None
 
     @property
     def model_ids(self) -> torch.Tensor:
@@ -87,16 +93,18 @@ def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
     return uncond + scale * (cond - uncond)
 
 
-def sequential_cfg_velocity(model, inputs: EditInputs, guidance_scale: float, guidance: Optional[float],
+def sequential_cfg_velocity(model, inputs: EditInputs, true_cfg_scale: float, guidance: Optional[float],
                             dtype: torch.dtype, attention=None) -> VelocityFn:
-    """Velocity on one process: the conditional, then the unconditional branch (layout ``single``)."""
+    """Velocity on one process: the conditional, then (true CFG on) the unconditional branch (layout ``single``)."""
     n_img = inputs.noise.shape[1]
     extra = {} if attention is None else {"attention": attention}
 
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
         cond = model(**branch_inputs(inputs, x, sigma, True, dtype, guidance), **extra)[:, :n_img].float()
+        if not inputs.true_cfg:
+            return cond
         uncond = model(**branch_inputs(inputs, x, sigma, False, dtype, guidance), **extra)[:, :n_img].float()
-        return combine_cfg(cond, uncond, guidance_scale)
+        return combine_cfg(cond, uncond, true_cfg_scale)
 
     return velocity
 

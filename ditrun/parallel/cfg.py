@@ -6,6 +6,10 @@
 * ``cfg_split``: the cfg axis splits the replica in two SP groups that run one branch each at
   the same time; paired ranks (same SP index) swap their predictions to combine guidance.
 
+With true CFG off (``true_cfg_scale`` <= 1, diffusers' rule) only the conditional branch runs:
+``ulysses`` and ``cfg_batch`` then make one batch-1 pass per step, and ``cfg_split`` is refused
+(half its ranks would have nothing to do).
+
 Guidance is combined on each rank's own output tokens (it is elementwise), then the guided
 velocity is gathered over the SP group, so every rank steps the full latent identically.
 """
@@ -16,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ditrun.errors import UserError
 from ditrun.model.sampler import EditInputs, VelocityFn, branch_inputs, combine_cfg, sequential_cfg_velocity
 from ditrun.parallel.layout import Layout
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
@@ -23,6 +28,14 @@ from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gath
 
 # FluxDiT.forward inputs that have no batch dim: both branches share them.
 _SHARED_INPUTS = ("img_ids", "txt_ids")
+
+
+def check_true_cfg(layout_name: str, true_cfg_scale: float) -> None:
+    """``cfg_split`` needs both branches: refuse it, before any work, when true CFG is off."""
+    if layout_name == "cfg_split" and true_cfg_scale <= 1:
+        raise UserError(f"layout=cfg_split runs the unconditional branch on half the ranks, but "
+                        f"workload.true_cfg_scale={true_cfg_scale} turns true CFG off (it needs > 1); use "
+                        "layout=ulysses or cfg_batch, or raise workload.true_cfg_scale.")
 
 
 class LocalBranches:
@@ -69,7 +82,7 @@ def exchange_plans(layout: Layout, transports: dict[str, Transport], inputs: Edi
     if name == "single":
         return {}
     shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
-    batch = 2 if name == "cfg_batch" else 1
+    batch = 2 if name == "cfg_batch" and inputs.true_cfg else 1
     sp = [*attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
           gather_plan("velocity_gather", shards.output, (1, channels), torch.float32)]
     if name != "cfg_split":
@@ -108,13 +121,18 @@ def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inp
 
 def _sequential(branches: LocalBranches, sp: Transport, scale: float) -> VelocityFn:
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-        guided = combine_cfg(branches.one(x, sigma, True), branches.one(x, sigma, False), scale)
+        guided = branches.one(x, sigma, True)
+        if branches.local.true_cfg:
+            guided = combine_cfg(guided, branches.one(x, sigma, False), scale)
         return branches.shards.gather_output(sp, guided)
 
     return velocity
 
 
 def _batched(branches: LocalBranches, sp: Transport, scale: float) -> VelocityFn:
+    if not branches.local.true_cfg:  # one branch: nothing to stack
+        return _sequential(branches, sp, scale)
+
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
         guided = combine_cfg(*branches.both_batched(x, sigma), scale)
         return branches.shards.gather_output(sp, guided)

@@ -65,7 +65,7 @@ class SequenceShards:
         return dataclasses.replace(
             inputs, noise=inputs.noise[:, out], ref_latents=inputs.ref_latents[:, ref],
             img_ids=inputs.img_ids[out], ref_ids=inputs.ref_ids[ref], prompt=inputs.prompt[:, text],
-            neg_prompt=inputs.neg_prompt[:, text], txt_ids=inputs.txt_ids[text],
+            neg_prompt=None if inputs.neg_prompt is None else inputs.neg_prompt[:, text], txt_ids=inputs.txt_ids[text],
         )
 
     def gather_output(self, transport: Transport, local: torch.Tensor, kind: str = "velocity_gather") -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Prompts encoded by the text encoders of a diffusers pipeline folder, once, cached on disk.
+
+``model.path`` may name a whole diffusers FLUX.1 (Kontext) pipeline folder (``model_index.json``,
+``transformer/``, ``vae/``, ``text_encoder/`` (CLIP), ``text_encoder_2/`` (T5), ``tokenizer/``,
+``tokenizer_2/``). Then the DiT comes from ``transformer/``, the VAE from ``vae/`` (unless
+``workload.vae_path`` names another), and each edit's prompt is encoded by diffusers' own
+``encode_prompt`` with ``max_sequence_length = workload.text_len``: one rank (global rank 0)
+loads the encoders, encodes every distinct prompt not yet in the cache (and ``""``, the
+negative prompt of true CFG), frees them, and sends the files to the other ranks, which may sit
+on other nodes without a shared file system. The DiT is built after that, so the encoders and
+the DiT are never in memory together.
+
+The cache (``$XDG_CACHE_HOME/ditrun/prompts``) holds one safetensors file per (folder, prompt,
+lengths), with the tensor names of an embeddings file (``prompt_embeds``, ...), so every later
+stage treats an encoded prompt as an edit whose ``prompt_embeds`` file was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ditrun.errors import UserError
+
+# Bump when what is stored under a key changes.
+PROMPT_FORMAT = 1
+# The negative prompt of true CFG, as diffusers' negative_prompt="".
+NEGATIVE_PROMPT = ""
+
+
+def is_pipeline_folder(path: Optional[str]) -> bool:
+    """A diffusers pipeline folder: ``model_index.json`` beside a ``transformer/`` folder."""
+    return bool(path) and (Path(path) / "model_index.json").is_file() and (Path(path) / "transformer").is_dir()
+
+
+def transformer_folder(path: str) -> str:
+    """The DiT's folder: ``<pipeline>/transformer`` for a pipeline folder, else ``path`` itself."""
+    return str(Path(path) / "transformer") if is_pipeline_folder(path) else path
+
+
+def vae_folder(model_path: Optional[str], vae_path: Optional[str]) -> Optional[str]:
+    """``workload.vae_path`` when set, else a pipeline folder's ``vae/``, else None (the linear map)."""
+    if vae_path or not is_pipeline_folder(model_path):
+        return vae_path
+    return str(Path(model_path) / "vae")
+
+
+ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+
+
+def _check_encoders(folder: Path) -> None:
+    missing = [part for part in ENCODER_PARTS if not (folder / part).is_dir()]
+    if missing:
+        parts = ", ".join(f"{part}/" for part in missing)
+        raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {parts}; "
+                        "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers.")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "ditrun" / "prompts"
+
+
+def _encoder_fingerprint(folder: Path) -> list:
+    """What decides an encoding: the encoders' and tokenizers' files (names, sizes, mtimes)."""
+    return sorted([str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns]
+                  for part in ENCODER_PARTS for f in (folder / part).rglob("*") if f.is_file())
+
+
+@dataclasses.dataclass
+class PromptCache:
+    """Where each prompt's embeddings file of one pipeline folder lives."""
+
+    folder: Path
+    max_sequence_length: int
+    root: Path
+
+    def __post_init__(self):
+        self._fingerprint = _encoder_fingerprint(self.folder)
+
+    def file(self, prompt: str) -> Path:
+        key = json.dumps({"format": PROMPT_FORMAT, "folder": str(self.folder.resolve()), "encoders": self._fingerprint,
+                          "prompt": prompt, "max_sequence_length": self.max_sequence_length})
+        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+
+    def missing(self, prompts: list[str]) -> list[str]:
+        return [p for p in dict.fromkeys(prompts) if not self.file(p).is_file()]
+
+    def store(self, prompt: str, data: bytes) -> None:
+        """Write atomically (one rename), so a reader never sees half a file."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=self.root)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.file(prompt))
+
+
+def encode(cache: PromptCache, prompts: list[str], device: torch.device, dtype: torch.dtype) -> None:
+    """Encode ``prompts`` with the folder's CLIP and T5 through diffusers' ``encode_prompt``; the
+    encoders are freed before this returns."""
+    from diffusers import FluxPipeline
+    from safetensors.torch import save
+
+    pipe = FluxPipeline.from_pretrained(cache.folder, transformer=None, vae=None, torch_dtype=dtype).to(device)
+    with torch.no_grad():
+        for prompt in prompts:
+            embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
+                                                   max_sequence_length=cache.max_sequence_length)
+            cache.store(prompt, save({"prompt_embeds": embeds[0].float().cpu().contiguous(),
+                                      "pooled_prompt_embeds": pooled[0].float().cpu().contiguous()}))
+    del pipe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _share(cache: PromptCache, prompts: list[str], control) -> None:
+    """Rank 0's files to every rank whose cache lacks them (a gloo group over the world)."""
+    import torch.distributed as dist
+
+    wanted = [None]
+    if dist.get_rank() == 0:
+        wanted = [{p: cache.file(p).read_bytes() for p in dict.fromkeys(prompts)}]
+    dist.broadcast_object_list(wanted, src=0, group=control)
+    for prompt, data in wanted[0].items():
+        if not cache.file(prompt).is_file():
+            cache.store(prompt, data)
+
+
+def _edit_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
+    """The embeddings file of one edit: the prompt's tensors, with the empty prompt's as the negative."""
+    from safetensors.torch import load_file, save_file
+
+    if not true_cfg:
+        return cache.file(prompt)
+    combined = cache.file(prompt).with_name(cache.file(prompt).stem + ".cfg.safetensors")
+    if not combined.is_file():
+        tensors, negative = load_file(cache.file(prompt)), load_file(cache.file(NEGATIVE_PROMPT))
+        tensors.update(negative_prompt_embeds=negative["prompt_embeds"],
+                       negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])
+        fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=cache.root)
+        os.close(fd)
+        save_file(tensors, tmp)
+        os.replace(tmp, combined)
+    return combined
+
+
+def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dtype: torch.dtype) -> list:
+    """``edits`` with each prompt's embeddings file filled in (edits that name their own file keep it).
+
+    Global rank 0 encodes what the cache lacks; ``control`` (a gloo group over the world, or None
+    in a one-process run) then carries the files to the other ranks.
+    """
+    if not is_pipeline_folder(cfg.model.path) or all(e.prompt_embeds for e in edits):
+        return edits
+    _check_encoders(Path(cfg.model.path))
+    cache = PromptCache(Path(cfg.model.path), cfg.workload.text_len,
+                        Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else default_cache_dir())
+    true_cfg = cfg.workload.true_cfg_scale > 1
+    prompts = [e.prompt for e in edits if not e.prompt_embeds] + ([NEGATIVE_PROMPT] if true_cfg else [])
+    if rank == 0 and cache.missing(prompts):
+        print(f"ditrun: encoding {len(cache.missing(prompts))} prompts with the text encoders of {cache.folder}, "
+              f"cached in {cache.root}", flush=True)
+        encode(cache, cache.missing(prompts), device, dtype)
+    if control is not None:
+        _share(cache, prompts, control)
+    return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
+            for e in edits]
