@@ -25,6 +25,10 @@ VENV_BIN = Path(sys.executable).parent
 TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
         "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false", "device=cpu"]
 MAX_RELATIVE_ERROR = 1e-5
+# Quantized runs: an fp32 rounding difference between layouts can move a value across a rounding
+# boundary of the quantizer, which changes it by one quantization step; across a few steps that
+# stays far below the quantization error itself (~1e-2) but can exceed plain fp32 rounding.
+MAX_QUANTIZED_RELATIVE_ERROR = 1e-4
 
 
 def ditrun_command(*overrides: str) -> list[str]:
@@ -78,7 +82,8 @@ def latents(out_dir: Path, edit: str):
     return load_file(str(out_dir / f"{edit}.latents.safetensors"))["latents"]
 
 
-def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int) -> None:
+def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int,
+                        bound: float = MAX_RELATIVE_ERROR) -> None:
     """Every edit of ``out_dir`` recorded once, by ``layout`` on ``world`` ranks, with the reference's latents."""
     found = records(out_dir)
     expected = [r["edit"] for r in records(reference)]
@@ -86,7 +91,7 @@ def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int)
     for record in found:
         assert (record["layout"], record["world"]) == (layout, world)
         error = relative_error(latents(out_dir, record["edit"]), latents(reference, record["edit"]))
-        assert error <= MAX_RELATIVE_ERROR, f"{record['edit']}: relative error {error:.2e}"
+        assert error <= bound, f"{record['edit']}: relative error {error:.2e}"
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["world"] == world and summary["edits"] == len(expected)
 

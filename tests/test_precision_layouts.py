@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ditrun.launch import worker
-from launching import (assert_same_latents, ditrun_command, latents, records, relative_error, run, single_reference,
+from launching import (MAX_QUANTIZED_RELATIVE_ERROR, assert_same_latents, ditrun_command, latents, records, relative_error, run, single_reference,
                        tiny_config)
 from ranks import run_ranks
 
@@ -38,7 +38,7 @@ def test_cli_runs_a_precision_on_two_spawned_ulysses_ranks(tmp_path, singles, pr
                180, tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert f"precision {label}" in proc.stdout
-    assert_same_latents(out, singles(precision), "ulysses", 2)
+    assert_same_latents(out, singles(precision), "ulysses", 2, MAX_QUANTIZED_RELATIVE_ERROR)
     record = records(out)[0]
     assert record["precision"] == label and 0.9 < record["ssim"] < 1.0  # quantized: close to BF16, not equal
     summary = json.loads((out / "summary.json").read_text())
@@ -54,7 +54,7 @@ def _run_worker(rank, world, cfg, out_dir):
 def test_precision_in_a_layout_on_two_ranks_equals_single(tmp_path, singles, precision, layout):
     cfg = tiny_config(f"precision={precision}", f"layout={layout}", "launcher.world=2", "metrics.report=false")
     run_ranks(_run_worker, 2, (cfg, tmp_path), timeout=120)
-    assert_same_latents(tmp_path, singles(precision), layout, 2)
+    assert_same_latents(tmp_path, singles(precision), layout, 2, MAX_QUANTIZED_RELATIVE_ERROR)
 
 
 GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false"]
