@@ -179,6 +179,36 @@ def test_mx_repack_to_fp8_is_exact_unless_counted(fmt):
         assert int(inexact) > 0
 
 
+def _compiled_whole(fn):
+    """fn through torch.compile with fullgraph=True (a graph break raises) and dynamic shapes, as on GPUs;
+    aot_eager traces and decomposes exactly what inductor would get, without compiling C++ on the CPU."""
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+
+
+@pytest.mark.parametrize("backend, fmt", [("emulation", "fp8"), ("emulation", "mxfp6"), ("mx_repack_fp8", "mxfp8"),
+                                          ("mx_repack_fp8", "mxfp6"), ("mx_repack_fp8", "mxfp4")])
+def test_activation_quantizers_compile_without_graph_breaks(backend, fmt):
+    fmt = L.LINEAR_FORMATS.get(fmt, "fmt")
+    quantize = type(L.LINEAR_BACKENDS.get(backend, "backend")()).quantize
+    x = torch.randn(48, 256, generator=gen(3)) * 3
+
+    def fn(x):
+        return quantize(x, fmt, "rceil")
+
+    for got, want in zip(_compiled_whole(fn)(x), fn(x)):
+        assert torch.equal(got.float(), want.float())
+
+
+@pytest.mark.parametrize("v_format", ["bf16", "fp8", "mxfp6"])
+def test_attention_operand_quantization_compiles_without_graph_breaks(v_format):
+    from ditrun.kernels.attention import operand_tensors
+
+    q, k, v = _qkv(s=64)
+    for got, want in zip(_compiled_whole(operand_tensors)(q, k, v, v_format), operand_tensors(q, k, v, v_format)):
+        assert torch.equal(got, want)
+
+
 def test_rowwise_fp8_quantizer_matches_the_codec():
     x = torch.randn(32, 64, generator=gen(9)) * 5
     fp8, scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)

@@ -18,8 +18,9 @@ FP6 four codes per three bytes little-endian (``c0 | c1<<6 | c2<<12 | c3<<18``),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+import functools
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,23 +40,22 @@ class ElementFormat:
     """Magnitude codes (sign bit clear) that mean NaN."""
     inf_code: int | None = None
     """Magnitude code of infinity, where the format has one (E5M2); it is never produced: values saturate."""
+    # The constants below are plain Python numbers filled once, when the format is defined: a traced
+    # (torch.compile'd) quantizer reads them as constants instead of tracing the code-table walk.
+    bits: int = field(init=False)
+    bias: int = field(init=False)
+    max_value: float = field(init=False)
+    """The largest finite value."""
+    emax: int = field(init=False)
+    """Exponent of the largest normal value (the OCP ``emax_elem``)."""
 
-    @property
-    def bits(self) -> int:
-        return 1 + self.exponent_bits + self.mantissa_bits
-
-    @property
-    def bias(self) -> int:
-        return 2 ** (self.exponent_bits - 1) - 1
-
-    @property
-    def max_value(self) -> float:
-        return float(finite_values(self)[-1])
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest normal value (the OCP ``emax_elem``)."""
-        return int(torch.frexp(torch.tensor(self.max_value)).exponent) - 1
+    def __post_init__(self):
+        set_constant = functools.partial(object.__setattr__, self)  # frozen: set once, here
+        set_constant("bits", 1 + self.exponent_bits + self.mantissa_bits)
+        set_constant("bias", 2 ** (self.exponent_bits - 1) - 1)
+        finite = [v for v in map(self.magnitude, range(2 ** (self.bits - 1))) if math.isfinite(v)]
+        set_constant("max_value", max(finite))
+        set_constant("emax", math.frexp(self.max_value)[1] - 1)
 
     def magnitude(self, code: int) -> float:
         """The value of a magnitude code (sign bit clear), from the bit fields."""
@@ -83,7 +83,7 @@ def element_format(fmt: str | ElementFormat) -> ElementFormat:
     return fmt if isinstance(fmt, ElementFormat) else FORMATS[fmt]
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def finite_values(fmt: ElementFormat) -> torch.Tensor:
     """Non-negative finite values in code order (code i has value [i]); increasing. fp32 on the CPU."""
     values = [fmt.magnitude(c) for c in range(2 ** (fmt.bits - 1))]
