@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats
-from ditrun.kernels.linear import CompiledOnGpu
+from ditrun.kernels.linear import CompiledOnGpu, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
@@ -116,22 +116,12 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.T
 # The Triton kernel (GPU) behind a custom op
 
 
-def _triton_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                         v: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype."""
     ops = Int8QK(q, q_scale, k, k_scale, v)
-    if _triton_available(q.device):
+    if triton_available(q.device):
         from ditrun.kernels.attention_triton import int8qk_flash
 
         return int8qk_flash(ops, sm_scale, BLOCK_Q, BLOCK_K)
@@ -204,5 +194,5 @@ def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> O
     if not kernel.quantized:
         return None
     if kernel.name.startswith("int8qk"):
-        return None if _triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
+        return None if triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
     return "has no fast kernel yet (emulated on every device)"
