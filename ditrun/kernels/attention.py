@@ -29,14 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats
-from ditrun.kernels.linear import CompiledOnGpu, triton_available
+from ditrun.kernels.linear import CompiledOnGpu, fp8_dtype, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
-BLOCK_Q = 128
-"""Queries per Triton program."""
-BLOCK_K = 64
-"""Keys per inner Triton tile."""
 V_FORMATS = ("bf16", "fp8", "mxfp6")
 
 
@@ -118,18 +114,21 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.T
 
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                        v: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype."""
+                        v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
+    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype.
+
+    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the kernel then runs P @ V as an
+    FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
     ops = Int8QK(q, q_scale, k, k_scale, v)
     if triton_available(q.device):
         from ditrun.kernels.attention_triton import int8qk_flash
 
-        return int8qk_flash(ops, sm_scale, BLOCK_Q, BLOCK_K)
+        return int8qk_flash(ops, sm_scale, v_fp8 and fp8_dtype() == torch.float8_e4m3fn)
     return int8qk_reference(ops, sm_scale)
 
 
 @int8qk_attention_op.register_fake
-def _(q, q_scale, k, k_scale, v, sm_scale):
+def _(q, q_scale, k, k_scale, v, sm_scale, v_fp8=False):
     return torch.empty_like(v)
 
 
@@ -156,7 +155,7 @@ def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
         ops = Int8QK(*quantize(q, k, v, v_format))
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast:
-            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
+            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, v_format == "fp8")
         else:
             out = int8qk_reference(ops, sm_scale)
         return out.transpose(1, 2)

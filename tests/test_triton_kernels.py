@@ -1,7 +1,9 @@
-"""The Triton activation quantizers (kernels/quantize_triton.py) equal the torch quantizers of the
-FP8 backends: their arithmetic in Triton's CPU interpreter (where Triton is installed), bit for
-bit with the FP8 cast and the inexact-row count on a GPU."""
+"""The Triton kernels against their torch references: the activation quantizers
+(kernels/quantize_triton.py) equal the FP8 backends' torch quantizers, and the INT8-QK attention
+kernel (kernels/attention_triton.py) equals ``int8qk_reference``: in Triton's CPU interpreter
+(where Triton is installed: the arithmetic) and on a GPU (bit for bit with the FP8 casts)."""
 
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +14,8 @@ import torch
 
 from ditrun.kernels import formats
 from ditrun.kernels import linear as L
+from ditrun.kernels.attention import int8qk_attention_op, int8qk_reference, quantize_operands
+from launching import relative_error
 
 ELEMENTS = ["fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
 
@@ -42,12 +46,22 @@ def check_arithmetic(store_dtype=torch.float32) -> None:
             assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), (element, mode)
 
 
+def check_attention() -> None:
+    """The attention kernel with fixed tiles (the interpreter cannot autotune), BF16-path V, masked and not."""
+    from ditrun.kernels.attention_triton import int8qk_flash
+
+    for s in (200, 256):  # 200: the last key tile is masked; 256: every tile is full
+        g = torch.Generator().manual_seed(s)
+        ops = quantize_operands(*(torch.randn(1, s, 2, 64, generator=g) for _ in range(3)), "bf16")
+        assert relative_error(int8qk_flash(ops, 0.125, tiles=(64, 64)), int8qk_reference(ops, 0.125)) < 1e-5
+
+
 @pytest.mark.timeout(240)
-def test_triton_quantizer_arithmetic_in_the_cpu_interpreter():
+def test_triton_kernels_in_the_cpu_interpreter():
     pytest.importorskip("triton")
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
-    code = "import test_quantize_triton as t; t.check_arithmetic()"
+    code = "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=200)
@@ -69,3 +83,14 @@ def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
             want = L.mx_repack_fp8(x, element, 32, mode)
             assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
             assert int(got[2]) == int(want[2]), (element, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_format, tolerance", [("bf16", 1e-2), ("mxfp6", 1e-2), ("fp8", 5e-2)])
+def test_triton_int8qk_equals_the_reference(v_format, tolerance):
+    """fp8: the kernel also rounds P to E4M3 (2^8 P), which the reference does not: a few % (max-norm)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
+    ops = quantize_operands(q, k, v, v_format)
+    got = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), v_format == "fp8")
+    assert relative_error(got.float(), int8qk_reference(ops, 1 / math.sqrt(128)).float()) < tolerance
