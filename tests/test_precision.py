@@ -3,7 +3,6 @@
 
 import functools
 import inspect
-import math
 
 import pytest
 import torch
