@@ -56,12 +56,27 @@ def check_attention() -> None:
         assert relative_error(int8qk_flash(ops, 0.125, tiles=(64, 64)), int8qk_reference(ops, 0.125)) < 1e-5
 
 
+def check_qk_quantizer(dtype=torch.float32) -> None:
+    """The fused Q/K quantizer equals quantize_int8_rows of the (smoothed) transposed input. fp32 in the
+    interpreter, whose casts to BF16 truncate; BF16 on GPUs."""
+    from ditrun.kernels.attention import quantize_int8_rows, quantize_qk_op, smooth_k
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 100, 3, 64, generator=g) + 0.5 * torch.randn(2, 1, 3, 64, generator=g)  # a key bias
+    x[0, 5] = 0
+    x = x.to(dtype).to("cuda" if dtype != torch.float32 else "cpu")
+    for smooth in (False, True):
+        got = quantize_qk_op(x, smooth)
+        want = quantize_int8_rows((smooth_k(x, dim=1) if smooth else x).transpose(1, 2))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), smooth
+
+
 @pytest.mark.timeout(240)
 def test_triton_kernels_in_the_cpu_interpreter():
     pytest.importorskip("triton")
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
-    code = "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention()"
+    code = "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); t.check_qk_quantizer()"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=200)
@@ -83,6 +98,11 @@ def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
             want = L.mx_repack_fp8(x, element, 32, mode)
             assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
             assert int(got[2]) == int(want[2]), (element, mode)
+
+
+@pytest.mark.gpu
+def test_fused_qk_quantizer_equals_the_reference_on_the_gpu():
+    check_qk_quantizer(torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -77,13 +77,33 @@ class Int8QK:
     v: torch.Tensor
 
 
+@torch.library.custom_op("ditrun::quantize_qk", mutates_args=())
+def quantize_qk_op(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of ``quantize_qk`` (one pass: smoothing, per-token scale, rounding, transpose)."""
+    from ditrun.kernels.attention_triton import quantize_qk
+
+    return quantize_qk(x, smooth)
+
+
+@quantize_qk_op.register_fake
+def _(x, smooth):
+    b, s, h, d = x.shape
+    return x.new_empty((b, h, s, d), dtype=torch.int8), x.new_empty((b, h, s), dtype=torch.float32)
+
+
+def quantize_qk(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q or K [B, S, H, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]); K (``smooth``) minus its token mean."""
+    if triton_available(x.device):
+        return quantize_qk_op(x, smooth)
+    return quantize_int8_rows((smooth_k(x, dim=1) if smooth else x).transpose(1, 2))
+
+
 def operand_tensors(q, k, v, v_format: str) -> tuple[torch.Tensor, ...]:
     """The fields of ``Int8QK``, as a tuple (what torch.compile returns best)."""
     # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    q8, q_scale = quantize_int8_rows(q)
-    k8, k_scale = quantize_int8_rows(smooth_k(k, dim=2))
-    return q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous()
+    q8, q_scale = quantize_qk(q, smooth=False)
+    k8, k_scale = quantize_qk(k, smooth=True)
+    return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), v_format).contiguous()
 
 
 def quantize_operands(q, k, v, v_format: str) -> Int8QK:

@@ -119,3 +119,43 @@ def int8qk_flash(ops, sm_scale: float, v_fp8: bool = False, tiles: tuple[int, in
                  q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
                  v.stride(0), v.stride(1), v.stride(2), v.stride(3), D=d, V_FP8=v_fp8, **fixed)
     return out
+
+
+@triton.jit
+def _quantize_qk_kernel(X, MEAN, Y, SCALE, S, H, stride_xb, stride_xs, stride_xh, stride_mb, stride_mh,
+                        SMOOTH: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # X: [B, S, H, D] (any strides, D contiguous); MEAN: [B, H, D] in X's dtype, read when SMOOTH;
+    # Y: int8 [B, H, S, D]; SCALE: fp32 [B, H, S]. One program: BLOCK_S tokens of one (batch, head).
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    tokens = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, D)
+    mask = tokens[:, None] < S
+    x = tl.load(X + b.to(tl.int64) * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xs + dims[None, :],
+                mask=mask, other=0.0)
+    if SMOOTH:  # as smooth_k: the difference rounded to X's dtype
+        mean = tl.load(MEAN + b * stride_mb + h * stride_mh + dims)
+        x = (x.to(tl.float32) - mean.to(tl.float32)[None, :]).to(x.dtype)
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+    steps = tl.math.div_rn(x, scale[:, None])
+    codes = tl.minimum(tl.maximum((steps + 12582912.0) - 12582912.0, -127.0), 127.0)  # round half to even
+    rows = bh.to(tl.int64) * S + tokens
+    tl.store(Y + rows[:, None] * D + dims[None, :], codes.to(tl.int8), mask=mask)
+    tl.store(SCALE + rows, scale, mask=tokens < S)
+
+
+def quantize_qk(x: torch.Tensor, smooth: bool, block_s: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, H, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]): ``quantize_int8_rows`` of x transposed
+    (of ``smooth_k`` of it when ``smooth``) in one pass, the transpose included."""
+    b, s, h, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    mean = x.float().mean(dim=1).to(x.dtype) if smooth else x  # [B, H, D]; x: an unread stand-in
+    codes = torch.empty(b, h, s, d, dtype=torch.int8, device=x.device)
+    scale = torch.empty(b, h, s, dtype=torch.float32, device=x.device)
+    _quantize_qk_kernel[(triton.cdiv(s, block_s), b * h)](
+        x, mean, codes, scale, s, h, x.stride(0), x.stride(1), x.stride(2), mean.stride(0), mean.stride(1),
+        SMOOTH=smooth, D=d, BLOCK_S=block_s, num_warps=4)
+    return codes, scale
