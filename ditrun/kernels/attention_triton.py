@@ -21,9 +21,10 @@ import triton
 import triton.language as tl
 
 from ditrun.kernels import formats
+from ditrun.kernels.quantize_triton import ROUND_MAGIC
 
 LOG2_E = 1.4426950408889634
-P_FP8_SCALE = 256.0
+P_FP8_SCALE = tl.constexpr(256.0)
 """P (<= 1) times this is cast to E4M3 for the FP8 P @ V dot; a power of two, so it is exact to undo."""
 
 CONFIGS = [
@@ -140,7 +141,7 @@ def _quantize_qk_kernel(X, MEAN, Y, SCALE, S, H, stride_xb, stride_xs, stride_xh
     amax = tl.max(tl.abs(x), 1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
     steps = tl.math.div_rn(x, scale[:, None])
-    codes = tl.minimum(tl.maximum((steps + 12582912.0) - 12582912.0, -127.0), 127.0)  # round half to even
+    codes = tl.minimum(tl.maximum((steps + ROUND_MAGIC) - ROUND_MAGIC, -127.0), 127.0)  # round half to even
     rows = bh.to(tl.int64) * S + tokens
     tl.store(Y + rows[:, None] * D + dims[None, :], codes.to(tl.int8), mask=mask)
     tl.store(SCALE + rows, scale, mask=tokens < S)

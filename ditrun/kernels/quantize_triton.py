@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ditrun.kernels import formats
 
-ROUND_MAGIC = 12582912.0
+ROUND_MAGIC = tl.constexpr(12582912.0)
 """1.5 * 2^23: adding and subtracting it rounds an fp32 of magnitude < 2^22 to an integer, half to even."""
 
 
@@ -102,7 +102,7 @@ def _mx_repack_kernel(X, Y, SCALE, INEXACT, K, stride_x, stride_y,
     row = tl.program_id(0).to(tl.int64)
     # One tile = BLOCKS_PER_TILE MX blocks of BLOCK elements: [NB, BLOCK] offsets within the row.
     offsets = tl.arange(0, BLOCKS_PER_TILE)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    TILE: tl.constexpr = BLOCKS_PER_TILE * BLOCK
+    TILE = BLOCKS_PER_TILE * BLOCK
     top = tl.full([BLOCKS_PER_TILE], -127, tl.int32)
     for start in range(0, K, TILE):
         mask = start + offsets < K
