@@ -63,7 +63,7 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
 def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
     """K minus its mean over the tokens (``dim``): the scores of a query row move by one constant,
     which softmax ignores, and what is left to quantize is the part that differs between keys."""
-    return k - k.float().mean(dim=dim, keepdim=True).to(k.dtype)
+    return k - k.mean(dim=dim, keepdim=True, dtype=torch.float32).to(k.dtype)  # fp32 sums, no fp32 copy of k
 
 
 @dataclass

@@ -153,7 +153,7 @@ def quantize_qk(x: torch.Tensor, smooth: bool, block_s: int = 64) -> tuple[torch
     b, s, h, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    mean = x.float().mean(dim=1).to(x.dtype) if smooth else x  # [B, H, D]; x: an unread stand-in
+    mean = x.mean(dim=1, dtype=torch.float32).to(x.dtype) if smooth else x  # [B, H, D], as smooth_k; x: unread
     codes = torch.empty(b, h, s, d, dtype=torch.int8, device=x.device)
     scale = torch.empty(b, h, s, dtype=torch.float32, device=x.device)
     _quantize_qk_kernel[(triton.cdiv(s, block_s), b * h)](
