@@ -53,7 +53,7 @@ def _int8qk_forward(Q, QS, K, KS, V, VS, O, sm_scale_log2, S, H, stride_b, strid
     dims = tl.arange(0, D)
     q = tl.load(Q + base + rows[:, None] * stride_s + dims[None, :], mask=rows[:, None] < S, other=0)
     scales = b * scale_b + h * scale_h
-    q_scale = tl.load(QS + scales + rows, mask=rows < S, other=0.0) * sm_scale_log2
+    q_scale = tl.load(QS + scales + rows, mask=rows < S, other=1.0) * sm_scale_log2  # > 0: see below
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -67,12 +67,13 @@ def _int8qk_forward(Q, QS, K, KS, V, VS, O, sm_scale_log2, S, H, stride_b, strid
         else:
             k = tl.load(k_ptrs, mask=keys[:, None] < S, other=0)
             k_scale = tl.load(KS + scales + keys, mask=keys < S, other=0.0)
-        scores = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-        scores = scores * q_scale[:, None] * k_scale[None, :]  # log2 units
+        # The scores in log2 units are q_scale * raw; as q_scale > 0, the row max is q_scale * max(raw),
+        # and q_scale * raw - m is one FMA per score (the softmax, not the dots, bounds this loop).
+        raw = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32) * k_scale[None, :]
         if not EVEN_N:
-            scores = tl.where(keys[None, :] < S, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.math.exp2(scores - m_new[:, None])
+            raw = tl.where(keys[None, :] < S, raw, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(raw, 1) * q_scale)
+        p = tl.math.exp2(raw * q_scale[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN_N:
