@@ -4,8 +4,10 @@
     python benchmarks/attention.py --s 20992 --repeats 10
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
-``int8qk kernel`` (the Triton kernel on operands quantized beforehand) and ``int8qk`` end to
-end for each V format (operand quantization, torch.compile'd, + kernel), as the model calls it.
+``int8qk kernel only`` (the autotuned Triton kernel on operands quantized beforehand, with BF16 V
+and with FP8 V on the FP8 P @ V dot) and ``int8qk`` end to end for each V format (operand
+quantization, torch.compile'd, + kernel), as the model calls it. The first call of each kernel
+autotunes it (untimed).
 Error: max |out - SDPA in fp32| / max |SDPA in fp32| over the first 2048 queries (fp32 SDPA is
 the exact reference; BF16 SDPA's own error is printed beside it for scale).
 """
@@ -49,11 +51,12 @@ def bench(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str
     base = time_ms(lambda: sdpa(q, k, v), CUDA, repeats)
     rows = [{"S": str(s), "kernel": "sdpa bf16", "ms": f"{base:.3f}", "TF/s": f"{flops / base / 1e9:.0f}",
              "vs sdpa": "1.00x", "error": f"{relative_error(sdpa(q, k, v)[:, :ERROR_QUERIES], exact):.1e}"}]
-    ops = quantize_operands(q, k, v, "bf16")
-    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim))
-    kernel = time_ms(lambda: int8qk_attention_op(*args), CUDA, repeats)
-    rows.append({"S": str(s), "kernel": "int8qk kernel only", "ms": f"{kernel:.3f}",
-                 "TF/s": f"{flops / kernel / 1e9:.0f}", "vs sdpa": f"{base / kernel:.2f}x", "error": "-"})
+    for v_format in ("bf16", "fp8"):  # the kernel on operands quantized beforehand: BF16 and FP8 P @ V
+        ops = quantize_operands(q, k, v, v_format)
+        args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), v_format == "fp8")
+        kernel = time_ms(lambda: int8qk_attention_op(*args), CUDA, repeats)
+        rows.append({"S": str(s), "kernel": f"int8qk kernel only ({v_format} V)", "ms": f"{kernel:.3f}",
+                     "TF/s": f"{flops / kernel / 1e9:.0f}", "vs sdpa": f"{base / kernel:.2f}x", "error": "-"})
     for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v"):
         attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
         ms = time_ms(lambda: attention(q, k, v), CUDA, repeats)

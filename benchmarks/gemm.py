@@ -8,6 +8,8 @@ For each (M, K, N) it times, with CUDA events (median of ``--repeats`` after war
 beforehand: the ceiling of any FP8 path), and each quantized backend end to end as a model
 call runs it: activation quantization (torch.compile'd) + GEMM. Speedups are against bf16; the
 MX repack column is also given as a fraction of the fp8 path (the issue's target: within 10%).
+``fp8 quant ms`` / ``mxfp6 quant ms``: the activation quantizer alone, with the bandwidth of one
+pass (bf16 read + fp8 write = 3 bytes per element; the H200 peaks near 4.8 TB/s).
 Every backend's output is compared with the emulation reference (relative error, max-norm).
 """
 
@@ -66,8 +68,12 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
         if not backends:
             row[name] = "no fast backend"
             continue
-        layer = L.QuantizedLinear.with_backend(w, fmt, backends[0])  # the model's path: compiled quantizer + GEMM
+        layer = L.QuantizedLinear.with_backend(w, fmt, backends[0])  # the model's path: quantizer + GEMM
         ms = time_ms(lambda: layer(x), CUDA, repeats)
+        if name in ("fp8", "mxfp6"):  # the activation quantizer alone: one pass over x, or not?
+            quantize = layer.backends[backends[0]].quantize
+            quant = time_ms(lambda: quantize(x, fmt, "rceil"), CUDA, repeats)
+            row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.0f} GB/s)"
         error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
         fp8_path = ms if name == "fp8" else fp8_path
         versus_fp8 = f", {ms / fp8_path:.2f} of fp8" if fp8_path and name != "fp8" else ""

@@ -40,7 +40,7 @@ if [[ $what == cli || $what == all ]]; then
   cp /tmp/cli-flux-dev/summary.json "$OUT/cli_summary.json"; cp /tmp/cli-flux-dev/edits.jsonl "$OUT/cli_edits.jsonl"
 fi
 if [[ $what == precision ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_formats.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_precision.py tests/test_formats.py tests/test_triton_kernels.py 2>&1 \
     | tee "$OUT/tests_precision.log" | tail -8
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_precision_layouts.py 2>&1 \
     | tee "$OUT/tests_precision_gpu.log" | tail -8

@@ -29,14 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats
-from ditrun.kernels.linear import CompiledOnGpu
+from ditrun.kernels.linear import CompiledOnGpu, fp8_dtype, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
-BLOCK_Q = 128
-"""Queries per Triton program."""
-BLOCK_K = 64
-"""Keys per inner Triton tile."""
 V_FORMATS = ("bf16", "fp8", "mxfp6")
 
 
@@ -67,7 +63,7 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
 def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
     """K minus its mean over the tokens (``dim``): the scores of a query row move by one constant,
     which softmax ignores, and what is left to quantize is the part that differs between keys."""
-    return k - k.float().mean(dim=dim, keepdim=True).to(k.dtype)
+    return k - k.mean(dim=dim, keepdim=True, dtype=torch.float32).to(k.dtype)  # fp32 sums, no fp32 copy of k
 
 
 @dataclass
@@ -81,13 +77,33 @@ class Int8QK:
     v: torch.Tensor
 
 
+@torch.library.custom_op("ditrun::quantize_qk", mutates_args=())
+def quantize_qk_op(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel of ``quantize_qk`` (one pass: smoothing, per-token scale, rounding, transpose)."""
+    from ditrun.kernels.attention_triton import quantize_qk
+
+    return quantize_qk(x, smooth)
+
+
+@quantize_qk_op.register_fake
+def _(x, smooth):
+    b, s, h, d = x.shape
+    return x.new_empty((b, h, s, d), dtype=torch.int8), x.new_empty((b, h, s), dtype=torch.float32)
+
+
+def quantize_qk(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q or K [B, S, H, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]); K (``smooth``) minus its token mean."""
+    if triton_available(x.device):
+        return quantize_qk_op(x, smooth)
+    return quantize_int8_rows((smooth_k(x, dim=1) if smooth else x).transpose(1, 2))
+
+
 def operand_tensors(q, k, v, v_format: str) -> tuple[torch.Tensor, ...]:
     """The fields of ``Int8QK``, as a tuple (what torch.compile returns best)."""
     # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    q8, q_scale = quantize_int8_rows(q)
-    k8, k_scale = quantize_int8_rows(smooth_k(k, dim=2))
-    return q8, q_scale, k8, k_scale, quantize_v(v, v_format).contiguous()
+    q8, q_scale = quantize_qk(q, smooth=False)
+    k8, k_scale = quantize_qk(k, smooth=True)
+    return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), v_format).contiguous()
 
 
 def quantize_operands(q, k, v, v_format: str) -> Int8QK:
@@ -116,30 +132,23 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.T
 # The Triton kernel (GPU) behind a custom op
 
 
-def _triton_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                        v: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype."""
+                        v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
+    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype.
+
+    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the kernel then runs P @ V as an
+    FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
     ops = Int8QK(q, q_scale, k, k_scale, v)
-    if _triton_available(q.device):
+    if triton_available(q.device):
         from ditrun.kernels.attention_triton import int8qk_flash
 
-        return int8qk_flash(ops, sm_scale, BLOCK_Q, BLOCK_K)
+        return int8qk_flash(ops, sm_scale, v_fp8 and fp8_dtype() == torch.float8_e4m3fn)
     return int8qk_reference(ops, sm_scale)
 
 
 @int8qk_attention_op.register_fake
-def _(q, q_scale, k, k_scale, v, sm_scale):
+def _(q, q_scale, k, k_scale, v, sm_scale, v_fp8=False):
     return torch.empty_like(v)
 
 
@@ -166,7 +175,7 @@ def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
         ops = Int8QK(*quantize(q, k, v, v_format))
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast:
-            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
+            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, v_format == "fp8")
         else:
             out = int8qk_reference(ops, sm_scale)
         return out.transpose(1, 2)
@@ -204,5 +213,5 @@ def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> O
     if not kernel.quantized:
         return None
     if kernel.name.startswith("int8qk"):
-        return None if _triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
+        return None if triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
     return "has no fast kernel yet (emulated on every device)"

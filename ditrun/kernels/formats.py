@@ -18,8 +18,9 @@ FP6 four codes per three bytes little-endian (``c0 | c1<<6 | c2<<12 | c3<<18``),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+import functools
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,23 +40,27 @@ class ElementFormat:
     """Magnitude codes (sign bit clear) that mean NaN."""
     inf_code: int | None = None
     """Magnitude code of infinity, where the format has one (E5M2); it is never produced: values saturate."""
+    # The constants below are plain Python numbers filled once, when the format is defined: a traced
+    # (torch.compile'd) quantizer reads them as constants instead of tracing the code-table walk.
+    bits: int = field(init=False)
+    bias: int = field(init=False)
+    magnitudes: tuple[float, ...] = field(init=False, repr=False)
+    """The value of every magnitude code (sign bit clear), NaN and infinity included."""
+    finite: tuple[float, ...] = field(init=False, repr=False)
+    """The non-negative finite values in code order (increasing)."""
+    max_value: float = field(init=False)
+    """The largest finite value."""
+    emax: int = field(init=False)
+    """Exponent of the largest normal value (the OCP ``emax_elem``)."""
 
-    @property
-    def bits(self) -> int:
-        return 1 + self.exponent_bits + self.mantissa_bits
-
-    @property
-    def bias(self) -> int:
-        return 2 ** (self.exponent_bits - 1) - 1
-
-    @property
-    def max_value(self) -> float:
-        return float(finite_values(self)[-1])
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest normal value (the OCP ``emax_elem``)."""
-        return int(torch.frexp(torch.tensor(self.max_value)).exponent) - 1
+    def __post_init__(self):
+        set_constant = functools.partial(object.__setattr__, self)  # frozen: set once, here
+        set_constant("bits", 1 + self.exponent_bits + self.mantissa_bits)
+        set_constant("bias", 2 ** (self.exponent_bits - 1) - 1)
+        set_constant("magnitudes", tuple(map(self.magnitude, range(2 ** (self.bits - 1)))))
+        set_constant("finite", tuple(v for v in self.magnitudes if math.isfinite(v)))
+        set_constant("max_value", max(self.finite))
+        set_constant("emax", math.frexp(self.max_value)[1] - 1)
 
     def magnitude(self, code: int) -> float:
         """The value of a magnitude code (sign bit clear), from the bit fields."""
@@ -83,23 +88,15 @@ def element_format(fmt: str | ElementFormat) -> ElementFormat:
     return fmt if isinstance(fmt, ElementFormat) else FORMATS[fmt]
 
 
-@lru_cache(maxsize=None)
-def finite_values(fmt: ElementFormat) -> torch.Tensor:
-    """Non-negative finite values in code order (code i has value [i]); increasing. fp32 on the CPU."""
-    values = [fmt.magnitude(c) for c in range(2 ** (fmt.bits - 1))]
-    finite = [v for v in values if v == v and v != float("inf")]
-    return torch.tensor(finite, dtype=torch.float32)
-
-
-def _values_on(fmt: ElementFormat, device: torch.device) -> torch.Tensor:
-    return finite_values(fmt).to(device)
+def finite_values(fmt: ElementFormat, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Non-negative finite values in code order (code i has value [i]); increasing. fp32."""
+    return torch.tensor(fmt.finite, dtype=torch.float32, device=device)
 
 
 def decode(codes: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
     """Unpacked codes (uint8, one per byte) -> float32 values."""
     fmt = element_format(fmt)
-    table = torch.tensor([fmt.magnitude(c) for c in range(2 ** (fmt.bits - 1))], dtype=torch.float32,
-                         device=codes.device)
+    table = torch.tensor(fmt.magnitudes, dtype=torch.float32, device=codes.device)
     sign_bit = 1 << (fmt.bits - 1)
     codes = codes.long()
     value = table[codes & (sign_bit - 1)]
@@ -113,7 +110,7 @@ def encode(x: torch.Tensor, fmt: str | ElementFormat) -> torch.Tensor:
     """
     # x: any shape -> codes of the same shape
     fmt = element_format(fmt)
-    values = _values_on(fmt, x.device)
+    values = finite_values(fmt, x.device)
     y = x.float()
     mag = y.abs().clamp(max=values[-1])
     hi = torch.bucketize(mag.contiguous(), values).clamp(max=len(values) - 1)  # values[hi - 1] < mag <= values[hi]

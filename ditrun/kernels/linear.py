@@ -1,7 +1,7 @@
 """Quantized linears: the formats a linear can run in, the backends that run them, and the module.
 
 Weights are converted once, when the model is built (``QuantizedLinear.__init__``); activations
-are quantized on every call. Which backend runs a call is the dispatch table's choice
+are quantized on every call, on GPUs with Triton in one kernel (``kernels/quantize_triton.py``). Which backend runs a call is the dispatch table's choice
 (``kernels/tuning.py``); every backend computes the same quantized product as ``emulation``
 (the reference: dequantize, then an ordinary matmul in the compute dtype), up to the GEMM's
 accumulation order, and is tested against it.
@@ -136,6 +136,46 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     return fp8, torch.ldexp(torch.ones_like(row_exponent, dtype=torch.float32), row_exponent.float()), inexact
 
 
+def triton_available(device: torch.device) -> bool:
+    """Whether Triton kernels can run on ``device`` (a GPU, with Triton importable)."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The Triton activation quantizers (one kernel each, ``kernels/quantize_triton.py``) as custom ops, so a
+# torch.compile'd quantizer that applies an activation first traces through them.
+@torch.library.custom_op("ditrun::rowwise_fp8", mutates_args=())
+def rowwise_fp8_op(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    from ditrun.kernels import quantize_triton
+
+    return quantize_triton.rowwise_fp8(x.contiguous(), dtype)
+
+
+@rowwise_fp8_op.register_fake
+def _(x, dtype):
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+@torch.library.custom_op("ditrun::mx_repack_fp8", mutates_args=())
+def mx_repack_fp8_op(x: torch.Tensor, element_name: str, block: int, scale_mode: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from ditrun.kernels import quantize_triton
+
+    headroom = repack_headroom(formats.element_format(element_name))
+    return quantize_triton.mx_repack_fp8(x.contiguous(), element_name, block, scale_mode, headroom)
+
+
+@mx_repack_fp8_op.register_fake
+def _(x, element_name, block, scale_mode):
+    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32),
+            x.new_empty((), dtype=torch.int64))
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends
 
@@ -208,8 +248,13 @@ class Fp8Rowwise:
         w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
         return {"w8": w8, "scale": scale}
 
+    triton_quantizer = True
+    """Its activation quantizer is one Triton kernel on GPUs with Triton (nothing to compile around it)."""
+
     @staticmethod
     def quantize(x, fmt, scale_mode):
+        if triton_available(x.device):
+            return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
     def gemm(self, operand, weights, fmt, out_dtype):
@@ -238,8 +283,12 @@ class MxRepackFp8:
         self.inexact_rows["weight"] += int(inexact)
         return {"w8": w8, "scale": scale}
 
+    triton_quantizer = True
+
     @staticmethod
     def quantize(x, fmt, scale_mode):
+        if triton_available(x.device):
+            return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 
     def gemm(self, operand, weights, fmt, out_dtype):
@@ -307,6 +356,7 @@ class AiterFp8:
         return {"w8": w8, "scale": scale}
 
     quantize = staticmethod(Fp8Rowwise.quantize)
+    triton_quantizer = True
 
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale = operand
@@ -334,7 +384,7 @@ def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
 
 @functools.cache
 def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str,
-                     activation: Optional[Callable]) -> CompiledOnGpu:
+                     activation: Optional[Callable]) -> Callable:
     """The input quantizer of ``backend`` (after ``activation`` when given) as one compiled function.
 
     One per (backend, format, scale rule, activation), shared by every linear that uses it: torch.compile
@@ -344,6 +394,9 @@ def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str,
         return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
 
     quantize.__name__ = f"{backend.name}_{fmt.name}_quantize"
+    if activation is None and getattr(backend, "triton_quantizer", False):
+        # Already one kernel on GPUs: compiling would only add dynamo's guards to every call.
+        return quantize
     return CompiledOnGpu(quantize)
 
 

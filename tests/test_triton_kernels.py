@@ -1,0 +1,116 @@
+"""The Triton kernels against their torch references: the activation quantizers
+(kernels/quantize_triton.py) equal the FP8 backends' torch quantizers, and the INT8-QK attention
+kernel (kernels/attention_triton.py) equals ``int8qk_reference``: in Triton's CPU interpreter
+(where Triton is installed: the arithmetic) and on a GPU (bit for bit with the FP8 casts)."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ditrun.kernels import formats
+from ditrun.kernels import linear as L
+from ditrun.kernels.attention import int8qk_attention_op, int8qk_reference, quantize_operands
+from launching import relative_error
+
+ELEMENTS = ["fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
+
+
+def activation(device: str = "cpu") -> torch.Tensor:
+    """[8, 320] bf16 spanning six decades across K, with a zero row, a zero block and a ragged last tile."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 320, generator=g) * torch.logspace(-3, 3, 320)
+    x[1], x[2, :64] = 0, 0
+    x[3, :32] *= 2.0**24  # a block far above the rest of its row: the row's repack is inexact
+    return x.to(torch.bfloat16).to(device)
+
+
+def check_arithmetic(store_dtype=torch.float32) -> None:
+    """Every quantizer's values before the FP8 cast, cast by torch, equal the torch reference's codes."""
+    from ditrun.kernels import quantize_triton as T
+
+    x = activation()
+    got, scale = T.rowwise_fp8(x, torch.float8_e4m3fn, store_dtype)
+    want, want_scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)
+    assert torch.equal(scale, want_scale) and torch.equal(got.to(torch.float8_e4m3fn).float(), want.float())
+    for element in ELEMENTS:
+        for mode in formats.SCALE_MODES:
+            headroom = L.repack_headroom(formats.FORMATS[element])
+            got, scale, _ = T.mx_repack_fp8(x, element, 32, mode, headroom, store_dtype)
+            want, want_scale, _ = L.mx_repack_fp8(x, element, 32, mode)
+            assert torch.equal(scale, want_scale), (element, mode)
+            assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), (element, mode)
+
+
+def check_attention() -> None:
+    """The attention kernel with fixed tiles (the interpreter cannot autotune), BF16-path V, masked and not."""
+    from ditrun.kernels.attention_triton import int8qk_flash
+
+    for s in (200, 256):  # 200: the last key tile is masked; 256: every tile is full
+        g = torch.Generator().manual_seed(s)
+        ops = quantize_operands(*(torch.randn(1, s, 2, 64, generator=g) for _ in range(3)), "bf16")
+        assert relative_error(int8qk_flash(ops, 0.125, tiles=(64, 64)), int8qk_reference(ops, 0.125)) < 1e-5
+
+
+def check_qk_quantizer(dtype=torch.float32) -> None:
+    """The fused Q/K quantizer equals quantize_int8_rows of the (smoothed) transposed input. fp32 in the
+    interpreter, whose casts to BF16 truncate; BF16 on GPUs."""
+    from ditrun.kernels.attention import quantize_int8_rows, quantize_qk_op, smooth_k
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 100, 3, 64, generator=g) + 0.5 * torch.randn(2, 1, 3, 64, generator=g)  # a key bias
+    x[0, 5] = 0
+    x = x.to(dtype).to("cuda" if dtype != torch.float32 else "cpu")
+    for smooth in (False, True):
+        got = quantize_qk_op(x, smooth)
+        want = quantize_int8_rows((smooth_k(x, dim=1) if smooth else x).transpose(1, 2))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), smooth
+
+
+@pytest.mark.timeout(240)
+def test_triton_kernels_in_the_cpu_interpreter():
+    pytest.importorskip("triton")
+    # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
+    # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
+    code = "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); t.check_qk_quantizer()"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                         capture_output=True, text=True, timeout=200)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
+    from ditrun.kernels import quantize_triton as T
+
+    x = activation("cuda")
+    dtype = L.fp8_dtype()
+    got, scale = T.rowwise_fp8(x, dtype)
+    want, want_scale = L.quantize_rowwise_fp8(x, dtype)
+    assert torch.equal(scale, want_scale) and torch.equal(got.float(), want.float())
+    for element in ELEMENTS:
+        for mode in formats.SCALE_MODES:
+            got = L.mx_repack_fp8_op(x, element, 32, mode)
+            want = L.mx_repack_fp8(x, element, 32, mode)
+            assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
+            assert int(got[2]) == int(want[2]), (element, mode)
+
+
+@pytest.mark.gpu
+def test_fused_qk_quantizer_equals_the_reference_on_the_gpu():
+    check_qk_quantizer(torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_format, tolerance", [("bf16", 1e-2), ("mxfp6", 1e-2), ("fp8", 5e-2)])
+def test_triton_int8qk_equals_the_reference(v_format, tolerance):
+    """fp8: the kernel also rounds P to E4M3 (2^8 P), which the reference does not: a few % (max-norm)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
+    ops = quantize_operands(q, k, v, v_format)
+    got = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), v_format == "fp8")
+    assert relative_error(got.float(), int8qk_reference(ops, 1 / math.sqrt(128)).float()) < tolerance
