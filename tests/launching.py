@@ -25,10 +25,12 @@ VENV_BIN = Path(sys.executable).parent
 TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
         "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false", "device=cpu"]
 MAX_RELATIVE_ERROR = 1e-5
-# Quantized runs: an fp32 rounding difference between layouts can move a value across a rounding
-# boundary of the quantizer, which changes it by one quantization step; across a few steps that
-# stays far below the quantization error itself (~1e-2) but can exceed plain fp32 rounding.
-MAX_QUANTIZED_RELATIVE_ERROR = 1e-4
+# Quantized runs: layouts run the same rows in batches of other shapes (cfg_batch stacks both CFG
+# branches), so compiled kernels may differ by an fp32 ulp, which can move a value across a
+# rounding boundary of the quantizer: one quantization step, amplified over the steps. Measured
+# 4e-4 (mxfp6, cfg_batch) and 1.7e-3 (krea, ulysses) with true CFG on, 0 with it off; far below
+# the quantization error itself (~1e-2 against BF16) but above plain fp32 rounding.
+MAX_QUANTIZED_RELATIVE_ERROR = 3e-3
 
 
 def ditrun_command(*overrides: str) -> list[str]:
