@@ -12,8 +12,10 @@ SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
 
+# Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as the
+# local Slurm cluster, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores.
 test: system-packages $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 install: system-packages $(STAMP)
 
