@@ -35,7 +35,7 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import Edit, check_inputs, check_sources, edit_inputs, resolve_edits
+from ditrun.workload import Edit, check_inputs, edit_inputs, resolve_edits
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -89,8 +89,7 @@ class Run:
         self.out_dir = out_dir
         # Under a launcher the process group is the truth; alone, launcher.world must say 1.
         plan = check_config(cfg, dist.get_world_size() if dist.is_initialized() else None)
-        self.edits = resolve_edits(cfg.workload)
-        check_sources(self.edits)
+        self.edits = resolve_edits(cfg.workload)  # check_config has checked their sources and embeddings
         self.geometry = model_geometry(cfg.model)
         self.placement = select_placement(cfg.device, cfg.model.dtype)
         self.precision = plan_precision(cfg.precision, self.placement.device)

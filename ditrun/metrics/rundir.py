@@ -150,7 +150,8 @@ def recover(out_dir: Path) -> list[dict]:
     """
     merge_replica_files(out_dir)
     path = out_dir / EDITS_FILE
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    text = path.read_bytes() if path.exists() else b""
+    lines = text.decode(errors="replace").splitlines()
     good, rejected, seen = [], [], set()
     for line in lines:
         record = _parse(line)
@@ -159,7 +160,7 @@ def recover(out_dir: Path) -> list[dict]:
             continue
         seen.add(record["edit"])
         good.append(record)
-    if rejected or (lines and not path.read_bytes().endswith(b"\n")):
+    if rejected or (text and not text.endswith(b"\n")):
         _set_aside(out_dir, rejected, good)
     for tmp in out_dir.glob("*.tmp.*"):
         tmp.unlink(missing_ok=True)
@@ -194,8 +195,9 @@ def _set_aside(out_dir: Path, rejected: list[str], good: list[dict]) -> None:
 def merge_replica_files(out_dir: Path) -> int:
     """Append every replica file's records to ``edits.jsonl`` (each edit once), then remove them."""
     merged = 0
-    for replica_file in sorted(out_dir.glob(REPLICA_FILE.format("*"))):
-        present = {r["edit"] for r in _records_in(out_dir / EDITS_FILE)}
+    replica_files = sorted(out_dir.glob(REPLICA_FILE.format("*")))
+    present = {r["edit"] for r in _records_in(out_dir / EDITS_FILE)} if replica_files else set()
+    for replica_file in replica_files:
         for line in replica_file.read_text(errors="replace").splitlines():
             record = _parse(line)
             if record is not None and record["edit"] not in present:

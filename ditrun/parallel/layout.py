@@ -33,7 +33,7 @@ AXES = ("replica", "cfg", "sp")
 # has no useful bound). A rank that dies closes its gloo connections, which fails the barrier at
 # once; the end of the run is watched through the store instead (``launch/job.py``), which names
 # a rank that stops making progress.
-END_OF_RUN_TIMEOUT = timedelta(hours=24)
+CONTROL_TIMEOUT = timedelta(hours=24)
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = Non
             group = dist.new_group(ranks, timeout=collective_timeout)
             if rank in ranks:
                 groups[axis] = group
-    control = dist.new_group(backend="gloo", timeout=END_OF_RUN_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout))
 
 
