@@ -41,7 +41,7 @@ def fp32_reference(q, k, v):
     return sdpa(q[:, :ERROR_QUERIES].float(), k.float(), v.float())
 
 
-def bench(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) -> list[dict[str, str]]:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
                for _ in range(3))
@@ -63,6 +63,49 @@ def bench(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str
         error = relative_error(attention(q, k, v)[:, :ERROR_QUERIES], exact)
         rows.append({"S": str(s), "kernel": name, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
                      "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+    if probe:
+        rows += flex_rows(q, k, v, exact, base, flops, repeats, s)
+    return rows
+
+
+def per_head_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] -> (E4M3 [B, H, S, D], fp32 scale [H]) with one power-of-two scale per head."""
+    amax = x.float().abs().amax(dim=(0, 2, 3))
+    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / 448.0)))
+    return (x.float() / scale[None, :, None, None]).to(torch.float8_e4m3fn), scale
+
+
+def flex_rows(q, k, v, exact, base: float, flops: float, repeats: int, s: int) -> list[dict[str, str]]:
+    """FlexAttention (Triton, from inductor) in BF16 and on FP8 E4M3 operands, beside SDPA: a probe
+    for an FP8 attention kernel (``dot`` on FP8 runs Hopper's FP8 tensor cores at twice BF16's rate)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, S, D]
+    kt = kt - kt.mean(dim=2, keepdim=True)  # smoothing: softmax ignores a constant per query row
+    (q8, qs), (k8, ks), (v8, vs) = per_head_fp8(qt), per_head_fp8(kt), per_head_fp8(vt)
+    qk_scale = qs * ks
+
+    def score(score, b, h, q_idx, kv_idx):
+        return score * qk_scale[h]
+
+    def fp8_attention():
+        return (flex(q8, k8, v8, score_mod=score).float() * vs[None, :, None, None]).to(torch.bfloat16)
+
+    rows = []
+    for name, fn in (("flex bf16", lambda: flex(qt, kt, vt)), ("flex fp8 (q, k, v e4m3)", fp8_attention)):
+        try:
+            ms = time_ms(fn, CUDA, repeats)
+            error = relative_error(fn().transpose(1, 2)[:, :ERROR_QUERIES], exact)
+        except Exception as err:  # noqa: BLE001 - a probe: say why it could not run and go on
+            rows.append({"S": str(s), "kernel": name, "ms": "-", "TF/s": "-", "vs sdpa": "-",
+                         "error": f"failed: {type(err).__name__}: {str(err)[:80]}"})
+            continue
+        rows.append({"S": str(s), "kernel": name, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
+                     "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+    quantized = getattr(torch.ops.aten, "_scaled_dot_product_attention_quantized", None)
+    print(f"aten._scaled_dot_product_attention_quantized (cuDNN FP8 SDPA): {'present' if quantized else 'absent'}"
+          f" in torch {torch.__version__}")
     return rows
 
 
@@ -72,11 +115,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--flex", action="store_true", help="also FlexAttention in BF16 and FP8 (a probe)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")
-    rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats)]
+    rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats, args.flex)]
     print_table(rows)
 
 

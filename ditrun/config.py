@@ -45,6 +45,10 @@ class ModelConfig:
     """Whether the model embeds a distilled guidance value (FLUX.1-dev does); unset takes the preset's."""
     dtype: str = "auto"
     """Compute dtype: ``auto`` (bf16 on GPUs, fp32 on CPUs), ``bf16``, ``fp16`` or ``fp32``."""
+    compile: str = "auto"
+    """Regional ``torch.compile`` of the blocks (``model/compile.py``): ``auto`` (on for GPUs), ``on``, ``off``."""
+    fuse: str = "auto"
+    """Stack the linears that read one input into one GEMM: ``auto`` (when compiled), ``on``, ``off``."""
 
 
 @dataclass

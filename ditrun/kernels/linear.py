@@ -99,8 +99,8 @@ class CompiledOnGpu:
         self.fn, self.compiled = fn, None
 
     def __call__(self, *args):
-        if not args[0].is_cuda or self.compiled is self.fn:
-            return self.fn(*args)
+        if not args[0].is_cuda or self.compiled is self.fn or torch.compiler.is_compiling():
+            return self.fn(*args)  # inside a compiled region, inductor fuses fn with what surrounds it
         if self.compiled is None:
             self.compiled = torch.compile(self.fn, dynamic=True)
         try:
@@ -145,6 +145,16 @@ def triton_available(device: torch.device) -> bool:
     except ImportError:
         return False
     return True
+
+
+def eager_triton(device: torch.device) -> bool:
+    """Whether an activation quantizer should be its Triton kernel: on GPUs, outside compiled regions.
+
+    Inside one (``model.compile``), the torch arithmetic is traced instead, and inductor fuses it into
+    the kernel that produces the activation (norm + modulation, GELU, ...): the activation is then
+    never read back from memory just to be quantized, which no separate kernel can match.
+    """
+    return not torch.compiler.is_compiling() and triton_available(device)
 
 
 # The Triton activation quantizers (one kernel each, ``kernels/quantize_triton.py``) as custom ops, so a
@@ -253,7 +263,7 @@ class Fp8Rowwise:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if triton_available(x.device):
+        if eager_triton(x.device):
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
@@ -287,7 +297,7 @@ class MxRepackFp8:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if triton_available(x.device):
+        if eager_triton(x.device):
             return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 
@@ -431,8 +441,12 @@ class QuantizedLinear(nn.Module):
 
     def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None) -> torch.Tensor:
         """rows [M, K] through backend ``name`` -> [M, N], bias not included."""
-        operand = shared_quantizer(type(self.backends[name]), self.fmt, self.scale_mode, activation)(rows)
-        return self.backends[name].gemm(operand, self.weights[name], self.fmt, rows.dtype)
+        backend = self.backends[name]
+        if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
+            operand = backend.quantize(rows if activation is None else activation(rows), self.fmt, self.scale_mode)
+        else:
+            operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
+        return backend.gemm(operand, self.weights[name], self.fmt, rows.dtype)
 
     @classmethod
     def with_backend(cls, weight: torch.Tensor, fmt: LinearFormat, name: str, scale_mode: str = "rceil"):

@@ -93,14 +93,14 @@ class DispatchTable:
         names = allowed if self.prepare_all else sorted(set(tuned.values())) or [default]
         backends = {name: LINEAR_BACKENDS.get(name, "precision.backend")() for name in names}
         first = names[0]
+        if len(allowed) > 1:
+            # Said here, once per shape, not per call: calls may run inside a compiled graph (no prints there).
+            missing = "has no tuned backend" if not tuned else f"is tuned for M~{sorted(tuned)} only"
+            self._say_once(f"{fmt.name}|{k}|{n}", f"linear {fmt.name} K={k} N={n} {missing}; other row counts use "
+                           f"{first} (ditrun tune saves a choice).")
 
         def pick(m: int) -> str:
-            name = tuned.get(m_bucket(m))
-            if name is None:
-                if len(allowed) > 1:
-                    self._say_once(f"{fmt.name}|{k}|{n}", f"linear {fmt.name} K={k} N={n} has no tuned backend "
-                                   f"(M~{m_bucket(m)}); using {first} (ditrun tune saves a choice).")
-                return first
-            return name
+            # Pure (a dict lookup on a static row count): traced into compiled regions.
+            return tuned.get(m_bucket(m), first)
 
         return backends, pick

@@ -26,6 +26,7 @@ from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
+from ditrun.model.compile import plan_compile
 from ditrun.model.build import (build_model, compute_dtype, device_kind, inexact_repack_rows, model_geometry,
                                  plan_precision, precision_label, select_placement)
 from ditrun.model import text
@@ -50,6 +51,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     device = device_kind(cfg.device)
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
+    plan_compile(cfg.model, device)
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
     check_true_cfg(cfg.layout.name, cfg.workload.true_cfg_scale)
@@ -94,6 +96,7 @@ class Run:
         self.placement = select_placement(cfg.device, cfg.model.dtype)
         self.precision = plan_precision(cfg.precision, self.placement.device)
         self.precision_label = precision_label(self.precision, self.placement.dtype_name)
+        self.speed = plan_compile(cfg.model, self.placement.device)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
         check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
@@ -111,7 +114,8 @@ class Run:
         self.transports = {axis: make_transport(cfg.transport, self.layout.groups[axis], self.exposed,
                                                 self.placement.device, cfg.launcher.collective_timeout_s)
                            for axis in ("sp", "cfg")}
-        self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0)
+        self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0,
+                                 speed=self.speed)
         self.model = self.built.model
         self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), self.placement.device,
                                        self.placement.dtype)

@@ -119,15 +119,27 @@ def timing_summary(records: list[dict], warmup: int, replicas: int) -> dict:
     kept = after_warmup(records, warmup)
     dit = median_of(kept, "dit_s")
     steps = [s for r in kept for s in r.get("step_s", [])]
+    step = float(statistics.median(steps)) if steps else None
     return {
         "dit_s_median": dit,
-        "step_s_median": float(statistics.median(steps)) if steps else None,
+        "step_s_median": step,
+        "warmup_excess_s": warmup_excess([r for r in records if not any(r is k for k in kept)], step),
         "images_per_s": replicas / dit if dit else float("nan"),
         "exposed_transfer_s_median": median_of(kept, "exposed_transfer_s"),
         "exposed_transfer_pct_median": median_of(kept, "exposed_transfer_pct"),
         "encode_s_median": median_of(kept, "encode_s"),
         "decode_s_median": median_of(kept, "decode_s"),
     }
+
+
+def warmup_excess(warmup_records: list[dict], step_s: Optional[float]) -> Optional[float]:
+    """Seconds the warm-up edits' steps took beyond the steady step median: what compiling, autotuning
+    and first-use allocation cost (``model.compile``'s time, reported apart from DiT time). None
+    without both warm-up and steady edits."""
+    warm = [s for r in warmup_records for s in r.get("step_s", [])]
+    if not warm or step_s is None:
+        return None
+    return max(0.0, sum(warm) - step_s * len(warm))
 
 
 class ExposedTransfer:

@@ -25,6 +25,7 @@ from ditrun.kernels.attention import ATTENTION_KERNELS, AttentionKernel, fast_at
 from ditrun.kernels.formats import SCALE_MODES
 from ditrun.kernels.linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
+from ditrun.model.compile import CompilePlan, apply_plan
 from ditrun.model.components import LINEAR_COMPONENTS
 from ditrun.model.dit import AttentionFn, DiTGeometry, FluxDiT
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
@@ -186,15 +187,21 @@ class BuiltModel:
 
 
 def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
-                announce: bool = True, table: Optional[DispatchTable] = None) -> BuiltModel:
+                announce: bool = True, table: Optional[DispatchTable] = None,
+                speed: Optional[CompilePlan] = None, weights: Optional[dict[str, torch.Tensor]] = None) -> BuiltModel:
     """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
 
-    ``table`` picks the linear backends; unset loads ``precision.tuning_file``.
+    ``table`` picks the linear backends; unset loads ``precision.tuning_file``. ``speed`` (the checked
+    ``model.compile``/``model.fuse``) fuses and compiles it last; None leaves it eager (references).
+    ``weights``: tensors by parameter name, already on the device in the compute dtype, assigned
+    without a copy (``benchmarks/vs_diffusers.py`` shares one checkpoint in memory with diffusers).
     """
     geometry = model_geometry(model_cfg)
     with torch.device("meta"):
         model = FluxDiT(geometry)
-    if model_cfg.path:
+    if weights is not None:
+        model.load_state_dict(weights, strict=True, assign=True)
+    elif model_cfg.path:
         load_pretrained_weights(model, transformer_folder(model_cfg.path), placement.dtype, placement.device)
     else:
         draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
@@ -203,6 +210,8 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
         table = table or DispatchTable.load(precision.tuning_file, placement.device, precision.backend, announce)
         built = _quantize(model, precision, table, placement.device, announce)
     built.model.eval().requires_grad_(False)
+    if speed is not None:
+        built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed)}
     return built
 
 

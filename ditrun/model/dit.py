@@ -234,9 +234,12 @@ class Attention(nn.Module):
         """
         stream = "text" if text else "image"
         if stream in self.stacked:
-            q, k, v, *gate = self.stacked[stream](x)
-        else:
-            q, k, v, *gate = (linear(x) for linear in self.linears(text) if linear is not None)
+            return self.heads_of(self.stacked[stream](x), text)
+        return self.heads_of([linear(x) for linear in self.linears(text) if linear is not None], text)
+
+    def heads_of(self, projected, text: bool = False):
+        """The projections' outputs (Q, K, V and the gate if any; [B, S, C] each) -> what ``project`` returns."""
+        q, k, v, *gate = projected
         gate = torch.sigmoid(gate[0]) if gate else None
         norm_q, norm_k = (self.norm_added_q, self.norm_added_k) if text else (self.norm_q, self.norm_k)
         return norm_q(self._heads(q)), norm_k(self._heads(k)), self._heads(v), gate
@@ -282,6 +285,43 @@ def mlp_activation(h: torch.Tensor, swiglu_mlp: bool) -> torch.Tensor:
     return swiglu_activation(h) if swiglu_mlp else gelu_activation(h)
 
 
+class StackedLinear(nn.Module):
+    """Linears that read the same input, as one GEMM: returns one output per original linear.
+
+    Made from unquantized linears by ``model/compile.py``'s fusion; quantized ones are stacked by
+    ``model/quantize.py`` as one ``QuantizedLinear`` with ``splits``.
+    """
+
+    def __init__(self, linears: list[nn.Linear]):
+        super().__init__()
+        self.splits = [linear.out_features for linear in linears]
+        self.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=False)
+        biases = [linear.bias for linear in linears]
+        self.bias = None if any(b is None for b in biases) else nn.Parameter(torch.cat(biases), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # x: [..., K] -> one [..., N_i] view per stacked linear
+        return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
+
+
+@dataclass(frozen=True)
+class Regions:
+    """A block's two halves around the attention call: eager methods, or their compiled versions."""
+
+    pre: Callable
+    post: Callable
+
+
+def regions_of(block: nn.Module) -> Regions:
+    """The halves a block runs: ``block.compiled_regions`` when ``model/compile.py`` set it, else eager.
+
+    The attention call between them stays outside any compiled graph: a layout's attention holds
+    the all-to-all exchanges and transports (Python objects, other streams), which a graph cannot.
+    """
+    compiled = block.__dict__.get("compiled_regions")
+    return compiled if compiled is not None else Regions(block.pre_attention, block.post_attention)
+
+
 # ---------------------------------------------------------------------------------------------
 # Blocks
 
@@ -301,15 +341,27 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img, txt, temb, rope, attention: AttentionFn):
         # img: [B, S_img, C], txt: [B, S_txt, C]; the joint sequence is [txt, img]
-        img_mod, (img_gate, img_shift2, img_scale2, img_gate2) = self.norm1(img, temb)
-        txt_mod, (txt_gate, txt_shift2, txt_scale2, txt_gate2) = self.norm1_context(txt, temb)
+        q, k, v, state = regions_of(self).pre(img, txt, temb, rope)
+        return regions_of(self).post(attention(q, k, v), img, txt, state)
+
+    def pre_attention(self, img, txt, temb, rope):
+        """Everything before the attention: modulation, projections, per-head norms, RoPE.
+
+        -> q, k, v [B, S_txt + S_img, H, D] and what ``post_attention`` needs (a tuple of tensors).
+        """
+        img_mod, img_params = self.norm1(img, temb)
+        txt_mod, txt_params = self.norm1_context(txt, temb)
         qi, ki, vi, img_gate_attn = self.attn.project(img_mod)
         qt, kt, vt, txt_gate_attn = self.attn.project(txt_mod, text=True)
         q, k, v = (torch.cat(pair, dim=1) for pair in ((qt, qi), (kt, ki), (vt, vi)))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = attention(q, k, v).flatten(2).to(q.dtype)
-        txt_attn, img_attn = out.split([txt.shape[1], img.shape[1]], dim=1)
+        return q, k, v, (img_params, txt_params, img_gate_attn, txt_gate_attn)
 
+    def post_attention(self, out, img, txt, state):
+        """Everything after the attention: output projections, gated residuals, the MLPs. out: [B, S, H, D]."""
+        (img_gate, img_shift2, img_scale2, img_gate2), txt_params, img_gate_attn, txt_gate_attn = state
+        txt_gate, txt_shift2, txt_scale2, txt_gate2 = txt_params
+        txt_attn, img_attn = out.flatten(2).to(img.dtype).split([txt.shape[1], img.shape[1]], dim=1)
         img_attn = self.attn.to_out[0](self.attn.gated(img_attn, img_gate_attn))
         txt_attn = self.attn.to_add_out(self.attn.gated(txt_attn, txt_gate_attn))
         img = self._mlp_residual(img, img_attn, img_gate, img_shift2, img_scale2, img_gate2, self.norm2, self.ff)
@@ -338,14 +390,33 @@ class SingleStreamBlock(nn.Module):
         self.proj_out = nn.Linear(geo.inner_dim + geo.mlp_hidden_dim, geo.inner_dim)
         self.attn = Attention(geo, dual=False, has_out=False)
 
+        # Set by ``model/compile.py``'s projection fusion (unquantized models): Q, K, V (and the gate) and
+        # the MLP's input projection read the same modulated input, so they run as one GEMM.
+        self.fused_in: Optional[StackedLinear] = None
+
     def forward(self, x, temb, rope, attention: AttentionFn):
         # x: [B, S_txt + S_img, C]
+        q, k, v, state = regions_of(self).pre(x, temb, rope)
+        return regions_of(self).post(attention(q, k, v), x, state)
+
+    def pre_attention(self, x, temb, rope):
+        """Modulation, projections, per-head norms, RoPE -> q, k, v [B, S, H, D] and the state for after."""
         h, (gate,) = self.norm(x, temb)
-        q, k, v, attn_gate = self.attn.project(h)
+        if self.fused_in is not None:
+            *projected, mlp_in = self.fused_in(h)  # mlp_in: the MLP's hidden state, already projected
+            q, k, v, attn_gate = self.attn.heads_of(projected)
+        else:
+            q, k, v, attn_gate = self.attn.project(h)
+            mlp_in = h
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        attn_out = self.attn.gated(attention(q, k, v).flatten(2).to(q.dtype), attn_gate)
-        mlp_out = mlp_activation(self.proj_mlp(h), self.swiglu)
-        x = x + gate[:, None] * self.proj_out(torch.cat([attn_out, mlp_out], dim=2))
+        return q, k, v, (gate, attn_gate, mlp_in)
+
+    def post_attention(self, out, x, state):
+        """The MLP, the joint output projection and the gated residual. out: [B, S, H, D]."""
+        gate, attn_gate, mlp_in = state
+        attn_out = self.attn.gated(out.flatten(2).to(x.dtype), attn_gate)
+        hidden = mlp_in if self.fused_in is not None else self.proj_mlp(mlp_in)
+        x = x + gate[:, None] * self.proj_out(torch.cat([attn_out, mlp_activation(hidden, self.swiglu)], dim=2))
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 

@@ -1,0 +1,365 @@
+"""ditrun's DiT against diffusers' fastest Flux recipes, side by side, on one GPU, same weights.
+
+One process, one random FLUX.1-dev-geometry checkpoint (diffusers' own random init, bf16, on
+the GPU). Every ditrun model is built from diffusers' tensors in memory (``build_model(...,
+weights=...)``: assigned, not copied), so both sides compute with the same numbers. Per mode and
+per shape: CUDA-event median of one forward after warm-up, TFLOP/s against the GEMM ceilings
+measured first, the output's relative error against diffusers eager BF16 (the reference: every
+row prints its error beside its time, so no faster-but-wrong mode passes unseen), ratios against
+every diffusers row, and a kernel-time breakdown (attention / GEMM / rest) from the profiler.
+
+Modes (``--modes``; default all, in this order, because diffusers' rows change its model in place):
+
+* ``diffusers``            eager BF16 (the reference output)
+* ``ditrun``               eager BF16, what ``model.compile=off`` runs
+* ``ditrun-compiled``      BF16, fused projections + regional compile (``model.compile=auto`` on GPUs)
+* ``ditrun-fp8``           ``precision=fp8`` compiled
+* ``ditrun-fp8-int8qk``    FP8 linears + INT8-QK attention (BF16 V), compiled
+* ``ditrun-krea``          ``precision=krea`` (MXFP6 MLPs on the FP8 repack, FP8 projections, INT8-QK
+                           attention with MXFP6 V), compiled
+* ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
+* ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
+
+Shapes (``--tokens``; image + reference + text tokens): 8704 (Kontext 1 MP edit: 4096 out +
+4096 ref + 512 text), 20992 (4 MP out + 1 MP ref + 512 text), 4608 (1 MP generation).
+
+    python benchmarks/vs_diffusers.py --out results/vs                # everything (~15 min on an H200)
+    python benchmarks/vs_diffusers.py --modes diffusers ditrun-krea --tokens 20992
+
+Needs a GPU with ~90 GB free, diffusers (and torchao for its row); exits 0 with a message otherwise.
+Compile time per mode is the first call's wall time minus a steady call (printed apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ditrun.config import ModelConfig, PrecisionConfig  # noqa: E402
+from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
+from ditrun.model.compile import CompilePlan  # noqa: E402
+from ditrun.model.latents import token_ids  # noqa: E402
+from ditrun.model.presets import PRESETS  # noqa: E402
+
+FLUX_DEV = PRESETS["flux-dev"]
+TEXT = 512
+SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1024 x 1024
+    8704: (1024, 1024),
+    20992: (2048, 1024),
+    4608: (1024, 0),
+}
+PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names and values)
+    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-fp8": "fp8",
+    "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
+    "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
+}
+MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-fp8", "ditrun-fp8-int8qk", "ditrun-krea",
+         "diffusers-compiled", "diffusers-torchao-fp8")
+PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+
+
+def cuda_times(fn: Callable, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def gemm_ceilings(n: int = 8192) -> dict[str, float]:
+    """TFLOP/s of a square BF16 GEMM and a row-wise scaled FP8 GEMM on random data, this GPU, now."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    ones = torch.ones(n, 1, device="cuda")
+    flops = 2 * n**3
+    bf16 = statistics.median(cuda_times(lambda: a @ b, 3, 10))
+    fp8 = statistics.median(cuda_times(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(),
+                                                                out_dtype=torch.bfloat16), 3, 10))
+    return {"bf16": flops / bf16 / 1e12, "fp8_rowwise": flops / fp8 / 1e12}
+
+
+def forward_flops(tokens: int) -> float:
+    """Matmul FLOPs of one forward: every linear of the blocks plus attention's two products."""
+    g, s = FLUX_DEV, tokens
+    d, mlp = g.inner_dim, g.mlp_hidden_dim
+    double = 2 * s * (4 * d * d + 2 * d * mlp)
+    single = 2 * s * (3 * d * d + d * mlp + (d + mlp) * d)
+    attention = 4 * s * s * d
+    return g.num_layers * (double + attention) + g.num_single_layers * (single + attention)
+
+
+KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "int8qk", "_fwd_kernel")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "matmul", "cublas", "sm90_", "wgmma")),
+)
+
+
+def kernel_breakdown(fn: Callable) -> dict[str, float]:
+    """Kernel time of one call by kind (ms): attention, GEMM and the rest (norms, elementwise, copies)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "rest")
+        totals[kind] += event.self_device_time_total / 1e3
+    return totals
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and inputs
+
+
+def diffusers_model():
+    from diffusers import FluxTransformer2DModel
+
+    g = FLUX_DEV
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = FluxTransformer2DModel(
+            num_layers=g.num_layers, num_single_layers=g.num_single_layers, attention_head_dim=g.attention_head_dim,
+            num_attention_heads=g.num_attention_heads, joint_attention_dim=g.joint_attention_dim,
+            pooled_projection_dim=g.pooled_projection_dim, guidance_embeds=True, axes_dims_rope=g.axes_dims_rope)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def make_inputs(tokens: int) -> dict:
+    out_side, ref_side = SHAPES[tokens]
+    ids = [token_ids(out_side // 8, out_side // 8, 0, "cuda")]
+    if ref_side:
+        ids.append(token_ids(ref_side // 8, ref_side // 8, 1, "cuda"))
+    img_ids = torch.cat(ids)
+    assert img_ids.shape[0] + TEXT == tokens, (img_ids.shape, tokens)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    return dict(
+        hidden_states=torch.randn(1, img_ids.shape[0], 64, generator=gen, **bf16),
+        encoder_hidden_states=torch.randn(1, TEXT, FLUX_DEV.joint_attention_dim, generator=gen, **bf16),
+        pooled_projections=torch.randn(1, FLUX_DEV.pooled_projection_dim, generator=gen, **bf16),
+        timestep=torch.tensor([0.6], device="cuda"), img_ids=img_ids,
+        txt_ids=torch.zeros(TEXT, 3, device="cuda"), guidance=torch.tensor([3.5], device="cuda"))
+
+
+def ditrun_forward(mode: str, weights: dict) -> Callable:
+    """A forward of ditrun built as ``mode`` says, from diffusers' tensors (shared, not copied)."""
+    spec = PRECISIONS[mode]
+    if isinstance(spec, dict):
+        precision_cfg = PrecisionConfig(**spec)
+    elif spec == "bf16":
+        precision_cfg = PrecisionConfig()
+    else:
+        precision_cfg = PrecisionConfig(**yaml.safe_load((PRESET_DIR / f"{spec}.yaml").read_text()))
+    placement = Placement(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, "bf16")
+    plan = plan_precision(precision_cfg, placement.device)
+    compiled = mode != "ditrun"
+    built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
+                        speed=CompilePlan(compile=compiled, fuse=compiled))
+    model, attention = built.model, built.attention
+    return lambda inputs: model(**inputs, attention=attention)
+
+
+def diffusers_forward(model) -> Callable:
+    return lambda inputs: model(**inputs, return_dict=False)[0]
+
+
+def torchao_fp8(model) -> Optional[str]:
+    """Quantize diffusers' linears as torchao's FP8 dynamic row-wise recipe does; None, or why not."""
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as err:
+        return f"torchao is not importable ({err})"
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class Row:
+    mode: str
+    tokens: int
+    seconds: float
+    first_call_s: float
+    error: float
+    kernels: dict
+
+    @property
+    def compile_s(self) -> float:
+        return max(0.0, self.first_call_s - self.seconds)
+
+
+def measure(mode: str, forward: Callable, tokens_list: list[int], references: dict, repeats: int,
+            profile: bool) -> list[Row]:
+    rows = []
+    for tokens in tokens_list:
+        inputs = make_inputs(tokens)
+        with torch.inference_mode():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = forward(inputs)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            if mode == "diffusers":
+                references[tokens] = out.clone()
+            seconds = statistics.median(cuda_times(lambda: forward(inputs), 2, repeats))
+            kernels = kernel_breakdown(lambda: forward(inputs)) if profile else {}
+        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels))
+        print(f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
+              f"first call {first:6.1f} s", flush=True)
+    return rows
+
+
+def run_modes(modes: list[str], tokens_list: list[int], repeats: int, profile: bool) -> tuple[list[Row], dict]:
+    theirs = diffusers_model()
+    weights = dict(theirs.state_dict())
+    rows, references, skipped = [], {}, {}
+    for mode in MODES:
+        if mode not in modes:
+            continue
+        if mode.startswith("ditrun"):
+            forward = ditrun_forward(mode, weights)
+        elif mode == "diffusers":
+            forward = diffusers_forward(theirs)
+        else:
+            if mode == "diffusers-torchao-fp8":
+                why = torchao_fp8(theirs)
+                if why is not None:
+                    skipped[mode] = why
+                    print(f"  {mode}: skipped, {why}", flush=True)
+                    continue
+                torch._dynamo.reset()
+            theirs.compile_repeated_blocks(fullgraph=True)
+            forward = diffusers_forward(theirs)
+        rows += measure(mode, forward, tokens_list, references, repeats, profile)
+        del forward
+        if mode.startswith("ditrun"):
+            torch._dynamo.reset()  # its compiled regions hold the model: free it before the next one
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows, skipped
+
+
+def ratio(rows: list[Row], row: Row, peer: str) -> Optional[float]:
+    other = next((r for r in rows if r.mode == peer and r.tokens == row.tokens), None)
+    return other.seconds / row.seconds if other else None
+
+
+def print_tables(rows: list[Row], ceilings: dict) -> list[str]:
+    """The table per shape, then the issue's targets as measured; returns the target lines."""
+    print(f"\nGEMM ceilings (8192^3, random data): BF16 {ceilings['bf16']:.0f} TFLOP/s, "
+          f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s")
+    header = ("| tokens | mode | ms | TFLOP/s | % BF16 ceil. | error vs diffusers eager | x diffusers | "
+              "x diffusers compiled | x torchao fp8 | attention ms | GEMM ms | rest ms | compile s |")
+    print("\n" + header + "\n" + "|---" * (header.count("|") - 1) + "|")
+    for row in sorted(rows, key=lambda r: (r.tokens, MODES.index(r.mode))):
+        tflops = forward_flops(row.tokens) / row.seconds / 1e12
+        ratios = [ratio(rows, row, peer) for peer in PEERS]
+        k = row.kernels
+        cells = [str(row.tokens), row.mode, f"{row.seconds * 1e3:.1f}", f"{tflops:.0f}",
+                 f"{100 * tflops / ceilings['bf16']:.0f}", f"{row.error:.2e}",
+                 *[f"{r:.2f}x" if r else "-" for r in ratios],
+                 *[f"{k[kind]:.1f}" if k else "-" for kind in ("attention", "gemm", "rest")], f"{row.compile_s:.1f}"]
+        print("| " + " | ".join(cells) + " |")
+    return check_targets(rows)
+
+
+def check_targets(rows: list[Row]) -> list[str]:
+    def get(mode, tokens):
+        return next((r for r in rows if r.mode == mode and r.tokens == tokens), None)
+
+    lines = []
+    torchao = {t: get("diffusers-torchao-fp8", t) for t in SHAPES}
+    for mode in ("ditrun-krea", "ditrun-fp8-int8qk"):
+        row, peer = get(mode, 20992), torchao[20992]
+        if row and peer:
+            x = peer.seconds / row.seconds
+            ok = x >= 1.25 and row.error <= peer.error
+            lines.append(f"20992 tokens: {mode} {x:.2f}x torchao-fp8-compiled (target >= 1.25x), error "
+                         f"{row.error:.2e} vs {peer.error:.2e}: {'met' if ok else 'missed'}")
+    row, peer = get("ditrun-compiled", 20992), get("diffusers-compiled", 20992)
+    if row and peer:
+        x = peer.seconds / row.seconds
+        lines.append(f"20992 tokens: ditrun BF16 compiled {x:.2f}x diffusers compiled (target >= 1.05x): "
+                     f"{'met' if x >= 1.05 else 'missed'}")
+    for tokens in (8704, 4608):
+        peer = torchao[tokens]
+        ours = [r for r in rows if r.tokens == tokens and r.mode.startswith("ditrun")]
+        if peer and ours:
+            best = min(ours, key=lambda r: r.seconds)
+            x = peer.seconds / best.seconds
+            lines.append(f"{tokens} tokens: fastest ditrun ({best.mode}) {x:.2f}x torchao-fp8-compiled "
+                         f"(target >= 1.12x): {'met' if x >= 1.12 else 'missed'}")
+    print("\nTargets:\n" + "\n".join("- " + line for line in lines))
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
+    parser.add_argument("--out", type=Path, default=None, help="write vs_diffusers.json here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("vs_diffusers: no CUDA/ROCm GPU visible; nothing to measure.")
+        return 0
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        print("vs_diffusers: diffusers is not installed; it is the peer this benchmark compares with.")
+        return 0
+    if "diffusers" not in args.modes:
+        args.modes.insert(0, "diffusers")  # the reference every error is measured against
+    ceilings = gemm_ceilings()
+    print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
+          f"tokens {args.tokens}", flush=True)
+    rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
+    targets = print_tables(rows, ceilings)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "vs_diffusers.json").write_text(json.dumps({
+            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
+            "skipped": skipped, "targets": targets,
+            "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Making the built model fast on GPUs: projection fusion and regional compilation (``model.compile``).
+
+Two transforms, applied after the weights are loaded and quantized (``model/build.py``):
+
+* **fusion** (``fuse_projections``): linears that read the same input become one GEMM. Per
+  attention stream, Q, K, V (and the gate) -> one ``StackedLinear`` (quantized models already
+  stack them, ``model/quantize.py``); in a single-stream block, Q, K, V and the MLP's input
+  projection -> one GEMM of N = 3 * 3072 + 12288 for Flux, reading the modulated input once.
+  Only unquantized linears are fused here: a quantized stack is quantized once already, and
+  fusing an MLP of one format with projections of another would need one format for both.
+* **regional compilation** (``compile_regions``): every block's two halves around the attention
+  call (``pre_attention``: modulation, projections, QK-norm, RoPE; ``post_attention``: output
+  projection, residuals, MLP) go through ``torch.compile(fullgraph=True)``. Inductor then fuses
+  what the profile says is the memory-bound rest (norm + modulation, RoPE + QK-norm, GELU +
+  the down projection's input quantization, the quantizers into their producers). One code
+  object per block class, so the 19 double and 38 single blocks share one graph each (per
+  input shape). The attention call stays eager between the halves, so every layout and
+  transport (their all-to-alls, copy engines and streams) runs unchanged inside a compiled
+  model, and the custom attention kernels are ``torch.library.custom_op``s either way.
+
+Compiled code is checked against the eager model in tests (CPU inductor) and in
+``benchmarks/vs_diffusers.py`` (GPU). Inductor's FX-graph and autotuning caches persist across
+processes (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``), so only the first
+process on a node pays the full compile; the warm-up edits (``metrics.warmup_edits``) carry it
+and the summary reports it apart (``compile_s``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ditrun.errors import UserError
+from ditrun.model.dit import DoubleStreamBlock, FluxDiT, Regions, SingleStreamBlock, StackedLinear
+
+COMPILE_MODES = {
+    "auto": "on for GPUs, off on CPUs (where compiling costs more than it saves at test sizes)",
+    "on": "compile the blocks' regions (inductor); on CPUs too",
+    "off": "eager PyTorch",
+}
+FUSE_MODES = {
+    "auto": "fuse when the model is compiled",
+    "on": "fuse (also in eager mode)",
+    "off": "keep every linear separate (bitwise diffusers' eager computation)",
+}
+RECOMPILE_LIMIT = 64
+"""Compiled graphs kept per block class: one per distinct input shape (an edit's output and reference
+sizes), so a workload of many sizes never falls back to eager silently (PyTorch's default is 8)."""
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """The checked ``model.compile`` / ``model.fuse`` keys for this device."""
+
+    compile: bool
+    fuse: bool
+
+    @property
+    def label(self) -> str:
+        return "compiled" if self.compile else ("eager+fused" if self.fuse else "eager")
+
+
+def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
+    """One sentence naming the key when a value is unknown; ``auto`` resolved for ``device``."""
+    compile_key = str(getattr(model_cfg, "compile", "auto"))
+    fuse_key = str(getattr(model_cfg, "fuse", "auto"))
+    if compile_key not in COMPILE_MODES:
+        raise UserError(f"model.compile={compile_key!r} is unknown; allowed: {', '.join(COMPILE_MODES)}.")
+    if fuse_key not in FUSE_MODES:
+        raise UserError(f"model.fuse={fuse_key!r} is unknown; allowed: {', '.join(FUSE_MODES)}.")
+    compiled = compile_key == "on" or (compile_key == "auto" and device.type == "cuda")
+    fused = fuse_key == "on" or (fuse_key == "auto" and compiled)
+    return CompilePlan(compiled, fused)
+
+
+def apply_plan(model: FluxDiT, plan: CompilePlan) -> dict[str, int]:
+    """Fuse and compile ``model`` in place as ``plan`` says; returns what was done, for the records."""
+    done = {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
+    if plan.compile:
+        done["compiled_blocks"] = compile_regions(model)
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# Fusion
+
+
+def _plain(linears: list[Optional[nn.Module]]) -> Optional[list[nn.Linear]]:
+    """The present linears, when every one is an unquantized ``nn.Linear`` with a bias; else None."""
+    present = [linear for linear in linears if linear is not None]
+    if not present or any(type(linear) is not nn.Linear or linear.bias is None for linear in present):
+        return None
+    return present
+
+
+def _stack_attention(block: nn.Module) -> int:
+    """Q, K, V (and gate) of each stream -> ``attn.stacked[stream]``; returns the linears stacked."""
+    attn, count = block.attn, 0
+    for stream, text in (("image", False), ("text", True)):
+        if stream in attn.stacked or (text and not hasattr(attn, "add_q_proj")):
+            continue
+        linears = _plain(attn.linears(text))
+        if linears is None:
+            continue
+        attn.stacked[stream] = StackedLinear(linears)
+        for name in ("add_q_proj", "add_k_proj", "add_v_proj", "add_gate") if text else ("to_q", "to_k", "to_v",
+                                                                                         "to_gate"):
+            setattr(attn, name, None)
+        count += len(linears)
+    return count
+
+
+def _fuse_single(block: SingleStreamBlock) -> int:
+    """Q, K, V (and gate) and ``proj_mlp`` of a single-stream block -> ``block.fused_in``."""
+    if block.fused_in is not None or "image" in block.attn.stacked:
+        return 0
+    linears = _plain([*block.attn.linears(text=False), block.proj_mlp])
+    if linears is None or linears[-1] is not block.proj_mlp:
+        return 0
+    block.fused_in = StackedLinear(linears)
+    for name in ("to_q", "to_k", "to_v", "to_gate"):
+        setattr(block.attn, name, None)
+    block.proj_mlp = None
+    return len(linears)
+
+
+def fuse_projections(model: FluxDiT) -> int:
+    """Stack the linears that read one input (see the module doc); returns how many were stacked."""
+    count = 0
+    for block in model.single_transformer_blocks:
+        count += _fuse_single(block) or _stack_attention(block)
+    for block in model.transformer_blocks:
+        count += _stack_attention(block)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Regional compilation
+
+
+def compile_regions(model: FluxDiT) -> int:
+    """Compile every block's halves (see the module doc); returns the number of blocks."""
+    dynamo = torch._dynamo.config
+    dynamo.cache_size_limit = max(dynamo.cache_size_limit, RECOMPILE_LIMIT)
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    for block in blocks:
+        assert isinstance(block, (DoubleStreamBlock, SingleStreamBlock))
+        # Static shapes: the dispatch table picks a backend per row count, and an edit has few shapes.
+        regions = Regions(torch.compile(block.pre_attention, fullgraph=True, dynamic=False),
+                          torch.compile(block.post_attention, fullgraph=True, dynamic=False))
+        block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
+    return len(blocks)
