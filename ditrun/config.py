@@ -57,6 +57,10 @@ class LayoutConfig:
     """Data-parallel replicas; the world size must be ``replicas`` x workers per replica."""
     head_groups: int = 1
     """Split the heads into this many groups so one group's exchange overlaps another's attention."""
+    allow_cross_node_sp: bool = False
+    """Let an SP group span nodes. Off, a layout whose SP group would have ranks on two nodes is refused
+    before any model is built (docs/LAYOUTS.md); on, its exchanges cross the network (``copy_engine`` sends
+    to off-node peers through the collective library)."""
 
 
 @dataclass
