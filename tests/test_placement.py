@@ -92,6 +92,16 @@ def test_a_host_name_the_launcher_numbers_twice_is_two_nodes():
     assert node_names([("a", None), ("b", None)]) == ("a", "b")
 
 
+def test_launchers_number_and_name_the_node():
+    torchrun = env.discover({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                             "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
+    assert (torchrun.node_index, torchrun.node_name) == (1, None)
+    slurm = env.discover({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+                          "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "1", "SLURMD_NODENAME": "n2",
+                          "SLURM_STEP_NODELIST": "n[1-2]"})
+    assert (slurm.node_index, slurm.node_name, slurm.node) == (1, "n2", "n2")
+
+
 # -- the rendezvous path: forked ranks that sign in as ranks on two hosts ------------------------
 
 FORK = mp.get_context("fork")
