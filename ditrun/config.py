@@ -103,8 +103,9 @@ class TransportConfig:
     chaos_s: float = 0.0
     """``copy_engine`` on CPUs: a random delay of up to this many seconds before each copy (tests)."""
     node_size: int = 0
-    """``copy_engine``: peers on another node go through the collective; 0 finds nodes by host name,
-    N > 0 treats each N consecutive ranks of the run as one node (tests of the mixed path)."""
+    """``copy_engine``: peers on another node go through the collective; 0 takes the nodes the rendezvous
+    found (``parallel/placement.py``), N > 0 treats each N consecutive ranks of the run as one node, for
+    the copy engine only (tests of the mixed path)."""
 
 
 @dataclass
