@@ -140,25 +140,43 @@ def test_ranks_of_two_hosts_refuse_a_split_sp_group_before_the_worker_starts(cap
 # -- the copy engine's off-node peers come from the placement ------------------------------------
 
 
-def _both_transports_on(rank, world, configs, out_dirs, nodes):
+def _both_transports_on(rank, world, configs, out_dirs, nodes, device_type):
     for cfg, out in zip(configs, out_dirs):
         worker.run(cfg, out, nodes=nodes)
-    cpu = torch.device("cpu")
-    transport = make_transport(TransportConfig(name="copy_engine"), dist.group.WORLD, ExposedTransfer(cpu), cpu,
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    transport = make_transport(TransportConfig(name="copy_engine"), dist.group.WORLD, ExposedTransfer(device), device,
                                20.0, nodes)
     return transport.local
 
 
-@pytest.mark.timeout(150)
-def test_copy_engine_sends_to_off_node_peers_through_the_collective(tmp_path):
-    """Ranks 0-1 on n1 and 2-3 on n2, one SP group over both (allowed): the copy engine maps only its
-    node's peers, and its latents are the collective's, bit for bit."""
+def compare_on_claimed_nodes(tmp_path, nodes, *overrides: str, backend: str = "gloo") -> list:
+    """One SP group over ranks that claim ``nodes`` (allowed): collective, then copy_engine, on the same
+    ranks; the copy engine's latents are the collective's, bit for bit. Returns each rank's map of local peers."""
     fast = ["model.num_layers=1", "model.num_single_layers=1", "metrics.ssim=false", "metrics.report=false",
-            "launcher.world=4", "layout=ulysses", "layout.allow_cross_node_sp=true", "layout.head_groups=2"]
+            f"launcher.world={len(nodes)}", "layout=ulysses", "layout.allow_cross_node_sp=true", *overrides]
     configs = [tiny_config(*fast, f"transport={name}") for name in ("collective", "copy_engine")]
     out_dirs = [tmp_path / "collective", tmp_path / "copy_engine"]
-    local = run_ranks(_both_transports_on, 4, (configs, out_dirs, TWO_BY_TWO), timeout=120)
-    assert local == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    local = run_ranks(_both_transports_on, len(nodes), (configs, out_dirs, nodes, device_type), timeout=240,
+                      backend=backend)
     [expected], [found] = records(out_dirs[0]), records(out_dirs[1])
     assert found["transport"] == "copy_engine"
     assert torch.equal(latents(out_dirs[1], found["edit"]), latents(out_dirs[0], expected["edit"]))
+    return local
+
+
+@pytest.mark.timeout(150)
+def test_copy_engine_sends_to_off_node_peers_through_the_collective(tmp_path):
+    """Ranks 0-1 on n1 and 2-3 on n2, one SP group over both: the copy engine maps only its node's peer."""
+    local = compare_on_claimed_nodes(tmp_path, TWO_BY_TWO, "layout.head_groups=2")
+    assert local == [[True, True, False, False]] * 2 + [[False, False, True, True]] * 2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_copy_engine_on_two_gpus_of_two_claimed_nodes_equals_collective(tmp_path):
+    """GPU 0 on n1, GPU 1 on n2: nothing is mapped, every exchange goes through NCCL/RCCL."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    local = compare_on_claimed_nodes(tmp_path, ("n1", "n2"), "device=cuda", "model.dtype=fp32", backend="nccl")
+    assert local == [[True, False], [False, True]]

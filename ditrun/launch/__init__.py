@@ -32,7 +32,7 @@ from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
 from ditrun.model.build import model_geometry
 from ditrun.parallel.layout import LayoutPlan
-from ditrun.parallel.placement import Placement, node_names
+from ditrun.parallel.placement import Placement
 from ditrun.errors import UserError
 
 
@@ -87,7 +87,7 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
     backend = rendezvous.backend_for(cfg.device)
-    placement = Placement(plan, node_names(meeting.hosts))
+    placement = Placement(plan, meeting.nodes)
     if info.rank == 0:
         print(f"ditrun: {info.world} ranks on {len(placement.ranks_by_node())} node(s) ({info.launcher}) met at "
               f"{meeting.address}; {backend}, rank 0 on {device}\n{placement.describe()}", flush=True)

@@ -22,13 +22,12 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ditrun.launch.env import RankInfo
-from ditrun.parallel.placement import format_ranks  # job.py imports it from here too
+from ditrun.parallel.placement import format_ranks, node_names  # job.py imports format_ranks from here
 from ditrun.errors import UserError
 
 KEY = "ditrun/"
@@ -61,8 +60,8 @@ class Meeting:
     host: str
     """Who serves the store ("rank 0", or the launcher), for messages."""
     shared: dict[str, str]
-    hosts: list[tuple[str, Optional[int]]]
-    """Per rank: its node as it signed in, (name, the launcher's node number or None)."""
+    nodes: tuple[str, ...]
+    """Every rank's node (``nodes_of``)."""
 
 
 def uses_gpu(device_key: str) -> bool:
@@ -131,8 +130,13 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     else:
         _hear_from_rank_0(store, info, address, deadline + VERDICT_GRACE_S, timeout_s)
     values = {key: store.get(SHARED + key).decode() for key in shared}
-    hosts = [(name, index) for name, index in json.loads(store.get(NODES))]
-    return Meeting(store, address, info.store_host, values, hosts)
+    return Meeting(store, address, info.store_host, values, nodes_of(store))
+
+
+def nodes_of(store) -> tuple[str, ...]:
+    """Every rank's node, from what the ranks signed in with (``parallel.placement.node_names``);
+    any rank may ask, once the meeting is over."""
+    return node_names([(name, number) for name, number in json.loads(store.get(NODES))])
 
 
 def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore:
