@@ -11,6 +11,11 @@ Where the rendezvous is: torchrun names it (``MASTER_ADDR``/``MASTER_PORT``, whi
 also export under any launcher); under Slurm and submitit it is the job's first host and a port
 derived from the job id, the same on every rank without any exchange; under MPI rank 0 picks a
 free port and broadcasts its host and port.
+
+Which node a rank is on: the launcher's name for it where it has one (Slurm's
+``SLURMD_NODENAME``), else the host name, together with the launcher's number for the node
+(``SLURM_NODEID``, torchrun's ``GROUP_RANK``, MPI's shared-memory split whenever mpi4py is
+asked anyway); ``ditrun.parallel.placement`` cross-checks the two.
 """
 
 from __future__ import annotations
