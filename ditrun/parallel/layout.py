@@ -8,7 +8,8 @@ A run's ranks form a grid with three process-group axes, outermost first:
 * ``sp`` — the Ulysses sequence-parallel group that shares one forward pass.
 
 ``rank = (replica * cfg_degree + cfg) * sp_degree + sp``: the ranks of one SP group are
-consecutive, so on a multi-GPU node the busiest exchange stays on the fastest links.
+consecutive, so on a multi-GPU node the busiest exchange stays on the fastest links; once the
+rendezvous knows each rank's node, ``placement.py`` refuses a group that would still span two.
 
 ``plan_layout`` checks a config against the world size and the model's head count without
 touching ``torch.distributed``, so launchers can call it before spawning anything;
