@@ -61,6 +61,10 @@ class LayoutConfig:
     """Data-parallel replicas; the world size must be ``replicas`` x workers per replica."""
     head_groups: int = 1
     """Split the heads into this many groups so one group's exchange overlaps another's attention."""
+    allow_cross_node_sp: bool = False
+    """Let an SP group span nodes. Off, a layout whose SP group would have ranks on two nodes is refused
+    before any model is built (docs/LAYOUTS.md); on, its exchanges cross the network (``copy_engine`` sends
+    to off-node peers through the collective library)."""
 
 
 @dataclass
@@ -103,8 +107,9 @@ class TransportConfig:
     chaos_s: float = 0.0
     """``copy_engine`` on CPUs: a random delay of up to this many seconds before each copy (tests)."""
     node_size: int = 0
-    """``copy_engine``: peers on another node go through the collective; 0 finds nodes by host name,
-    N > 0 treats each N consecutive ranks of the run as one node (tests of the mixed path)."""
+    """``copy_engine``: peers on another node go through the collective; 0 takes the nodes the rendezvous
+    found (``parallel/placement.py``), N > 0 treats each N consecutive ranks of the run as one node, for
+    the copy engine only (tests of the mixed path)."""
 
 
 @dataclass

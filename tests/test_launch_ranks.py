@@ -35,14 +35,14 @@ def make_cfg(ranks=1, **launcher):
     return cfg
 
 
-def reduce_work(cfg, out_dir, job):
+def reduce_work(cfg, out_dir, job, nodes):
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
     return {"sum": total.item(), "out_dir": str(out_dir), "world": cfg.launcher.world,
             "threads": torch.get_num_threads()}
 
 
-def failing_work(cfg, out_dir, job):
+def failing_work(cfg, out_dir, job, nodes):
     dist.all_reduce(torch.ones(1))
     if dist.get_rank() == 2:
         raise RuntimeError("the GPU caught fire")

@@ -8,8 +8,9 @@
   is started torchrun-style and takes the path above;
 - otherwise: run the worker in this process, with no process group at all.
 
-Every rank reaches ``worker.run(cfg, out_dir, job)`` the same way: device bound, the rendezvous
-met (ranks that never arrive are named), ``torch.distributed`` initialised (gloo on CPUs, nccl
+Every rank reaches ``worker.run(cfg, out_dir, job, nodes)`` the same way: device bound, the rendezvous
+met (ranks that never arrive are named), the placement printed once and checked (an SP group on
+several nodes is refused, ``parallel/placement.py``), ``torch.distributed`` initialised (gloo on CPUs, nccl
 on GPUs), the same results directory as rank 0, a watchdog that ends the rank when another
 one fails, stop signals caught (``stop.py``) and its parent watched, and ``job`` (``job.py``)
 to share rank 0's decisions, stop together and end the run together.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +30,9 @@ from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.model.build import model_geometry
+from ditrun.parallel.layout import LayoutPlan
+from ditrun.parallel.placement import Placement
 from ditrun.errors import UserError
 
 
@@ -52,12 +57,12 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
         stop.restore()
 
 
-def check_config(cfg, world: int) -> None:
+def check_config(cfg, world: int) -> LayoutPlan:
     """Everything a user can get wrong, checked on ``world`` ranks before any process starts."""
     # The workload's numbers first: the fault injection's step is checked against workload.steps.
     workload.check_config(cfg.workload)
     check_launcher_config(cfg, world)
-    worker.check_config(cfg, world)
+    return worker.check_config(cfg, world)
 
 
 def check_launcher_config(cfg, world: int) -> None:
@@ -77,14 +82,16 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
     work = work or worker.run
     cfg = with_world(cfg, info)
-    check_config(cfg, info.world)
+    plan = check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
     device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
     backend = rendezvous.backend_for(cfg.device)
+    placement = Placement(plan, meeting.nodes)
     if info.rank == 0:
-        print(f"ditrun: {info.world} ranks on {info.nodes} node(s) ({info.launcher}) met at {meeting.address}; "
-              f"{backend}, rank 0 on {device}", flush=True)
+        print(f"ditrun: {info.world} ranks on {len(placement.ranks_by_node())} node(s) ({info.launcher}) met at "
+              f"{meeting.address}; {backend}, rank 0 on {device}\n{placement.describe()}", flush=True)
+    check_placement(cfg, placement, info)
     stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
@@ -92,7 +99,7 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         watchdog = faults.Watchdog(meeting, info.rank).start()
         job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s)
-        summary = work(cfg, Path(meeting.shared["out_dir"]), job)
+        summary = work(cfg, Path(meeting.shared["out_dir"]), job, placement.nodes)
     except RunStopped as err:
         stopped = err  # not a failure: the run ends as a good one does, then says it was stopped
     except BaseException as err:
@@ -108,6 +115,17 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     if stopped is not None:
         raise stopped
     return summary
+
+
+def check_placement(cfg, placement: Placement, info: env.RankInfo) -> None:
+    """Refuse an SP group on several nodes on every rank, before any model is built."""
+    try:
+        placement.check(cfg.layout.allow_cross_node_sp, model_geometry(cfg.model).num_attention_heads)
+    except UserError:
+        if info.rank == 0 and info.store_host == "rank 0":
+            # The store lives in this process: let the others read the node list before it goes.
+            time.sleep(rendezvous.VERDICT_GRACE_S)
+        raise
 
 
 def with_world(cfg, info: env.RankInfo):

@@ -11,6 +11,11 @@ Where the rendezvous is: torchrun names it (``MASTER_ADDR``/``MASTER_PORT``, whi
 also export under any launcher); under Slurm and submitit it is the job's first host and a port
 derived from the job id, the same on every rank without any exchange; under MPI rank 0 picks a
 free port and broadcasts its host and port.
+
+Which node a rank is on: the launcher's name for it where it has one (Slurm's
+``SLURMD_NODENAME``), else the host name, together with the launcher's number for the node
+(``SLURM_NODEID``, torchrun's ``GROUP_RANK``, MPI's shared-memory split whenever mpi4py is
+asked anyway); ``ditrun.parallel.placement`` cross-checks the two.
 """
 
 from __future__ import annotations
@@ -43,10 +48,15 @@ class RankTable:
     local_world: Optional[str] = None
     nodes: Optional[str] = None
     job_id: Optional[str] = None
+    node_index: Optional[str] = None
+    """The launcher's number for this process's node (cross-checks the host names, ``parallel/placement.py``)."""
+    node_name: Optional[str] = None
+    """The launcher's name for this process's node, where it differs from the host name (Slurm's node name)."""
 
 
 TORCHRUN = RankTable("torchrun", rank="RANK", local_rank="LOCAL_RANK", world="WORLD_SIZE",
-                     local_world="LOCAL_WORLD_SIZE", nodes="GROUP_WORLD_SIZE", job_id="TORCHELASTIC_RUN_ID")
+                     local_world="LOCAL_WORLD_SIZE", nodes="GROUP_WORLD_SIZE", job_id="TORCHELASTIC_RUN_ID",
+                     node_index="GROUP_RANK")
 OPEN_MPI = RankTable("Open MPI", rank="OMPI_COMM_WORLD_RANK", local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
                      world="OMPI_COMM_WORLD_SIZE", local_world="OMPI_COMM_WORLD_LOCAL_SIZE")
 MPICH = RankTable("MPICH (PMI)", rank="PMI_RANK", local_rank="MPI_LOCALRANKID", world="PMI_SIZE",
@@ -56,7 +66,8 @@ SUBMITIT_LOCAL = RankTable("submitit (local)", rank="SUBMITIT_LOCAL_GLOBALID", l
                            nodes="SUBMITIT_LOCAL_JOB_NUM_NODES", job_id="SUBMITIT_LOCAL_JOB_ID")
 # The step's variables, not the job's: a step may run fewer tasks than the job allocated.
 SLURM = RankTable("Slurm (srun)", rank="SLURM_PROCID", local_rank="SLURM_LOCALID", world="SLURM_STEP_NUM_TASKS",
-                  nodes="SLURM_STEP_NUM_NODES", job_id="SLURM_JOB_ID")
+                  nodes="SLURM_STEP_NUM_NODES", job_id="SLURM_JOB_ID", node_index="SLURM_NODEID",
+                  node_name="SLURMD_NODENAME")
 
 RANK_TABLES = (TORCHRUN, OPEN_MPI, MPICH, SUBMITIT_LOCAL, SLURM)
 MPI4PY = "MPI (mpi4py)"
@@ -82,6 +93,16 @@ class RankInfo:
     master_port: Optional[int] = None
     store_host: str = "rank 0"
     """Who hosts the rendezvous store: rank 0, or the launcher itself (torchrun's agent)."""
+    node_index: Optional[int] = None
+    """The launcher's number for this rank's node (Slurm's node id, torchrun's agent rank, the lowest world
+    rank of MPI's shared-memory split); None where the launcher gives none."""
+    node_name: Optional[str] = None
+    """The launcher's name for this rank's node; None means the host name."""
+
+    @property
+    def node(self) -> str:
+        """The name this rank's node goes by in the placement and in messages."""
+        return self.node_name or socket.gethostname()
 
 
 def discover(environ: Mapping[str, str] = os.environ) -> Optional[RankInfo]:
@@ -126,7 +147,12 @@ def _from_table(table: RankTable, environ: Mapping[str, str]) -> RankInfo:
     # torchrun's agent already serves a store at MASTER_PORT; its ranks join it as clients.
     agent_store = table is TORCHRUN and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     return RankInfo(table.launcher, rank, local_rank, world, local_world, nodes, _master_addr(table, environ),
-                    _master_port(table, environ), "torchrun's agent" if agent_store else "rank 0")
+                    _master_port(table, environ), "torchrun's agent" if agent_store else "rank 0",
+                    _optional_int(environ, table.node_index), environ.get(table.node_name or "") or None)
+
+
+def _optional_int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
+    return _int(environ, name) if name and environ.get(name) else None
 
 
 def slurm_local_world(environ: Mapping[str, str]) -> int:
@@ -232,7 +258,8 @@ def from_mpi4py() -> RankInfo:
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
-    return RankInfo(MPI4PY, world.Get_rank(), node.Get_rank(), world.Get_size(), node.Get_size(), nodes)
+    return RankInfo(MPI4PY, world.Get_rank(), node.Get_rank(), world.Get_size(), node.Get_size(), nodes,
+                    node_index=node.bcast(world.Get_rank(), root=0))
 
 
 def with_address(info: RankInfo, port_override: Optional[int]) -> RankInfo:
@@ -253,7 +280,18 @@ def _broadcast_address(info: RankInfo) -> RankInfo:
     if info.rank == 0:
         proposal = (info.master_addr or socket.gethostname(), info.master_port or free_port())
     addr, port = MPI.COMM_WORLD.bcast(proposal, root=0)
-    return replace(info, master_addr=addr, master_port=port)
+    return replace(info, master_addr=addr, master_port=port, node_index=_mpi_node_index(info))
+
+
+def _mpi_node_index(info: RankInfo) -> int:
+    """The lowest world rank that shares memory with this one: MPI's own view of the node, which
+    the placement cross-checks with the host names. MPI is initialised here already."""
+    if info.node_index is not None:
+        return info.node_index
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    return world.Split_type(MPI.COMM_TYPE_SHARED).bcast(world.Get_rank(), root=0)
 
 
 def free_port() -> int:

@@ -7,10 +7,16 @@ under its own key, so a rendezvous that does not
 complete names the ranks that did not arrive instead of timing out anonymously. The same store
 then carries the process group's own set-up, rank 0's choices that every rank must share (the
 results directory), and the failure notices of ``ditrun.launch.faults``.
+
+Each rank also signs in with its node: the launcher's name for it or its host name, and the
+launcher's node number where there is one. Rank 0 collects them in one read and publishes the
+list under one key, so the meeting costs every rank a constant number of store requests however
+many nodes there are; ``ditrun.parallel.placement`` turns the list into the job's nodes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -21,11 +27,14 @@ import torch
 import torch.distributed as dist
 
 from ditrun.launch.env import RankInfo
+from ditrun.parallel.placement import format_ranks, node_names  # job.py imports format_ranks from here
 from ditrun.errors import UserError
 
 KEY = "ditrun/"
 ARRIVED = KEY + "arrived"
 ALL_ARRIVED = KEY + "all_arrived"
+NODE = KEY + "node/"
+NODES = KEY + "nodes"
 SHARED = KEY + "shared/"
 FINISHED = KEY + "finished/"
 FAILED_PREFIX = "failed: "
@@ -51,6 +60,8 @@ class Meeting:
     host: str
     """Who serves the store ("rank 0", or the launcher), for messages."""
     shared: dict[str, str]
+    nodes: tuple[str, ...]
+    """Every rank's node (``nodes_of``)."""
 
 
 def uses_gpu(device_key: str) -> bool:
@@ -111,6 +122,7 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     if info.rank == 0:
         for key, value in shared.items():
             store.set(SHARED + key, value)
+    store.set(f"{NODE}{info.rank}", json.dumps([info.node, info.node_index]))
     store.set(f"{ARRIVED}/{info.rank}", socket.gethostname())
     store.add(ARRIVED, 1)
     if info.rank == 0:
@@ -118,7 +130,13 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     else:
         _hear_from_rank_0(store, info, address, deadline + VERDICT_GRACE_S, timeout_s)
     values = {key: store.get(SHARED + key).decode() for key in shared}
-    return Meeting(store, address, info.store_host, values)
+    return Meeting(store, address, info.store_host, values, nodes_of(store))
+
+
+def nodes_of(store) -> tuple[str, ...]:
+    """Every rank's node, from what the ranks signed in with (``parallel.placement.node_names``);
+    any rank may ask, once the meeting is over."""
+    return node_names([(name, number) for name, number in json.loads(store.get(NODES))])
 
 
 def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore:
@@ -152,6 +170,9 @@ def _wait_for_all(store, info: RankInfo, address: str, deadline: float, timeout_
             time.sleep(VERDICT_GRACE_S)  # the store lives in this process: let the others read it
             raise RendezvousError(message)
         time.sleep(0.05)
+    # One read of every rank's node, one key for everybody: no rank reads world keys.
+    nodes = store.multi_get([f"{NODE}{r}" for r in range(info.world)])
+    store.set(NODES, "[" + ",".join(node.decode() for node in nodes) + "]")
     store.set(ALL_ARRIVED, "1")
 
 
@@ -166,18 +187,6 @@ def _hear_from_rank_0(store, info: RankInfo, address: str, deadline: float, time
         ) from None
     if verdict.startswith(FAILED_PREFIX):
         raise RendezvousError(verdict[len(FAILED_PREFIX):])
-
-
-def format_ranks(ranks: list[int]) -> str:
-    """``[1, 2, 3, 7]`` -> ``"ranks 1-3, 7"``."""
-    spans: list[list[int]] = []
-    for rank in sorted(ranks):
-        if spans and rank == spans[-1][1] + 1:
-            spans[-1][1] = rank
-        else:
-            spans.append([rank, rank])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
-    return ("rank " if len(ranks) == 1 else "ranks ") + text
 
 
 def _first_line(err: Exception) -> str:

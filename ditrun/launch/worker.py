@@ -12,7 +12,7 @@ import subprocess
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ class Run:
     results directory has been claimed.
     """
 
-    def __init__(self, cfg, out_dir: Path):
+    def __init__(self, cfg, out_dir: Path, nodes: Sequence[str] = ()):
         self.cfg = cfg
         self.out_dir = out_dir
         # Under a launcher the process group is the truth; alone, launcher.world must say 1.
@@ -99,7 +99,7 @@ class Run:
         self.speed = plan_compile(cfg.model, self.placement.device)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
         check_memory(self.edits, cfg, self.geometry, plan, self.placement)
-        self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s))
+        self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
 
     def load(self) -> None:
         cfg = self.cfg
@@ -112,7 +112,8 @@ class Run:
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
         self.transports = {axis: make_transport(cfg.transport, self.layout.groups[axis], self.exposed,
-                                                self.placement.device, cfg.launcher.collective_timeout_s)
+                                                self.placement.device, cfg.launcher.collective_timeout_s,
+                                                self.layout.nodes)
                            for axis in ("sp", "cfg")}
         self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0,
                                  speed=self.speed)
@@ -224,7 +225,7 @@ class Run:
         }
 
 
-def run(cfg, out_dir: Path, job: Optional[LocalJob] = None) -> Optional[dict]:
+def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str] = ()) -> Optional[dict]:
     """Run this rank's part of the workload; returns the summary on global rank 0, None elsewhere.
 
     Global rank 0 claims the results directory (``rundir``: lock, recovery, which edits are
@@ -232,12 +233,13 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None) -> Optional[dict]:
     decision through ``job``. Each replica's writer appends its own records; once every rank
     has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
     and applies the SSIM gate. A stop signal ends the edit loop at a step boundary; the run
-    then ends the same way and raises ``RunStopped``.
+    then ends the same way and raises ``RunStopped``. ``nodes`` is every rank's node, as the
+    rendezvous found them (empty: all on one node).
     """
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    state = Run(cfg, out_dir)
+    state = Run(cfg, out_dir, nodes)
     layout = state.layout
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:

@@ -8,7 +8,8 @@ A run's ranks form a grid with three process-group axes, outermost first:
 * ``sp`` — the Ulysses sequence-parallel group that shares one forward pass.
 
 ``rank = (replica * cfg_degree + cfg) * sp_degree + sp``: the ranks of one SP group are
-consecutive, so on a multi-GPU node the busiest exchange stays on the fastest links.
+consecutive, so on a multi-GPU node the busiest exchange stays on the fastest links; once the
+rendezvous knows each rank's node, ``placement.py`` refuses a group that would still span two.
 
 ``plan_layout`` checks a config against the world size and the model's head count without
 touching ``torch.distributed``, so launchers can call it before spawning anything;
@@ -153,6 +154,8 @@ class Layout:
     """A gloo group over the whole world for the end-of-run barrier (None in a one-process run)."""
     replica_control: Optional[object] = None
     """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
+    nodes: tuple[str, ...] = ()
+    """The node of every global rank (``parallel/placement.py``); empty means all on this rank's node."""
 
     @property
     def coords(self) -> dict[str, int]:
@@ -186,14 +189,17 @@ class Layout:
             dist.barrier(group=self.control)
 
 
-def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None) -> Layout:
+def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None,
+                 nodes: Sequence[str] = ()) -> Layout:
     """Create the process groups of ``plan`` once; every rank calls this with the same plan.
 
     ``collective_timeout`` bounds every collective of the axis groups (``launcher.collective_timeout_s``):
     new groups do not inherit the world group's timeout, and torch's default is 30 minutes.
+    ``nodes`` is the node of every rank, as the rendezvous found them (empty: one node).
     """
+    nodes = tuple(nodes)
     if plan.world == 1:
-        return Layout(plan, rank=0, groups={axis: None for axis in AXES})
+        return Layout(plan, rank=0, groups={axis: None for axis in AXES}, nodes=nodes)
     if not dist.is_initialized() or dist.get_world_size() != plan.world:
         raise RuntimeError(f"build_layout needs torch.distributed initialised with {plan.world} ranks.")
     rank = dist.get_rank()
@@ -208,7 +214,7 @@ def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = Non
             if rank in ranks:
                 groups[axis] = group
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout))
+    return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout), nodes)
 
 
 def _replica_control(plan: LayoutPlan, rank: int, timeout: Optional[timedelta]):

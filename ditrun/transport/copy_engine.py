@@ -18,9 +18,10 @@ mark (an event), with no flag and no credit: ``start`` of exchange ``n`` require
 released exchange ``n - 2`` (checked), and the lane follows the compute stream. Every wait has
 the transport's timeout: a peer that died or hangs is named, never waited on forever.
 
-Peers on another node (host name, or ``transport.node_size``) have no mapping: their rows go
-through the process group's collective (``all_to_all`` with empty blocks for the local peers),
-straight into the same slot; the receiver's own ``start`` is their credit.
+Peers on another node (the placement's nodes, ``parallel/placement.py``, or blocks of
+``transport.node_size`` ranks) have no mapping: their rows go through the process group's
+collective (``all_to_all`` with empty blocks for the local peers), straight into the same slot;
+the receiver's own ``start`` is their credit.
 
 Everything an exchange needs that does not change from one exchange to the next (views of the
 send slot per peer, where they land, flag indices) is worked out once per plan in ``prepare``
@@ -33,7 +34,6 @@ CUDA/ROCm = ``torch.distributed._symmetric_memory`` + ``StreamLane`` per peer (`
 from __future__ import annotations
 
 import functools
-import socket
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -136,14 +136,16 @@ def typed(region: torch.Tensor, offset: int, plan: ExchangePlan, rows: int) -> t
     return region[offset:offset + nbytes].view(plan.dtype).view(rows, *plan.row_shape)
 
 
-def node_ids(group, node_size: int) -> list:
-    """The node of every rank of ``group``: consecutive blocks of ``node_size`` global ranks, else host names."""
-    ranks = dist.get_process_group_ranks(group)
+def peers_on_this_node(ranks: Sequence[int], nodes: Sequence[str], node_size: int) -> list[bool]:
+    """Per global rank in ``ranks``: whether it shares this rank's node, as the placement found it
+    (``nodes``: every global rank's node; empty means one node), or, with ``node_size`` > 0,
+    whether it falls in this rank's block of ``node_size`` consecutive global ranks."""
+    me = dist.get_rank()
     if node_size > 0:
-        return [r // node_size for r in ranks]
-    names: list = [None] * len(ranks)
-    dist.all_gather_object(names, socket.gethostname(), group=group)
-    return names
+        return [r // node_size == me // node_size for r in ranks]
+    if not nodes:
+        return [True] * len(ranks)
+    return [nodes[r] == nodes[me] for r in ranks]
 
 
 class StagedAllToAll:
@@ -208,12 +210,11 @@ class CopyEngineTransport:
     """All-to-all over ``group`` by one-sided copies (module docstring); ``prepare`` before use."""
 
     def __init__(self, group, timer: ExposedTransfer, device: torch.device, timeout_s: float,
-                 chaos_s: float = 0.0, node_size: int = 0):
+                 chaos_s: float = 0.0, node_size: int = 0, nodes: Sequence[str] = ()):
         self.group, self.timer, self.device, self.timeout_s = group, timer, device, timeout_s
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
-        nodes = node_ids(group, node_size)
-        self.local = [nodes[j] == nodes[self.rank] for j in range(self.size)]
+        self.local = peers_on_this_node(self.ranks, nodes, node_size)
         self.chaos_s = chaos_s
         self.fabric = _fabric(device, timeout_s)
         self.layout: Optional[SlotLayout] = None

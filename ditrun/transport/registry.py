@@ -4,7 +4,7 @@ docs' list of transports all derive from ``TRANSPORTS``, so no allow-list is wri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -13,17 +13,19 @@ from ditrun.metrics.timing import ExposedTransfer
 from ditrun.transport.base import LocalTransport, Transport
 
 
-def _collective(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float) -> Transport:
+def _collective(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float,
+                nodes: Sequence[str]) -> Transport:
     from ditrun.transport.collective import CollectiveTransport
 
     return CollectiveTransport(group, timer, device)
 
 
-def _copy_engine(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float) -> Transport:
+def _copy_engine(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float,
+                 nodes: Sequence[str]) -> Transport:
     from ditrun.transport.copy_engine import CopyEngineTransport
 
     return CopyEngineTransport(group, timer, device, timeout_s=transport_cfg.timeout_s or timeout_s,
-                               chaos_s=transport_cfg.chaos_s, node_size=transport_cfg.node_size)
+                               chaos_s=transport_cfg.chaos_s, node_size=transport_cfg.node_size, nodes=nodes)
 
 
 @dataclass(frozen=True)
@@ -50,17 +52,18 @@ def check_transport(transport_cfg) -> None:
         raise UserError(f"transport.timeout_s={transport_cfg.timeout_s} must be positive, or unset to use "
                         "launcher.collective_timeout_s.")
     if transport_cfg.node_size < 0:
-        raise UserError(f"transport.node_size={transport_cfg.node_size} must be 0 (nodes by host name) or a "
+        raise UserError(f"transport.node_size={transport_cfg.node_size} must be 0 (the placement's nodes) or a "
                         "positive number of consecutive ranks per node.")
 
 
 def make_transport(transport_cfg, group, timer: ExposedTransfer, device: torch.device,
-                   timeout_s: float) -> Transport:
+                   timeout_s: float, nodes: Sequence[str] = ()) -> Transport:
     """The transport ``transport.name`` over the process group ``group`` (None: an axis of one rank).
 
-    ``timeout_s`` bounds every wait of a one-sided transport unless ``transport.timeout_s`` is set.
+    ``timeout_s`` bounds every wait of a one-sided transport unless ``transport.timeout_s`` is set;
+    ``nodes`` is every global rank's node (``Layout.nodes``; empty: one node).
     """
     check_transport(transport_cfg)
     if group is None:
         return LocalTransport(device)
-    return TRANSPORTS[transport_cfg.name].make(group, timer, device, transport_cfg, timeout_s)
+    return TRANSPORTS[transport_cfg.name].make(group, timer, device, transport_cfg, timeout_s, nodes)
