@@ -31,6 +31,7 @@ import math
 import re
 import statistics
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -202,6 +203,13 @@ class Startup:
         return self.base_s + self.per_node_s * nodes
 
 
+# startup.json's field names, first found wins: the job waits for its slowest rank, so max before median.
+STARTUP_LISTS = ("points", "rows", "results", "runs")
+STARTUP_NODES = ("nodes", "num_nodes", "n_nodes")
+STARTUP_SECONDS = ("startup_s_max", "max_startup_s", "startup_max_s", "startup_s", "startup_s_median",
+                   "median_startup_s")
+
+
 def load_startup(path: Path) -> Startup:
     if not path.is_file():
         return Startup(FALLBACK_STARTUP_S, 0.0, {},
@@ -209,18 +217,25 @@ def load_startup(path: Path) -> Startup:
                        f"{FALLBACK_STARTUP_S:.0f} s at every node count (process start, imports, device "
                        "initialisation and rendezvous; not measured)")
     data = json.loads(path.read_text())
-    rows = data if isinstance(data, list) else data.get("points") or data.get("rows") or []
+    rows = data if isinstance(data, list) else next((data[k] for k in STARTUP_LISTS if k in data), [])
     measured = {}
     for row in rows:
-        value = next((row[k] for k in ("startup_s_max", "startup_s", "startup_s_median") if row.get(k) is not None), None)
-        if value is not None:
-            measured[int(row["nodes"])] = float(value)
+        nodes, seconds = _first(row, STARTUP_NODES), _first(row, STARTUP_SECONDS)
+        if isinstance(seconds, dict):  # {"max": s, "median": s}
+            seconds = _first(seconds, ("max", "median"))
+        if nodes is not None and seconds is not None:
+            measured[int(nodes)] = float(seconds)
     if not measured:
-        raise ValueError(f"{path}: no point with nodes and startup_s_max / startup_s / startup_s_median")
+        raise ValueError(f"{path}: no point with one of {STARTUP_NODES} and one of {STARTUP_SECONDS} under one of "
+                         f"{STARTUP_LISTS} (docs/SCALING.md, 'startup.json, as read here')")
     base, slope = _line(list(measured), list(measured.values()))
     about = data.get("device", "") if isinstance(data, dict) else ""
     return Startup(base, slope, measured, f"{path.name} ({about or 'device not stated'}): points at nodes "
                    f"{sorted(measured)}, fitted as {base:.2f} s + {slope:.3f} s x nodes")
+
+
+def _first(row: dict, keys: tuple):
+    return next((row[k] for k in keys if row.get(k) is not None), None)
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -622,11 +637,11 @@ def per_edit_table(model: Model, scenario: Scenario, cells: list[Cell]) -> str:
 def makespan_table(model: Model, scenario: Scenario, cells: list[Cell], edits: int) -> str:
     rows = []
     for cell in cells:
-        values = [model.makespan_s(scenario, cell, n, edits) for n in NODES]
-        if edits >= 1000:
-            values = [f"{fmt_s(v)} ({edits / v:.2f}/s)" for v in values]
-        else:
-            values = [fmt_s(v) for v in values]
+        values = []
+        for n in NODES:
+            seconds = model.makespan_s(scenario, cell, n, edits)
+            rate = f" ({edits / seconds:.2f}/s)" if edits >= 1000 else ""
+            values.append(fmt_s(seconds) + rate + (" *" if model.replicas(n, cell.gpus) >= edits else ""))
         rows.append([f"{row_label(cell)}, {cell.precision}"] + values)
     return md_table(["layout, precision"] + [f"{n} node{'s' if n > 1 else ''}" for n in NODES], rows)
 
@@ -635,7 +650,8 @@ def render(model: Model, scenarios: list[Scenario]) -> str:
     parts = ["### Assumptions (generated)", "", *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)], "",
              "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that); every "
              "other cell is modelled. Makespans include start-up, weights load and warm-up; throughput per node "
-             "excludes them.", ""]
+             "excludes them. A makespan marked * is one round: there are at least as many replicas as edits, "
+             "so more nodes cannot shorten it.", ""]
     for scenario in scenarios:
         cells = model_cells(model, scenario)
         parts += [f"### {scenario.name}", "", f"{scenario.device}; {scenario.shape.label()} (S = "
@@ -666,6 +682,78 @@ def build(measured: Path = MEASURED_FILE, run_dirs: Optional[list[Path]] = None,
     return Model(inputs), builtin + run_scenarios(inputs, builtin)
 
 
+# ---------------------------------------------------------------------------------------------
+# GPU runs that feed the model, each beside what the model predicted without it
+
+# (folder name, GPUs per edit, ditrun overrides): the published shape (true CFG off), run with every
+# configuration the visible GPUs allow; P = 4 and 8 only where 4 or 8 GPUs are lent (issue 14).
+MEASURE_RUNS = (
+    ("single-bf16", 1, ()),
+    ("single-fp8", 1, ("precision=fp8",)),
+    ("ulysses-p2-g1-bf16", 2, ("layout=ulysses",)),
+    ("ulysses-p2-g2-bf16", 2, ("layout=ulysses", "layout.head_groups=2")),
+    ("ulysses-p4-g2-bf16", 4, ("layout=ulysses", "layout.head_groups=2")),
+    ("ulysses-p8-g3-bf16", 8, ("layout=ulysses", "layout.head_groups=3")),
+)
+MEASURE_BASE = ("workload=benchmark", "model=flux-dev", "workload.limit=2", "metrics.ssim=false", "metrics.report=false",
+                "wandb.mode=disabled", "progress=false")
+RUN_FILES = ("summary.json", "edits.jsonl")
+
+
+def measure(out: Path, steps: int, only: list[str], timeout_s: float) -> list[Path]:
+    """Run each configuration of ``MEASURE_RUNS`` that fits the visible GPUs; keep its two files under ``out``."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    import torch
+
+    visible = torch.cuda.device_count()
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "PYTHONUNBUFFERED": "1"}
+    kept = []
+    for name, gpus, overrides in MEASURE_RUNS:
+        if only and name not in only:
+            continue
+        if gpus > visible:
+            print(f"scaling: {name} not run ({gpus} GPUs needed, {visible} visible)", file=sys.stderr)
+            continue
+        run_dir = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
+        command = [sys.executable, "-m", "ditrun", *MEASURE_BASE, f"workload.steps={steps}", f"launcher.world={gpus}",
+                   *overrides, f"hydra.run.dir={run_dir}"]
+        print("$", " ".join(command), file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(command, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"scaling: {name} ran past {timeout_s:.0f} s; left out", file=sys.stderr)
+            continue
+        if done.returncode != 0 or not (run_dir / "summary.json").is_file():
+            print(f"scaling: {name} failed (exit {done.returncode}); left out", file=sys.stderr)
+            continue
+        device = json.loads((run_dir / "summary.json").read_text())["device"]
+        dest = out / f"{time.strftime('%Y-%m-%d')}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}-published-{name}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for file in RUN_FILES:
+            shutil.copy(run_dir / file, dest / file)
+        kept.append(dest)
+    return kept
+
+
+def prediction_table(before: Model, scenarios: list[Scenario], run_dirs: list[Path]) -> str:
+    """Each new run's seconds per step beside the cell the model gave without it (M: it was measured already)."""
+    rows = []
+    for run_dir in run_dirs:
+        point = point_from_run(run_dir)
+        scenario = next((s for s in scenarios if (s.device, s.shape) == (point.device, point.shape)), None)
+        cell = before.cell(scenario, point.layout, point.gpus, point.precision) if scenario else None
+        predicted = "-" if cell is None else mark(f"{cell.step_s:.4f}", cell.measured) + f" (G={cell.head_groups})"
+        ratio = "-" if cell is None else f"{point.step_s / cell.step_s:.3f}"
+        rows.append([run_dir.name, f"{point.layout} x{point.gpus}, G={point.head_groups}, {point.precision}",
+                     predicted, f"{point.step_s:.4f}", f"{100 * point.exposed_step_s / point.step_s:.1f}%", ratio])
+    return md_table(["run", "configuration", "model before it, s / step", "measured s / step", "exposed",
+                     "measured / model"], rows)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", type=Path, help="ditrun run directories (or folders holding them)")
@@ -674,14 +762,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-default-runs", action="store_true", help=f"do not read {RUNS_DIR.relative_to(ROOT)}/")
     parser.add_argument("--json", type=Path, help="also write every cell as JSON here")
     parser.add_argument("--write-docs", action="store_true", help=f"regenerate the tables in {DOC_FILE.relative_to(ROOT)}")
+    parser.add_argument("--measure", type=Path, metavar="DIR",
+                        help="GPU: first run the published shape in every configuration the GPUs allow, keep the run "
+                             "directories under DIR and print each beside the model's prediction without it")
+    parser.add_argument("--steps", type=int, default=6, help="--measure: denoising steps per edit (2 edits a run)")
+    parser.add_argument("--only", nargs="*", default=[], help="--measure: only these of " +
+                        ", ".join(name for name, _, _ in MEASURE_RUNS))
+    parser.add_argument("--run-timeout", type=float, default=300.0, help="--measure: seconds per ditrun run")
     args = parser.parse_args(argv)
     run_dirs = find_run_dirs(args.runs + ([] if args.no_default_runs else [RUNS_DIR]))
     if not args.startup.is_file():
         print(f"scaling: {args.startup} is missing; start-up assumed {FALLBACK_STARTUP_S:.0f} s at every node count",
               file=sys.stderr)
-    model, scenarios = build(args.measured, run_dirs, args.startup)
+    new_runs = measure(args.measure, args.steps, args.only, args.run_timeout) if args.measure else []
+    model, scenarios = build(args.measured, run_dirs + new_runs, args.startup)
     text = render(model, scenarios)
     print(text)
+    if new_runs:
+        print("\n### The new runs beside the model without them\n")
+        print(prediction_table(build(args.measured, run_dirs, args.startup)[0], scenarios, new_runs))
     if args.json:
         args.json.write_text(json.dumps(as_json(model, scenarios), indent=1))
     if args.write_docs:
