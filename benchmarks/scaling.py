@@ -3,6 +3,7 @@
     python3 benchmarks/scaling.py                       # print the tables (markdown)
     python3 benchmarks/scaling.py RUN_DIR ... --write-docs   # add run directories, regenerate docs/SCALING.md
     python3 benchmarks/scaling.py --json model.json     # every cell as JSON too (the tests read it)
+    python3 benchmarks/scaling.py --measure DIR         # GPU: run the published shape first, then compare
 
 Inputs, all files (nothing here is a number typed into code except the stated fallbacks):
 
@@ -15,11 +16,11 @@ Inputs, all files (nothing here is a number typed into code except the stated fa
   edit, head groups, precision, DiT s per step, exposed transfer s per step). A run directory's
   point replaces a measured.json point with the same key.
 - ``benchmarks/results/startup.json`` (written by ``benchmarks/startup.py``): start-up seconds
-  against node count. Read as ``{"points": [{"nodes": N, "startup_s_max": s, ...}, ...]}`` (or a
-  bare list of such objects); per point the first of ``startup_s_max``, ``startup_s``,
-  ``startup_s_median`` is used (the job waits for its slowest rank). Missing: a stated assumption.
+  against node count. Read as ``{"points": [{"nodes": N, "startup_s_max": s, ...}, ...]}`` (other
+  accepted names: ``STARTUP_*`` below); the job waits for its slowest rank, so the maximum is read
+  first. Missing: a stated assumption, said on stderr.
 
-The model and every assumption are printed at the top of the output (``ASSUMPTIONS``) and in
+The model's rules and every assumption are printed above the tables (``assumptions``) and in
 docs/SCALING.md; cells marked M are measured points, the others are modelled.
 """
 
@@ -113,6 +114,7 @@ class Point:
     source: str
     geometry: Optional[Geometry] = None
     element_bytes: int = BF16_BYTES
+    fixed_s: Optional[float] = None  # encode + decode seconds per edit, when real VAE weights ran
 
     @property
     def key(self) -> tuple:
@@ -129,9 +131,9 @@ def point_from_measured(entry: dict) -> Point:
     dit_s, steps = float(entry["dit_s"]), int(entry["steps"])
     shape = Shape(image_tokens(*entry["out"]), image_tokens(*entry["ref"]), int(entry["text_tokens"]),
                   bool(entry["true_cfg"]))
+    exposed_s = dit_s * float(entry["exposed_transfer_pct"]) / 100.0
     return Point(entry["device"], shape, entry["layout"], int(entry["gpus"]), int(entry["head_groups"]),
-                 entry["precision"], entry["transport"], dit_s / steps, dit_s * float(entry["exposed_transfer_pct"]) / 100.0 / steps,
-                 steps, entry["source"])
+                 entry["precision"], entry["transport"], dit_s / steps, exposed_s / steps, steps, entry["source"])
 
 
 def point_from_run(run_dir: Path) -> Point:
@@ -145,6 +147,9 @@ def point_from_run(run_dir: Path) -> Point:
                   int(settings["text_len"]), float(settings["true_cfg_scale"]) > 1.0)
     steps = int(record["steps"])
     heads = int(geometry["num_attention_heads"])
+    # Without VAE weights the encode and decode are a linear stand-in: not a cost a real edit has.
+    fixed_s = ((summary.get("encode_s_median") or 0.0) + (summary.get("decode_s_median") or 0.0)
+               if settings.get("vae") else None)
     return Point(summary["device"], shape, config["layout"]["name"], int(summary["world"]) // replicas,
                  int(config["layout"]["head_groups"]), summary["precision"], config["transport"]["name"],
                  summary["dit_s_median"] / steps,
@@ -152,7 +157,7 @@ def point_from_run(run_dir: Path) -> Point:
                  f"run directory {run_dir} (git {summary.get('git')}, torch {summary.get('torch')})",
                  Geometry(int(geometry["num_layers"]) + int(geometry["num_single_layers"]), heads,
                           heads * int(geometry["attention_head_dim"])),
-                 4 if settings["dtype"] == "fp32" else BF16_BYTES)
+                 4 if settings["dtype"] == "fp32" else BF16_BYTES, fixed_s)
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -180,11 +185,9 @@ class LinkFit:
 
 
 def fit_link(alltoall: dict) -> LinkFit:
-    xs = [row["to_peer_mb"] for row in alltoall["rows"]]
-    ys = [row["ms"] for row in alltoall["rows"]]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    return LinkFit(my - slope * mx, 1.0 / slope, alltoall["source"])
+    rows = alltoall["rows"]
+    latency_ms, ms_per_mb = _line([row["to_peer_mb"] for row in rows], [row["ms"] for row in rows])
+    return LinkFit(latency_ms, 1.0 / ms_per_mb, alltoall["source"])
 
 
 VOLUME_ONLY = LinkFit(0.0, 1.0, "no all-to-all measured on this device: exposed transfer scales with bytes only")
@@ -332,18 +335,21 @@ def transfer_step_ms(link: LinkFit, scenario_geometry: Geometry, element_bytes: 
     if sp <= 1:
         return 0.0
     shard_mb = shape.tokens / sp * (sp - 1) / sp * scenario_geometry.hidden * element_bytes * batch / 1e6
-    per_attention = head_groups * (link.exchange_ms(3 * shard_mb / head_groups) + link.exchange_ms(shard_mb / head_groups))
+    message_mb = shard_mb / head_groups
+    per_attention = head_groups * (link.exchange_ms(3 * message_mb) + link.exchange_ms(message_mb))
     return passes * scenario_geometry.blocks * per_attention
 
 
 def valid_head_groups(wanted: int, heads: int, sp: int) -> int:
     """The smallest number of head groups >= ``wanted`` that divides the heads per rank (layout validation)."""
     per_rank = heads // max(sp, 1)
-    return next(g for g in range(max(wanted, 1), per_rank + 1) if per_rank % g == 0) if per_rank >= wanted else per_rank
+    if wanted >= per_rank:
+        return per_rank
+    return next(g for g in range(max(wanted, 1), per_rank + 1) if per_rank % g == 0)
 
 
 class Model:
-    """Predicts a cell from the measured points; see ASSUMPTIONS for the rules, in order."""
+    """Predicts a cell from the measured points; ``assumptions`` states the rules, in order."""
 
     def __init__(self, inputs: Inputs):
         self.inputs = inputs
@@ -460,10 +466,15 @@ class Model:
 
     # Time per edit, throughput, makespan ------------------------------------------------------
 
-    @staticmethod
-    def latency_s(scenario: Scenario, cell: Cell) -> float:
-        """DiT seconds per edit: steps x seconds per step (VAE and text encoders excluded)."""
-        return scenario.steps * cell.step_s
+    def fixed_s(self, scenario: Scenario) -> Optional[float]:
+        """Encode + decode seconds per edit measured with real VAE weights at this shape; None: not measured."""
+        found = [p.fixed_s for p in self.inputs.points.values()
+                 if (p.device, p.shape) == (scenario.device, scenario.shape) and p.fixed_s is not None]
+        return min(found) if found else None
+
+    def latency_s(self, scenario: Scenario, cell: Cell) -> float:
+        """Seconds per edit: steps x seconds per step, + encode and decode where measured (else excluded)."""
+        return scenario.steps * cell.step_s + (self.fixed_s(scenario) or 0.0)
 
     @staticmethod
     def replicas(nodes: int, gpus: int, gpus_per_node: int = 8) -> int:
@@ -563,9 +574,10 @@ def as_json(model: Model, scenarios: list[Scenario]) -> dict:
 def assumptions(model: Model) -> list[str]:
     inputs = model.inputs
     lines = [
-        "Latency per edit = steps x (one-GPU step / (GPUs per edit x compute efficiency) + exposed transfer per step); "
-        "VAE encode/decode and text encoders are excluded (the measured runs used random weights, the linear latent "
-        "map and stand-in prompt embeddings).",
+        "Latency per edit = steps x (one-GPU step / (GPUs per edit x compute efficiency) + exposed transfer per step) "
+        "+ encode and decode (image load, VAE, prompt embeddings: the encode_s + decode_s medians of a run directory "
+        "of the same shape with real VAE weights, not divided by SP); without such a run they are excluded, as for "
+        "every input so far (random weights, the linear latent map, stand-in prompt embeddings).",
         "One-GPU step: a measured point of the same device, shape and precision (M); else the bf16 step plus, per "
         "forward, the measured kernel-time differences of the precision's GEMMs (linear in M between the measured M) "
         "and attention (measured sequence lengths only), counted per layer. The fp8 GEMMs include their activation "
@@ -584,7 +596,8 @@ def assumptions(model: Model) -> list[str]:
         "output tokens. Head groups: the reference's, raised to the next divisor of the heads per rank (24 heads: "
         "3 per rank at P = 8).",
         "SP and CFG groups never span nodes (8 GPUs per node), so latency per edit does not depend on the node "
-        "count; replicas = nodes x 8 / GPUs per edit; steady throughput = replicas / latency (exactly linear in nodes).",
+        "count; replicas = nodes x 8 / GPUs per edit; steady throughput = replicas / latency (exactly linear in "
+        "nodes).",
         "Makespan of N edits = start-up(nodes) + weights load + first-edit warm-up of the precision + ceil(N / "
         "replicas) x latency: edits are dealt to replicas round robin, so the last round may be partial (the tail); "
         "past N replicas more nodes cannot lower it, only more GPUs per edit can.",
@@ -648,20 +661,24 @@ def makespan_table(model: Model, scenario: Scenario, cells: list[Cell], edits: i
 
 def render(model: Model, scenarios: list[Scenario]) -> str:
     parts = ["### Assumptions (generated)", "", *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)], "",
-             "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that); every "
+             "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that, + encode and "
+             "decode where measured); every "
              "other cell is modelled. Makespans include start-up, weights load and warm-up; throughput per node "
              "excludes them. A makespan marked * is one round: there are at least as many replicas as edits, "
              "so more nodes cannot shorten it.", ""]
     for scenario in scenarios:
         cells = model_cells(model, scenario)
+        fixed = model.fixed_s(scenario)
+        fixed_text = "excluded (not measured)" if fixed is None else f"{fixed:.3f} s, measured"
         parts += [f"### {scenario.name}", "", f"{scenario.device}; {scenario.shape.label()} (S = "
-                  f"{scenario.shape.tokens} per forward).", "", "Per edit (does not depend on the node count):", "",
-                  per_edit_table(model, scenario, cells), ""]
+                  f"{scenario.shape.tokens} per forward); VAE and text encoders per edit: {fixed_text}.", "",
+                  "Per edit (does not depend on the node count):", "", per_edit_table(model, scenario, cells), ""]
         if not cells:
             continue
         for edits in WORKLOADS:
             what = "makespan s" + (" (edits/s over the whole run)" if edits >= 1000 else "")
-            parts += [f"{edits:,} edits, {what}, nodes x 8 GPUs:", "", makespan_table(model, scenario, cells, edits), ""]
+            parts += [f"{edits:,} edits, {what}, nodes x 8 GPUs:", "",
+                      makespan_table(model, scenario, cells, edits), ""]
     return "\n".join(parts)
 
 
@@ -695,8 +712,8 @@ MEASURE_RUNS = (
     ("ulysses-p4-g2-bf16", 4, ("layout=ulysses", "layout.head_groups=2")),
     ("ulysses-p8-g3-bf16", 8, ("layout=ulysses", "layout.head_groups=3")),
 )
-MEASURE_BASE = ("workload=benchmark", "model=flux-dev", "workload.limit=2", "metrics.ssim=false", "metrics.report=false",
-                "wandb.mode=disabled", "progress=false")
+MEASURE_BASE = ("workload=benchmark", "model=flux-dev", "workload.limit=2", "metrics.ssim=false",
+                "metrics.report=false", "wandb.mode=disabled", "progress=false")
 RUN_FILES = ("summary.json", "edits.jsonl")
 
 
@@ -731,7 +748,8 @@ def measure(out: Path, steps: int, only: list[str], timeout_s: float) -> list[Pa
             print(f"scaling: {name} failed (exit {done.returncode}); left out", file=sys.stderr)
             continue
         device = json.loads((run_dir / "summary.json").read_text())["device"]
-        dest = out / f"{time.strftime('%Y-%m-%d')}-{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}-published-{name}"
+        device_slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+        dest = out / f"{time.strftime('%Y-%m-%d')}-{device_slug}-published-{name}"
         dest.mkdir(parents=True, exist_ok=True)
         for file in RUN_FILES:
             shutil.copy(run_dir / file, dest / file)
@@ -761,7 +779,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--startup", type=Path, default=STARTUP_FILE)
     parser.add_argument("--no-default-runs", action="store_true", help=f"do not read {RUNS_DIR.relative_to(ROOT)}/")
     parser.add_argument("--json", type=Path, help="also write every cell as JSON here")
-    parser.add_argument("--write-docs", action="store_true", help=f"regenerate the tables in {DOC_FILE.relative_to(ROOT)}")
+    parser.add_argument("--write-docs", action="store_true",
+                        help=f"regenerate the tables in {DOC_FILE.relative_to(ROOT)}")
     parser.add_argument("--measure", type=Path, metavar="DIR",
                         help="GPU: first run the published shape in every configuration the GPUs allow, keep the run "
                              "directories under DIR and print each beside the model's prediction without it")

@@ -10,6 +10,7 @@ come from the real worker on forked gloo ranks: one (``single``) and two
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -102,8 +103,8 @@ def test_committed_inputs_give_the_properties_and_reproduce_the_measured_points(
         assert len(same) == 1, (scenario["name"], cell)
         point = same[0]
         assert cell["step_s"] == point["dit_s"] / point["steps"]
-        assert cell["exposed_step_s"] == pytest.approx(point["dit_s"] * point["exposed_transfer_pct"] / 100 / point["steps"],
-                                                       rel=1e-12)
+        exposed_s = point["dit_s"] * point["exposed_transfer_pct"] / 100
+        assert cell["exposed_step_s"] == pytest.approx(exposed_s / point["steps"], rel=1e-12)
         if scenario["steps"] == point["steps"]:
             assert cell["latency_s"] == pytest.approx(point["dit_s"], rel=1e-12)
     assert "### published Kontext workload" in done.stdout and "**31.9 M**" in done.stdout
@@ -128,6 +129,25 @@ def test_tiny_cpu_runs_feed_a_scenario_of_their_own(tmp_path, tiny_runs):
     for gpus in (4, 8):
         assert not cells[("ulysses", gpus)]["measured"] and cells[("ulysses", gpus)]["sp_degree"] == gpus
     assert f"measured runs on {device}" in done.stdout
+
+
+@pytest.mark.timeout(150)
+def test_encode_and_decode_count_only_where_real_vae_weights_ran(tmp_path, tiny_runs):
+    single = tiny_runs[0]
+    summary = json.loads((single / "summary.json").read_text())
+    with_vae = tmp_path / "with_vae"
+    shutil.copytree(single, with_vae)
+    lines = [json.loads(line) for line in (with_vae / "edits.jsonl").read_text().splitlines()]
+    for record in lines:
+        record["settings"]["vae"] = "a VAE's fingerprint"  # as a run with workload.vae_path records it
+    (with_vae / "edits.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    measured = summary["encode_s_median"] + summary["decode_s_median"]
+    for run_dir, fixed in ((single, None), (with_vae, measured)):
+        model, scenarios = scaling.build(run_dirs=[run_dir])
+        scenario = next(s for s in scenarios if s.device == summary["device"])
+        assert model.fixed_s(scenario) == fixed
+        cell = model.cell(scenario, "single", 1, summary["precision"])
+        assert model.latency_s(scenario, cell) == pytest.approx(summary["dit_s_median"] + (fixed or 0.0), rel=1e-12)
 
 
 @pytest.mark.timeout(60)
