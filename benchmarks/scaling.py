@@ -126,11 +126,16 @@ class Point:
         return self.gpus == 1 or self.transport == "collective"
 
 
+def point_shape(entry: dict) -> Shape:
+    """The shape of a measured.json entry: output and reference [width, height], text tokens, true CFG."""
+    return Shape(image_tokens(*entry["out"]), image_tokens(*entry["ref"]), int(entry["text_tokens"]),
+                 bool(entry["true_cfg"]))
+
+
 def point_from_measured(entry: dict) -> Point:
     """A measured.json point: DiT s per edit and exposed % as the doc gives them, turned per step."""
     dit_s, steps = float(entry["dit_s"]), int(entry["steps"])
-    shape = Shape(image_tokens(*entry["out"]), image_tokens(*entry["ref"]), int(entry["text_tokens"]),
-                  bool(entry["true_cfg"]))
+    shape = point_shape(entry)
     exposed_s = dit_s * float(entry["exposed_transfer_pct"]) / 100.0
     return Point(entry["device"], shape, entry["layout"], int(entry["gpus"]), int(entry["head_groups"]),
                  entry["precision"], entry["transport"], dit_s / steps, exposed_s / steps, steps, entry["source"])
@@ -253,6 +258,7 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 @dataclass
 class Inputs:
     points: dict
+    published: dict
     geometry: Geometry
     link: dict
     kernels: dict
@@ -274,7 +280,7 @@ def load_inputs(measured_file: Path, run_dirs: list[Path], startup_file: Path) -
             continue
         points[point.key] = point  # a run directory replaces a doc-only number of the same configuration
     link = {data["alltoall"]["device"]: fit_link(data["alltoall"])}
-    return Inputs(points, Geometry(geo["num_layers"] + geo["num_single_layers"], geo["num_attention_heads"],
+    return Inputs(points, data.get("published", {}), Geometry(geo["num_layers"] + geo["num_single_layers"], geo["num_attention_heads"],
                                    geo["num_attention_heads"] * geo["attention_head_dim"], geo["linears_per_forward"]),
                   link, data["kernels"], data["precisions"], data["first_edit_extra_s"], data["weights_load_s"],
                   load_startup(startup_file))
@@ -659,6 +665,15 @@ def makespan_table(model: Model, scenario: Scenario, cells: list[Cell], edits: i
     return md_table(["layout, precision"] + [f"{n} node{'s' if n > 1 else ''}" for n in NODES], rows)
 
 
+def published_line(model: Model, scenario: Scenario) -> str:
+    """The published figures of this shape, if any, for comparison (they feed no cell)."""
+    published = model.inputs.published
+    if not published or point_shape(published) != scenario.shape:
+        return ""
+    rows = "; ".join(f"{r['what']}: {r['dit_s']} s per edit on {r['gpus']} {r['device']}" for r in published["rows"])
+    return f" For comparison, not an input: {rows} ({published['steps']} steps; {published['source']})."
+
+
 def render(model: Model, scenarios: list[Scenario]) -> str:
     parts = ["### Assumptions (generated)", "", *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)], "",
              "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that, + encode and "
@@ -671,8 +686,10 @@ def render(model: Model, scenarios: list[Scenario]) -> str:
         fixed = model.fixed_s(scenario)
         fixed_text = "excluded (not measured)" if fixed is None else f"{fixed:.3f} s, measured"
         parts += [f"### {scenario.name}", "", f"{scenario.device}; {scenario.shape.label()} (S = "
-                  f"{scenario.shape.tokens} per forward); VAE and text encoders per edit: {fixed_text}.", "",
-                  "Per edit (does not depend on the node count):", "", per_edit_table(model, scenario, cells), ""]
+                  f"{scenario.shape.tokens} per forward); VAE and text encoders per edit: {fixed_text}."
+                  + ("" if scenario.shape.true_cfg else " True CFG off: `cfg_batch` runs as `ulysses` (one branch, "
+                     "batch 1) and `cfg_split` is refused, so neither has rows.") + published_line(model, scenario),
+                  "", "Per edit (does not depend on the node count):", "", per_edit_table(model, scenario, cells), ""]
         if not cells:
             continue
         for edits in WORKLOADS:
