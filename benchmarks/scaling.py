@@ -279,11 +279,11 @@ def load_inputs(measured_file: Path, run_dirs: list[Path], startup_file: Path) -
                   "collective's)", file=sys.stderr)
             continue
         points[point.key] = point  # a run directory replaces a doc-only number of the same configuration
+    geometry = Geometry(geo["num_layers"] + geo["num_single_layers"], geo["num_attention_heads"],
+                        geo["num_attention_heads"] * geo["attention_head_dim"], geo["linears_per_forward"])
     link = {data["alltoall"]["device"]: fit_link(data["alltoall"])}
-    return Inputs(points, data.get("published", {}), Geometry(geo["num_layers"] + geo["num_single_layers"], geo["num_attention_heads"],
-                                   geo["num_attention_heads"] * geo["attention_head_dim"], geo["linears_per_forward"]),
-                  link, data["kernels"], data["precisions"], data["first_edit_extra_s"], data["weights_load_s"],
-                  load_startup(startup_file))
+    return Inputs(points, data.get("published", {}), geometry, link, data["kernels"], data["precisions"],
+                  data["first_edit_extra_s"], data["weights_load_s"], load_startup(startup_file))
 
 
 # ---------------------------------------------------------------------------------------------
