@@ -674,13 +674,34 @@ def published_line(model: Model, scenario: Scenario) -> str:
     return f" For comparison, not an input: {rows} ({published['steps']} steps; {published['source']})."
 
 
+def derived_table(model: Model, scenarios: list[Scenario]) -> str:
+    """What the model takes from each layout's reference point: compute efficiency e and exposed fraction f."""
+    rows = []
+    for scenario in scenarios:
+        for layout in dict.fromkeys(layout for layout, gpus in rows_of(scenario) if gpus > 1):
+            ref = model.reference(scenario.device, layout, scenario.shape)
+            if ref is None:
+                continue
+            point, one_gpu = ref
+            fraction = model.exposed_fraction(point) if layout != "cfg_split" else None
+            rows.append([scenario.name.split(":")[0].split(" (")[0], layout,
+                         f"{point.gpus} GPUs, G={point.head_groups}, {point.precision}, {point.shape.tokens} tokens"
+                         f"{', true CFG' if point.shape.true_cfg else ''}", f"{one_gpu / point.step_s:.2f}x",
+                         f"{model.efficiency(point, one_gpu):.3f}", "-" if fraction is None else f"{fraction:.2f}"])
+    return md_table(["scenario", "layout", "reference point (measured)", "speedup", "e", "f"], rows)
+
+
 def render(model: Model, scenarios: list[Scenario]) -> str:
     parts = ["### Assumptions (generated)", "", *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)], "",
              "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that, + encode and "
              "decode where measured); every "
              "other cell is modelled. Makespans include start-up, weights load and warm-up; throughput per node "
              "excludes them. A makespan marked * is one round: there are at least as many replicas as edits, "
-             "so more nodes cannot shorten it.", ""]
+             "so more nodes cannot shorten it.", "",
+             "Taken from each layout's reference point (e: compute efficiency; f: exposed share of the modelled "
+             "all-to-all time, which can exceed 1 since the exposed time also holds the velocity gather and waits "
+             "for a slower peer; cfg_split's reference has no all-to-all: its exposed seconds are kept, and its "
+             "all-to-all at P = g/2 takes Ulysses' f):", "", derived_table(model, scenarios), ""]
     for scenario in scenarios:
         cells = model_cells(model, scenario)
         fixed = model.fixed_s(scenario)
