@@ -539,8 +539,11 @@ def run_scenarios(inputs: Inputs, builtin: list[Scenario]) -> list[Scenario]:
     scenarios = []
     for (device, shape), points in found.items():
         precisions = tuple(sorted({p.precision for p in points}))
-        scenarios.append(Scenario(f"measured runs on {device}: {shape.label()}, {points[0].steps} steps", device,
-                                  shape, points[0].steps, precisions, points[0].geometry, points[0].element_bytes))
+        # A built-in shape on another device (an MI355X run of the published workload) keeps its steps and load.
+        like = next((s for s in builtin if s.shape == shape), None)
+        steps, load = (like.steps, like.weights_load_s) if like else (points[0].steps, 0.0)
+        scenarios.append(Scenario(f"measured runs on {device}: {shape.label()}, {steps} steps", device, shape, steps,
+                                  precisions, points[0].geometry, points[0].element_bytes, load))
     return scenarios
 
 
