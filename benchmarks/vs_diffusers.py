@@ -12,8 +12,13 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
 
 * ``diffusers``            eager BF16 (the reference output)
 * ``ditrun``               eager BF16, what ``model.compile=off`` runs
-* ``ditrun-compiled``      BF16, fused projections + regional compile (``model.compile=auto`` on GPUs)
+* ``ditrun-compiled``      BF16, fused projections + compile (``model.compile=auto`` on GPUs); layout
+                           ``single``, so each block is one graph with its attention inside
+* ``ditrun-compiled-regions`` the same with the attention between the compiled halves, as a layout
+                           that exchanges runs it (``ulysses``, ``cfg_*``): what leaving it out costs
 * ``ditrun-fp8``           ``precision=fp8`` compiled
+* ``ditrun-fp8-fast``      the same on ``precision.backend=fp8_rowwise_fast`` (fast FP8 accumulation,
+                           as torchao's inference default)
 * ``ditrun-fp8-int8qk``    FP8 linears + INT8-QK attention (BF16 V), compiled
 * ``ditrun-krea``          ``precision=krea`` (MXFP6 MLPs on the FP8 repack, FP8 projections, INT8-QK
                            attention with MXFP6 V), compiled
@@ -61,12 +66,13 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
     4608: (1024, 0),
 }
 PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names and values)
-    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-fp8": "fp8",
+    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-compiled-regions": "bf16", "ditrun-fp8": "fp8",
+    "ditrun-fp8-fast": dict(name="fp8", mlp="fp8", qkv="fp8", out="fp8", backend="fp8_rowwise_fast"),
     "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
     "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
 }
-MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-fp8", "ditrun-fp8-int8qk", "ditrun-krea",
-         "diffusers-compiled", "diffusers-torchao-fp8")
+MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
+         "ditrun-fp8-int8qk", "ditrun-krea", "diffusers-compiled", "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -117,8 +123,9 @@ KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
 )
 
 
-def kernel_breakdown(fn: Callable) -> dict[str, float]:
-    """Kernel time of one call by kind (ms): attention, GEMM and the rest (norms, elementwise, copies)."""
+def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
+    """Kernel time of one call by kind (ms): attention, GEMM and the rest (norms, elementwise, copies);
+    ``top_rest``: the ``top`` costliest kernels of the rest, (name, ms), where fusion has work left."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -126,14 +133,17 @@ def kernel_breakdown(fn: Callable) -> dict[str, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}
+    totals, rest = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}, []
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         name = event.key.lower()
         kind = next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "rest")
-        totals[kind] += event.self_device_time_total / 1e3
-    return totals
+        ms = event.self_device_time_total / 1e3
+        totals[kind] += ms
+        if kind == "rest":
+            rest.append((event.key[:90], round(ms, 2)))
+    return {**totals, "top_rest": sorted(rest, key=lambda item: -item[1])[:top]}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -189,6 +199,8 @@ def ditrun_forward(mode: str, weights: dict) -> Callable:
     built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
                         speed=CompilePlan(compile=compiled, fuse=compiled))
     model, attention = built.model, built.attention
+    if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
+        return lambda inputs: model(**inputs, attention=lambda q, k, v: attention(q, k, v))
     return lambda inputs: model(**inputs, attention=attention)
 
 
@@ -352,6 +364,11 @@ def main() -> int:
           f"tokens {args.tokens}", flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
+    print("\nCostliest kernels outside attention and GEMMs (ms), largest shape:")
+    biggest = max(args.tokens)
+    for row in rows:
+        if row.tokens == biggest and row.kernels:
+            print(f"  {row.mode}: " + "; ".join(f"{name} {ms}" for name, ms in row.kernels["top_rest"]))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(json.dumps({

@@ -47,6 +47,9 @@ class ModelConfig:
     """Compute dtype: ``auto`` (bf16 on GPUs, fp32 on CPUs), ``bf16``, ``fp16`` or ``fp32``."""
     compile: str = "auto"
     """Regional ``torch.compile`` of the blocks (``model/compile.py``): ``auto`` (on for GPUs), ``on``, ``off``."""
+    compile_backend: str = "inductor"
+    """``torch.compile``'s backend: ``inductor`` (fused kernels: the fast one), or a debugging backend such as
+    ``aot_eager`` (traces and checks the graphs, runs them eagerly: finds a graph break without codegen)."""
     fuse: str = "auto"
     """Stack the linears that read one input into one GEMM: ``auto`` (when compiled), ``on``, ``off``."""
 

@@ -44,7 +44,9 @@ def test_config_docstrings_name_every_registered_choice():
                           "mxfp6_e3m2, mxfp4."),
     ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, fp8, "
                                  "int8qk, int8qk_fp8v, int8qk_mxfp6v."),
-    ("precision.backend=cuda", "precision.backend='cuda' is unknown; allowed: auto, emulation, fast."),
+    ("precision.backend=cuda", "precision.backend='cuda' is unknown; allowed: auto, emulation, fast, or a linear "
+                               "backend's name (emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, "
+                               "aiter_fp8)."),
     ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
     ("precision.backend=fast", "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
                                "use precision.backend=auto (exact emulation) or another format."),

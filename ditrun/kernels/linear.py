@@ -235,12 +235,13 @@ def _has_rowwise_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype):
+def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum: bool = False):
     # a8: [M, K] row-major, b8: [N, K] row-major (so b8.t() is the column-major [K, N] it wants);
     # scale_a: [M, 1], scale_b: [N, 1] -> [1, N]. K and N must be multiples of 16.
     # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast.
     gemm_dtype = torch.bfloat16 if a8.is_cuda and out_dtype == torch.float32 else out_dtype
-    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype,
+                           use_fast_accum=fast_accum)
     return out.to(out_dtype)
 
 
@@ -270,6 +271,25 @@ class Fp8Rowwise:
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale = operand
         return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
+
+
+class Fp8RowwiseFastAccum(Fp8Rowwise):
+    """``fp8_rowwise`` with Hopper's fast FP8 accumulation (``use_fast_accum``): the tensor cores' partial
+    sums are promoted to fp32 less often, which is faster (torchao's inference default) and less exact.
+    After ``fp8_rowwise`` in the preference: it runs where ``ditrun tune`` measured it faster and within
+    tolerance of the emulation, or where ``precision.backend`` names it."""
+
+    name = "fp8_rowwise_fast"
+
+    def unavailable(self, fmt, device):
+        why = super().unavailable(fmt, device)
+        if why is None and torch.version.hip:
+            return "is CUDA's fast-accumulation mode (ROCm's FP8 GEMMs accumulate in fp32)"
+        return why
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        x8, x_scale = operand
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype, fast_accum=True)
 
 
 class MxRepackFp8:
@@ -375,11 +395,11 @@ class AiterFp8:
 
 
 LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
-for _backend in (Emulation, Fp8Rowwise, MxRepackFp8, MxScaledMm, AiterFp8):
+for _backend in (Emulation, Fp8Rowwise, Fp8RowwiseFastAccum, MxRepackFp8, MxScaledMm, AiterFp8):
     LINEAR_BACKENDS.register(_backend.name, _backend)
 # Order of preference where nothing was tuned: the most specific hardware path first; AITER's API is
 # not pinned, so it comes after torch's own GEMM and runs first only where tuning chose it.
-DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "aiter_fp8", "emulation")
+DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "fp8_rowwise_fast", "aiter_fp8", "emulation")
 
 
 def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:

@@ -71,10 +71,14 @@ class DispatchTable:
             print(f"ditrun: {message}", flush=True)
 
     def candidates(self, fmt: LinearFormat) -> list[str]:
-        """Backends this mode may use for ``fmt`` here, preferred first (never empty but in ``fast`` mode)."""
+        """Backends this mode may use for ``fmt`` here, preferred first (never empty but in ``fast`` mode).
+
+        A backend's name as the mode puts that backend first wherever it runs ``fmt`` here."""
         if self.mode == "emulation":
             return ["emulation"]
         fast = fast_backends(fmt, self.device)
+        if self.mode in fast:
+            fast = [self.mode, *(name for name in fast if name != self.mode)]
         return fast if self.mode == "fast" else [*fast, "emulation"]
 
     def tuned(self, fmt: LinearFormat, k: int, n: int) -> dict[int, str]:
@@ -86,6 +90,7 @@ class DispatchTable:
     def choose(self, fmt: LinearFormat, k: int, n: int) -> tuple[dict[str, LinearBackend], Callable[[int], str]]:
         """The backends to prepare this linear's weights for, and the rule that picks one per call."""
         allowed = self.candidates(fmt)
+        # Only ``auto`` follows the table: a named backend or ``fast`` is the user's own choice.
         tuned = {m: b for m, b in self.tuned(fmt, k, n).items() if b in allowed} if self.mode == "auto" else {}
         default = allowed[0]
         if default == "emulation" and self.mode == "auto" and self.device.type == "cuda":

@@ -23,7 +23,7 @@ import yaml
 from ditrun.errors import UserError
 from ditrun.kernels.attention import ATTENTION_KERNELS, AttentionKernel, fast_attention_available
 from ditrun.kernels.formats import SCALE_MODES
-from ditrun.kernels.linear import LINEAR_FORMATS, LinearFormat, QuantizedLinear
+from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
 from ditrun.model.compile import CompilePlan, apply_plan
 from ditrun.model.components import LINEAR_COMPONENTS
@@ -119,8 +119,9 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
     """Check ``precision.*`` against the registries (and, for ``backend=fast``, against the device)."""
     linear = {c: LINEAR_FORMATS.get(getattr(precision_cfg, c), f"precision.{c}") for c in LINEAR_COMPONENTS}
     attention = ATTENTION_KERNELS.get(precision_cfg.attention, "precision.attention")
-    if precision_cfg.backend not in BACKEND_MODES:
-        raise UserError(f"precision.backend={precision_cfg.backend!r} is unknown; allowed: {', '.join(BACKEND_MODES)}.")
+    if precision_cfg.backend not in BACKEND_MODES and precision_cfg.backend not in LINEAR_BACKENDS:
+        raise UserError(f"precision.backend={precision_cfg.backend!r} is unknown; allowed: {', '.join(BACKEND_MODES)}, "
+                        f"or a linear backend's name ({', '.join(LINEAR_BACKENDS)}).")
     if precision_cfg.scale_mode not in SCALE_MODES:
         raise UserError(f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; "
                         f"allowed: {', '.join(SCALE_MODES)}.")
@@ -211,7 +212,7 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
         built = _quantize(model, precision, table, placement.device, announce)
     built.model.eval().requires_grad_(False)
     if speed is not None:
-        built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed)}
+        built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
     return built
 
 

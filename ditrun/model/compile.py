@@ -27,8 +27,9 @@ and the summary reports it apart (``compile_s``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -57,10 +58,14 @@ class CompilePlan:
 
     compile: bool
     fuse: bool
+    backend: str = "inductor"
+    """``torch.compile``'s backend (``model.compile_backend``)."""
 
     @property
     def label(self) -> str:
-        return "compiled" if self.compile else ("eager+fused" if self.fuse else "eager")
+        if self.compile:
+            return "compiled" if self.backend == "inductor" else f"compiled ({self.backend})"
+        return "eager+fused" if self.fuse else "eager"
 
 
 def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
@@ -73,14 +78,19 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
         raise UserError(f"model.fuse={fuse_key!r} is unknown; allowed: {', '.join(FUSE_MODES)}.")
     compiled = compile_key == "on" or (compile_key == "auto" and device.type == "cuda")
     fused = fuse_key == "on" or (fuse_key == "auto" and compiled)
-    return CompilePlan(compiled, fused)
+    backend = str(getattr(model_cfg, "compile_backend", "inductor"))
+    if compiled and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
+                        f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
+    return CompilePlan(compiled, fused, backend)
 
 
-def apply_plan(model: FluxDiT, plan: CompilePlan) -> dict[str, int]:
-    """Fuse and compile ``model`` in place as ``plan`` says; returns what was done, for the records."""
+def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] = None) -> dict[str, int]:
+    """Fuse and compile ``model`` in place as ``plan`` says (``attention``: see ``compile_regions``);
+    returns what was done, for the records."""
     done = {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
     if plan.compile:
-        done["compiled_blocks"] = compile_regions(model)
+        done["compiled_blocks"] = compile_regions(model, attention, plan.backend)
     return done
 
 
@@ -141,15 +151,24 @@ def fuse_projections(model: FluxDiT) -> int:
 # Regional compilation
 
 
-def compile_regions(model: FluxDiT) -> int:
-    """Compile every block's halves (see the module doc); returns the number of blocks."""
+def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor") -> int:
+    """Compile every block's halves (see the module doc); returns the number of blocks.
+
+    ``attention``: the run's own attention function (SDPA or a custom-op kernel: no exchange in it).
+    A call that passes it runs the whole block as one graph, attention included, so that the
+    layout changes around it ([B, S, H, D] <-> [B, H, S, D]) fuse into the projections and norms;
+    a layout's attention, which exchanges, keeps running between the compiled halves.
+    """
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, RECOMPILE_LIMIT)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
     for block in blocks:
         assert isinstance(block, (DoubleStreamBlock, SingleStreamBlock))
         # Static shapes: the dispatch table picks a backend per row count, and an edit has few shapes.
-        regions = Regions(torch.compile(block.pre_attention, fullgraph=True, dynamic=False),
-                          torch.compile(block.post_attention, fullgraph=True, dynamic=False))
+        # Bound methods of one class share their code object, so all blocks of a class share a graph.
+        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend)
+        regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
+                          compiled(block.joint) if attention is not None else None, attention)
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
     return len(blocks)
+

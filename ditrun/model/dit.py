@@ -306,17 +306,29 @@ class StackedLinear(nn.Module):
 
 @dataclass(frozen=True)
 class Regions:
-    """A block's two halves around the attention call: eager methods, or their compiled versions."""
+    """How a block runs: its two halves around the attention call (eager methods, or their compiled
+    versions), and optionally the whole block compiled with one attention function inside."""
 
     pre: Callable
     post: Callable
+    whole: Optional[Callable] = None
+    """``block.joint`` compiled with ``attention`` in its graph; used when a call passes that function."""
+    attention: Optional[Callable] = None
+
+    def run(self, inputs: tuple, attention: AttentionFn, residuals: int):
+        """The block on ``inputs`` (``pre``'s arguments); the first ``residuals`` of them go to ``post`` too."""
+        if self.whole is not None and attention is self.attention:
+            return self.whole(*inputs, attention)
+        q, k, v, state = self.pre(*inputs)
+        return self.post(attention(q, k, v), *inputs[:residuals], state)
 
 
 def regions_of(block: nn.Module) -> Regions:
     """The halves a block runs: ``block.compiled_regions`` when ``model/compile.py`` set it, else eager.
 
-    The attention call between them stays outside any compiled graph: a layout's attention holds
-    the all-to-all exchanges and transports (Python objects, other streams), which a graph cannot.
+    A layout's attention (all-to-all exchanges, transports: Python objects and other streams) stays
+    outside any compiled graph, between the compiled halves; only the run's own attention function
+    (SDPA or a custom-op kernel, no exchange) is compiled into the whole block.
     """
     compiled = block.__dict__.get("compiled_regions")
     return compiled if compiled is not None else Regions(block.pre_attention, block.post_attention)
@@ -341,8 +353,12 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img, txt, temb, rope, attention: AttentionFn):
         # img: [B, S_img, C], txt: [B, S_txt, C]; the joint sequence is [txt, img]
-        q, k, v, state = regions_of(self).pre(img, txt, temb, rope)
-        return regions_of(self).post(attention(q, k, v), img, txt, state)
+        return regions_of(self).run((img, txt, temb, rope), attention, residuals=2)
+
+    def joint(self, img, txt, temb, rope, attention: AttentionFn):
+        """The block in one piece (what the whole-block compilation traces)."""
+        q, k, v, state = self.pre_attention(img, txt, temb, rope)
+        return self.post_attention(attention(q, k, v), img, txt, state)
 
     def pre_attention(self, img, txt, temb, rope):
         """Everything before the attention: modulation, projections, per-head norms, RoPE.
@@ -396,8 +412,12 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x, temb, rope, attention: AttentionFn):
         # x: [B, S_txt + S_img, C]
-        q, k, v, state = regions_of(self).pre(x, temb, rope)
-        return regions_of(self).post(attention(q, k, v), x, state)
+        return regions_of(self).run((x, temb, rope), attention, residuals=1)
+
+    def joint(self, x, temb, rope, attention: AttentionFn):
+        """The block in one piece (what the whole-block compilation traces)."""
+        q, k, v, state = self.pre_attention(x, temb, rope)
+        return self.post_attention(attention(q, k, v), x, state)
 
     def pre_attention(self, x, temb, rope):
         """Modulation, projections, per-head norms, RoPE -> q, k, v [B, S, H, D] and the state for after."""

@@ -1,0 +1,150 @@
+"""``model.compile`` and ``model.fuse`` (``model/compile.py``): the fused and compiled model computes
+what the eager one does, in every precision and layout, and its mistakes are one sentence.
+
+Compiling with inductor costs tens of seconds per graph on these CPUs, so the layout and CLI
+tests use the ``aot_eager`` backend: dynamo traces the same graphs (``fullgraph=True``: a graph
+break is an error) and AOT autograd functionalises them; only inductor's code generation is left
+out. One test compiles with inductor here; the GPU tests (``-m gpu``) compile with it everywhere.
+"""
+
+import json
+
+import pytest
+import torch
+
+from ditrun.config import ModelConfig
+from ditrun.errors import UserError
+from ditrun.model.build import Placement, build_model, plan_precision
+from ditrun.model.compile import CompilePlan, fuse_projections, plan_compile
+from ditrun.model.dit import StackedLinear, sdpa_attention
+from launching import (MAX_QUANTIZED_RELATIVE_ERROR, MAX_RELATIVE_ERROR, assert_same_latents, ditrun_command, records,
+                       relative_error, run, single_reference, tiny_config)
+
+CPU = Placement(torch.device("cpu"), torch.float32, "fp32")
+DEBUG_BACKEND = ["model.compile=on", "model.compile_backend=aot_eager"]
+
+
+def _inputs(seed: int = 0, n_img: int = 48, n_txt: int = 12) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return dict(hidden_states=torch.randn(1, n_img, 64, generator=g),
+                encoder_hidden_states=torch.randn(1, n_txt, 64, generator=g),
+                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
+                img_ids=torch.randint(0, 8, (n_img, 3), generator=g).float(), txt_ids=torch.zeros(n_txt, 3),
+                guidance=torch.tensor([3.5]))
+
+
+def _built(precision: str = "bf16", variant: str = "flux", speed=None):
+    cfg = tiny_config(f"precision={precision}", f"model.variant={variant}")
+    plan = plan_precision(cfg.precision, CPU.device)
+    return build_model(cfg.model, CPU, plan, announce=False, speed=speed)
+
+
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_fused_projections_compute_what_the_separate_linears_do(variant):
+    eager, fused = _built(variant=variant), _built(variant=variant)
+    stacked = fuse_projections(fused.model)
+    geo = fused.model.geometry
+    per_single = 4 + (1 if geo.attention_gate else 0)  # q, k, v, (gate), proj_mlp -> one GEMM
+    per_double = 2 * (3 + (1 if geo.attention_gate else 0))  # each stream's q, k, v, (gate)
+    assert stacked == geo.num_single_layers * per_single + geo.num_layers * per_double
+    block = fused.model.single_transformer_blocks[0]
+    assert isinstance(block.fused_in, StackedLinear) and block.proj_mlp is None and block.attn.to_q is None
+    with torch.no_grad():
+        want, got = eager.model(**_inputs()), fused.model(**_inputs())
+    assert relative_error(got, want) < MAX_RELATIVE_ERROR
+
+
+def test_fusion_leaves_quantized_projections_to_their_own_stack():
+    fused = _built("fp8")
+    # Q, K, V are one quantized stack already and the MLP is FP8: nothing plain is left to fuse.
+    assert fuse_projections(fused.model) == 0
+    assert fused.model.single_transformer_blocks[0].fused_in is None
+
+
+@pytest.mark.timeout(300)
+def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
+    """The run's attention compiles into each block; any other attention (a layout's, which exchanges)
+    runs between the compiled halves. Both equal the eager model."""
+    eager = _built()
+    compiled = _built(speed=CompilePlan(compile=True, fuse=True))
+    assert compiled.details["compile"] == {"mode": "compiled", "fused_linears": 20, "compiled_blocks": 4}
+    inputs = _inputs()
+    with torch.no_grad():
+        want = eager.model(**inputs)
+        whole = compiled.model(**inputs, attention=compiled.attention)
+        halves = compiled.model(**inputs, attention=lambda q, k, v: sdpa_attention(q, k, v))
+    assert relative_error(whole, want) < MAX_RELATIVE_ERROR
+    assert relative_error(halves, want) < MAX_RELATIVE_ERROR
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp8", "mxfp4", "krea"])
+def test_quantized_models_trace_as_one_graph_per_half(precision):
+    """Quantizers, stacked quantized projections, the dispatch rule and INT8-QK attention all trace
+    with ``fullgraph=True`` (a graph break would raise) and compute the eager result."""
+    eager = _built(precision)
+    compiled = _built(precision, speed=CompilePlan(compile=True, fuse=True, backend="aot_eager"))
+    inputs = _inputs(1)
+    with torch.no_grad():
+        want = eager.model(**inputs, attention=eager.attention)
+        whole = compiled.model(**inputs, attention=compiled.attention)
+        halves = compiled.model(**inputs, attention=lambda q, k, v: compiled.attention(q, k, v))
+    assert relative_error(whole, want) < MAX_RELATIVE_ERROR
+    assert relative_error(halves, want) < MAX_RELATIVE_ERROR
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.compile=yes", "model.compile='yes' is unknown; allowed: auto, on, off."),
+    ("model.fuse=maybe", "model.fuse='maybe' is unknown; allowed: auto, on, off."),
+])
+def test_compile_mistakes_are_one_sentence(override, message):
+    with pytest.raises(UserError) as err:
+        plan_compile(tiny_config(override).model, CPU.device)
+    assert str(err.value) == message
+
+
+def test_an_unknown_compile_backend_is_named():
+    with pytest.raises(UserError, match=r"model.compile_backend='fastest' is not a torch.compile backend here; "
+                                        r"allowed: .*inductor"):
+        plan_compile(tiny_config("model.compile=on", "model.compile_backend=fastest").model, CPU.device)
+
+
+def test_auto_compiles_on_gpus_only():
+    model = ModelConfig()
+    assert plan_compile(model, torch.device("cpu")) == CompilePlan(compile=False, fuse=False)
+    assert plan_compile(model, torch.device("cuda")) == CompilePlan(compile=True, fuse=True)
+    assert plan_compile(tiny_config("model.fuse=on").model, torch.device("cpu")) == CompilePlan(False, True)
+
+
+@pytest.mark.timeout(240)
+def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
+    """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""
+    reference = single_reference(tmp_path / "single", "precision=fp8", "metrics.report=false")
+    out = tmp_path / "run"
+    proc = run(ditrun_command("precision=fp8", "layout=ulysses", "launcher.world=2", *DEBUG_BACKEND,
+                              f"hydra.run.dir={out}"), 200, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_latents(out, reference, "ulysses", 2, MAX_QUANTIZED_RELATIVE_ERROR)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["precision_detail"]["compile"] == {"mode": "compiled (aot_eager)", "fused_linears": 0,
+                                                      "compiled_blocks": 4}
+    assert "warmup_excess_s" in summary and len(records(out)) == 1
+
+
+GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false", "workload.limit=2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "krea"])
+def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
+    from launching import latents
+    from ditrun.launch import worker
+
+    eager = worker.run(tiny_config(f"precision={precision}", "model.compile=off", *GPU), tmp_path / "eager")
+    compiled = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "compiled")
+    assert compiled["precision_detail"]["compile"]["mode"] == "compiled"
+    assert eager["precision_detail"]["compile"]["mode"] == "eager"
+    for record in records(tmp_path / "eager"):
+        # BF16 compute: fused kernels round differently; quantized: a rounding flip moves a code.
+        assert relative_error(latents(tmp_path / "compiled", record["edit"]), latents(tmp_path / "eager", record["edit"])) < 2e-2
