@@ -109,6 +109,35 @@ def flex_rows(q, k, v, exact, base: float, flops: float, repeats: int, s: int) -
     return rows
 
 
+def sdpa_backend_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+    """SDPA per backend PyTorch has here, on Q/K/V as the model holds them ([B, S, H, D], passed as
+    transposed views) and as contiguous [B, H, S, D]: which one the default picks, and what each costs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * s * s * heads * head_dim
+    layouts = {"BSHD views": tuple(t.transpose(1, 2) for t in (q, k, v)),
+               "BHSD contiguous": tuple(t.transpose(1, 2).contiguous() for t in (q, k, v))}
+    rows = []
+    for layout, (qt, kt, vt) in layouts.items():
+        for backend in (None, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+            name = "default" if backend is None else backend.name.lower()
+            try:
+                if backend is None:
+                    ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt), CUDA, repeats)
+                else:
+                    with sdpa_kernel([backend]):
+                        ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt), CUDA, repeats)
+            except RuntimeError as err:
+                rows.append({"S": str(s), "kernel": f"sdpa {name} ({layout})", "ms": "-", "TF/s": "-",
+                             "vs sdpa": "-", "error": f"unavailable: {str(err)[:60]}"})
+                continue
+            rows.append({"S": str(s), "kernel": f"sdpa {name} ({layout})", "ms": f"{ms:.3f}",
+                         "TF/s": f"{flops / ms / 1e9:.0f}", "vs sdpa": "-", "error": "-"})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s", type=int, nargs="*", default=[20992, 4608])
@@ -116,10 +145,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--flex", action="store_true", help="also FlexAttention in BF16 and FP8 (a probe)")
+    parser.add_argument("--sdpa-backends", action="store_true",
+                        help="only SDPA per backend and operand layout (which backend is fastest at each S)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")
+    if args.sdpa_backends:
+        print_table([row for s in args.s for row in sdpa_backend_rows(s, args.heads, args.head_dim, args.repeats)])
+        return
     rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats, args.flex)]
     print_table(rows)
 

@@ -66,13 +66,13 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
     4608: (1024, 0),
 }
 PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names and values)
-    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-compiled-regions": "bf16", "ditrun-fp8": "fp8",
+    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-fp8": "fp8",
     "ditrun-fp8-fast": dict(name="fp8", mlp="fp8", qkv="fp8", out="fp8", backend="fp8_rowwise_fast"),
     "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
     "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
 }
 MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
-         "ditrun-fp8-int8qk", "ditrun-krea", "diffusers-compiled", "diffusers-torchao-fp8")
+         "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "diffusers-compiled", "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -186,7 +186,7 @@ def make_inputs(tokens: int) -> dict:
 
 def ditrun_forward(mode: str, weights: dict) -> Callable:
     """A forward of ditrun built as ``mode`` says, from diffusers' tensors (shared, not copied)."""
-    spec = PRECISIONS[mode]
+    spec = PRECISIONS[mode.removesuffix("-regions")]
     if isinstance(spec, dict):
         precision_cfg = PrecisionConfig(**spec)
     elif spec == "bf16":

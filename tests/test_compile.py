@@ -142,7 +142,12 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
     from ditrun.launch import worker
 
     eager = worker.run(tiny_config(f"precision={precision}", "model.compile=off", *GPU), tmp_path / "eager")
-    compiled = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "compiled")
+    try:
+        compiled = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "compiled")
+    finally:  # inductor's pool of compile workers lives as long as this process: end it with the test
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
     assert compiled["precision_detail"]["compile"]["mode"] == "compiled"
     assert eager["precision_detail"]["compile"]["mode"] == "eager"
     for record in records(tmp_path / "eager"):
