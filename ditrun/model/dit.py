@@ -25,23 +25,11 @@ from ditrun.errors import UserError
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-@torch.library.custom_op("ditrun::sdpa", mutates_args=())
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full (non-causal) attention with PyTorch's fused kernels.
-
-    A custom op so that a compiled block (``model/compile.py``) hands SDPA the [B, S, H, D] tensors
-    as they are, as transposed views: cuDNN reads that layout directly and writes its output in it,
-    and it was the fastest on the H200 (``benchmarks/attention.py --sdpa-backends``). Traced as an
-    ordinary op, inductor first copied Q, K, V to contiguous [B, H, S, D] and the output back.
-    """
-    # [B, S, H, D] -> [B, H, S, D] views and back
+    """Full (non-causal) attention with PyTorch's fused kernels."""
+    # [B, S, H, D] -> [B, H, S, D] and back
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2).contiguous()  # no copy where the kernel wrote [B, S, H, D]
-
-
-@sdpa_attention.register_fake
-def _(q, k, v):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out.transpose(1, 2)
 
 
 @dataclass(frozen=True)
