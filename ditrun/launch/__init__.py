@@ -28,6 +28,7 @@ from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.metrics.timing import STARTUP
 from ditrun.errors import UserError
 
 
@@ -37,6 +38,7 @@ class WorkerFailed(RuntimeError):
 
 def launch(cfg, out_dir: Path) -> Optional[dict]:
     """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0."""
+    STARTUP.at_age("imports_s")
     info = env.discover()
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
@@ -80,6 +82,7 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
     device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
+    STARTUP.begin("rendezvous_s")
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
     backend = rendezvous.backend_for(cfg.device)
     if info.rank == 0:
@@ -88,18 +91,24 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
+    job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s).start_heartbeat()
     try:
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
+        STARTUP.end("rendezvous_s")
         watchdog = faults.Watchdog(meeting, info.rank).start()
-        job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s)
         summary = work(cfg, Path(meeting.shared["out_dir"]), job)
     except RunStopped as err:
         stopped = err  # not a failure: the run ends as a good one does, then says it was stopped
     except BaseException as err:
-        faults.report(meeting.store, info.rank, err)
+        # A lost node's ranks surface here as some collective's error: report them, not it.
+        failure = job.explain(err)
+        faults.report(meeting.store, info.rank, failure)
+        if failure is not err:
+            raise failure from err
         raise
     finally:
         stop.restore()
+        job.stop_heartbeat()
     rendezvous.finish(meeting, info)
     if info.rank == 0:
         faults.release(meeting.store)

@@ -1,0 +1,175 @@
+"""ditrun on a two-node Slurm cluster emulated on this machine by ``slurm/local-cluster.sh``.
+
+Each node is a ``slurmd`` of its own (``n1``, ``n2``) in its own UTS namespace, so its tasks see
+their node's host name as on a real cluster, and ditrun's rendezvous records two hosts. The
+results directory is one directory of this machine: the shared file system every node writes to.
+Jobs run 2 tasks per node: Ulysses groups of 2 stay on one node, CFG pairs and replicas span both.
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
+from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm, submit, wait_for_jobs
+
+NODES = 2
+CPUS_PER_NODE = 6
+# (layout overrides, world): Ulysses groups inside a node with one replica per node; a CFG pair
+# on each node's rank i; four single-rank replicas, two per node.
+RUNS = {
+    "ulysses": (["layout=ulysses", "layout.replicas=2"], 4),
+    "cfg_split": (["layout=cfg_split"], 4),
+    "replicas": (["layout=single", "layout.replicas=4"], 4),
+}
+EDITS = ["workload.limit=4"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two emulated nodes; their SLURM_CONF is what every Slurm command here is given."""
+    missing = [name for name in (*DAEMONS, "srun", "unshare") if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
+                    "slurm-wlm munge libpmix2")
+    if os.geteuid() != 0:
+        pytest.skip("emulated nodes need root: each slurmd runs in its own UTS and mount namespace")
+    state = tmp_path_factory.mktemp("slurm-nodes")
+    try:  # stopped even when it failed half-way through starting
+        started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state), str(CPUS_PER_NODE), str(NODES)],
+                                 capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0, started.stderr
+        yield state / "slurm.conf"
+    finally:
+        subprocess.run([str(CLUSTER_SCRIPT), "stop", str(state)], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return single_reference(tmp_path_factory.mktemp("single"), *EDITS)
+
+
+def srun(conf: Path, out: Path, *overrides: str, log: Path) -> subprocess.Popen:
+    """``srun -N2`` straight from a login shell, as a user would run it interactively."""
+    command = ["srun", "-N2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10", "python", "-m", "ditrun",
+               f"hydra.run.dir={out}", *TINY, *EDITS, *overrides]
+    with open(log, "w") as sink:
+        return subprocess.Popen(command, cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT,
+                                env=quiet_env(SLURM_CONF=str(conf)))
+
+
+@pytest.fixture(scope="module")
+def runs(cluster, tmp_path_factory):
+    """Every layout once through the rendered sbatch script and once through ``srun -N2``, all at once."""
+    folder = tmp_path_factory.mktemp("runs")
+    script = render_script(folder / "ditrun.sbatch", tasks=2, nodes=NODES)
+    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS, *overrides)
+            for name, (overrides, _) in RUNS.items()}
+    steps = {name: srun(cluster, folder / f"srun-{name}", *overrides, log=folder / f"srun-{name}.log")
+             for name, (overrides, _) in RUNS.items()}
+    try:
+        states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
+        codes = {name: step.wait(timeout=240) for name, step in steps.items()}
+    finally:
+        for step in steps.values():
+            if step.poll() is None:
+                step.kill()
+    return folder, {name: (jobs[name], states[jobs[name]]) for name in RUNS}, codes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", RUNS)
+def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
+    folder, jobs, _ = runs
+    job, state = jobs[name]
+    log = (folder / f"slurm-{job}.out").read_text()
+    assert (state["JobState"], state["ExitCode"], state["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), log
+    assert "4 ranks on 2 node(s) (Slurm (srun))" in log
+    layout, world = RUNS[name][0][0].split("=")[1], RUNS[name][1]
+    assert_same_latents(folder / f"sbatch-{name}", reference, layout, world)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", RUNS)
+def test_srun_on_two_nodes_equals_single(runs, reference, name):
+    folder, _, codes = runs
+    assert codes[name] == 0, (folder / f"srun-{name}.log").read_text()
+    layout, world = RUNS[name][0][0].split("=")[1], RUNS[name][1]
+    assert_same_latents(folder / f"srun-{name}", reference, layout, world)
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_reports_its_node_and_start_up(runs):
+    """The ranks ran where Slurm put them (two per node, as their host names say), and the summary
+    holds every rank's start-up."""
+    folder, _, _ = runs
+    summary = __import__("json").loads((folder / "sbatch-ulysses" / "summary.json").read_text())
+    by_rank = summary["startup_by_rank"]
+    assert [(r["rank"], r["host"]) for r in by_rank] == [(0, "n1"), (1, "n1"), (2, "n2"), (3, "n2")]
+    assert all(r["startup_s"] >= r["rendezvous_s"] > 0 for r in by_rank)
+    assert summary["startup_s_max"] == max(r["startup_s"] for r in by_rank)
+
+
+def node_processes(state_dir: Path, node: str) -> list[int]:
+    """Every process of an emulated node: those in its slurmd's UTS namespace."""
+    slurmd = (state_dir / f"slurmd-{node}.pid").read_text().strip()
+    namespace = os.readlink(f"/proc/{slurmd}/ns/uts")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "ns" / "uts") == namespace:
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # ended meanwhile
+    return pids
+
+
+def restart_node(conf: Path, node: str) -> None:
+    subprocess.run(["unshare", "--uts", "--mount", "sh", "-c",
+                    f"hostname {node} && mount --bind '{conf.parent / 'hosts'}' /etc/hosts && "
+                    f"exec slurmd -f '{conf}' -N {node}"], check=True, timeout=30)
+
+
+def wait_for_log(log: Path, text: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while text not in (found := log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout} s in {log}:\n{found}"
+        time.sleep(0.2)
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_path):
+    """Every process of node n2 (its slurmd, step daemon and ranks) is killed mid-run, as when a
+    node fails: the ranks left name n2 and its ranks and end, Slurm takes n2 down and requeues the
+    job; once n2 is back the job reruns and finishes the edits left, each exactly once."""
+    out, log = tmp_path / "run", tmp_path / "slurm-{}.out"
+    # cfg_split: each rank on n1 pairs with one on n2, so the loss surfaces in a collective.
+    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", tasks=2, nodes=NODES), out, *TINY,
+                 f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "workload.width=128",
+                 "workload.height=128", "workload.steps=8", "layout=cfg_split", "layout.replicas=2",
+                 "launcher.collective_timeout_s=20")
+    log = Path(str(log).format(job))
+    deadline = time.monotonic() + 120
+    while not any(path.stat().st_size for path in out.glob("edits*.jsonl")):
+        assert time.monotonic() < deadline and job_state(cluster, job)["JobState"] in ("PENDING", "RUNNING")
+        time.sleep(0.05)
+    for pid in node_processes(cluster.parent, "n2"):
+        os.kill(pid, signal.SIGKILL)
+    wait_for_log(log, "NodeLost: lost node n2 (ranks 1, 3, all of its ranks)", timeout=60)
+    deadline = time.monotonic() + 60
+    while (state := job_state(cluster, job))["JobState"] == "RUNNING":
+        assert time.monotonic() < deadline, f"job {job} still running 60 s after its node was lost"
+        time.sleep(0.2)
+    restart_node(cluster, "n2")
+    if state["JobState"] != "PENDING":  # Slurm requeues a batch job whose node failed; else do it here
+        slurm(cluster, "scontrol", "requeue", job)
+    state = wait_for_jobs(cluster, [job], timeout=180)[job]
+    assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()
+    assert "ditrun: resuming, " in log.read_text()
+    assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
