@@ -1,0 +1,145 @@
+"""Start-up at scale: process start -> first denoising step, per rank, on 1, 2, 4 ... emulated nodes.
+
+For each node count this starts a Slurm cluster of that many emulated nodes on this machine
+(``slurm/local-cluster.sh start DIR CPUS NODES``: one slurmd per node, each in its own UTS
+namespace, so the ranks see their node's host name), runs ``srun -N<nodes>`` ditrun with the tiny
+model, one edit per rank (so that every rank reaches a first step), and reads every rank's
+start-up from the run's ``summary.json`` (``startup_by_rank``, see ditrun/metrics/timing.py):
+
+- ``imports_s``: process start (the kernel's start time) to ditrun's launch: interpreter, imports,
+  Hydra's config;
+- ``rendezvous_s``: ditrun's rendezvous (every rank signs in at rank 0's TCPStore) and the process
+  group's set-up on that store: the part that grows with the node count;
+- ``load_s``: prompts, references, model build;
+- ``startup_s``: process start to the first denoising step.
+
+It prints a table and writes ``benchmarks/results/startup.json`` (read by ``benchmarks/scaling.py``,
+with the fitted rendezvous cost per rank). Needs root and Debian's slurm-wlm; runs on the CPU.
+
+    python benchmarks/startup.py                       # 1, 2 and 4 nodes x 2 ranks, then the fit
+    python benchmarks/startup.py --nodes 1 2 4 8 --tasks-per-node 2 --repeats 3
+
+How it extrapolates. The rendezvous is one TCPStore served by rank 0: each rank makes a constant
+number of store requests to sign in (``set`` of its host name, one ``add``, one ``wait``), and
+gloo's or NCCL's set-up adds O(1) requests per rank for its own address exchange; rank 0 then
+polls one counter. So the store serves O(ranks) requests, one at a time, and the rendezvous of the
+slowest rank costs ``a + b * ranks``: ``b`` is the fitted slope printed below, ``a`` the fixed cost
+(connection, the polling period). On this 2-core machine every rank also competes for the same two
+cores, so the measured slope is an upper bound of the store's own cost (a real node brings its own
+cores). What does not grow with the node count: the imports and the model build (per rank, in
+parallel; on a shared file system the first read of the weights can, which this does not model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CLUSTER = REPO / "slurm" / "local-cluster.sh"
+RESULT = REPO / "benchmarks" / "results" / "startup.json"
+TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
+        "workload.text_len=7", "wandb.mode=disabled", "progress=false", "device=cpu", "metrics.ssim=false",
+        "metrics.report=false", "layout=single"]
+PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
+TARGET_RANKS = 512  # 64 nodes x 8 GPUs: the scale docs/SCALING.md models
+
+
+def job_env(conf: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_"))}
+    env.update(SLURM_CONF=str(conf), PYTHONUNBUFFERED="1", PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+    return env
+
+
+def run_once(nodes: int, tasks_per_node: int, work: Path) -> list[dict]:
+    """Every rank's start-up split, from one ditrun run on a fresh cluster of ``nodes`` nodes."""
+    state, out = work / "cluster", work / "run"
+    state.mkdir(parents=True)
+    subprocess.run([str(CLUSTER), "start", str(state), str(tasks_per_node), str(nodes)], check=True,
+                   capture_output=True, timeout=120)
+    try:
+        world = nodes * tasks_per_node
+        proc = subprocess.run(
+            ["srun", f"-N{nodes}", f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1",
+             sys.executable, "-m", "ditrun", f"hydra.run.dir={out}", *TINY, f"layout.replicas={world}",
+             f"workload.limit={world}"],
+            cwd=work, capture_output=True, text=True, timeout=600, env=job_env(state / "slurm.conf"))
+        if proc.returncode != 0:
+            raise RuntimeError(f"ditrun on {nodes} node(s) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        return json.loads((out / "summary.json").read_text())["startup_by_rank"]
+    finally:
+        subprocess.run([str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)
+
+
+def row(nodes: int, by_rank: list[dict]) -> dict:
+    """Median and slowest rank of each phase, for one run."""
+    out = {"nodes": nodes, "ranks": len(by_rank), "hosts": sorted({r["host"] for r in by_rank})}
+    for phase in PHASES:
+        values = [r[phase] for r in by_rank if r.get(phase) is not None]
+        out[f"{phase}_median"] = statistics.median(values) if values else None
+        out[f"{phase}_max"] = max(values) if values else None
+    return out
+
+
+def fit(rows: list[dict], key: str) -> tuple[float, float]:
+    """Least squares ``key = a + b * ranks`` over the runs: (a, b)."""
+    xs, ys = [r["ranks"] for r in rows], [r[key] for r in rows]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    return mean_y - slope * mean_x, slope
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ("nodes", "ranks", "imports s", "rendezvous s med/max", "load s", "start-up s med/max")
+    lines = [header]
+    for r in rows:
+        lines.append((str(r["nodes"]), str(r["ranks"]), f"{r['imports_s_median']:.2f}",
+                      f"{r['rendezvous_s_median']:.3f} / {r['rendezvous_s_max']:.3f}", f"{r['load_s_median']:.2f}",
+                      f"{r['startup_s_median']:.2f} / {r['startup_s_max']:.2f}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    for line in lines:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--tasks-per-node", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per node count; the median run is kept")
+    parser.add_argument("--out", type=Path, default=RESULT)
+    args = parser.parse_args()
+    rows = []
+    for nodes in args.nodes:
+        runs = []
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory(prefix=f"startup-{nodes}n-") as work:
+                runs.append(row(nodes, run_once(nodes, args.tasks_per_node, Path(work))))
+        rows.append(sorted(runs, key=lambda r: r["startup_s_max"])[len(runs) // 2])
+    print_table(rows)
+    fixed, per_rank = fit(rows, "rendezvous_s_max") if len(rows) > 1 else (rows[0]["rendezvous_s_max"], 0.0)
+    at_target = fixed + per_rank * TARGET_RANKS
+    print(f"rendezvous (slowest rank) ~ {fixed:.3f} s + {per_rank * 1e3:.2f} ms x ranks "
+          f"-> {at_target:.2f} s at {TARGET_RANKS} ranks (64 nodes x 8)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "machine": f"{os.cpu_count()} CPU cores, emulated nodes (slurm/local-cluster.sh), tiny model on the CPU",
+        "measured": time.strftime("%Y-%m-%d", time.gmtime()),
+        "tasks_per_node": args.tasks_per_node,
+        "rows": rows,
+        "rendezvous_fit": {"fixed_s": fixed, "per_rank_s": per_rank, "ranks": TARGET_RANKS,
+                           "predicted_s": at_target},
+    }, indent=2) + "\n")
+    print(f"written: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
