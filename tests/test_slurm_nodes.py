@@ -21,12 +21,14 @@ from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm,
 
 NODES = 2
 CPUS_PER_NODE = 6
-# (layout overrides, world): Ulysses groups inside a node with one replica per node; a CFG pair
-# on each node's rank i; four single-rank replicas, two per node.
+# name: (layout overrides, tasks per node of the sbatch job, tasks per node of the srun step).
+# Ulysses: an SP group of 2 inside each node, one replica per node. cfg_split: 2 per node gives
+# SP groups of 2 per node and CFG pairs (0, 2), (1, 3) across the nodes; 1 per node a pair across
+# them. Replicas: one single-rank replica per rank ({world}: the job's ranks), on both nodes.
 RUNS = {
-    "ulysses": (["layout=ulysses", "layout.replicas=2"], 4),
-    "cfg_split": (["layout=cfg_split"], 4),
-    "replicas": (["layout=single", "layout.replicas=4"], 4),
+    "ulysses": (["layout=ulysses", "layout.replicas=2"], 2, 2),
+    "cfg_split": (["layout=cfg_split"], 2, 1),
+    "replicas": (["layout=single", "layout.replicas={world}"], 2, 1),
 }
 # SSIM off: the latents are compared with ``single``'s, and the BF16 references would cost more
 # than the runs.
@@ -57,9 +59,13 @@ def reference(tmp_path_factory):
     return single_reference(tmp_path_factory.mktemp("single"), *EDITS)
 
 
-def srun(conf: Path, out: Path, *overrides: str, log: Path) -> subprocess.Popen:
+def overrides_of(name: str, tasks_per_node: int) -> list[str]:
+    return [override.format(world=NODES * tasks_per_node) for override in RUNS[name][0]]
+
+
+def srun(conf: Path, out: Path, tasks: int, *overrides: str, log: Path) -> subprocess.Popen:
     """``srun -N2`` straight from a login shell, as a user would run it interactively."""
-    command = ["srun", "-N2", "--ntasks-per-node=2", "--kill-on-bad-exit=1", "--time=10", "python", "-m", "ditrun",
+    command = ["srun", "-N2", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1", "--time=10", "python", "-m", "ditrun",
                f"hydra.run.dir={out}", *TINY, *EDITS, *overrides]
     with open(log, "w") as sink:
         return subprocess.Popen(command, cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT,
@@ -71,10 +77,11 @@ def runs(cluster, tmp_path_factory):
     """Every layout once through the rendered sbatch script and once through ``srun -N2``, all at once."""
     folder = tmp_path_factory.mktemp("runs")
     script = render_script(folder / "ditrun.sbatch", tasks=2, nodes=NODES)
-    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS, *overrides)
-            for name, (overrides, _) in RUNS.items()}
-    steps = {name: srun(cluster, folder / f"srun-{name}", *overrides, log=folder / f"srun-{name}.log")
-             for name, (overrides, _) in RUNS.items()}
+    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS, *overrides_of(name, 2))
+            for name in RUNS}
+    steps = {name: srun(cluster, folder / f"srun-{name}", tasks, *overrides_of(name, tasks),
+                        log=folder / f"srun-{name}.log")
+             for name, (_, _, tasks) in RUNS.items()}
     try:
         states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
         codes = {name: step.wait(timeout=240) for name, step in steps.items()}
@@ -85,6 +92,10 @@ def runs(cluster, tmp_path_factory):
     return folder, {name: (jobs[name], states[jobs[name]]) for name in RUNS}, codes
 
 
+def layout_of(name: str) -> str:
+    return RUNS[name][0][0].removeprefix("layout=")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", RUNS)
 def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
@@ -93,8 +104,7 @@ def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
     log = (folder / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"], state["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), log
     assert "4 ranks on 2 node(s) (Slurm (srun))" in log
-    layout, world = RUNS[name][0][0].split("=")[1], RUNS[name][1]
-    assert_same_latents(folder / f"sbatch-{name}", reference, layout, world)
+    assert_same_latents(folder / f"sbatch-{name}", reference, layout_of(name), NODES * RUNS[name][1])
 
 
 @pytest.mark.timeout(300)
@@ -102,8 +112,7 @@ def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
 def test_srun_on_two_nodes_equals_single(runs, reference, name):
     folder, _, codes = runs
     assert codes[name] == 0, (folder / f"srun-{name}.log").read_text()
-    layout, world = RUNS[name][0][0].split("=")[1], RUNS[name][1]
-    assert_same_latents(folder / f"srun-{name}", reference, layout, world)
+    assert_same_latents(folder / f"srun-{name}", reference, layout_of(name), NODES * RUNS[name][2])
 
 
 @pytest.mark.timeout(300)
@@ -154,8 +163,8 @@ def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_p
     out, log = tmp_path / "run", tmp_path / "slurm-{}.out"
     # cfg_split: the CFG pairs (0, 2) and (1, 3) span the nodes, so the loss surfaces in a collective.
     job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", tasks=2, nodes=NODES), out, *TINY,
-                 f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "workload.width=128",
-                 "workload.height=128", "workload.steps=8", "layout=cfg_split", "metrics.ssim=false",
+                 f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "workload.width=64",
+                 "workload.height=64", "workload.steps=6", "layout=cfg_split", "metrics.ssim=false",
                  "launcher.collective_timeout_s=20")
     log = Path(str(log).format(job))
     deadline = time.monotonic() + 120
@@ -176,3 +185,23 @@ def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_p
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()
     assert "ditrun: resuming, " in log.read_text()
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
+
+
+@pytest.mark.timeout(300)
+def test_runs_on_two_nodes_in_one_directory_never_record_an_edit_twice(cluster, tmp_path):
+    """Two jobs, one on each node, started at once in one results directory: the lock holds across
+    the nodes (one runs, the other finds every edit done or is refused naming the holder's host),
+    and the directory ends with every edit once and nothing set aside."""
+    out = tmp_path / "run"
+    script = render_script(tmp_path / "ditrun.sbatch", tasks=1)
+    jobs = [slurm(cluster, "sbatch", "--parsable", f"--nodelist={node}", f"--chdir={tmp_path}", str(script), *TINY,
+                  f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "metrics.ssim=false",
+                  DITRUN_OUTPUT_DIR=str(out)).strip() for node in ("n1", "n2")]
+    states = wait_for_jobs(cluster, jobs, timeout=240)
+    logs = [(tmp_path / f"slurm-{job}.out").read_text() for job in jobs]
+    codes = sorted(states[job]["ExitCode"] for job in jobs)
+    assert codes in (["0:0", "0:0"], ["0:0", "2:0"]), logs
+    if codes[1] == "2:0":
+        assert any(f"is in use by another ditrun run (host n" in log for log in logs), logs
+    assert sorted(r["edit"] for r in records(out)) == sorted(SIX)
+    assert not (out / "edits.rejected.jsonl").exists()

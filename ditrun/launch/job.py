@@ -97,14 +97,6 @@ class LocalJob:
         """Every rank's posted ``key``, by rank (global rank 0 only, after ``end_of_run``)."""
         return [self._posted_value]
 
-    def _silent_since(self, rank: int, now: float, last_alive: dict[int, tuple[int, float]]) -> float:
-        """Seconds since ``rank``'s heartbeat last moved (0 for a rank without one: a process group
-        joined without ditrun's launcher)."""
-        alive = self._alive_count(rank)
-        if alive == 0 or last_alive.get(rank, (None,))[0] != alive:
-            last_alive[rank] = (alive, now)
-        return now - last_alive[rank][1]
-
     def explain(self, err: BaseException) -> BaseException:
         """The failure to report for ``err``: a ``NodeLost`` when other ranks have gone silent."""
         return err
@@ -219,7 +211,8 @@ class StoreJob(LocalJob):
             return err  # the store is gone with rank 0: the watchdogs say so
 
     def _silent_ranks(self, window_s: float) -> list[int]:
-        others = [r for r in range(self.world) if r != self.rank]
+        # Ranks at the end of their run have stopped beating on purpose.
+        others = [r for r in range(self.world) if r != self.rank and not self.store.check([f"{AT_END}{r}"])]
         before = {r: self._alive_count(r) for r in others}
         time.sleep(window_s)
         return [r for r in others if before[r] and self._alive_count(r) == before[r]]
