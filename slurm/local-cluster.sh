@@ -165,12 +165,22 @@ wait_idle() {
     die "the nodes are not all idle after 15 s (states '${states:-none}'); see $dir/slurmctld.log and $dir/slurmd*.log"
 }
 
+# Each daemon takes seconds to shut down: signal the Slurm daemons together, then munged.
 stop() {
-    local dir=$1 pid pidfile
-    for pidfile in "$dir"/slurmd*.pid "$dir/slurmctld.pid" "$dir/munged.pid"; do
+    local dir=$1
+    stop_pids "$dir" "$dir"/slurmd*.pid "$dir/slurmctld.pid"
+    stop_pids "$dir" "$dir/munged.pid"
+}
+
+stop_pids() {
+    local dir=$1 pidfile pids=() pid
+    shift
+    for pidfile in "$@"; do
         [ -f "$pidfile" ] || continue
-        pid=$(cat "$pidfile")
-        kill "$pid" 2>/dev/null || continue
+        pid=$(cat "$pidfile")  # read once: a daemon removes its pid file as it stops
+        if kill "$pid" 2>/dev/null; then pids+=("$pid"); fi
+    done
+    for pid in "${pids[@]}"; do
         for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
         kill -0 "$pid" 2>/dev/null && kill -9 "$pid" 2>/dev/null || true
     done
