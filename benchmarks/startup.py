@@ -35,12 +35,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d warns once per connection it cannot name
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+
+from ditrun.launch.env import RankInfo, free_port
+from ditrun.launch.rendezvous import meet
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "slurm" / "local-cluster.sh"
@@ -113,6 +120,40 @@ def extrapolate(rows: list[dict], key: str, label: str) -> dict:
     return {"fixed_s": fixed, "per_rank_s": per_rank, "ranks": TARGET_RANKS, "predicted_s": predicted}
 
 
+def store_meeting_s(ranks: int) -> float:
+    """Wall seconds for ``ranks`` threads of this process, each a rank with its own connection, to
+    meet through ditrun's rendezvous (rank 0 serving the TCPStore): the protocol's own cost at a
+    rank count no machine here can start processes for. The clock starts once rank 0 listens, as
+    on a cluster where it started first (a client that finds no server backs off for seconds,
+    which would measure the back-off instead)."""
+    port = free_port()
+    infos = [RankInfo("benchmark", r, r, ranks, ranks, 1, "127.0.0.1", port) for r in range(ranks)]
+    listening = threading.Event()
+    meetings = [None] * ranks  # kept until every rank is through: rank 0's store serves them all
+
+    def rank(info: RankInfo) -> None:
+        if info.rank:
+            listening.wait()
+        meetings[info.rank] = meet(info, 300, {"out_dir": "unused"})
+
+    threads = [threading.Thread(target=rank, args=(info,)) for info in infos]
+    for thread in threads:
+        thread.start()
+    while not _listens(port):
+        time.sleep(0.001)
+    began = time.perf_counter()
+    listening.set()
+    for thread in threads:
+        thread.join()
+    assert all(meetings), "a rank did not meet"
+    return time.perf_counter() - began
+
+
+def _listens(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 def print_table(rows: list[dict]) -> None:
     header = ("nodes", "ranks", "imports s med/max", "rendezvous s min/med/max", "load s med",
               "start-up s med/max")
@@ -131,8 +172,12 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tasks-per-node", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs per node count; the median run is kept")
+    parser.add_argument("--store-ranks", type=int, nargs="*", default=[8, 64, 256, 512],
+                        help="rank counts for the rendezvous alone, threads as ranks")
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
+    store = [{"ranks": n, "meeting_s": statistics.median(store_meeting_s(n) for _ in range(3))}
+             for n in args.store_ranks]
     rows = []
     for nodes in args.nodes:
         runs = []
@@ -142,12 +187,19 @@ def main() -> int:
         rows.append(sorted(runs, key=lambda r: r["startup_s_max"])[len(runs) // 2])
     print_table(rows)
     fits = {key: extrapolate(rows, key, label) for key, label in FITS.items()}
+    print("\nditrun's rendezvous alone (threads of one process as ranks, one TCPStore):")
+    for entry in store:
+        print(f"  {entry['ranks']:4d} ranks: {entry['meeting_s']:.3f} s")
+    if len(store) > 1:
+        fits["store_meeting_s"] = extrapolate([{"ranks": e["ranks"], "meeting_s": e["meeting_s"]} for e in store],
+                                              "meeting_s", "rendezvous alone")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "machine": f"{os.cpu_count()} CPU cores, emulated nodes (slurm/local-cluster.sh), tiny model on the CPU",
         "measured": time.strftime("%Y-%m-%d", time.gmtime()),
         "tasks_per_node": args.tasks_per_node,
         "rows": rows,
+        "store_meeting": store,
         "fits": fits,
     }, indent=2) + "\n")
     print(f"written: {args.out}")

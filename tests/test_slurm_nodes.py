@@ -3,7 +3,9 @@
 Each node is a ``slurmd`` of its own (``n1``, ``n2``) in its own UTS namespace, so its tasks see
 their node's host name as on a real cluster, and ditrun's rendezvous records two hosts. The
 results directory is one directory of this machine: the shared file system every node writes to.
-Jobs run 2 tasks per node: Ulysses groups of 2 stay on one node, CFG pairs and replicas span both.
+Jobs run 2 tasks per node (``srun`` steps 1 where the layout allows): Ulysses groups of 2 stay on
+one node, CFG pairs and replicas span both. Then the faults of many nodes: a node lost mid-run,
+and two jobs on two nodes writing one results directory.
 """
 
 import json
@@ -21,14 +23,15 @@ from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm,
 
 NODES = 2
 CPUS_PER_NODE = 6
-# name: (layout overrides, tasks per node of the sbatch job, tasks per node of the srun step).
+SBATCH_TASKS = 2  # per node
+# name: (layout overrides, tasks per node of the srun step).
 # Ulysses: an SP group of 2 inside each node, one replica per node. cfg_split: 2 per node gives
 # SP groups of 2 per node and CFG pairs (0, 2), (1, 3) across the nodes; 1 per node a pair across
 # them. Replicas: one single-rank replica per rank ({world}: the job's ranks), on both nodes.
 RUNS = {
-    "ulysses": (["layout=ulysses", "layout.replicas=2"], 2, 2),
-    "cfg_split": (["layout=cfg_split"], 2, 1),
-    "replicas": (["layout=single", "layout.replicas={world}"], 2, 1),
+    "ulysses": (["layout=ulysses", "layout.replicas=2"], 2),
+    "cfg_split": (["layout=cfg_split"], 1),
+    "replicas": (["layout=single", "layout.replicas={world}"], 1),
 }
 # SSIM off: the latents are compared with ``single``'s, and the BF16 references would cost more
 # than the runs.
@@ -65,8 +68,8 @@ def overrides_of(name: str, tasks_per_node: int) -> list[str]:
 
 def srun(conf: Path, out: Path, tasks: int, *overrides: str, log: Path) -> subprocess.Popen:
     """``srun -N2`` straight from a login shell, as a user would run it interactively."""
-    command = ["srun", "-N2", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1", "--time=10", "python", "-m", "ditrun",
-               f"hydra.run.dir={out}", *TINY, *EDITS, *overrides]
+    command = ["srun", f"-N{NODES}", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1", "--time=10", "python",
+               "-m", "ditrun", f"hydra.run.dir={out}", *TINY, *EDITS, *overrides]
     with open(log, "w") as sink:
         return subprocess.Popen(command, cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT,
                                 env=quiet_env(SLURM_CONF=str(conf)))
@@ -76,12 +79,12 @@ def srun(conf: Path, out: Path, tasks: int, *overrides: str, log: Path) -> subpr
 def runs(cluster, tmp_path_factory):
     """Every layout once through the rendered sbatch script and once through ``srun -N2``, all at once."""
     folder = tmp_path_factory.mktemp("runs")
-    script = render_script(folder / "ditrun.sbatch", tasks=2, nodes=NODES)
-    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS, *overrides_of(name, 2))
-            for name in RUNS}
+    script = render_script(folder / "ditrun.sbatch", tasks=SBATCH_TASKS, nodes=NODES)
+    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS,
+                         *overrides_of(name, SBATCH_TASKS)) for name in RUNS}
     steps = {name: srun(cluster, folder / f"srun-{name}", tasks, *overrides_of(name, tasks),
                         log=folder / f"srun-{name}.log")
-             for name, (_, _, tasks) in RUNS.items()}
+             for name, (_, tasks) in RUNS.items()}
     try:
         states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
         codes = {name: step.wait(timeout=240) for name, step in steps.items()}
@@ -104,7 +107,7 @@ def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
     log = (folder / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"], state["NodeList"]) == ("COMPLETED", "0:0", "n[1-2]"), log
     assert "4 ranks on 2 node(s) (Slurm (srun))" in log
-    assert_same_latents(folder / f"sbatch-{name}", reference, layout_of(name), NODES * RUNS[name][1])
+    assert_same_latents(folder / f"sbatch-{name}", reference, layout_of(name), NODES * SBATCH_TASKS)
 
 
 @pytest.mark.timeout(300)
@@ -112,7 +115,7 @@ def test_sbatch_on_two_nodes_equals_single(runs, reference, name):
 def test_srun_on_two_nodes_equals_single(runs, reference, name):
     folder, _, codes = runs
     assert codes[name] == 0, (folder / f"srun-{name}.log").read_text()
-    assert_same_latents(folder / f"srun-{name}", reference, layout_of(name), NODES * RUNS[name][2])
+    assert_same_latents(folder / f"srun-{name}", reference, layout_of(name), NODES * RUNS[name][1])
 
 
 @pytest.mark.timeout(300)
@@ -162,7 +165,7 @@ def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_p
     job; once n2 is back the job reruns and finishes the edits left, each exactly once."""
     out, log = tmp_path / "run", tmp_path / "slurm-{}.out"
     # cfg_split: the CFG pairs (0, 2) and (1, 3) span the nodes, so the loss surfaces in a collective.
-    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", tasks=2, nodes=NODES), out, *TINY,
+    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", tasks=SBATCH_TASKS, nodes=NODES), out, *TINY,
                  f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "workload.width=64",
                  "workload.height=64", "workload.steps=6", "layout=cfg_split", "metrics.ssim=false",
                  "launcher.collective_timeout_s=20")
