@@ -12,7 +12,8 @@ Every rank reaches ``worker.run(cfg, out_dir, job)`` the same way: device bound,
 met (ranks that never arrive are named), ``torch.distributed`` initialised (gloo on CPUs, nccl
 on GPUs), the same results directory as rank 0, a watchdog that ends the rank when another
 one fails, stop signals caught (``stop.py``) and its parent watched, and ``job`` (``job.py``)
-to share rank 0's decisions, stop together and end the run together.
+to share rank 0's decisions, stop together and end the run together, with a heartbeat by which
+a failing rank tells a lost node (named) from its own error. ``STARTUP`` times the way there.
 """
 
 from __future__ import annotations
