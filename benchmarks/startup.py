@@ -49,7 +49,7 @@ One in three meetings of 64 thread-ranks took 10 s instead of 0.06 s: clients co
 burst that find the listen queue full retry with back-off (the medians leave it out; at 512
 processes starting at once, expect such seconds-long outliers, well inside the timeout). Not
 measured: gloo's or NCCL's own communicator set-up at 512 ranks, and the heartbeats' load (2 store
-increments per rank per second: about 1000/s at 512 ranks, which the thread test's store serves).
+increments per rank per second: about 1000/s at 512 ranks).
 """
 
 from __future__ import annotations

@@ -221,8 +221,10 @@ class StoreJob(LocalJob):
         return self.store.add(f"{ALIVE}{rank}", 0)
 
     def hosts(self) -> list[str]:
-        """Each rank's host name, as it signed in at the rendezvous."""
-        return [self.store.get(f"{ARRIVED}/{rank}").decode() for rank in range(self.world)]
+        """Each rank's host name, as it signed in at ditrun's rendezvous (a process group joined
+        without it has none)."""
+        keys = [f"{ARRIVED}/{rank}" for rank in range(self.world)]
+        return [self.store.get(key).decode() if self.store.check([key]) else "an unknown host" for key in keys]
 
     def _lost_message(self, silent: list[int], seconds: float) -> str:
         """``lost node n2 (ranks 2-3, all of its ranks)``, or ``lost rank 3 on n2``, and why."""
