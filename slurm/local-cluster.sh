@@ -13,9 +13,13 @@
 # own UTS namespace whose host name is its node name. The tasks a slurmd starts inherit that
 # namespace, so `hostname` and socket.gethostname() say n1, n2, ... as on a real cluster, while
 # all of them share this machine's network (NodeAddr=127.0.0.1) and file system (the "shared
-# file system" of the results directory). A node that stops answering is down after
-# SlurmdTimeout=5 s, and its jobs are requeued (Slurm's default for batch jobs). Needs root (unshare --uts --mount;
-# node names resolve to 127.0.0.1 through a hosts file bind-mounted in the nodes' namespaces).
+# file system" of the results directory). Node names resolve to 127.0.0.1 inside the nodes
+# through a hosts file bind-mounted over /etc/hosts in their mount namespace, so rank 0's node
+# name is an address as on a real cluster. Needs root (unshare --uts --mount). A node that stops
+# answering is down after SlurmdTimeout=5 s (about 20 s in all), and Slurm requeues its batch jobs.
+#
+# Job ids start at a random FirstJobId: ditrun derives its rendezvous port from the job id, and
+# two clusters on one machine (two test files at once) must not derive the same ports.
 #
 # CPUS (default 8) is what each node declares: more than the real cores, so that 4-task jobs run
 # on a 2-core machine (SlurmdParameters=config_overrides lets slurmd believe the config). Jobs
