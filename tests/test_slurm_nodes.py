@@ -12,13 +12,16 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from ditrun.launch.env import free_port
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
+from test_launchers import start_rank
 from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm, submit, wait_for_jobs
 
 NODES = 2
@@ -208,3 +211,28 @@ def test_runs_on_two_nodes_in_one_directory_never_record_an_edit_twice(cluster, 
         assert any(f"is in use by another ditrun run (host n" in log for log in logs), logs
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)
     assert not (out / "edits.rejected.jsonl").exists()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_killed_on_one_host_are_named_with_it_without_a_cluster(tmp_path):
+    """The naming needs no Slurm (this runs where the cluster cannot): four ranks started by hand
+    with torchrun's variables, ranks 2 and 3 killed mid-edit; ranks 0 and 1, whose CFG partners
+    they were, fail naming them and this host instead of the connection error."""
+    port, out = free_port(), tmp_path / "run"
+    ranks = [start_rank(r, 4, port, out, tmp_path, "layout=cfg_split", "workload.limit=2", "workload.steps=24",
+                        "metrics.ssim=false") for r in range(4)]
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "edits.jsonl").exists() or not (out / "edits.jsonl").read_text():
+            assert time.monotonic() < deadline and all(rank.poll() is None for rank in ranks)
+            time.sleep(0.02)
+        for rank in ranks[2:]:
+            rank.kill()
+        codes = [rank.wait(timeout=60) for rank in ranks[:2]]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait(timeout=30)
+    assert all(code != 0 for code in codes), codes
+    logs = "".join((tmp_path / f"rank{r}.err").read_text() for r in (0, 1))
+    assert f"NodeLost: lost ranks 2-3 on {socket.gethostname()}: no heartbeat for 2 s" in logs, logs
