@@ -130,6 +130,28 @@ def test_medians_leave_out_each_replicas_warmup_edits():
     assert summary["encode_s_median"] is None  # not recorded, not invented
 
 
+def test_startup_summary_takes_median_and_slowest_rank_and_keeps_every_rank():
+    by_rank = [{"rank": 2, "host": "n2", "startup_s": None, "rendezvous_s": 0.5},  # no edit left to run
+               {"rank": 1, "host": "n1", "startup_s": 3.0, "rendezvous_s": 0.5},
+               {"rank": 0, "host": "n1", "startup_s": 2.0, "rendezvous_s": 0.25}]
+    summary = timing.startup_summary(by_rank)
+    assert (summary["startup_s_median"], summary["startup_s_max"], summary["rendezvous_s_max"]) == (2.5, 3.0, 0.5)
+    assert [r["rank"] for r in summary["startup_by_rank"]] == [0, 1, 2]
+    assert timing.startup_summary([])["startup_s_max"] is None
+
+
+def test_startup_phases_are_recorded_once_from_the_process_start():
+    startup = timing.Startup()
+    startup.begin("load_s")
+    startup.end("load_s")
+    startup.at_age("startup_s")
+    first = startup.fields["startup_s"]
+    startup.at_age("startup_s")  # a later step does not move the first step's time
+    report = startup.report(rank=3)
+    assert report["rank"] == 3 and report["startup_s"] == first and first >= report["load_s"] >= 0
+    assert report["imports_s"] is None and report["rendezvous_s"] is None  # not reached in this process
+
+
 def _cfg(*overrides):
     edits = {"workload": {"edits": [{"id": "a", "image": "skimage:astronaut", "prompt": "p"},
                                     {"id": "b", "image": "skimage:astronaut", "prompt": "p", "seed": 0}]}}

@@ -63,9 +63,10 @@ def wait_for_jobs(conf: Path, jobs: list[str], timeout: float) -> dict:
     return ended
 
 
-def render_script(path: Path, tasks: int) -> Path:
-    subprocess.run([sys.executable, "-m", "ditrun.launch.slurm", "--gpus-per-node", "0", "--tasks-per-node",
-                    str(tasks), "--time", "00:10:00", "--log", str(path.parent / "slurm-%j.out"), "-o", str(path)],
+def render_script(path: Path, tasks: int, nodes: int = 1) -> Path:
+    subprocess.run([sys.executable, "-m", "ditrun.launch.slurm", "--nodes", str(nodes), "--gpus-per-node", "0",
+                    "--tasks-per-node", str(tasks), "--time", "00:10:00", "--log", str(path.parent / "slurm-%j.out"),
+                    "-o", str(path)],
                    check=True, timeout=60)
     return path
 

@@ -13,7 +13,8 @@ met (ranks that never arrive are named), the placement printed once and checked 
 several nodes is refused, ``parallel/placement.py``), ``torch.distributed`` initialised (gloo on CPUs, nccl
 on GPUs), the same results directory as rank 0, a watchdog that ends the rank when another
 one fails, stop signals caught (``stop.py``) and its parent watched, and ``job`` (``job.py``)
-to share rank 0's decisions, stop together and end the run together.
+to share rank 0's decisions, stop together and end the run together, with a heartbeat by which
+a failing rank tells a lost node (named) from its own error. ``STARTUP`` times the way there.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.metrics.timing import STARTUP
 from ditrun.model.build import model_geometry
 from ditrun.parallel.layout import LayoutPlan
 from ditrun.parallel.placement import Placement
@@ -42,6 +44,7 @@ class WorkerFailed(RuntimeError):
 
 def launch(cfg, out_dir: Path) -> Optional[dict]:
     """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0."""
+    STARTUP.at_age("imports_s")
     info = env.discover()
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
@@ -85,6 +88,7 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     plan = check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
     device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
+    STARTUP.begin("rendezvous_s")
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
     backend = rendezvous.backend_for(cfg.device)
     placement = Placement(plan, meeting.nodes)
@@ -95,18 +99,24 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[d
     stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
+    job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s).start_heartbeat()
     try:
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
+        STARTUP.end("rendezvous_s")
         watchdog = faults.Watchdog(meeting, info.rank).start()
-        job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s)
         summary = work(cfg, Path(meeting.shared["out_dir"]), job, placement.nodes)
     except RunStopped as err:
         stopped = err  # not a failure: the run ends as a good one does, then says it was stopped
     except BaseException as err:
-        faults.report(meeting.store, info.rank, err)
+        # A lost node's ranks surface here as some collective's error: report them, not it.
+        failure = job.explain(err)
+        faults.report(meeting.store, info.rank, failure)
+        if failure is not err:
+            raise failure from err
         raise
     finally:
         stop.restore()
+        job.stop_heartbeat()
     rendezvous.finish(meeting, info)
     if info.rank == 0:
         faults.release(meeting.store)

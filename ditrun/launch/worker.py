@@ -166,6 +166,7 @@ class Run:
 
         def on_step(i: int) -> None:
             timer.step(i)
+            timing.STARTUP.at_age("startup_s")
             faults.inject(cfg.launcher.fault, i)
             if progress is not None:
                 progress.update(1)
@@ -204,7 +205,8 @@ class Run:
             "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 
-    def summary(self, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None) -> dict:
+    def summary(self, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None,
+                startup: Optional[list[dict]] = None) -> dict:
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "edits": len(records),
@@ -214,6 +216,7 @@ class Run:
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
             "wall_s": wall_s,
+            **timing.startup_summary(startup or []),
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
             "device": device_name(self.placement.device),
             "dtype": self.placement.dtype_note,
@@ -244,14 +247,17 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:
         done = set(job.share("done", lambda: _claim(lock, state, out_dir)))
+        timing.STARTUP.begin("load_s")
         state.load()
+        timing.STARTUP.end("load_s")
         logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
         stopped = _run_edits(state, job, done, out_dir, logger)
         faults.hang(cfg.launcher.fault)
+        job.post("startup", timing.STARTUP.report(job.rank))
         job.end_of_run()  # rank 0: every replica's records are written
         if layout.rank == 0:
             rundir.merge_replica_files(out_dir)
-            summary = _finish(state, logger, out_dir, time.perf_counter() - start, stopped)
+            summary = _finish(state, logger, out_dir, time.perf_counter() - start, stopped, job.collect("startup"))
     finally:
         if lock is not None:
             lock.release()
@@ -297,7 +303,8 @@ def _stop_if_asked(job: LocalJob, layout) -> None:
         raise RunStopped(signum, f" ({job.stop.reason})" if job.stop.reason else "")
 
 
-def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped]) -> dict:
+def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped],
+            startup: list[dict]) -> dict:
     """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate.
 
     A stopped run writes its summary (``complete: false``) and closes its W&B run, but leaves the
@@ -306,7 +313,7 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
     cfg = state.cfg
     done = results.finished_edits(out_dir)
     records = [done[e.id] for e in state.edits if e.id in done]
-    summary = state.summary(records, wall_s, stopped)
+    summary = state.summary(records, wall_s, stopped, startup)
     gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
                    failure=gate)

@@ -27,7 +27,7 @@ REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
 HEADER = ("run", "layout", "precision", "transport", "world", "DiT s/edit", "speedup", "exposed %", "SSIM",
-          "rerun SSIM", "% of rerun")
+          "rerun SSIM", "% of rerun", "start-up s")
 
 
 @dataclass
@@ -111,7 +111,8 @@ def table_rows(runs: list[RunResult], baseline: Optional[RunResult]) -> list[tup
                      str(r.setting("precision")), str(r.setting("transport")), str(r.setting("world")),
                      _fmt(r.dit_s, ".4f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
                      _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),
-                     _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f")))
+                     _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f"),
+                     _fmt(s.get("startup_s_max"), ".1f")))
     return rows
 
 

@@ -6,10 +6,16 @@ when the edit ends, so timing never stalls the pipeline.
 DiT time of an edit = the sum of its denoising steps (both CFG branches, every layer, the
 transport's waits); preparing the inputs (image load, VAE encode, prompt embeddings) and the
 VAE decode are timed apart as ``encode_s`` and ``decode_s``.
+
+Start-up of a rank = process start to its first denoising step, split into the phases a scaling
+model needs (``Startup``): imports and config, the rendezvous (what grows with the node count),
+and loading (prompts, references, model build); each rank's split goes into the run's summary.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import statistics
 import time
 from typing import Optional
@@ -183,3 +189,58 @@ class _TimedWait:
     def __exit__(self, *exc):
         self.owner._pending.append((self.kind, self.group, self.start, _mark(self.owner.cuda)))
         return False
+
+
+def process_age_s() -> Optional[float]:
+    """Seconds since this process started, by the kernel's clock (Linux), so that the interpreter's
+    own start and the imports count too; None where /proc is missing."""
+    try:
+        with open("/proc/self/stat") as stat:
+            # Field 22 (starttime, clock ticks after boot); the command name before it may hold spaces.
+            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as uptime:
+            return float(uptime.read().split()[0]) - started
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Startup:
+    """This process's start-up, in seconds: the process's age when ditrun's launch began
+    (``imports_s``), the rendezvous and process-group set-up (``rendezvous_s``), loading
+    (``load_s``) and the age at the first denoising step (``startup_s``)."""
+
+    PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
+
+    def __init__(self):
+        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES)
+        self._begun: dict[str, float] = {}
+
+    def begin(self, phase: str) -> None:
+        self._begun[phase] = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        self.fields[phase] = time.perf_counter() - self._begun.pop(phase)
+
+    def at_age(self, phase: str) -> None:
+        """Record the process's age as ``phase`` the first time only (the first step, not every step)."""
+        if self.fields[phase] is None:
+            self.fields[phase] = process_age_s()
+
+    def report(self, rank: int = 0) -> dict:
+        return {"rank": rank, "host": socket.gethostname(), **self.fields}
+
+
+# One process, one start: the launcher, the worker and the step loop each record their phase.
+STARTUP = Startup()
+
+
+def startup_summary(by_rank: list[dict]) -> dict:
+    """The run summary's start-up fields: median and slowest rank, and every rank's split."""
+    ready = [r["startup_s"] for r in by_rank if r.get("startup_s") is not None]
+    met = [r["rendezvous_s"] for r in by_rank if r.get("rendezvous_s") is not None]
+    return {
+        "startup_s_median": float(statistics.median(ready)) if ready else None,
+        "startup_s_max": max(ready) if ready else None,
+        "rendezvous_s_max": max(met) if met else None,
+        "startup_by_rank": sorted(by_rank, key=lambda r: r["rank"]),
+    }
