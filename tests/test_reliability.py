@@ -201,6 +201,25 @@ def test_a_rank_stuck_at_the_end_fails_the_job_naming_it(tmp_path):
     assert "rank 1 made no progress for 3 s (launcher.collective_timeout_s) while rank 0 had finished" in result.stderr
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("delay_s", [0.0, 1.0])
+def test_a_stop_signal_while_the_ranks_still_import_stops_the_run(tmp_path, delay_s):
+    """Ctrl-C the moment the ranks exist, or a second later: they are still importing torch, so the
+    supervisor holds the signal until each rank has its handlers (``rank_entry``), and the run ends
+    stopped, not failed (it used to interrupt an import: a traceback, exit 1)."""
+    out = tmp_path / "run"
+    process = start(tmp_path, *SPAWNED, "launcher.stop_timeout_s=60", f"hydra.run.dir={out}")
+    deadline = time.monotonic() + 60
+    while process.poll() is None and len(ranks_of(process.pid)) < 2:
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.01)
+    time.sleep(delay_s)
+    os.kill(process.pid, signal.SIGINT)
+    assert process.wait(timeout=100) == 128 + signal.SIGINT
+    log = next(tmp_path.glob("log-*.txt")).read_text()
+    assert "stopped by SIGINT" in log and "Traceback" not in log and "KeyboardInterrupt" not in log
+
+
 SIGNALS = [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGKILL]
 
 

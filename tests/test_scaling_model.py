@@ -162,6 +162,18 @@ def test_startup_file_is_fitted_and_its_absence_is_said(tmp_path):
     assert fitted.seconds(64) == pytest.approx(3.0 + 0.5 * 64, rel=1e-12)
 
 
+def test_emulated_nodes_start_up_grows_by_the_rendezvous_cost_per_rank_only(tmp_path):
+    """Emulated nodes share one machine's cores: only one node's start-up and the store's cost per rank
+    carry over to a real cluster."""
+    rows = [{"nodes": n, "ranks": 2 * n, "startup_s_max": 5.0 * n} for n in (1, 2, 4)]
+    meeting = {"fixed_s": 0.04, "per_rank_s": 0.0005, "ranks": 512}
+    (tmp_path / "startup.json").write_text(json.dumps(
+        {"machine": "2 CPU cores, emulated nodes", "rows": rows, "fits": {"store_meeting_s": meeting}}))
+    fitted = scaling.load_startup(tmp_path / "startup.json")
+    assert fitted.seconds(1) == pytest.approx(5.0, rel=1e-12)
+    assert fitted.seconds(64) - fitted.seconds(1) == pytest.approx(63 * 8 * 0.0005, rel=1e-9)
+
+
 def test_write_docs_replaces_only_what_lies_between_the_markers(tmp_path):
     doc = tmp_path / "SCALING.md"
     doc.write_text(f"before\n{scaling.BEGIN_MARK}\nold\n{scaling.END_MARK}\nafter\n")

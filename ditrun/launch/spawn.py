@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ditrun import rank_entry
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.stop import RunStopped, StopRequest, process_stop
 from ditrun.errors import UserError
@@ -43,22 +45,46 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     context = multiprocessing.get_context("spawn")
     # One pipe per rank, not a shared queue: a rank ended abruptly leaves no lock behind.
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
-    ranks = [context.Process(target=_rank_main, args=(cfg, out_dir, rank, world, port, pipes[rank][1], os.getpid()),
+    # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
+    # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
+    ranks = [context.Process(target=rank_entry.rank_main,
+                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid())), pipes[rank][1]),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
-    stop = StopRequest().install(relay=lambda signum: _relay(ranks, signum))
+    relay = Relay(ranks)
+    stop = StopRequest().install(relay=relay)
     try:
         for process, (_, sender) in zip(ranks, pipes):
             process.start()
             sender.close()  # the rank holds the only sending end, so its exit closes the pipe
-        return _supervise(ranks, [receiver for receiver, _ in pipes], stop, cfg.launcher.stop_timeout_s)
+        return _supervise(ranks, [receiver for receiver, _ in pipes], stop, cfg.launcher.stop_timeout_s, relay)
     finally:
         stop.restore()
         _stop(ranks)
 
 
-def _relay(ranks, signum: int) -> None:
-    """Pass a stop signal on to every rank still running; they decide together when to stop."""
-    for process in ranks:
+class Relay:
+    """Passes this process's stop signals on to the ranks, which decide together when to stop.
+
+    A rank gets a signal only once it has said that its handlers are installed (``rank_entry``
+    sends "ready"): sent earlier, a SIGINT would interrupt the rank's imports and a SIGTERM kill it
+    outright. A signal that came before a rank was ready is sent to it then.
+    """
+
+    def __init__(self, ranks):
+        self.ranks, self.ready, self.signals = ranks, set(), []
+
+    def __call__(self, signum: int) -> None:
+        self.signals.append(signum)
+        for rank in list(self.ready):
+            self._send(rank, signum)
+
+    def rank_ready(self, rank: int) -> None:
+        self.ready.add(rank)
+        for signum in list(self.signals):
+            self._send(rank, signum)
+
+    def _send(self, rank: int, signum: int) -> None:
+        process = self.ranks[rank]
         if process.pid is not None and process.exitcode is None:
             os.kill(process.pid, signum)
 
@@ -75,7 +101,7 @@ def check_local_devices(device_key: str, world: int) -> None:
         )
 
 
-def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, sender, supervisor: int) -> None:
+def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, sender) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit."""
     # Watched from the very start: a supervisor killed while this rank still imports or waits at
     # the rendezvous must not leave it behind.
@@ -114,14 +140,14 @@ def _is_verdict(err: BaseException, is_user_error) -> bool:
     return is_user_error(err) or isinstance(err, QualityGateError)
 
 
-def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float) -> dict:
+def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay: Relay) -> dict:
     """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
     summary, reports, exits, stop_at = None, [], [], None
     alive, open_pipes = list(ranks), list(receivers)
     while alive or open_pipes:
         ready = wait([p.sentinel for p in alive] + open_pipes, timeout=0.5)
         for receiver in [r for r in ready if r in open_pipes]:
-            summary = _receive(receiver, open_pipes, reports) or summary
+            summary = _receive(receiver, open_pipes, reports, relay) or summary
         exits += [(ranks.index(p), p.exitcode) for p in alive if p.exitcode is not None]
         alive = [p for p in alive if p.exitcode is None]
         if stop_at is None and (_failed(reports) or any(code for _, code in exits)):
@@ -150,12 +176,15 @@ def _failed(reports: list) -> bool:
     return any(kind == "failed" for _, _, kind in reports)
 
 
-def _receive(receiver, open_pipes: list, reports: list) -> dict | None:
+def _receive(receiver, open_pipes: list, reports: list, relay: Relay) -> dict | None:
     """One message from a rank (None when its pipe closed); rank 0's summary when it sends it."""
     try:
         kind, rank, *payload = receiver.recv()
     except EOFError:
         open_pipes.remove(receiver)
+        return None
+    if kind == "ready":
+        relay.rank_ready(rank)
         return None
     if kind in ("failed", "stopped"):
         reports.append((rank, payload[0], kind))
