@@ -12,11 +12,11 @@ SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
 
-# Three workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as
-# the local Slurm clusters, in one worker): most tests wait on subprocesses, Slurm's timers or a signal's
-# effect, so three files at once keep 2 cores busy (two workers: 16.9 min; three: see docs).
+# Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as the
+# local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores
+# (three workers were no faster: 17.1 min against 16.9).
 test: system-packages $(STAMP)
-	$(PY) -m pytest -q -n 3 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 install: system-packages $(STAMP)
 

@@ -8,6 +8,10 @@
 #   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
 #                                                            precision sweep; each mode fits one 10-minute command)
 #   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
+#   bash benchmarks/gpu_session.sh speed [TOKENS]           (one GPU: ditrun against diffusers eager, compiled and
+#                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
+#                                                            5 of them torchao's compile; needs the diffusers and
+#                                                            torchao wheels in .whl/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -68,6 +72,10 @@ if [[ $what == transport ]]; then
   python3 benchmarks/alltoall.py --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -22
   python3 benchmarks/bench_layouts.py --world 2 --repeats 5 --layouts ulysses cfg_batch --head-groups 1 2 4 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
+fi
+if [[ $what == speed ]]; then
+  # Issue 11: one shape per call (each command fits the 10-minute limit of a device call).
+  python3 benchmarks/vs_diffusers.py --tokens "${2:-8704}" --out "$OUT" 2>&1 | tee "$OUT/vs_diffusers.log" | tail -40
 fi
 if [[ $what == workload || $what == all ]]; then
   # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.

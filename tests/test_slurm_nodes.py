@@ -38,7 +38,7 @@ RUNS = {
 }
 # SSIM off: the latents are compared with ``single``'s, and the BF16 references would cost more
 # than the runs.
-EDITS = ["workload.limit=4", "metrics.ssim=false", "metrics.report=false"]
+EDITS = ["workload.limit=3", "metrics.ssim=false", "metrics.report=false"]
 
 
 @pytest.fixture(scope="module")
