@@ -57,6 +57,7 @@ from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precisio
 from ditrun.model.compile import CompilePlan  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
+from bench_flux_step import cuda_time, forward_flops  # noqa: E402  (the same timing and FLOP count)
 
 FLUX_DEV = PRESETS["flux-dev"]
 TEXT = 512
@@ -80,20 +81,6 @@ PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 # Measuring
 
 
-def cuda_times(fn: Callable, warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
-
-
 def gemm_ceilings(n: int = 8192) -> dict[str, float]:
     """TFLOP/s of a square BF16 GEMM and a row-wise scaled FP8 GEMM on random data, this GPU, now."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -101,20 +88,10 @@ def gemm_ceilings(n: int = 8192) -> dict[str, float]:
     a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
     ones = torch.ones(n, 1, device="cuda")
     flops = 2 * n**3
-    bf16 = statistics.median(cuda_times(lambda: a @ b, 3, 10))
-    fp8 = statistics.median(cuda_times(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(),
+    bf16 = statistics.median(cuda_time(lambda: a @ b, 3, 10))
+    fp8 = statistics.median(cuda_time(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(),
                                                                 out_dtype=torch.bfloat16), 3, 10))
     return {"bf16": flops / bf16 / 1e12, "fp8_rowwise": flops / fp8 / 1e12}
-
-
-def forward_flops(tokens: int) -> float:
-    """Matmul FLOPs of one forward: every linear of the blocks plus attention's two products."""
-    g, s = FLUX_DEV, tokens
-    d, mlp = g.inner_dim, g.mlp_hidden_dim
-    double = 2 * s * (4 * d * d + 2 * d * mlp)
-    single = 2 * s * (3 * d * d + d * mlp + (d + mlp) * d)
-    attention = 4 * s * s * d
-    return g.num_layers * (double + attention) + g.num_single_layers * (single + attention)
 
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
@@ -249,7 +226,7 @@ def measure(mode: str, forward: Callable, tokens_list: list[int], references: di
             first = time.perf_counter() - start
             if mode == "diffusers":
                 references[tokens] = out.clone()
-            seconds = statistics.median(cuda_times(lambda: forward(inputs), 2, repeats))
+            seconds = statistics.median(cuda_time(lambda: forward(inputs), 2, repeats))
             kernels = kernel_breakdown(lambda: forward(inputs)) if profile else {}
         rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels))
         print(f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
@@ -300,7 +277,7 @@ def print_tables(rows: list[Row], ceilings: dict) -> list[str]:
               "x diffusers compiled | x torchao fp8 | attention ms | GEMM ms | rest ms | compile s |")
     print("\n" + header + "\n" + "|---" * (header.count("|") - 1) + "|")
     for row in sorted(rows, key=lambda r: (r.tokens, MODES.index(r.mode))):
-        tflops = forward_flops(row.tokens) / row.seconds / 1e12
+        tflops = forward_flops(row.tokens - TEXT, TEXT) / row.seconds / 1e12
         ratios = [ratio(rows, row, peer) for peer in PEERS]
         k = row.kernels
         cells = [str(row.tokens), row.mode, f"{row.seconds * 1e3:.1f}", f"{tflops:.0f}",
