@@ -29,21 +29,28 @@ def activation(device: str = "cpu") -> torch.Tensor:
     return x.to(torch.bfloat16).to(device)
 
 
+def long_activation(device: str = "cpu") -> torch.Tensor:
+    """[3, 16448] bf16: rows longer than one register tile (``quantize_triton.ONE_TILE_MAX``), so the
+    quantizers take their two-loop path, with a ragged last tile."""
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(3, 16448, generator=g) * torch.logspace(-2, 2, 16448)).to(torch.bfloat16).to(device)
+
+
 def check_arithmetic(store_dtype=torch.float32) -> None:
     """Every quantizer's values before the FP8 cast, cast by torch, equal the torch reference's codes."""
     from ditrun.kernels import quantize_triton as T
 
-    x = activation()
-    got, scale = T.rowwise_fp8(x, torch.float8_e4m3fn, store_dtype)
-    want, want_scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)
-    assert torch.equal(scale, want_scale) and torch.equal(got.to(torch.float8_e4m3fn).float(), want.float())
-    for element in ELEMENTS:
-        for mode in formats.SCALE_MODES:
-            headroom = L.repack_headroom(formats.FORMATS[element])
-            got, scale, _ = T.mx_repack_fp8(x, element, 32, mode, headroom, store_dtype)
-            want, want_scale, _ = L.mx_repack_fp8(x, element, 32, mode)
-            assert torch.equal(scale, want_scale), (element, mode)
-            assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), (element, mode)
+    for x in (activation(), long_activation()):
+        got, scale = T.rowwise_fp8(x, torch.float8_e4m3fn, store_dtype)
+        want, want_scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)
+        assert torch.equal(scale, want_scale) and torch.equal(got.to(torch.float8_e4m3fn).float(), want.float())
+        for element in ELEMENTS:
+            for mode in formats.SCALE_MODES if x.shape[1] < T.ONE_TILE_MAX else ["rceil"]:
+                headroom = L.repack_headroom(formats.FORMATS[element])
+                got, scale, _ = T.mx_repack_fp8(x, element, 32, mode, headroom, store_dtype)
+                want, want_scale, _ = L.mx_repack_fp8(x, element, 32, mode)
+                assert torch.equal(scale, want_scale), (element, mode)
+                assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), (element, mode)
 
 
 def check_attention() -> None:
@@ -87,17 +94,17 @@ def test_triton_kernels_in_the_cpu_interpreter():
 def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
     from ditrun.kernels import quantize_triton as T
 
-    x = activation("cuda")
     dtype = L.fp8_dtype()
-    got, scale = T.rowwise_fp8(x, dtype)
-    want, want_scale = L.quantize_rowwise_fp8(x, dtype)
-    assert torch.equal(scale, want_scale) and torch.equal(got.float(), want.float())
-    for element in ELEMENTS:
-        for mode in formats.SCALE_MODES:
-            got = L.mx_repack_fp8_op(x, element, 32, mode)
-            want = L.mx_repack_fp8(x, element, 32, mode)
-            assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
-            assert int(got[2]) == int(want[2]), (element, mode)
+    for x in (activation("cuda"), long_activation("cuda")):
+        got, scale = T.rowwise_fp8(x, dtype)
+        want, want_scale = L.quantize_rowwise_fp8(x, dtype)
+        assert torch.equal(scale, want_scale) and torch.equal(got.float(), want.float())
+        for element in ELEMENTS:
+            for mode in formats.SCALE_MODES:
+                got = L.mx_repack_fp8_op(x, element, 32, mode)
+                want = L.mx_repack_fp8(x, element, 32, mode)
+                assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
+                assert int(got[2]) == int(want[2]), (element, mode)
 
 
 @pytest.mark.gpu
