@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.kernels.attention import ATTENTION_KERNELS, int8qk_attention_op, quantize_operands  # noqa: E402
+from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, quantize_fp8_heads,  # noqa: E402
+                                     quantize_operands, quantize_v, smooth_k)
 from gemm import CUDA, print_table, relative_error  # noqa: E402
 from ditrun.kernels.tune import time_ms  # noqa: E402
 
@@ -57,7 +58,7 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) 
         kernel = time_ms(lambda: int8qk_attention_op(*args), CUDA, repeats)
         rows.append({"S": str(s), "kernel": f"int8qk kernel only ({v_format} V)", "ms": f"{kernel:.3f}",
                      "TF/s": f"{flops / kernel / 1e9:.0f}", "vs sdpa": f"{base / kernel:.2f}x", "error": "-"})
-    for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v"):
+    for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8"):
         attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
         ms = time_ms(lambda: attention(q, k, v), CUDA, repeats)
         error = relative_error(attention(q, k, v)[:, :ERROR_QUERIES], exact)
@@ -138,6 +139,56 @@ def sdpa_backend_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[d
     return rows
 
 
+# Kernel parameters the --configs probe compares: (BLOCK_M, BLOCK_N, warps, stages, TMA, warp specialisation).
+PROBE_CONFIGS = ([(128, n, w, st, False, False) for n, w, st in [(64, 8, 3), (64, 8, 4), (128, 8, 2), (128, 8, 3),
+                                                                (64, 4, 3)]]
+                 + [(128, n, 8, st, True, ws) for ws in (False, True) for n, st in [(64, 3), (128, 2), (128, 3)]])
+
+
+def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+    """Every operand variant of the flash kernel (INT8 Q.K with per-token scales, FP8 Q.K with per-head
+    scales; BF16 or FP8 V) under every PROBE_CONFIGS entry, on operands quantized beforehand: which
+    variant and which tiles, TMA or warp specialisation are fastest on this GPU, with each one's error."""
+    from ditrun.kernels.attention_triton import flash_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    k = k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+    exact = fp32_reference(q, k, v)
+    flops = 4 * s * s * heads * head_dim
+    base = time_ms(lambda: sdpa(q, k, v), CUDA, repeats)
+    rows = [{"S": str(s), "kernel": "sdpa bf16", "ms": f"{base:.3f}", "TF/s": f"{flops / base / 1e9:.0f}",
+             "vs sdpa": "1.00x", "error": "-"}]
+    int8 = quantize_operands(q, k, v, "bf16")
+    fp8_q = quantize_fp8_heads(q.transpose(1, 2))
+    fp8_k = quantize_fp8_heads(smooth_k(k, dim=1).transpose(1, 2))
+    v_bf16, v_fp8 = v.transpose(1, 2).contiguous(), quantize_v(v.transpose(1, 2), "fp8").contiguous()
+    variants = {
+        "int8 qk/token, bf16 V": ((int8.q, int8.q_scale, int8.k, int8.k_scale, v_bf16), False),
+        "int8 qk/token, fp8 V": ((int8.q, int8.q_scale, int8.k, int8.k_scale, v_fp8), True),
+        "fp8 qk/head, bf16 V": ((fp8_q[0], fp8_q[1], fp8_k[0], fp8_k[1], v_bf16), False),
+        "fp8 qk/head, fp8 V": ((fp8_q[0], fp8_q[1], fp8_k[0], fp8_k[1], v_fp8), True),
+    }
+    for name, (operands, fp8_v) in variants.items():
+        for bm, bn, warps, stages, tma, ws in PROBE_CONFIGS:
+            config = {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma, "WARP_SPEC": ws, "num_warps": warps,
+                      "num_stages": stages}
+            label = f"{name} [{bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}{' ws' if ws else ''}]"
+            def run():
+                return flash_attention(*operands, 1 / math.sqrt(head_dim), fp8_v, config)
+            try:
+                ms = time_ms(run, CUDA, repeats)
+                error = relative_error(run().transpose(1, 2)[:, :ERROR_QUERIES], exact)
+            except Exception as err:  # noqa: BLE001 - a probe: say why a configuration could not run, go on
+                rows.append({"S": str(s), "kernel": label, "ms": "-", "TF/s": "-", "vs sdpa": "-",
+                             "error": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:90] if str(err) else ''}"})
+                continue
+            rows.append({"S": str(s), "kernel": label, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
+                         "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s", type=int, nargs="*", default=[20992, 4608])
@@ -147,12 +198,17 @@ def main() -> None:
     parser.add_argument("--flex", action="store_true", help="also FlexAttention in BF16 and FP8 (a probe)")
     parser.add_argument("--sdpa-backends", action="store_true",
                         help="only SDPA per backend and operand layout (which backend is fastest at each S)")
+    parser.add_argument("--configs", action="store_true",
+                        help="only the flash kernel's operand variants x tile/TMA/warp-specialisation configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")
     if args.sdpa_backends:
         print_table([row for s in args.s for row in sdpa_backend_rows(s, args.heads, args.head_dim, args.repeats)])
+        return
+    if args.configs:
+        print_table([row for s in args.s for row in config_rows(s, args.heads, args.head_dim, args.repeats)])
         return
     rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats, args.flex)]
     print_table(rows)

@@ -46,6 +46,16 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
+def triton_quantizer(x: torch.Tensor, name: str, one_tile: bool):
+    """The Triton activation quantizer of format ``name`` (fp8 or mxfp6), either variant."""
+    from ditrun.kernels import formats, quantize_triton
+
+    if name == "fp8":
+        return quantize_triton.rowwise_fp8(x, L.fp8_dtype(), one_tile=one_tile)
+    headroom = L.repack_headroom(formats.FORMATS["fp6_e2m3"])
+    return quantize_triton.mx_repack_fp8(x, "fp6_e2m3", 32, "rceil", headroom, one_tile=one_tile)
+
+
 def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dict[str, str]:
     device = CUDA
     g = torch.Generator(device=device).manual_seed(0)
@@ -61,10 +71,14 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
         w8, ws = L.quantize_rowwise_fp8(w, dtype)
         gemm = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16), CUDA, repeats)
         row["fp8 gemm ms"] = f"{gemm:.3f} ({bf16 / gemm:.2f}x)"
+        fast = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16, fast_accum=True), CUDA, repeats)
+        row["fp8 fast-accum gemm ms"] = f"{fast:.3f} ({bf16 / fast:.2f}x)"
     fp8_path = None
     for name in formats:
-        fmt = L.LINEAR_FORMATS.get(name, "--formats")
+        fmt = L.LINEAR_FORMATS.get(name.removesuffix("_fast"), "--formats")
         backends = L.fast_backends(fmt, device)
+        if name.endswith("_fast"):
+            backends = [b for b in backends if b.endswith("_fast")]
         if not backends:
             row[name] = "no fast backend"
             continue
@@ -73,7 +87,11 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
         if name in ("fp8", "mxfp6"):  # the activation quantizer alone: one pass over x, or not?
             quantize = layer.backends[backends[0]].quantize
             quant = time_ms(lambda: quantize(x, fmt, "rceil"), CUDA, repeats)
-            row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.0f} GB/s)"
+            row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.2f} TB/s)"
+            for one_tile in (False, True):  # the Triton kernel's two variants (kernels/quantize_triton.py)
+                kernel = time_ms(lambda: triton_quantizer(x, name, one_tile), CUDA, repeats)
+                label = f"{name} quant kernel, {'one tile' if one_tile else 'two loops'}"
+                row[label] = f"{kernel:.3f} ({3 * x.numel() / kernel / 1e9:.2f} TB/s)"
         error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
         fp8_path = ms if name == "fp8" else fp8_path
         versus_fp8 = f", {ms / fp8_path:.2f} of fp8" if fp8_path and name != "fp8" else ""
@@ -93,7 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--formats", nargs="*", default=["fp8", "mxfp8", "mxfp6", "mxfp4"])
+    parser.add_argument("--formats", nargs="*", default=["fp8", "fp8_fast", "mxfp8", "mxfp6", "mxfp4"],
+                        help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")

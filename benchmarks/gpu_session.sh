@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
 #                                                            precision sweep; each mode fits one 10-minute command)
 #   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
-#   bash benchmarks/gpu_session.sh speed [TOKENS]           (one GPU: ditrun against diffusers eager, compiled and
+#   bash benchmarks/gpu_session.sh kernels                  (one GPU: the Triton kernels' GPU tests, attention and GEMM
+#                                                            benchmarks, the attention kernel's configurations; ~4 min)
+#   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
 #                                                            torchao wheels in .whl/)
@@ -74,8 +76,17 @@ if [[ $what == transport ]]; then
     --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
 fi
 if [[ $what == speed ]]; then
-  # Issue 11: one shape per call (each command fits the 10-minute limit of a device call).
-  python3 benchmarks/vs_diffusers.py --tokens "${2:-8704}" --out "$OUT" 2>&1 | tee "$OUT/vs_diffusers.log" | tail -40
+  # Issue 11: one shape per call (each command fits the 10-minute limit of a device call); MODES: a
+  # space-separated subset of vs_diffusers.py's modes (default all).
+  python3 benchmarks/vs_diffusers.py --tokens "${2:-8704}" ${3:+--modes $3} --out "$OUT" 2>&1 \
+    | tee "$OUT/vs_diffusers.log" | tail -40
+fi
+if [[ $what == kernels ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \
+    | tee "$OUT/tests_kernels.log" | tail -15
+  python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
+  python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
+  python3 benchmarks/attention.py --configs --s 8704 --repeats 5 2>&1 | grep -v "^{" | tee "$OUT/attention_configs.txt"
 fi
 if [[ $what == workload || $what == all ]]; then
   # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.

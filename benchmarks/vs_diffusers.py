@@ -22,6 +22,8 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
 * ``ditrun-fp8-int8qk``    FP8 linears + INT8-QK attention (BF16 V), compiled
 * ``ditrun-krea``          ``precision=krea`` (MXFP6 MLPs on the FP8 repack, FP8 projections, INT8-QK
                            attention with MXFP6 V), compiled
+* ``ditrun-fp8-fast-int8qk`` FP8 linears with fast accumulation + INT8-QK attention, compiled
+* ``ditrun-fp8-fast-fp8attn`` FP8 linears with fast accumulation + FP8 attention (FP8 Q.K^T), compiled
 * ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
 * ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
 
@@ -71,9 +73,14 @@ PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names 
     "ditrun-fp8-fast": dict(name="fp8", mlp="fp8", qkv="fp8", out="fp8", backend="fp8_rowwise_fast"),
     "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
     "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
+    "ditrun-fp8-fast-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk",
+                                   backend="fp8_rowwise_fast"),
+    "ditrun-fp8-fast-fp8attn": dict(name="fp8-fp8attn", mlp="fp8", qkv="fp8", out="fp8", attention="fp8",
+                                    backend="fp8_rowwise_fast"),
 }
 MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
-         "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "diffusers-compiled", "diffusers-torchao-fp8")
+         "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "ditrun-fp8-fast-int8qk",
+         "ditrun-fp8-fast-fp8attn", "diffusers-compiled", "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -294,7 +301,7 @@ def check_targets(rows: list[Row]) -> list[str]:
 
     lines = []
     torchao = {t: get("diffusers-torchao-fp8", t) for t in SHAPES}
-    for mode in ("ditrun-krea", "ditrun-fp8-int8qk"):
+    for mode in ("ditrun-krea", "ditrun-fp8-int8qk", "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn"):
         row, peer = get(mode, 20992), torchao[20992]
         if row and peer:
             x = peer.seconds / row.seconds

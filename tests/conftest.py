@@ -37,8 +37,9 @@ def _private_cache(tmp_path_factory):
 LEAK_MARK = "DITRUN_TEST_PROCESS"
 LEAK_GRACE_S = 10.0
 DAEMONS = (b"slurmctld", b"slurmd", b"slurmstepd", b"munged")
-# Helpers that multiprocessing starts once for the test process itself and keeps for the session.
-SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver")
+# Helpers that multiprocessing (and inductor's pool of compile workers, on GPUs) start once for the
+# test process itself and keep for the session.
+SESSION_HELPERS = (b"multiprocessing.resource_tracker", b"multiprocessing.forkserver", b"_inductor/compile_worker")
 
 
 @pytest.fixture(autouse=True)

@@ -11,12 +11,17 @@ representable in BF16).
 Scales are per token rather than per block of tokens on purpose: a parallel layout gathers the
 sequence in another order (``parallel/ulysses.py``), and a scale shared by a block of tokens
 would then change with the layout; per token, every layout gives the single process's result.
-The kernel's cost is the same (a vector of scales per tile instead of a scalar).
+The kernel pays one multiply per score for the key scales.
+
+FP8 attention (``fp8``) quantizes Q, smoothed K and V to E4M3 with one power-of-two scale per
+(batch, head), over the whole sequence (which every layout holds for the heads it computes):
+Q.K^T is then an FP8 tensor-core dot and one scalar scales the scores.
 
 ``int8qk_reference`` is the torch reference (runs anywhere, in query chunks so that memory
 stays O(S * chunk)); on a GPU with Triton the same quantized operands go to a flash-attention
 kernel (``ditrun::int8qk_attention``, a ``torch.library.custom_op`` with a fake implementation,
-so ``torch.compile`` traces through it). The op runs the reference math on other devices.
+so ``torch.compile`` traces through it), for both INT8 and FP8 operands. The op runs the reference
+math on other devices.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats
-from ditrun.kernels.linear import CompiledOnGpu, fp8_dtype, triton_available
+from ditrun.kernels.linear import CompiledOnGpu, _has_rowwise_fp8, fp8_dtype, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
@@ -43,7 +48,8 @@ V_FORMATS = ("bf16", "fp8", "mxfp6")
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, S, D] -> (int8 [B, H, S, D], fp32 scale [B, H, S]) with x ~ int8 * scale, per token."""
     amax = x.float().abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax))  # divided: see
+    # linear.quantize_rowwise_fp8
     return torch.round(x.float() / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 
@@ -58,6 +64,15 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
         return torch.ldexp(formats.round_to_grid(torch.ldexp(v.float(), -exponent), "fp8_e4m3"), exponent).to(v.dtype)
     # MXFP6 blocks run along each token's channels, so no block mixes tokens (see the module doc).
     return formats.fake_quantize(v, "fp6_e2m3").to(v.dtype)
+
+
+def quantize_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, H, S, D] -> (E4M3 codes, fp32 power-of-two scale [B, H]): ``quantize_v(x, "fp8")`` as codes and
+    scale (codes * scale equals it exactly), the operands of the FP8 attention kernel."""
+    amax = x.float().abs().amax(dim=(-2, -1))
+    scale = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
+    codes = formats.round_to_grid(x.float() / scale[..., None, None], "fp8_e4m3").to(torch.float8_e4m3fn)
+    return codes, scale
 
 
 def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
@@ -132,24 +147,40 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.T
 # The Triton kernel (GPU) behind a custom op
 
 
+FP8_PV_DOT = False
+"""Whether ``int8qk_fp8v`` runs P @ V as an FP8 tensor-core dot (P rounded to E4M3). Off: on one H200 with
+Triton 3.6 the FP8 dot made the kernel slower, not faster (11.3 against 9.2 ms at S = 20992: P's
+conversion and its trip to the dot's operand layout cost more than the dot saves; docs/PERFORMANCE.md),
+so the FP8-exact V values run the BF16 dot, exactly as the reference computes them."""
+
+
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                         v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
-    """INT8-QK attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype.
+    """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
+    fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention).
 
-    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the kernel then runs P @ V as an
-    FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
-    ops = Int8QK(q, q_scale, k, k_scale, v)
+    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); with ``FP8_PV_DOT`` the kernel then
+    runs P @ V as an FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
     if triton_available(q.device):
-        from ditrun.kernels.attention_triton import int8qk_flash
+        from ditrun.kernels.attention_triton import flash_attention
 
-        return int8qk_flash(ops, sm_scale, v_fp8 and fp8_dtype() == torch.float8_e4m3fn)
-    return int8qk_reference(ops, sm_scale)
+        fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
+        return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)
+    if q.dtype != torch.int8:
+        return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)
+    return int8qk_reference(Int8QK(q, q_scale, k, k_scale, v), sm_scale)
 
 
 @int8qk_attention_op.register_fake
 def _(q, q_scale, k, k_scale, v, sm_scale, v_fp8=False):
     return torch.empty_like(v)
+
+
+def fp8_reference(q8, q_scale, k8, k_scale, v, sm_scale: float) -> torch.Tensor:
+    """Attention of E4M3 q, k with per-head scales [B, H]: SDPA on the dequantized values, in V's dtype."""
+    q, k = (t.float() * s[..., None, None] for t, s in ((q8, q_scale), (k8, k_scale)))
+    return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, scale=sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,14 +214,32 @@ def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
     return attention
 
 
+def fp8_operands(q, k, v) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, S, H, D] -> E4M3 q, k [B, H, S, D] with scales [B, H], and V (FP8-exact values) [B, H, S, D].
+    K is smoothed in fp32 (not rounded back to its dtype first): compiled and eager code then quantize
+    the same values (inductor would skip an intermediate BF16 rounding that eager code makes)."""
+    q8, q_scale = quantize_fp8_heads(q.transpose(1, 2))
+    k = k.float()
+    k8, k_scale = quantize_fp8_heads((k - k.mean(dim=1, keepdim=True)).transpose(1, 2))
+    return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), "fp8").contiguous()
+
+
 def fp8_attention(fast: bool) -> AttentionFn:
-    """Q, smoothed K and V fake-quantized to FP8 E4M3 (one power-of-two scale per head), then SDPA."""
+    """Q, smoothed K and V quantized to FP8 E4M3 with one power-of-two scale per head (exact in BF16); the
+    fast path runs Q.K^T as an FP8 tensor-core dot in the flash kernel, the reference SDPA on the
+    dequantized values."""
+
+    quantize = CompiledOnGpu(fp8_operands) if fast else fp8_operands
 
     def attention(q, k, v):
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
-        k = smooth_k(k, dim=1)
-        q, k, v = (quantize_v(t.transpose(1, 2), "fp8").transpose(1, 2) for t in (q, k, v))
-        return sdpa_attention(q, k, v)
+        q8, q_scale, k8, k_scale, v8 = quantize(q, k, v)
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+        if fast:
+            out = int8qk_attention_op(q8, q_scale, k8, k_scale, v8, sm_scale, True)
+        else:
+            out = fp8_reference(q8, q_scale, k8, k_scale, v8, sm_scale)
+        return out.transpose(1, 2).to(v.dtype)
 
     return attention
 
@@ -199,7 +248,7 @@ ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel")
 ATTENTION_KERNELS.register("bf16", AttentionKernel(
     "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda fast: sdpa_attention, quantized=False))
 ATTENTION_KERNELS.register("fp8", AttentionKernel(
-    "fp8", "Q, K, V in FP8 E4M3 (power-of-two scale per head), SDPA on the dequantized values (emulated)",
+    "fp8", "Q, smoothed K and V in FP8 E4M3 (a power-of-two scale per head), FP8 Q.K^T, fp32 softmax",
     fp8_attention))
 for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
@@ -212,6 +261,8 @@ def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> O
     """None when ``kernel`` has a fast implementation on ``device``, else why not."""
     if not kernel.quantized:
         return None
-    if kernel.name.startswith("int8qk"):
-        return None if triton_available(device) else "the INT8-QK Triton kernel needs a GPU with Triton"
-    return "has no fast kernel yet (emulated on every device)"
+    if not triton_available(device):
+        return "the flash-attention Triton kernel needs a GPU with Triton"
+    if kernel.name == "fp8" and not (_has_rowwise_fp8(device) and fp8_dtype() == torch.float8_e4m3fn):
+        return "FP8 Q.K^T needs OCP E4M3 tensor cores (NVIDIA sm_89+, AMD gfx950)"
+    return None

@@ -87,7 +87,9 @@ def quantize_rowwise_fp8(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Ten
     """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]) with x ~ fp8 * scale."""
     top = torch.finfo(dtype).max
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
+    # A tensor divisor: PyTorch's CUDA kernels multiply by the reciprocal of a Python-number divisor,
+    # which can differ from the division in the last bit (and from the Triton kernel's, which divides).
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, top), torch.ones_like(amax))
     return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 

@@ -3,10 +3,10 @@
 Quantizing an activation for ``torch._scaled_mm`` costs a row amax, a scale and a cast. Run as
 separate PyTorch ops (or as a torch.compile graph with dynamic shapes) that is several passes over
 an activation as large as the GEMM's input, and it ate most of FP8's gain on the H200
-(docs/PERFORMANCE.md). Here one program owns one row. A row of up to ``ONE_TILE_MAX`` elements (every
-Flux linear: K <= 15360) is loaded once into registers, reduced and written: one pass over HBM.
-Longer rows take two loops over K: the first finds the row's (or its MX blocks') amax, the second
-reads the row again (from L2) and writes the FP8 codes.
+(docs/PERFORMANCE.md). Here one program owns one row: a first loop over K finds the row's (or its
+MX blocks') amax, a second loop reads the row again (from L2) and writes the FP8 codes. With
+``one_tile``, a row of up to ``ONE_TILE_MAX`` elements (every Flux linear: K <= 15360) is instead
+held in registers and read once (``ONE_TILE`` says which is the default, and why).
 
 The arithmetic is exactly ``linear.quantize_rowwise_fp8`` and ``linear.mx_repack_fp8`` (tested
 equal, in Triton's CPU interpreter and on the GPU): powers of two are built from their bits, the
@@ -43,14 +43,18 @@ def _floor_log2(x):
 
 
 ONE_TILE_MAX = 16384
-"""Rows up to this many elements are quantized from registers in one pass (8 warps: 64 values a thread)."""
+"""Rows up to this many elements may be quantized from registers in one pass (``one_tile``)."""
+ONE_TILE = False
+"""The default of ``one_tile``. Measured on one H200 (docs/PERFORMANCE.md): a whole row per program with
+8 warps ran at about 1 TB/s, half the two-loop kernel's 2 TB/s; ``benchmarks/gemm.py`` times both."""
 
 
-def _row_launch(k: int, block: int = 1) -> dict:
-    """Tile and warps for a row of k elements (in MX blocks of ``block``): the whole row, or 1024-element tiles."""
+def _row_launch(k: int, block: int = 1, one_tile: bool | None = None) -> dict:
+    """Tile and warps for a row of k elements (in MX blocks of ``block``): the whole row in registers (16
+    elements a thread), or 1024-element tiles in two loops."""
     tile = triton.next_power_of_2(k)
-    if tile <= ONE_TILE_MAX:
-        return {"TILE": tile // block, "ONE_TILE": True, "num_warps": 8 if tile >= 8192 else 4}
+    if (ONE_TILE if one_tile is None else one_tile) and tile <= ONE_TILE_MAX:
+        return {"TILE": tile // block, "ONE_TILE": True, "num_warps": max(4, min(32, tile // 512))}
     return {"TILE": 1024 // block, "ONE_TILE": False, "num_warps": 4}
 
 
@@ -80,7 +84,8 @@ def _rowwise_fp8_kernel(X, Y, SCALE, K, stride_x, stride_y, FP8_MAX: tl.constexp
             tl.store(Y + row * stride_y + start + cols, y.to(Y.dtype.element_ty), mask=start + cols < K)
 
 
-def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None):
+def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None,
+                one_tile: bool | None = None):
     """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel.
 
     ``store_dtype=torch.float32`` returns the values before the cast to ``dtype`` (the CPU interpreter's
@@ -90,7 +95,7 @@ def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | 
     y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     _rowwise_fp8_kernel[(rows,)](x, y, scale, k, x.stride(0), y.stride(0), FP8_MAX=torch.finfo(dtype).max,
-                                 **_row_launch(k))
+                                 **_row_launch(k, 1, one_tile))
     return y, scale
 
 
@@ -166,7 +171,7 @@ def _mx_repack_kernel(X, Y, SCALE, INEXACT, K, stride_x, stride_y,
 
 
 def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str, headroom: int,
-                  store_dtype: torch.dtype = torch.float8_e4m3fn):
+                  store_dtype: torch.dtype = torch.float8_e4m3fn, one_tile: bool | None = None):
     """``linear.mx_repack_fp8`` in one kernel: x [R, K] -> (E4M3 [R, K], fp32 2^e_row [R, 1], inexact rows).
     ``store_dtype``: as in ``rowwise_fp8``."""
     element = formats.element_format(element_name)
@@ -178,5 +183,5 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
         x, y, scale, inexact, k, x.stride(0), y.stride(0),
         EMAX=element.emax, TOP_MANTISSA=element.max_value / 2.0**element.emax, RCEIL=scale_mode == "rceil",
         MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,
-        BLOCK=block, **_row_launch(max(k, block), block))
+        BLOCK=block, **_row_launch(max(k, block), block, one_tile))
     return y, scale, inexact
