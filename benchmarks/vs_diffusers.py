@@ -110,8 +110,8 @@ KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
 def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
     """Kernel time of one call by kind (ms): attention, GEMM and the rest (norms, elementwise, copies);
     ``top_rest``: the ``top`` costliest kernels of the rest, (name, ms), where fusion has work left;
-    ``attention_kernels``: every kernel counted as attention, (name, ms, calls): which SDPA backend ran,
-    and whether a compiled graph's copies of Q/K/V (named after the attention op) landed there."""
+    ``attention_kernels``: every kernel counted as attention, (name, ms, calls): which SDPA backend ran;
+    ``top_gemm``: the ``top`` costliest GEMM kernels, (name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -119,7 +119,7 @@ def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    totals, rest, attention = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}, [], []
+    totals, rest, attention, gemms = {"attention": 0.0, "gemm": 0.0, "rest": 0.0}, [], [], []
     for event in prof.key_averages():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -135,8 +135,11 @@ def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
             rest.append((event.key[:90], round(ms, 2)))
         elif kind == "attention":
             attention.append((event.key[:120], round(ms, 2), event.count))
+        else:
+            gemms.append((event.key[:120], round(ms, 2), event.count))
     return {**totals, "top_rest": sorted(rest, key=lambda item: -item[1])[:top],
-            "attention_kernels": sorted(attention, key=lambda item: -item[1])}
+            "attention_kernels": sorted(attention, key=lambda item: -item[1]),
+            "top_gemm": sorted(gemms, key=lambda item: -item[1])[:top]}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -366,6 +369,10 @@ def main() -> int:
     for row in rows:
         if row.tokens == biggest and row.kernels:
             print(f"  {row.mode}: " + "; ".join(f"{name} {ms} x{n}" for name, ms, n in row.kernels["attention_kernels"]))
+    print("\nCostliest GEMM kernels (name, ms, calls), largest shape:")
+    for row in rows:
+        if row.tokens == biggest and row.kernels:
+            print(f"  {row.mode}: " + "; ".join(f"{name} {ms} x{n}" for name, ms, n in row.kernels["top_gemm"]))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(json.dumps({
