@@ -59,7 +59,7 @@ class LayoutConfig:
     """How the workers of one model replica share a denoising step (see README, "Layouts")."""
 
     name: str = "single"
-    """``single``, ``ulysses``, ``cfg_batch`` or ``cfg_split``."""
+    """``single``, ``ulysses``, ``cfg_batch`` or ``cfg_split`` (``ditrun.parallel.layout.LAYOUTS``)."""
     replicas: int = 1
     """Data-parallel replicas; the world size must be ``replicas`` x workers per replica."""
     head_groups: int = 1

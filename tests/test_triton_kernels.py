@@ -45,6 +45,8 @@ def check_arithmetic(store_dtype=torch.float32) -> None:
         want, want_scale = L.quantize_rowwise_fp8(x, torch.float8_e4m3fn)
         assert torch.equal(scale, want_scale) and torch.equal(got.to(torch.float8_e4m3fn).float(), want.float())
         for element in ELEMENTS:
+            if x.shape[1] >= T.ONE_TILE_MAX and element != "fp6_e2m3":
+                continue  # the two-loop path is the same code for every element format: one suffices
             for mode in formats.SCALE_MODES if x.shape[1] < T.ONE_TILE_MAX else ["rceil"]:
                 headroom = L.repack_headroom(formats.FORMATS[element])
                 got, scale, _ = T.mx_repack_fp8(x, element, 32, mode, headroom, store_dtype)

@@ -146,7 +146,7 @@ def check_memory(edits, cfg, geometry: DiTGeometry, plan, placement) -> None:
     on_host = placement.device.type == "cpu"
     need = estimate(geometry, tokens[largest.id], largest.width * largest.height, element, element,
                     parameter_count(geometry), ranks_per_sequence=plan.sp_degree,
-                    batch=2 if plan.name == "cfg_batch" else 1, on_host=on_host)
+                    batch=2 if plan.kind.batched_cfg else 1, on_host=on_host)
     info = env.discover()
     ranks_here = info.local_world if on_host and info is not None else 1
     check_fits(largest.id, f"{largest.width}x{largest.height}", tokens[largest.id], need,

@@ -22,7 +22,7 @@ import torch
 
 from ditrun.errors import UserError
 from ditrun.model.sampler import EditInputs, VelocityFn, branch_inputs, combine_cfg, sequential_cfg_velocity
-from ditrun.parallel.layout import Layout
+from ditrun.parallel.layout import Layout, layout_kind
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
 from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
 
@@ -31,9 +31,10 @@ _SHARED_INPUTS = ("img_ids", "txt_ids")
 
 
 def check_true_cfg(layout_name: str, true_cfg_scale: float) -> None:
-    """``cfg_split`` needs both branches: refuse it, before any work, when true CFG is off."""
-    if layout_name == "cfg_split" and true_cfg_scale <= 1:
-        raise UserError(f"layout=cfg_split runs the unconditional branch on half the ranks, but "
+    """A layout that splits the CFG branches (``cfg_split``) needs both: refuse it, before any work, when
+    true CFG is off."""
+    if layout_kind(layout_name).needs_true_cfg and true_cfg_scale <= 1:
+        raise UserError(f"layout={layout_name} runs the unconditional branch on half the ranks, but "
                         f"workload.true_cfg_scale={true_cfg_scale} turns true CFG off (it needs > 1); use "
                         "layout=ulysses or cfg_batch, or raise workload.true_cfg_scale.")
 
@@ -78,14 +79,14 @@ def exchange_plans(layout: Layout, transports: dict[str, Transport], inputs: Edi
     Q/K/V and attention outputs in the model dtype, the guided velocity (fp32) over ``sp``, and
     under ``cfg_split`` the prediction swap (fp32) over ``cfg``.
     """
-    name = layout.plan.name
-    if name == "single":
+    kind = layout.plan.kind
+    if kind.one_worker:
         return {}
     shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
-    batch = 2 if name == "cfg_batch" and inputs.true_cfg else 1
+    batch = 2 if kind.batched_cfg and inputs.true_cfg else 1
     sp = [*attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
           gather_plan("velocity_gather", shards.output, (1, channels), torch.float32)]
-    if name != "cfg_split":
+    if kind.cfg_degree == 1:
         return {"sp": sp}
     mine = shards.output[shards.rank]
     return {"sp": sp, "cfg": [gather_plan("cfg_pair", [mine, mine], (channels,), torch.float32)]}
@@ -104,19 +105,19 @@ def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inp
                     guidance_scale: float, guidance: Optional[float], dtype: torch.dtype,
                     inner_attention=None) -> VelocityFn:
     """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``)."""
-    name = layout.plan.name
-    if name == "single":
+    kind = layout.plan.kind
+    if kind.one_worker:
         return sequential_cfg_velocity(model, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
     sp = transports["sp"]
     shards = _shards(transports, inputs)
     extra = {} if inner_attention is None else {"inner": inner_attention}
     attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
     branches = LocalBranches(model, inputs, shards, attention, dtype, guidance)
-    if name == "ulysses":
-        return _sequential(branches, sp, guidance_scale)
-    if name == "cfg_batch":
+    if kind.cfg_degree == 2:
+        return _split(branches, sp, transports["cfg"], guidance_scale)
+    if kind.batched_cfg:
         return _batched(branches, sp, guidance_scale)
-    return _split(branches, sp, transports["cfg"], guidance_scale)
+    return _sequential(branches, sp, guidance_scale)
 
 
 def _sequential(branches: LocalBranches, sp: Transport, scale: float) -> VelocityFn:

@@ -26,9 +26,47 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 from ditrun.errors import UserError
+from ditrun.registry import Registry
 
-LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
 AXES = ("replica", "cfg", "sp")
+
+
+@dataclass(frozen=True)
+class LayoutKind:
+    """One ``layout.name``: what its checks, memory estimate and velocity function (``parallel/cfg.py``)
+    read, so that no code asks for a layout by name."""
+
+    name: str
+    doc: str
+    one_worker: bool = False
+    """One worker per replica, no exchanges (``single``)."""
+    cfg_degree: int = 1
+    """2 when the cfg axis splits the replica's workers in two SP groups, one per CFG branch."""
+    batched_cfg: bool = False
+    """Both CFG branches stacked in one batch-2 pass."""
+
+    @property
+    def needs_true_cfg(self) -> bool:
+        """Half the workers would be idle without the unconditional branch."""
+        return self.cfg_degree == 2
+
+
+LAYOUTS: Registry[LayoutKind] = Registry("layout")
+for _kind in (
+    LayoutKind("single", "one process per replica: the conditional, then the unconditional branch", one_worker=True),
+    LayoutKind("ulysses", "both branches one after the other, each sequence-parallel over the replica's workers"),
+    LayoutKind("cfg_batch", "both branches stacked in one batch-2 sequence-parallel pass", batched_cfg=True),
+    LayoutKind("cfg_split", "half the workers run each branch at once (two SP groups), then swap predictions",
+               cfg_degree=2),
+):
+    LAYOUTS.register(_kind.name, _kind)
+
+
+def layout_kind(name: str) -> LayoutKind:
+    """The registered layout ``name``; one sentence naming the allowed ones if there is none."""
+    if name not in LAYOUTS:
+        raise UserError(f"layout={name!r} is unknown; allowed: {LAYOUTS.allowed()}.")
+    return LAYOUTS.get(name, "layout")
 
 # How long a rank waits at the control group's barriers (after the reference pass, whose length
 # has no useful bound). A rank that dies closes its gloo connections, which fails the barrier at
@@ -46,6 +84,10 @@ class LayoutPlan:
     cfg_degree: int
     sp_degree: int
     head_groups: int
+
+    @property
+    def kind(self) -> LayoutKind:
+        return LAYOUTS.get(self.name, "layout")
 
     @property
     def world(self) -> int:
@@ -85,8 +127,7 @@ def divisors(n: int) -> list[int]:
 def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
     """Validate ``layout.*`` against the world size and head count; each failure is one sentence."""
     name, replicas, head_groups = layout_cfg.name, layout_cfg.replicas, layout_cfg.head_groups
-    if name not in LAYOUTS:
-        raise UserError(f"layout={name!r} is unknown; allowed: {', '.join(LAYOUTS)}.")
+    kind = layout_kind(name)
     if world < 1:
         raise UserError(f"launcher.world={world} must be a positive integer.")
     if replicas < 1:
@@ -99,29 +140,36 @@ def plan_layout(layout_cfg, world: int, num_heads: int) -> LayoutPlan:
             f"allowed launcher.world: multiples of {replicas} (replicas x workers per replica)."
         )
     workers = world // replicas
-    _check_workers(name, world, replicas, workers, head_groups)
-    cfg_degree = 2 if name == "cfg_split" else 1
-    sp_degree = workers // cfg_degree
-    _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads)
-    return LayoutPlan(name, replicas, cfg_degree, sp_degree, head_groups)
+    _check_workers(kind, world, replicas, workers, head_groups)
+    sp_degree = workers // kind.cfg_degree
+    _check_heads(name, world, replicas, kind.cfg_degree, sp_degree, head_groups, num_heads)
+    return LayoutPlan(name, replicas, kind.cfg_degree, sp_degree, head_groups)
 
 
-def _check_workers(name, world, replicas, workers, head_groups) -> None:
-    if name == "single" and workers != 1:
+def _check_workers(kind: LayoutKind, world, replicas, workers, head_groups) -> None:
+    name = kind.name
+    if kind.one_worker and workers != 1:
+        others = ", ".join(n for n, k in LAYOUTS.items() if not k.one_worker)
         raise UserError(
-            f"layout=single runs one worker per replica, so launcher.world={world} must equal "
-            f"layout.replicas={replicas}; use layout=ulysses, cfg_batch or cfg_split for more workers per replica."
+            f"layout={name} runs one worker per replica, so launcher.world={world} must equal "
+            f"layout.replicas={replicas}; use layout={_or_list(others)} for more workers per replica."
         )
-    if name == "single" and head_groups != 1:
+    if kind.one_worker and head_groups != 1:
         raise UserError(
-            f"layout.head_groups={head_groups} overlaps exchanges that layout=single does not have; "
-            "allowed with layout=single: 1."
+            f"layout.head_groups={head_groups} overlaps exchanges that layout={name} does not have; "
+            f"allowed with layout={name}: 1."
         )
-    if name == "cfg_split" and workers % 2:
+    if workers % kind.cfg_degree:
         raise UserError(
-            f"layout=cfg_split needs an even number of workers per replica, but launcher.world={world} / "
+            f"layout={name} needs an even number of workers per replica, but launcher.world={world} / "
             f"layout.replicas={replicas} = {workers}; allowed launcher.world: multiples of {2 * replicas}."
         )
+
+
+def _or_list(names: str) -> str:
+    """"a, b, c" -> "a, b or c"."""
+    head, _, last = names.rpartition(", ")
+    return f"{head} or {last}" if head else last
 
 
 def _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_heads) -> None:
