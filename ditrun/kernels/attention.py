@@ -59,18 +59,24 @@ def quantize_v(v: torch.Tensor, v_format: str) -> torch.Tensor:
         return v
     if v_format == "fp8":
         # One power-of-two scale per head keeps every E4M3 value exact in BF16.
-        amax = v.float().abs().amax(dim=(-2, -1), keepdim=True)
-        exponent = formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
+        exponent = fp8_head_exponents(v)[..., None, None]
         return torch.ldexp(formats.round_to_grid(torch.ldexp(v.float(), -exponent), "fp8_e4m3"), exponent).to(v.dtype)
     # MXFP6 blocks run along each token's channels, so no block mixes tokens (see the module doc).
     return formats.fake_quantize(v, "fp6_e2m3").to(v.dtype)
 
 
+def fp8_head_exponents(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] -> the exponent [B, H] (fp32) of each head's power-of-two E4M3 scale (``rceil``: the
+    head's amax lands at or below 448)."""
+    amax = x.float().abs().amax(dim=(-2, -1))
+    return formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
+
+
 def quantize_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, S, D] -> (E4M3 codes, fp32 power-of-two scale [B, H]): ``quantize_v(x, "fp8")`` as codes and
     scale (codes * scale equals it exactly), the operands of the FP8 attention kernel."""
-    amax = x.float().abs().amax(dim=(-2, -1))
-    scale = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
+    exponent = fp8_head_exponents(x)
+    scale = torch.ldexp(torch.ones_like(exponent), exponent)
     codes = formats.round_to_grid(x.float() / scale[..., None, None], "fp8_e4m3").to(torch.float8_e4m3fn)
     return codes, scale
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditrun.kernels import formats
+from ditrun.kernels.attention import quantize_fp8_heads
 from ditrun.kernels.quantize_triton import ROUND_MAGIC
 
 LOG2_E = 1.4426950408889634
@@ -136,10 +136,9 @@ def _attention_forward(Q, QS, K, KS, V, VS, O, sm_scale_log2, S, H, stride_b, st
     tl.store(O + base + rows[:, None] * stride_s + dims[None, :], out.to(O.dtype.element_ty), mask=rows[:, None] < S)
 
 
-_tuned = triton.autotune(configs=CONFIGS, key=["S", "D", "QK_FP8", "PER_TOKEN", "V_FP8"],
-                         prune_configs_by={"early_config_prune": _keep})(
-    triton.heuristics({"EVEN_N": lambda args: args["S"] % args["BLOCK_N"] == 0})(_attention_forward))
 _fixed = triton.heuristics({"EVEN_N": lambda args: args["S"] % args["BLOCK_N"] == 0})(_attention_forward)
+_tuned = triton.autotune(configs=CONFIGS, key=["S", "D", "QK_FP8", "PER_TOKEN", "V_FP8"],
+                         prune_configs_by={"early_config_prune": _keep})(_fixed)
 _allocator_set = False
 
 
@@ -155,9 +154,7 @@ def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8-exact V [B, H, S, D] (``quantize_v(v, "fp8")``) -> (E4M3 codes stored [B, H, D, S] and viewed
     [B, H, S, D], fp32 power-of-two scale per head [B * H]). Exact: dividing values of the E4M3 grid
     times 2^e by a power of two that keeps the head's amax <= 448 lands on the grid again."""
-    amax = v.float().abs().amax(dim=(-2, -1))
-    scale = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
-    codes = (v.float() / scale[..., None, None]).to(torch.float8_e4m3fn)
+    codes, scale = quantize_fp8_heads(v)
     return codes.transpose(-1, -2).contiguous().transpose(-1, -2), scale.flatten().contiguous()
 
 
