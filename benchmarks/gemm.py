@@ -46,16 +46,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def triton_quantizer(x: torch.Tensor, name: str, one_tile: bool):
-    """The Triton activation quantizer of format ``name`` (fp8 or mxfp6), either variant."""
-    from ditrun.kernels import formats, quantize_triton
-
-    if name == "fp8":
-        return quantize_triton.rowwise_fp8(x, L.fp8_dtype(), one_tile=one_tile)
-    headroom = L.repack_headroom(formats.FORMATS["fp6_e2m3"])
-    return quantize_triton.mx_repack_fp8(x, "fp6_e2m3", 32, "rceil", headroom, one_tile=one_tile)
-
-
 def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dict[str, str]:
     device = CUDA
     g = torch.Generator(device=device).manual_seed(0)
@@ -88,10 +78,6 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
             quantize = layer.backends[backends[0]].quantize
             quant = time_ms(lambda: quantize(x, fmt, "rceil"), CUDA, repeats)
             row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.2f} TB/s)"
-            for one_tile in (False, True):  # the Triton kernel's two variants (kernels/quantize_triton.py)
-                kernel = time_ms(lambda: triton_quantizer(x, name, one_tile), CUDA, repeats)
-                label = f"{name} quant kernel, {'one tile' if one_tile else 'two loops'}"
-                row[label] = f"{kernel:.3f} ({3 * x.numel() / kernel / 1e9:.2f} TB/s)"
         error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
         fp8_path = ms if name == "fp8" else fp8_path
         versus_fp8 = f", {ms / fp8_path:.2f} of fp8" if fp8_path and name != "fp8" else ""

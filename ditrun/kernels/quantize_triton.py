@@ -4,9 +4,7 @@ Quantizing an activation for ``torch._scaled_mm`` costs a row amax, a scale and 
 separate PyTorch ops (or as a torch.compile graph with dynamic shapes) that is several passes over
 an activation as large as the GEMM's input, and it ate most of FP8's gain on the H200
 (docs/PERFORMANCE.md). Here one program owns one row: a first loop over K finds the row's (or its
-MX blocks') amax, a second loop reads the row again (from L2) and writes the FP8 codes. With
-``one_tile``, a row of up to ``ONE_TILE_MAX`` elements (every Flux linear: K <= 15360) is instead
-held in registers and read once (``ONE_TILE`` says which is the default, and why).
+MX blocks') amax, a second loop reads the row again (from L2) and writes the FP8 codes.
 
 The arithmetic is exactly ``linear.quantize_rowwise_fp8`` and ``linear.mx_repack_fp8`` (tested
 equal, in Triton's CPU interpreter and on the GPU): powers of two are built from their bits, the
@@ -42,50 +40,24 @@ def _floor_log2(x):
     return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
-ONE_TILE_MAX = 16384
-"""Rows up to this many elements may be quantized from registers in one pass (``one_tile``)."""
-ONE_TILE = False
-"""The default of ``one_tile``. Measured on one H200 (docs/PERFORMANCE.md): a whole row per program with
-8 warps ran at about 1 TB/s, half the two-loop kernel's 2 TB/s; ``benchmarks/gemm.py`` times both."""
-
-
-def _row_launch(k: int, block: int = 1, one_tile: bool | None = None) -> dict:
-    """Tile and warps for a row of k elements (in MX blocks of ``block``): the whole row in registers (16
-    elements a thread), or 1024-element tiles in two loops."""
-    tile = triton.next_power_of_2(k)
-    if (ONE_TILE if one_tile is None else one_tile) and tile <= ONE_TILE_MAX:
-        return {"TILE": tile // block, "ONE_TILE": True, "num_warps": max(4, min(32, tile // 512))}
-    return {"TILE": 1024 // block, "ONE_TILE": False, "num_warps": 4}
-
-
 @triton.jit
-def _rowwise_fp8_kernel(X, Y, SCALE, K, stride_x, stride_y, FP8_MAX: tl.constexpr, TILE: tl.constexpr,
-                        ONE_TILE: tl.constexpr):
+def _rowwise_fp8_kernel(X, Y, SCALE, K, stride_x, stride_y, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, TILE)
-    if ONE_TILE:  # the row stays in registers: read once
-        x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        top = tl.max(tl.abs(x), 0)
-        scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
-        tl.store(SCALE + row, scale)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    top = tl.max(amax, 0)
+    scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
+    tl.store(SCALE + row, scale)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < K)
-    else:
-        amax = tl.zeros([TILE], tl.float32)
-        for start in range(0, K, TILE):
-            x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        top = tl.max(amax, 0)
-        scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
-        tl.store(SCALE + row, scale)
-        for start in range(0, K, TILE):
-            x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-            tl.store(Y + row * stride_y + start + cols, y.to(Y.dtype.element_ty), mask=start + cols < K)
+        tl.store(Y + row * stride_y + start + cols, y.to(Y.dtype.element_ty), mask=start + cols < K)
 
 
-def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None,
-                one_tile: bool | None = None):
+def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None):
     """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel.
 
     ``store_dtype=torch.float32`` returns the values before the cast to ``dtype`` (the CPU interpreter's
@@ -95,7 +67,7 @@ def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | 
     y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     _rowwise_fp8_kernel[(rows,)](x, y, scale, k, x.stride(0), y.stride(0), FP8_MAX=torch.finfo(dtype).max,
-                                 **_row_launch(k, 1, one_tile))
+                                 BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4)
     return y, scale
 
 
@@ -123,55 +95,36 @@ def _round_to_grid(v, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.c
 
 
 @triton.jit
-def _mx_repack_tile(x, row_exp, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr,
-                    MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr, OUT: tl.constexpr):
-    """One tile [NB, BLOCK] of a row whose FP8 scale is 2^row_exp -> (codes, inexact [NB, BLOCK] int32)."""
-    exponent = _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL)[:, None]
-    grid = _round_to_grid(x * _pow2(-exponent), MBITS, MIN_EXP, ELEM_MAX)
-    shifted = grid * _pow2(tl.maximum(exponent - row_exp, -252))
-    y = shifted.to(OUT)
-    return y, (y.to(tl.float32) != shifted).to(tl.int32)
-
-
-@triton.jit
 def _mx_repack_kernel(X, Y, SCALE, INEXACT, K, stride_x, stride_y,
                       EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr, MBITS: tl.constexpr,
                       MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr, HEADROOM: tl.constexpr,
-                      BLOCK: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr):
+                      BLOCK: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    # One tile = TILE MX blocks of BLOCK elements: [TILE, BLOCK] offsets within the row.
-    offsets = tl.arange(0, TILE)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    if ONE_TILE:  # the row stays in registers: read once
-        mask = offsets < K
-        x = tl.load(X + row * stride_x + offsets, mask=mask, other=0.0).to(tl.float32)
-        row_exp = tl.max(_block_exponents(x, EMAX, TOP_MANTISSA, RCEIL), 0) - HEADROOM
-        tl.store(SCALE + row, _pow2(row_exp))
-        y, inexact = _mx_repack_tile(x, row_exp, EMAX, TOP_MANTISSA, RCEIL, MBITS, MIN_EXP, ELEM_MAX,
-                                     Y.dtype.element_ty)
-        tl.store(Y + row * stride_y + offsets, y, mask=mask)
-    else:
-        top = tl.full([TILE], -127, tl.int32)
-        for start in range(0, K, TILE * BLOCK):
-            mask = start + offsets < K
-            x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            top = tl.maximum(top, _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL))
-        row_exp = tl.max(top, 0) - HEADROOM
-        tl.store(SCALE + row, _pow2(row_exp))
-        inexact = tl.zeros([TILE, BLOCK], tl.int32)
-        for start in range(0, K, TILE * BLOCK):
-            mask = start + offsets < K
-            x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
-            y, tile_inexact = _mx_repack_tile(x, row_exp, EMAX, TOP_MANTISSA, RCEIL, MBITS, MIN_EXP, ELEM_MAX,
-                                              Y.dtype.element_ty)
-            inexact |= tile_inexact
-            tl.store(Y + row * stride_y + start + offsets, y, mask=mask)
-    row_inexact = tl.max(tl.max(inexact, 1), 0)
-    if row_inexact != 0:  # one atomic per inexact row, none for the rest
-        tl.atomic_add(INEXACT, row_inexact.to(tl.int64))
+    # One tile = BLOCKS_PER_TILE MX blocks of BLOCK elements: [NB, BLOCK] offsets within the row.
+    offsets = tl.arange(0, BLOCKS_PER_TILE)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    TILE = BLOCKS_PER_TILE * BLOCK
+    top = tl.full([BLOCKS_PER_TILE], -127, tl.int32)
+    for start in range(0, K, TILE):
+        mask = start + offsets < K
+        x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
+        top = tl.maximum(top, _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL))
+    row_exp = tl.max(top, 0) - HEADROOM
+    tl.store(SCALE + row, _pow2(row_exp))
+    inexact = tl.zeros([BLOCKS_PER_TILE, BLOCK], tl.int32)
+    for start in range(0, K, TILE):
+        mask = start + offsets < K
+        x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
+        exponent = _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL)[:, None]
+        grid = _round_to_grid(x * _pow2(-exponent), MBITS, MIN_EXP, ELEM_MAX)
+        shifted = grid * _pow2(tl.maximum(exponent - row_exp, -252))
+        y = shifted.to(Y.dtype.element_ty)
+        inexact |= (y.to(tl.float32) != shifted).to(tl.int32)
+        tl.store(Y + row * stride_y + start + offsets, y, mask=mask)
+    tl.atomic_add(INEXACT, (tl.max(tl.max(inexact, 1), 0)).to(tl.int64))
 
 
 def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str, headroom: int,
-                  store_dtype: torch.dtype = torch.float8_e4m3fn, one_tile: bool | None = None):
+                  store_dtype: torch.dtype = torch.float8_e4m3fn):
     """``linear.mx_repack_fp8`` in one kernel: x [R, K] -> (E4M3 [R, K], fp32 2^e_row [R, 1], inexact rows).
     ``store_dtype``: as in ``rowwise_fp8``."""
     element = formats.element_format(element_name)
@@ -183,5 +136,5 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
         x, y, scale, inexact, k, x.stride(0), y.stride(0),
         EMAX=element.emax, TOP_MANTISSA=element.max_value / 2.0**element.emax, RCEIL=scale_mode == "rceil",
         MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,
-        BLOCK=block, **_row_launch(max(k, block), block, one_tile))
+        BLOCK=block, BLOCKS_PER_TILE=max(1, min(32, triton.next_power_of_2(k // block))), num_warps=4)
     return y, scale, inexact
