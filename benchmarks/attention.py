@@ -42,68 +42,82 @@ def fp32_reference(q, k, v):
     return sdpa(q[:, :ERROR_QUERIES].float(), k.float(), v.float())
 
 
+class Inputs:
+    """Seeded Q, K (with a key bias) and V [1, S, H, D] in BF16, the fp32 attention of their first
+    ERROR_QUERIES queries, and SDPA's time on them: what every row is measured against."""
+
+    def __init__(self, s: int, heads: int, head_dim: int, repeats: int):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        self.q, self.k, self.v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g,
+                                              dtype=torch.bfloat16) for _ in range(3))
+        self.k = self.k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
+        self.exact = fp32_reference(self.q, self.k, self.v)
+        self.s, self.flops, self.repeats = s, 4 * s * s * heads * head_dim, repeats
+        self.base = time_ms(lambda: sdpa(self.q, self.k, self.v), CUDA, repeats)
+
+    def error(self, out: torch.Tensor) -> float:
+        """out [1, S, H, D] against the fp32 reference, over its first ERROR_QUERIES queries."""
+        return relative_error(out[:, :ERROR_QUERIES], self.exact)
+
+    def row(self, kernel: str, fn, error: bool = True, probe: bool = False) -> dict[str, str]:
+        """``fn`` timed (and, with ``error``, its [1, S, H, D] output checked) as one table row. For a
+        ``probe`` a failure is a row that says why: one variant that cannot run must not end the table."""
+        try:
+            ms = time_ms(fn, CUDA, self.repeats)
+            err = f"{self.error(fn()):.1e}" if error else "-"
+        except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
+            if not probe:
+                raise
+            first = str(failure).splitlines()[0][:90] if str(failure) else ""
+            return {"S": str(self.s), "kernel": kernel, "ms": "-", "TF/s": "-", "vs sdpa": "-",
+                    "error": f"failed: {type(failure).__name__}: {first}"}
+        return self._row(kernel, ms, err)
+
+    def sdpa_row(self, error: bool = True) -> dict[str, str]:
+        """SDPA's own row, from the time measured at construction."""
+        err = f"{self.error(sdpa(self.q, self.k, self.v)):.1e}" if error else "-"
+        return self._row("sdpa bf16", self.base, err)
+
+    def _row(self, kernel: str, ms: float, err: str) -> dict[str, str]:
+        return {"S": str(self.s), "kernel": kernel, "ms": f"{ms:.3f}", "TF/s": f"{self.flops / ms / 1e9:.0f}",
+                "vs sdpa": f"{self.base / ms:.2f}x", "error": err}
+
+
 def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) -> list[dict[str, str]]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
-               for _ in range(3))
-    k = k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)  # a key bias
-    exact = fp32_reference(q, k, v)
-    flops = 4 * s * s * heads * head_dim
-    base = time_ms(lambda: sdpa(q, k, v), CUDA, repeats)
-    rows = [{"S": str(s), "kernel": "sdpa bf16", "ms": f"{base:.3f}", "TF/s": f"{flops / base / 1e9:.0f}",
-             "vs sdpa": "1.00x", "error": f"{relative_error(sdpa(q, k, v)[:, :ERROR_QUERIES], exact):.1e}"}]
+    x = Inputs(s, heads, head_dim, repeats)
+    q, k, v = x.q, x.k, x.v
+    rows = [x.sdpa_row()]
     for v_format in ("bf16", "fp8"):  # the kernel on operands quantized beforehand: BF16 and FP8 P @ V
         ops = quantize_operands(q, k, v, v_format)
         args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), v_format == "fp8")
-        kernel = time_ms(lambda: int8qk_attention_op(*args), CUDA, repeats)
-        rows.append({"S": str(s), "kernel": f"int8qk kernel only ({v_format} V)", "ms": f"{kernel:.3f}",
-                     "TF/s": f"{flops / kernel / 1e9:.0f}", "vs sdpa": f"{base / kernel:.2f}x", "error": "-"})
+        rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args), error=False))
     for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8"):
         attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
-        ms = time_ms(lambda: attention(q, k, v), CUDA, repeats)
-        error = relative_error(attention(q, k, v)[:, :ERROR_QUERIES], exact)
-        rows.append({"S": str(s), "kernel": name, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
-                     "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+        rows.append(x.row(name, lambda: attention(q, k, v)))
     if probe:
-        rows += flex_rows(q, k, v, exact, base, flops, repeats, s)
+        rows += flex_rows(x)
     return rows
 
 
-def per_head_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, H, S, D] -> (E4M3 [B, H, S, D], fp32 scale [H]) with one power-of-two scale per head."""
-    amax = x.float().abs().amax(dim=(0, 2, 3))
-    scale = torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / 448.0)))
-    return (x.float() / scale[None, :, None, None]).to(torch.float8_e4m3fn), scale
-
-
-def flex_rows(q, k, v, exact, base: float, flops: float, repeats: int, s: int) -> list[dict[str, str]]:
+def flex_rows(x: Inputs) -> list[dict[str, str]]:
     """FlexAttention (Triton, from inductor) in BF16 and on FP8 E4M3 operands, beside SDPA: a probe
     for an FP8 attention kernel (``dot`` on FP8 runs Hopper's FP8 tensor cores at twice BF16's rate)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = torch.compile(flex_attention, fullgraph=True, dynamic=False)
-    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))  # [B, H, S, D]
+    qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (x.q, x.k, x.v))  # [B, H, S, D]
     kt = kt - kt.mean(dim=2, keepdim=True)  # smoothing: softmax ignores a constant per query row
-    (q8, qs), (k8, ks), (v8, vs) = per_head_fp8(qt), per_head_fp8(kt), per_head_fp8(vt)
-    qk_scale = qs * ks
+    (q8, qs), (k8, ks), (v8, vs) = quantize_fp8_heads(qt), quantize_fp8_heads(kt), quantize_fp8_heads(vt)
+    qk_scale = (qs * ks)[0]  # [H]: batch 1
 
     def score(score, b, h, q_idx, kv_idx):
         return score * qk_scale[h]
 
     def fp8_attention():
-        return (flex(q8, k8, v8, score_mod=score).float() * vs[None, :, None, None]).to(torch.bfloat16)
+        return (flex(q8, k8, v8, score_mod=score).float() * vs[..., None, None]).to(torch.bfloat16)
 
-    rows = []
-    for name, fn in (("flex bf16", lambda: flex(qt, kt, vt)), ("flex fp8 (q, k, v e4m3)", fp8_attention)):
-        try:
-            ms = time_ms(fn, CUDA, repeats)
-            error = relative_error(fn().transpose(1, 2)[:, :ERROR_QUERIES], exact)
-        except Exception as err:  # noqa: BLE001 - a probe: say why it could not run and go on
-            rows.append({"S": str(s), "kernel": name, "ms": "-", "TF/s": "-", "vs sdpa": "-",
-                         "error": f"failed: {type(err).__name__}: {str(err)[:80]}"})
-            continue
-        rows.append({"S": str(s), "kernel": name, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
-                     "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+    rows = [x.row("flex bf16", lambda: flex(qt, kt, vt).transpose(1, 2), probe=True),
+            x.row("flex fp8 (q, k, v e4m3)", lambda: fp8_attention().transpose(1, 2), probe=True)]
     quantized = getattr(torch.ops.aten, "_scaled_dot_product_attention_quantized", None)
     print(f"aten._scaled_dot_product_attention_quantized (cuDNN FP8 SDPA): {'present' if quantized else 'absent'}"
           f" in torch {torch.__version__}")
@@ -151,14 +165,9 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
     variant and which tiles, TMA or warp specialisation are fastest on this GPU, with each one's error."""
     from ditrun.kernels.attention_triton import flash_attention
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
-    k = k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
-    exact = fp32_reference(q, k, v)
-    flops = 4 * s * s * heads * head_dim
-    base = time_ms(lambda: sdpa(q, k, v), CUDA, repeats)
-    rows = [{"S": str(s), "kernel": "sdpa bf16", "ms": f"{base:.3f}", "TF/s": f"{flops / base / 1e9:.0f}",
-             "vs sdpa": "1.00x", "error": "-"}]
+    x = Inputs(s, heads, head_dim, repeats)
+    q, k, v = x.q, x.k, x.v
+    rows = [x.sdpa_row(error=False)]
     int8 = quantize_operands(q, k, v, "bf16")
     fp8_q = quantize_fp8_heads(q.transpose(1, 2))
     fp8_k = quantize_fp8_heads(smooth_k(k, dim=1).transpose(1, 2))
@@ -174,17 +183,8 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
             config = {"BLOCK_M": bm, "BLOCK_N": bn, "TMA": tma, "WARP_SPEC": ws, "num_warps": warps,
                       "num_stages": stages}
             label = f"{name} [{bm}x{bn} w{warps} s{stages}{' tma' if tma else ''}{' ws' if ws else ''}]"
-            def run():
-                return flash_attention(*operands, 1 / math.sqrt(head_dim), fp8_v, config)
-            try:
-                ms = time_ms(run, CUDA, repeats)
-                error = relative_error(run().transpose(1, 2)[:, :ERROR_QUERIES], exact)
-            except Exception as err:  # noqa: BLE001 - a probe: say why a configuration could not run, go on
-                rows.append({"S": str(s), "kernel": label, "ms": "-", "TF/s": "-", "vs sdpa": "-",
-                             "error": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:90] if str(err) else ''}"})
-                continue
-            rows.append({"S": str(s), "kernel": label, "ms": f"{ms:.3f}", "TF/s": f"{flops / ms / 1e9:.0f}",
-                         "vs sdpa": f"{base / ms:.2f}x", "error": f"{error:.1e}"})
+            rows.append(x.row(label, lambda: flash_attention(*operands, 1 / math.sqrt(head_dim), fp8_v,
+                                                             config).transpose(1, 2), probe=True))
             print(rows[-1], flush=True)
     return rows
 

@@ -99,6 +99,19 @@ def edit_inputs(width: int, height: int, text_len: int) -> dict:
     )
 
 
+def nothing_to_measure(script: str) -> bool:
+    """True, after saying why, when ``script`` cannot measure here: no GPU, or no diffusers (the peer)."""
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA/ROCm GPU visible; nothing to measure.")
+        return True
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        print(f"{script}: diffusers is not installed; it is the peer this benchmark compares with.")
+        return True
+    return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -107,13 +120,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_flux_step: no CUDA/ROCm GPU visible; nothing to measure.")
-        return 0
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        print("bench_flux_step: diffusers is not installed; it is the peer this benchmark compares with.")
+    if nothing_to_measure("bench_flux_step"):
         return 0
 
     torch.backends.cuda.matmul.allow_tf32 = True

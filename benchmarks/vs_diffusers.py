@@ -59,7 +59,7 @@ from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precisio
 from ditrun.model.compile import CompilePlan  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
-from bench_flux_step import cuda_time, forward_flops  # noqa: E402  (the same timing and FLOP count)
+from bench_flux_step import cuda_time, forward_flops, nothing_to_measure  # noqa: E402  (the same timing and FLOP count)
 
 FLUX_DEV = PRESETS["flux-dev"]
 TEXT = 512
@@ -140,6 +140,11 @@ def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
     return {**totals, "top_rest": sorted(rest, key=lambda item: -item[1])[:top],
             "attention_kernels": sorted(attention, key=lambda item: -item[1]),
             "top_gemm": sorted(gemms, key=lambda item: -item[1])[:top]}
+
+
+def kernel_text(name: str, ms: float, *calls: int) -> str:
+    """One profiled kernel as printed: name, ms, and its call count where one was kept."""
+    return f"{name} {ms}" + "".join(f" x{n}" for n in calls)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -345,13 +350,7 @@ def main() -> int:
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
     parser.add_argument("--out", type=Path, default=None, help="write vs_diffusers.json here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("vs_diffusers: no CUDA/ROCm GPU visible; nothing to measure.")
-        return 0
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        print("vs_diffusers: diffusers is not installed; it is the peer this benchmark compares with.")
+    if nothing_to_measure("vs_diffusers"):
         return 0
     if "diffusers" not in args.modes:
         args.modes.insert(0, "diffusers")  # the reference every error is measured against
@@ -360,19 +359,14 @@ def main() -> int:
           f"tokens {args.tokens}", flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
-    print("\nCostliest kernels outside attention and GEMMs (ms), largest shape:")
     biggest = max(args.tokens)
-    for row in rows:
-        if row.tokens == biggest and row.kernels:
-            print(f"  {row.mode}: " + "; ".join(f"{name} {ms}" for name, ms in row.kernels["top_rest"]))
-    print("\nKernels counted as attention (name, ms, calls), largest shape:")
-    for row in rows:
-        if row.tokens == biggest and row.kernels:
-            print(f"  {row.mode}: " + "; ".join(f"{name} {ms} x{n}" for name, ms, n in row.kernels["attention_kernels"]))
-    print("\nCostliest GEMM kernels (name, ms, calls), largest shape:")
-    for row in rows:
-        if row.tokens == biggest and row.kernels:
-            print(f"  {row.mode}: " + "; ".join(f"{name} {ms} x{n}" for name, ms, n in row.kernels["top_gemm"]))
+    for title, key in (("Costliest kernels outside attention and GEMMs (ms)", "top_rest"),
+                       ("Kernels counted as attention (name, ms, calls)", "attention_kernels"),
+                       ("Costliest GEMM kernels (name, ms, calls)", "top_gemm")):
+        print(f"\n{title}, largest shape:")
+        for row in rows:
+            if row.tokens == biggest and row.kernels:
+                print(f"  {row.mode}: " + "; ".join(kernel_text(*kernel) for kernel in row.kernels[key]))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(json.dumps({
