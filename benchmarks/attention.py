@@ -5,8 +5,9 @@
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
 ``int8qk kernel only`` (the autotuned Triton kernel on operands quantized beforehand, with BF16 V
-and with FP8 V on the FP8 P @ V dot) and ``int8qk`` end to end for each V format (operand
-quantization, torch.compile'd, + kernel), as the model calls it. The first call of each kernel
+and with FP8 V on the FP8 P @ V dot), ``fp8_pv kernel only`` (cuDNN's fused FP8 attention on operands
+quantized beforehand) and every quantized attention kernel end to end (operand quantization,
+torch.compile'd, + kernel), as the model calls it. The first call of each kernel
 autotunes it (untimed).
 Error: max |out - SDPA in fp32| / max |SDPA in fp32| over the first 2048 queries (fp32 SDPA is
 the exact reference; BF16 SDPA's own error is printed beside it for scale).
@@ -26,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, quantize_fp8_heads,  # noqa: E402
                                      quantize_operands, quantize_v, smooth_k)
+from ditrun.kernels import fp8_sdpa  # noqa: E402
+from ditrun.kernels.fp8_sdpa import fp8_pv_operands, fp8_sdpa_op  # noqa: E402
 from gemm import CUDA, print_table, relative_error  # noqa: E402
 from ditrun.kernels.tune import time_ms  # noqa: E402
 
@@ -91,9 +94,12 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) 
         ops = quantize_operands(q, k, v, v_format)
         args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), v_format == "fp8")
         rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args), error=False))
-    for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8"):
+    fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
+    rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
+                      lambda: fp8_sdpa_op(*fp8_pv, 1 / math.sqrt(head_dim), torch.bfloat16), probe=True))
+    for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8", "fp8_pv"):
         attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
-        rows.append(x.row(name, lambda: attention(q, k, v)))
+        rows.append(x.row(name, lambda: attention(q, k, v), probe=name == "fp8_pv"))
     if probe:
         rows += flex_rows(x)
     return rows

@@ -24,6 +24,8 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
                            attention with MXFP6 V), compiled
 * ``ditrun-fp8-fast-int8qk`` FP8 linears with fast accumulation + INT8-QK attention, compiled
 * ``ditrun-fp8-fast-fp8attn`` FP8 linears with fast accumulation + FP8 attention (FP8 Q.K^T), compiled
+* ``ditrun-fp8-fast-fp8pv`` FP8 linears with fast accumulation + ``fp8_pv`` attention (cuDNN's fused FP8
+                           kernel: Q, K, V and P in E4M3), compiled
 * ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
 * ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
 
@@ -77,10 +79,12 @@ PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names 
                                    backend="fp8_rowwise_fast"),
     "ditrun-fp8-fast-fp8attn": dict(name="fp8-fp8attn", mlp="fp8", qkv="fp8", out="fp8", attention="fp8",
                                     backend="fp8_rowwise_fast"),
+    "ditrun-fp8-fast-fp8pv": dict(name="fp8-fp8pv", mlp="fp8", qkv="fp8", out="fp8", attention="fp8_pv",
+                                  backend="fp8_rowwise_fast"),
 }
 MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
          "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "ditrun-fp8-fast-int8qk",
-         "ditrun-fp8-fast-fp8attn", "diffusers-compiled", "diffusers-torchao-fp8")
+         "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "diffusers-compiled", "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -318,7 +322,8 @@ def check_targets(rows: list[Row]) -> list[str]:
 
     lines = []
     torchao = {t: get("diffusers-torchao-fp8", t) for t in SHAPES}
-    for mode in ("ditrun-krea", "ditrun-fp8-int8qk", "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn"):
+    for mode in ("ditrun-krea", "ditrun-fp8-int8qk", "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn",
+                 "ditrun-fp8-fast-fp8pv"):
         row, peer = get(mode, 20992), torchao[20992]
         if row and peer:
             x = peer.seconds / row.seconds

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from ditrun import config
 from ditrun.errors import UserError
 from ditrun.kernels import formats
+from ditrun.kernels.fp8_sdpa import P_SCALE, fp8_pv_operands, fp8_pv_reference, fp8_sdpa_op
 from ditrun.kernels import linear as L
 from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands)
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
@@ -43,16 +44,19 @@ def test_config_docstrings_name_every_registered_choice():
     ("precision.mlp=fp7", "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, "
                           "mxfp6_e3m2, mxfp4."),
     ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, fp8, "
-                                 "int8qk, int8qk_fp8v, int8qk_mxfp6v."),
+                                 "fp8_pv, int8qk, int8qk_fp8v, int8qk_mxfp6v."),
     ("precision.backend=cuda", "precision.backend='cuda' is unknown; allowed: auto, emulation, fast, or a linear "
                                "backend's name (emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, "
                                "aiter_fp8)."),
     ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
     ("precision.backend=fast", "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
                                "use precision.backend=auto (exact emulation) or another format."),
+    ("precision.attention=fp8_pv precision.backend=fast precision.qkv=bf16 precision.mlp=bf16 precision.out=bf16",
+     "precision.backend=fast but precision.attention=fp8_pv needs a GPU (cuDNN's FP8 SDPA on NVIDIA sm_90+, AITER on "
+     "AMD gfx950); use precision.backend=auto or another kernel."),
 ])
 def test_precision_mistakes_are_one_sentence(override, message):
-    cfg = tiny_config("precision=fp8", override)
+    cfg = tiny_config("precision=fp8", *override.split())
     with pytest.raises(UserError) as err:
         plan_precision(cfg.precision, CPU)
     assert str(err.value) == message
@@ -235,12 +239,41 @@ def _qkv(b=1, s=300, h=2, d=64, seed=10):
     return [torch.randn(b, s, h, d, generator=g) for _ in range(3)]
 
 
-@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8"])
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8", "fp8_pv"])
 def test_quantized_attention_is_close_to_sdpa(name):
     q, k, v = _qkv()
     k = k + 3.0  # a large mean over tokens: smoothing removes it before quantizing
     got = ATTENTION_KERNELS.get(name, "test").make(False)(q, k, v)
-    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8": 0.1}.get(name, 0.05)
+    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8": 0.1, "fp8_pv": 0.1}.get(name, 0.05)
+
+
+def test_fp8_pv_rounds_p_and_scales_per_tensor():
+    """The recipe, worked by hand: one query row, keys whose probabilities E4M3 cannot all hold."""
+    q8 = torch.tensor([[[[2.0, 0.0]]]]).to(torch.float8_e4m3fn)  # [B=1, S=1, H=1, D=2]
+    scores = torch.tensor([0.0, -1.0, -2.5, -6.0])  # wanted q.k * sm_scale with sm_scale = 1
+    k8 = torch.stack([scores / 2 / 0.5, torch.zeros(4)], dim=-1)[None, :, None].to(torch.float8_e4m3fn)
+    v8 = torch.tensor([1.0, 2.0, 4.0, 8.0])[None, :, None, None].expand(1, 4, 1, 2).to(torch.float8_e4m3fn)
+    scales = torch.tensor([1.0, 0.5, 0.25])  # Q, K, V
+    out = fp8_pv_reference(q8, k8, v8, scales, 1.0, torch.float32)
+    p = torch.exp(scores)
+    p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
+    assert not torch.equal(p8, p)  # P is rounded (exp(-1) = 0.368 -> 0.375)
+    want = (p8 * torch.tensor([1.0, 2.0, 4.0, 8.0])).sum() * 0.25 / p.sum()
+    assert torch.allclose(out, want.expand(1, 1, 1, 2), rtol=1e-6)
+    q, k, v = _qkv(s=50)
+    *codes, tensor_scales = fp8_pv_operands(q, k * 100, v)
+    assert tensor_scales.shape == (3,) and torch.equal(tensor_scales.log2(), tensor_scales.log2().round())
+    assert tensor_scales[1] >= 64 * tensor_scales[0]  # one power-of-two scale per tensor, from its own amax
+    assert all(c.dtype == torch.float8_e4m3fn and c.shape == q.shape for c in codes)
+
+
+def test_fp8_pv_op_is_the_reference_off_the_gpu_and_compiles():
+    q, k, v = _qkv(s=40)
+    operands = fp8_pv_operands(q, k, v)
+    want = fp8_pv_reference(*operands, 0.125, torch.float32)
+    assert torch.equal(fp8_sdpa_op(*operands, 0.125, torch.float32), want)
+    compiled = torch.compile(lambda *a: fp8_sdpa_op(*a, 0.125, torch.float32), fullgraph=True)
+    assert torch.equal(compiled(*operands), want)
 
 
 def test_int8qk_is_independent_of_the_order_of_tokens():
@@ -281,6 +314,29 @@ def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
     if backend == "mx_repack_fp8":
         counts = fast.backends[backend].inexact_rows
         assert counts["weight"] == 0 and int(counts["activation"]) == 0
+
+
+@pytest.mark.gpu
+def test_fused_fp8_attention_matches_its_reference():
+    """cuDNN's (AITER's) fused FP8 attention against the recipe in torch on the same operands; then the
+    whole ``fp8_pv`` attention (compiled operand quantization + kernel), eager and compiled."""
+    from ditrun.kernels import fp8_sdpa
+
+    why = fp8_sdpa.unavailable(torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"fp8_pv {why}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    operands = fp8_pv_operands(q, k, v)
+    got = fp8_sdpa_op(*operands, 1 / 128**0.5, torch.bfloat16)
+    assert got.shape == q.shape and got.dtype == torch.bfloat16
+    # the kernel rounds P against the running maximum, the reference against the row's final one
+    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5, torch.bfloat16).float()) < 2e-2
+    fast, reference = (ATTENTION_KERNELS.get("fp8_pv", "test").make(f) for f in (True, False))
+    want = reference(q, k, v).float()
+    assert relative_error(fast(q, k, v).float(), want) < 2e-2
+    assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 2e-2
+    assert relative_error(fast(q, k, v).float(), sdpa_attention(q, k, v).float()) < 8e-2
 
 
 @pytest.mark.gpu

@@ -33,7 +33,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ditrun.kernels import formats
+from ditrun.kernels import formats, fp8_sdpa
+from ditrun.kernels.fp8_sdpa import fp8_pv_attention
 from ditrun.kernels.linear import CompiledOnGpu, _has_rowwise_fp8, fp8_dtype, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
@@ -193,6 +194,18 @@ def fp8_reference(q8, q_scale, k8, k_scale, v, sm_scale: float) -> torch.Tensor:
 # The registry
 
 
+def _triton_unavailable(device: torch.device) -> Optional[str]:
+    if not triton_available(device):
+        return "the flash-attention Triton kernel needs a GPU with Triton"
+    return None
+
+
+def _fp8_triton_unavailable(device: torch.device) -> Optional[str]:
+    if not (_has_rowwise_fp8(device) and fp8_dtype() == torch.float8_e4m3fn):
+        return "FP8 Q.K^T needs OCP E4M3 tensor cores (NVIDIA sm_89+, AMD gfx950)"
+    return _triton_unavailable(device)
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """One ``precision.attention`` choice: how to make the ``attention(q, k, v)`` function."""
@@ -202,6 +215,10 @@ class AttentionKernel:
     make: Callable[[bool], AttentionFn]
     """fast -> the function (fast: the custom op / fused kernel; else the torch reference)."""
     quantized: bool = True
+    unavailable: Callable[[torch.device], Optional[str]] = _triton_unavailable
+    """device -> None where the fast implementation runs, else why not (a clause for error messages)."""
+    backend: str = "triton"
+    """What the fast implementation runs on, for records."""
 
 
 def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
@@ -255,7 +272,11 @@ ATTENTION_KERNELS.register("bf16", AttentionKernel(
     "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda fast: sdpa_attention, quantized=False))
 ATTENTION_KERNELS.register("fp8", AttentionKernel(
     "fp8", "Q, smoothed K and V in FP8 E4M3 (a power-of-two scale per head), FP8 Q.K^T, fp32 softmax",
-    fp8_attention))
+    fp8_attention, unavailable=_fp8_triton_unavailable))
+ATTENTION_KERNELS.register("fp8_pv", AttentionKernel(
+    "fp8_pv", "Q, smoothed K, V and P in FP8 E4M3 (a power-of-two scale per tensor), FP8 Q.K^T and P.V, fp32 "
+    "softmax: the vendors' fused FP8 attention (cuDNN, AITER)", fp8_pv_attention, unavailable=fp8_sdpa.unavailable,
+    backend=fp8_sdpa.BACKEND))
 for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
     ATTENTION_KERNELS.register(_name, AttentionKernel(
@@ -265,10 +286,4 @@ for _v in V_FORMATS:
 
 def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> Optional[str]:
     """None when ``kernel`` has a fast implementation on ``device``, else why not."""
-    if not kernel.quantized:
-        return None
-    if not triton_available(device):
-        return "the flash-attention Triton kernel needs a GPU with Triton"
-    if kernel.name == "fp8" and not (_has_rowwise_fp8(device) and fp8_dtype() == torch.float8_e4m3fn):
-        return "FP8 Q.K^T needs OCP E4M3 tensor cores (NVIDIA sm_89+, AMD gfx950)"
-    return None
+    return kernel.unavailable(device) if kernel.quantized else None

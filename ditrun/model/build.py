@@ -225,7 +225,7 @@ def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device:
               flush=True)
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
     details["attention"] = {"format": plan.attention.name,
-                            "backends": ["triton" if fast_attention else "reference"] if plan.attention.quantized
+                            "backends": [plan.attention.backend if fast_attention else "reference"] if plan.attention.quantized
                             else ["sdpa"]}
     return BuiltModel(model, plan.attention.make(fast_attention), plan, details)
 

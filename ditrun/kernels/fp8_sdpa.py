@@ -1,0 +1,225 @@
+"""``fp8_pv`` attention: Q, K, V and the probabilities P in FP8 E4M3, on the vendors' fused kernels.
+
+The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel on AMD GPUs):
+
+* Q, K smoothed by its mean over the tokens (``attention.smooth_k``), and V are quantized to E4M3
+  with one power-of-two scale per tensor (``rceil``: the tensor's amax lands at or below 448);
+* the scores are an FP8 dot times both scales and the softmax scale; the softmax runs in fp32;
+* the unnormalized probabilities exp(s - running max), in [0, 1], are multiplied by ``P_SCALE`` and
+  rounded to E4M3 for the P @ V dot (an FP8 dot too), and the fp32 row sums of the unrounded
+  probabilities divide the result at the end.
+
+Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is P's rounding
+(3 mantissa bits), which the ``fp8`` and ``int8qk*`` recipes, with P @ V in BF16, do not pay.
+
+"Per tensor" means per call. In a parallel layout a call holds the heads of one rank (Ulysses) or
+one CFG branch, so the scales are those of what the call holds, and a layout's output is close to
+the single process's but not bitwise equal (the per-head and per-token scales of ``attention.py``
+give every layout the same operands).
+
+Backends: cuDNN's FP8 SDPA (NVIDIA sm_90 and newer, through the ``nvidia-cudnn-frontend`` Python
+package: ``pip install ditrun[cudnn]``), AITER's ``flash_attn_fp8_pertensor_func`` (ROCm with OCP
+E4M3, gfx950; written and guarded, not run on AMD hardware), elsewhere ``fp8_pv_reference``, the
+recipe in torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ditrun.kernels import formats
+from ditrun.kernels.linear import CompiledOnGpu, fp8_dtype
+
+P_SCALE = 256.0
+"""P in [0, 1] times this before rounding to E4M3 (a power of two, so the reference's rounding is exact
+arithmetic): probabilities down to 2^-14 stay normal numbers."""
+
+# ---------------------------------------------------------------------------------------------
+# Operands
+
+
+def fp8_tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """The power-of-two E4M3 scale [1] (fp32) of the whole tensor x (``rceil``)."""
+    amax = x.float().abs().amax().reshape(1)
+    return torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
+
+
+def quantize_fp8_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (E4M3 codes of x's shape, fp32 scale [1]) with x ~ codes * scale."""
+    scale = fp8_tensor_scale(x)
+    return formats.round_to_grid(x.float() / scale, "fp8_e4m3").to(torch.float8_e4m3fn), scale
+
+
+def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """q, k, v [B, S, H, D] -> their E4M3 codes [B, S, H, D] and the three scales as one fp32 tensor [3]
+    (K smoothed in fp32 first: see ``attention.fp8_operands``)."""
+    k = k.float()
+    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (
+        quantize_fp8_tensor(t) for t in (q, k - k.mean(dim=1, keepdim=True), v))
+    return q8, k8, v8, torch.cat([q_scale, k_scale, v_scale])
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference
+
+
+def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
+                     chunk: int = 1024) -> torch.Tensor:
+    """The recipe in torch, query chunk by chunk: [B, S, H, D] codes -> [B, S, H, D] in ``out_dtype``.
+
+    P is rounded after subtracting each row's final maximum; a flash kernel subtracts the running
+    maximum of the keys it has seen, so its P values (and their rounding) differ slightly."""
+    q, k, v = (t.float().transpose(1, 2) for t in (q8, k8, v8))  # [B, H, S, D]
+    s_scale = (scales[0] * scales[1] * sm_scale).float()
+    out = torch.empty(q8.shape, dtype=out_dtype, device=q8.device)  # [B, S, H, D]
+    for start in range(0, q.shape[2], chunk):
+        rows = slice(start, start + chunk)
+        scores = (q[:, :, rows] @ k.transpose(-1, -2)) * s_scale
+        p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
+        out[:, rows] = ((p8 @ v) * (scales[2] / p.sum(dim=-1, keepdim=True))).transpose(1, 2).to(out_dtype)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The fast backends
+
+
+def cudnn_module():
+    """cuDNN's Python frontend, or None when it is not installed."""
+    try:
+        import cudnn
+    except (ImportError, OSError):
+        return None
+    return cudnn
+
+
+def unavailable(device: torch.device) -> Optional[str]:
+    """None when a fused FP8 attention kernel runs on ``device``, else why not (one clause)."""
+    if device.type != "cuda":
+        return "needs a GPU (cuDNN's FP8 SDPA on NVIDIA sm_90+, AITER on AMD gfx950)"
+    if torch.version.hip:
+        if fp8_dtype() != torch.float8_e4m3fn:
+            return "needs OCP E4M3 (AMD gfx950; MI300 has the FNUZ variant)"
+        if _aiter_function() is None:
+            return "needs AITER's flash_attn_fp8_pertensor_func (the aiter package)"
+        return None
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "needs cuDNN's FP8 SDPA, which runs on NVIDIA sm_90 (Hopper) and newer"
+    if cudnn_module() is None:
+        return "needs cuDNN's Python frontend (pip install nvidia-cudnn-frontend, or ditrun[cudnn])"
+    return None
+
+
+BACKEND = "aiter" if torch.version.hip else "cudnn"
+"""The library that runs ``fp8_pv`` on this build of PyTorch's GPUs."""
+
+
+def _aiter_function():
+    try:
+        import aiter
+    except ImportError:
+        return None
+    return getattr(aiter, "flash_attn_fp8_pertensor_func", None)
+
+
+class CudnnGraph:
+    """One built cuDNN FP8 SDPA graph for one shape: [B, S, H, D] E4M3 operands (read as cuDNN's
+    [B, H, S, D] through their strides, so nothing is transposed), an output of the same layout."""
+
+    _handles: dict[int, int] = {}
+
+    def __init__(self, q_shape: tuple, kv_shape: tuple, sm_scale: float, out_dtype: torch.dtype,
+                 device: torch.device):
+        cudnn = cudnn_module()
+        self.device = device
+        handle = self._handles.get(device.index)
+        if handle is None:
+            with torch.cuda.device(device):
+                handle = self._handles[device.index] = cudnn.create_handle()
+        self.handle = handle
+        fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
+
+        def operand(name, shape, data_type=fp8):
+            b, s, h, d = shape
+            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=data_type)
+
+        def scalar(name):
+            return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+
+        self.q, self.k, self.v = operand("q", q_shape), operand("k", kv_shape), operand("v", kv_shape)
+        self.scalars = [scalar(n) for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
+        o, _, amax_s, amax_o = graph.sdpa_fp8(self.q, self.k, self.v, *self.scalars, generate_stats=False,
+                                              attn_scale=sm_scale, name="ditrun_fp8_pv")
+        b, s, h, d = q_shape
+        out_type = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[out_dtype]
+        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(out_type)
+        for t in (amax_s, amax_o):
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+        self.o, self.amax = o, (amax_s, amax_o)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans()
+        self.graph, self.workspace_size = graph, graph.get_workspace_size()
+        # descale_s, scale_s, scale_o: P's fixed scale, and an output in V's units times scales[2]
+        self.constants = torch.tensor([1.0 / P_SCALE, P_SCALE, 1.0], device=device)
+
+    def __call__(self, q8, k8, v8, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        cudnn = cudnn_module()
+        scratch = torch.empty(2 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
+        buffers = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
+                   self.amax[0]: scratch[0:4], self.amax[1]: scratch[4:8]}
+        for tensor, value in zip(self.scalars, [scales[0:1], scales[1:2], scales[2:3], *self.constants.split(1)]):
+            buffers[tensor] = value
+        cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
+        self.graph.execute(buffers, scratch[8:], handle=self.handle)
+        return out
+
+
+_graphs: dict[tuple, CudnnGraph] = {}
+
+
+def cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    key = (q8.device, tuple(q8.shape), tuple(k8.shape), sm_scale, out_dtype)
+    graph = _graphs.get(key)
+    if graph is None:
+        graph = _graphs[key] = CudnnGraph(tuple(q8.shape), tuple(k8.shape), sm_scale, out_dtype, q8.device)
+    return graph(q8, k8, v8, scales, torch.empty(q8.shape, dtype=out_dtype, device=q8.device))
+
+
+@torch.library.custom_op("ditrun::fp8_sdpa", mutates_args=())
+def fp8_sdpa_op(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor, sm_scale: float,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """Attention of contiguous E4M3 [B, S, H, D] codes with scales [3] (q, k, v) -> [B, S, H, D] in
+    ``out_dtype``: the vendor's fused kernel where ``unavailable`` says one runs, else the reference."""
+    if unavailable(q8.device) is None:
+        if torch.version.hip:
+            return _aiter_function()(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3],
+                                     causal=False, softmax_scale=sm_scale).to(out_dtype)
+        return cudnn_fp8_sdpa(q8.contiguous(), k8.contiguous(), v8.contiguous(), scales, sm_scale, out_dtype)
+    return fp8_pv_reference(q8, k8, v8, scales, sm_scale, out_dtype)
+
+
+@fp8_sdpa_op.register_fake
+def _(q8, k8, v8, scales, sm_scale, out_dtype):
+    return torch.empty(q8.shape, dtype=out_dtype, device=q8.device)
+
+
+def fp8_pv_attention(fast: bool):
+    """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype."""
+    quantize = CompiledOnGpu(fp8_pv_operands) if fast else fp8_pv_operands
+
+    def attention(q, k, v):
+        q8, k8, v8, scales = quantize(q, k, v)
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+        if fast and v.dtype in (torch.bfloat16, torch.float16):  # what the kernels write
+            return fp8_sdpa_op(q8, k8, v8, scales, sm_scale, v.dtype)
+        return fp8_pv_reference(q8, k8, v8, scales, sm_scale, v.dtype)
+
+    return attention
