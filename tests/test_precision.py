@@ -258,7 +258,9 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     p = torch.exp(scores)
     p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
     assert not torch.equal(p8, p)  # P is rounded (exp(-1) = 0.368 -> 0.375)
-    want = (p8 * torch.tensor([1.0, 2.0, 4.0, 8.0])).sum() * 0.25 / p.sum()
+    mean = (p8 * torch.tensor([1.0, 2.0, 4.0, 8.0])).sum() / p.sum()  # in V's codes
+    want = formats.round_to_grid(mean / 2, "fp8_e4m3") * 2 * 0.25  # the output in E4M3 at scale 2 * V's
+    assert formats.round_to_grid(mean / 2, "fp8_e4m3") != mean / 2
     assert torch.allclose(out, want.expand(1, 1, 1, 2), rtol=1e-6)
     q, k, v = _qkv(s=50)
     *codes, tensor_scales = fp8_pv_operands(q, k * 100, v)
@@ -331,12 +333,12 @@ def test_fused_fp8_attention_matches_its_reference():
     got = fp8_sdpa_op(*operands, 1 / 128**0.5, torch.bfloat16)
     assert got.shape == q.shape and got.dtype == torch.bfloat16
     # the kernel rounds P against the running maximum, the reference against the row's final one
-    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5, torch.bfloat16).float()) < 2e-2
+    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5, torch.bfloat16).float()) < 3e-2
     fast, reference = (ATTENTION_KERNELS.get("fp8_pv", "test").make(f) for f in (True, False))
     want = reference(q, k, v).float()
     assert relative_error(fast(q, k, v).float(), want) < 2e-2
     assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 2e-2
-    assert relative_error(fast(q, k, v).float(), sdpa_attention(q, k, v).float()) < 8e-2
+    assert relative_error(fast(q, k, v).float(), sdpa_attention(q, k, v).float()) < 0.1
 
 
 @pytest.mark.gpu

@@ -7,10 +7,15 @@ The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel 
 * the scores are an FP8 dot times both scales and the softmax scale; the softmax runs in fp32;
 * the unnormalized probabilities exp(s - running max), in [0, 1], are multiplied by ``P_SCALE`` and
   rounded to E4M3 for the P @ V dot (an FP8 dot too), and the fp32 row sums of the unrounded
-  probabilities divide the result at the end.
+  probabilities divide the result at the end;
+* the output is written in E4M3 too, with the power-of-two scale 1 / (2 * V's scale) (an output row
+  is a weighted mean of V's rows, so it stays below V's amax, with room for P's rounding), and
+  widened to the compute dtype. cuDNN writes an FP8 SDPA's output in BF16 only on Blackwell
+  (cuDNN 9.13+); on Hopper it writes FP8, so the recipe does everywhere.
 
-Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is P's rounding
-(3 mantissa bits), which the ``fp8`` and ``int8qk*`` recipes, with P @ V in BF16, do not pay.
+Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is the rounding of
+P and of the output (3 mantissa bits each), which the ``fp8`` and ``int8qk*`` recipes, with P @ V in
+BF16, do not pay. (AITER's kernel writes BF16: on AMD the output is not rounded to E4M3.)
 
 "Per tensor" means per call. In a parallel layout a call holds the heads of one rank (Ulysses) or
 one CFG branch, so the scales are those of what the call holds, and a layout's output is close to
@@ -80,7 +85,8 @@ def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, out_dtyp
         scores = (q[:, :, rows] @ k.transpose(-1, -2)) * s_scale
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
-        out[:, rows] = ((p8 @ v) * (scales[2] / p.sum(dim=-1, keepdim=True))).transpose(1, 2).to(out_dtype)
+        o = formats.round_to_grid((p8 @ v) / (2 * p.sum(dim=-1, keepdim=True)), "fp8_e4m3")  # E4M3 output codes
+        out[:, rows] = (o * (2 * scales[2])).transpose(1, 2).to(out_dtype)
     return out
 
 
@@ -132,8 +138,7 @@ class CudnnGraph:
 
     _handles: dict[int, int] = {}
 
-    def __init__(self, q_shape: tuple, kv_shape: tuple, sm_scale: float, out_dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(self, q_shape: tuple, kv_shape: tuple, sm_scale: float, device: torch.device):
         cudnn = cudnn_module()
         self.device = device
         handle = self._handles.get(device.index)
@@ -156,8 +161,7 @@ class CudnnGraph:
         o, _, amax_s, amax_o = graph.sdpa_fp8(self.q, self.k, self.v, *self.scalars, generate_stats=False,
                                               attn_scale=sm_scale, name="ditrun_fp8_pv")
         b, s, h, d = q_shape
-        out_type = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[out_dtype]
-        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(out_type)
+        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(fp8)
         for t in (amax_s, amax_o):
             t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
         self.o, self.amax = o, (amax_s, amax_o)
@@ -167,18 +171,21 @@ class CudnnGraph:
         graph.check_support()
         graph.build_plans()
         self.graph, self.workspace_size = graph, graph.get_workspace_size()
-        # descale_s, scale_s, scale_o: P's fixed scale, and an output in V's units times scales[2]
-        self.constants = torch.tensor([1.0 / P_SCALE, P_SCALE, 1.0], device=device)
+        self.p_scales = torch.tensor([1.0 / P_SCALE, P_SCALE], device=device)  # descale_s, scale_s
 
-    def __call__(self, q8, k8, v8, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q8, k8, v8, scales: torch.Tensor) -> torch.Tensor:
+        """-> the E4M3 output codes [B, S, H, D], in units of 2 * V's scale."""
         cudnn = cudnn_module()
-        scratch = torch.empty(2 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
+        out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=self.device)
+        scratch = torch.empty(3 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
+        o_scale = scratch[8:12].view(torch.float32)
+        torch.div(0.5, scales[2:3], out=o_scale)
         buffers = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
                    self.amax[0]: scratch[0:4], self.amax[1]: scratch[4:8]}
-        for tensor, value in zip(self.scalars, [scales[0:1], scales[1:2], scales[2:3], *self.constants.split(1)]):
-            buffers[tensor] = value
+        values = [scales[0:1], scales[1:2], scales[2:3], self.p_scales[0:1], self.p_scales[1:2], o_scale]
+        buffers.update(zip(self.scalars, values))
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
-        self.graph.execute(buffers, scratch[8:], handle=self.handle)
+        self.graph.execute(buffers, scratch[12:], handle=self.handle)
         return out
 
 
@@ -186,11 +193,11 @@ _graphs: dict[tuple, CudnnGraph] = {}
 
 
 def cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    key = (q8.device, tuple(q8.shape), tuple(k8.shape), sm_scale, out_dtype)
+    key = (q8.device, tuple(q8.shape), tuple(k8.shape), sm_scale)
     graph = _graphs.get(key)
     if graph is None:
-        graph = _graphs[key] = CudnnGraph(tuple(q8.shape), tuple(k8.shape), sm_scale, out_dtype, q8.device)
-    return graph(q8, k8, v8, scales, torch.empty(q8.shape, dtype=out_dtype, device=q8.device))
+        graph = _graphs[key] = CudnnGraph(tuple(q8.shape), tuple(k8.shape), sm_scale, q8.device)
+    return (graph(q8, k8, v8, scales).to(torch.float32) * (2 * scales[2])).to(out_dtype)
 
 
 @torch.library.custom_op("ditrun::fp8_sdpa", mutates_args=())
