@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, quantize_fp8_heads,  # noqa: E402
                                      quantize_operands, quantize_v, smooth_k)
 from ditrun.kernels import fp8_sdpa  # noqa: E402
-from ditrun.kernels.fp8_sdpa import fp8_pv_operands, fp8_sdpa_op  # noqa: E402
+from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op  # noqa: E402
 from gemm import CUDA, print_table, relative_error  # noqa: E402
 from ditrun.kernels.tune import time_ms  # noqa: E402
 
@@ -96,7 +96,8 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) 
         rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args), error=False))
     fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
     rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
-                      lambda: fp8_sdpa_op(*fp8_pv, 1 / math.sqrt(head_dim), torch.bfloat16), probe=True))
+                      lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, 1 / math.sqrt(head_dim)), fp8_pv[3],
+                                                torch.bfloat16), probe=True))
     for name in ("int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8", "fp8_pv"):
         attention = ATTENTION_KERNELS.get(name, "--kernel").make(True)
         rows.append(x.row(name, lambda: attention(q, k, v), probe=name == "fp8_pv"))

@@ -253,8 +253,8 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     scores = torch.tensor([0.0, -1.0, -2.5, -6.0])  # wanted q.k * sm_scale with sm_scale = 1
     k8 = torch.stack([scores / 2 / 0.5, torch.zeros(4)], dim=-1)[None, :, None].to(torch.float8_e4m3fn)
     v8 = torch.tensor([1.0, 2.0, 4.0, 8.0])[None, :, None, None].expand(1, 4, 1, 2).to(torch.float8_e4m3fn)
-    scales = torch.tensor([1.0, 0.5, 0.25])  # Q, K, V
-    out = fp8_pv_reference(q8, k8, v8, scales, 1.0, torch.float32)
+    scales = torch.tensor([1.0, 0.5, 0.25, 2.0])  # Q, K, V, output (1 / (2 * V's))
+    out = fp8_pv_reference(q8, k8, v8, scales, 1.0).float() / 2.0
     p = torch.exp(scores)
     p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
     assert not torch.equal(p8, p)  # P is rounded (exp(-1) = 0.368 -> 0.375)
@@ -264,18 +264,19 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     assert torch.allclose(out, want.expand(1, 1, 1, 2), rtol=1e-6)
     q, k, v = _qkv(s=50)
     *codes, tensor_scales = fp8_pv_operands(q, k * 100, v)
-    assert tensor_scales.shape == (3,) and torch.equal(tensor_scales.log2(), tensor_scales.log2().round())
+    assert tensor_scales.shape == (4,) and torch.equal(tensor_scales.log2(), tensor_scales.log2().round())
     assert tensor_scales[1] >= 64 * tensor_scales[0]  # one power-of-two scale per tensor, from its own amax
+    assert tensor_scales[3] * tensor_scales[2] == 0.5
     assert all(c.dtype == torch.float8_e4m3fn and c.shape == q.shape for c in codes)
 
 
 def test_fp8_pv_op_is_the_reference_off_the_gpu_and_compiles():
     q, k, v = _qkv(s=40)
     operands = fp8_pv_operands(q, k, v)
-    want = fp8_pv_reference(*operands, 0.125, torch.float32)
-    assert torch.equal(fp8_sdpa_op(*operands, 0.125, torch.float32), want)
-    compiled = torch.compile(lambda *a: fp8_sdpa_op(*a, 0.125, torch.float32), fullgraph=True)
-    assert torch.equal(compiled(*operands), want)
+    want = fp8_pv_reference(*operands, 0.125).view(torch.uint8)
+    assert torch.equal(fp8_sdpa_op(*operands, 0.125).view(torch.uint8), want)
+    compiled = torch.compile(lambda *a: fp8_sdpa_op(*a, 0.125).float(), fullgraph=True)
+    assert torch.equal(compiled(*operands), want.view(torch.float8_e4m3fn).float())
 
 
 def test_int8qk_is_independent_of_the_order_of_tokens():
@@ -330,10 +331,11 @@ def test_fused_fp8_attention_matches_its_reference():
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 1000, 4, 128, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     operands = fp8_pv_operands(q, k, v)
-    got = fp8_sdpa_op(*operands, 1 / 128**0.5, torch.bfloat16)
-    assert got.shape == q.shape and got.dtype == torch.bfloat16
-    # the kernel rounds P against the running maximum, the reference against the row's final one
-    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5, torch.bfloat16).float()) < 3e-2
+    got = fp8_sdpa_op(*operands, 1 / 128**0.5)
+    assert got.shape == q.shape and got.dtype == torch.float8_e4m3fn
+    # The kernel rounds P against the running maximum, the reference against the row's final one: a few
+    # output codes land one or two E4M3 steps apart (seen: max 4.2e-2 of the largest output).
+    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5).float()) < 6e-2
     fast, reference = (ATTENTION_KERNELS.get("fp8_pv", "test").make(f) for f in (True, False))
     want = reference(q, k, v).float()
     assert relative_error(fast(q, k, v).float(), want) < 2e-2

@@ -10,7 +10,8 @@ The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel 
   probabilities divide the result at the end;
 * the output is written in E4M3 too, with the power-of-two scale 1 / (2 * V's scale) (an output row
   is a weighted mean of V's rows, so it stays below V's amax, with room for P's rounding), and
-  widened to the compute dtype. cuDNN writes an FP8 SDPA's output in BF16 only on Blackwell
+  widened to the compute dtype outside the op (``dequantize_output``: a compiled block fuses it
+  into the next kernel). cuDNN writes an FP8 SDPA's output in BF16 only on Blackwell
   (cuDNN 9.13+); on Hopper it writes FP8, so the recipe does everywhere.
 
 Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is the rounding of
@@ -46,47 +47,47 @@ arithmetic): probabilities down to 2^-14 stay normal numbers."""
 # Operands
 
 
-def fp8_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """The power-of-two E4M3 scale [1] (fp32) of the whole tensor x (``rceil``)."""
-    amax = x.float().abs().amax().reshape(1)
-    return torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
-
-
-def quantize_fp8_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x -> (E4M3 codes of x's shape, fp32 scale [1]) with x ~ codes * scale."""
-    scale = fp8_tensor_scale(x)
-    return formats.round_to_grid(x.float() / scale, "fp8_e4m3").to(torch.float8_e4m3fn), scale
-
-
 def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """q, k, v [B, S, H, D] -> their E4M3 codes [B, S, H, D] and the three scales as one fp32 tensor [3]
-    (K smoothed in fp32 first: see ``attention.fp8_operands``)."""
-    k = k.float()
-    (q8, q_scale), (k8, k_scale), (v8, v_scale) = (
-        quantize_fp8_tensor(t) for t in (q, k - k.mean(dim=1, keepdim=True), v))
-    return q8, k8, v8, torch.cat([q_scale, k_scale, v_scale])
+    """q, k, v [B, S, H, D] -> their E4M3 codes [B, S, H, D] and the scales as one fp32 tensor [4]: Q's, K's,
+    V's and the output's (1 / (2 * V's)), powers of two.
+
+    K is smoothed in fp32 (see ``attention.fp8_operands``). Its scale comes from amax|k| + amax|mean|,
+    a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale up to
+    one octave too large costs E4M3 only values below 2^-6 of the largest turning subnormal, and saves
+    a pass over K."""
+    mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)
+    amax = torch.stack([q.abs().amax().float(), k.abs().amax().float() + mean.abs().amax(), v.abs().amax().float()])
+    scales = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
+    q8, k8, v8 = (formats.round_to_grid(t / s, "fp8_e4m3").to(torch.float8_e4m3fn)
+                  for t, s in ((q.float(), scales[0]), (k.float() - mean, scales[1]), (v.float(), scales[2])))
+    return q8, k8, v8, torch.cat([scales, 0.5 / scales[2:]])
+
+
+def dequantize_output(o8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The E4M3 output codes -> values in ``dtype`` (outside the op, so a compiled graph fuses it into
+    what reads the attention output)."""
+    return (o8.float() / scales[3]).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
 # The reference
 
 
-def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
-                     chunk: int = 1024) -> torch.Tensor:
-    """The recipe in torch, query chunk by chunk: [B, S, H, D] codes -> [B, S, H, D] in ``out_dtype``.
+def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
+    """The recipe in torch, query chunk by chunk: [B, S, H, D] codes -> the E4M3 output codes [B, S, H, D].
 
     P is rounded after subtracting each row's final maximum; a flash kernel subtracts the running
     maximum of the keys it has seen, so its P values (and their rounding) differ slightly."""
     q, k, v = (t.float().transpose(1, 2) for t in (q8, k8, v8))  # [B, H, S, D]
     s_scale = (scales[0] * scales[1] * sm_scale).float()
-    out = torch.empty(q8.shape, dtype=out_dtype, device=q8.device)  # [B, S, H, D]
+    out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=q8.device)  # [B, S, H, D]
     for start in range(0, q.shape[2], chunk):
         rows = slice(start, start + chunk)
         scores = (q[:, :, rows] @ k.transpose(-1, -2)) * s_scale
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
-        o = formats.round_to_grid((p8 @ v) / (2 * p.sum(dim=-1, keepdim=True)), "fp8_e4m3")  # E4M3 output codes
-        out[:, rows] = (o * (2 * scales[2])).transpose(1, 2).to(out_dtype)
+        o = (p8 @ v) * (scales[2] * scales[3] / p.sum(dim=-1, keepdim=True))  # in units of the output's scale
+        out[:, rows] = formats.round_to_grid(o, "fp8_e4m3").transpose(1, 2).to(torch.float8_e4m3fn)
     return out
 
 
@@ -174,48 +175,48 @@ class CudnnGraph:
         self.p_scales = torch.tensor([1.0 / P_SCALE, P_SCALE], device=device)  # descale_s, scale_s
 
     def __call__(self, q8, k8, v8, scales: torch.Tensor) -> torch.Tensor:
-        """-> the E4M3 output codes [B, S, H, D], in units of 2 * V's scale."""
+        """-> the E4M3 output codes [B, S, H, D] (``fp8_pv_operands``' scales)."""
         cudnn = cudnn_module()
         out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=self.device)
-        scratch = torch.empty(3 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
-        o_scale = scratch[8:12].view(torch.float32)
-        torch.div(0.5, scales[2:3], out=o_scale)
+        scratch = torch.empty(2 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
         buffers = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
                    self.amax[0]: scratch[0:4], self.amax[1]: scratch[4:8]}
-        values = [scales[0:1], scales[1:2], scales[2:3], self.p_scales[0:1], self.p_scales[1:2], o_scale]
+        values = [scales[0:1], scales[1:2], scales[2:3], self.p_scales[0:1], self.p_scales[1:2], scales[3:4]]
         buffers.update(zip(self.scalars, values))
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
-        self.graph.execute(buffers, scratch[12:], handle=self.handle)
+        self.graph.execute(buffers, scratch[8:], handle=self.handle)
         return out
 
 
 _graphs: dict[tuple, CudnnGraph] = {}
 
 
-def cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+def cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale: float) -> torch.Tensor:
     key = (q8.device, tuple(q8.shape), tuple(k8.shape), sm_scale)
     graph = _graphs.get(key)
     if graph is None:
         graph = _graphs[key] = CudnnGraph(tuple(q8.shape), tuple(k8.shape), sm_scale, q8.device)
-    return (graph(q8, k8, v8, scales).to(torch.float32) * (2 * scales[2])).to(out_dtype)
+    return graph(q8, k8, v8, scales)
 
 
 @torch.library.custom_op("ditrun::fp8_sdpa", mutates_args=())
-def fp8_sdpa_op(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor, sm_scale: float,
-                out_dtype: torch.dtype) -> torch.Tensor:
-    """Attention of contiguous E4M3 [B, S, H, D] codes with scales [3] (q, k, v) -> [B, S, H, D] in
-    ``out_dtype``: the vendor's fused kernel where ``unavailable`` says one runs, else the reference."""
+def fp8_sdpa_op(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
+                sm_scale: float) -> torch.Tensor:
+    """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales [4] -> the E4M3 output codes
+    [B, S, H, D]: the vendor's fused kernel where ``unavailable`` says one runs, else the reference."""
     if unavailable(q8.device) is None:
-        if torch.version.hip:
-            return _aiter_function()(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3],
-                                     causal=False, softmax_scale=sm_scale).to(out_dtype)
-        return cudnn_fp8_sdpa(q8.contiguous(), k8.contiguous(), v8.contiguous(), scales, sm_scale, out_dtype)
-    return fp8_pv_reference(q8, k8, v8, scales, sm_scale, out_dtype)
+        q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
+        if torch.version.hip:  # AITER writes BF16: rounded to the recipe's E4M3 output here
+            out = _aiter_function()(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3], causal=False,
+                                    softmax_scale=sm_scale)
+            return formats.round_to_grid(out.float() * scales[3], "fp8_e4m3").to(torch.float8_e4m3fn)
+        return cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale)
+    return fp8_pv_reference(q8, k8, v8, scales, sm_scale)
 
 
 @fp8_sdpa_op.register_fake
-def _(q8, k8, v8, scales, sm_scale, out_dtype):
-    return torch.empty(q8.shape, dtype=out_dtype, device=q8.device)
+def _(q8, k8, v8, scales, sm_scale):
+    return torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=q8.device)
 
 
 def fp8_pv_attention(fast: bool):
@@ -225,8 +226,7 @@ def fp8_pv_attention(fast: bool):
     def attention(q, k, v):
         q8, k8, v8, scales = quantize(q, k, v)
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-        if fast and v.dtype in (torch.bfloat16, torch.float16):  # what the kernels write
-            return fp8_sdpa_op(q8, k8, v8, scales, sm_scale, v.dtype)
-        return fp8_pv_reference(q8, k8, v8, scales, sm_scale, v.dtype)
+        o8 = (fp8_sdpa_op if fast else fp8_pv_reference)(q8, k8, v8, scales, sm_scale)
+        return dequantize_output(o8, scales, v.dtype)
 
     return attention
