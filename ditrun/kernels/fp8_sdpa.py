@@ -58,7 +58,9 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)
     amax = torch.stack([q.abs().amax().float(), k.abs().amax().float() + mean.abs().amax(), v.abs().amax().float()])
     scales = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
-    q8, k8, v8 = (formats.round_to_grid(t / s, "fp8_e4m3").to(torch.float8_e4m3fn)
+    # every |t / s| <= 448 (rceil scales), where the cast rounds to nearest even as ``round_to_grid`` does;
+    # the clamp only keeps a NaN-free cast should a bound be off
+    q8, k8, v8 = ((t * (1 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
                   for t, s in ((q.float(), scales[0]), (k.float() - mean, scales[1]), (v.float(), scales[2])))
     return q8, k8, v8, torch.cat([scales, 0.5 / scales[2:]])
 
