@@ -14,9 +14,10 @@ run: $(STAMP)
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as the
 # local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores
-# (three workers were no faster: 17.1 min against 16.9).
+# (three workers were no faster: 17.1 min against 16.9). Files go out longest first (tests/conftest.py's
+# FILE_SECONDS; --no-loadscope-reorder keeps that order).
 test: system-packages $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 install: system-packages $(STAMP)
 
