@@ -92,8 +92,8 @@ def test_every_block_linear_but_the_modulation_has_one_component(variant):
 
 
 @functools.cache  # built once per session: the tests only read the models
-def _quantized_model(precision, variant="flux"):
-    cfg = tiny_config(f"precision={precision}", f"model.variant={variant}")
+def _quantized_model(precision, variant="flux", *overrides):
+    cfg = tiny_config(f"precision={precision}", f"model.variant={variant}", *overrides)
     placement = select_placement("cpu", "fp32")
     return build_model(cfg.model, placement, plan_precision(cfg.precision, CPU), announce=False), cfg, placement
 
@@ -141,9 +141,12 @@ def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close()
     built, cfg, placement = _quantized_model("bf16")
     assert not any(isinstance(m, L.QuantizedLinear) for m in built.model.modules())
     assert built.attention is sdpa_attention
-    for precision in ["fp8", "krea"]:
-        quantized, _, _ = _quantized_model(precision)
+    for precision, *attention in [("fp8",), ("krea",), ("fp8", "precision.attention=fp8_pv")]:
+        quantized, _, _ = _quantized_model(precision, "flux", *attention)
         assert quantized.details["mlp"]["backends"] == ["emulation"]
+        # the presets' attention is SDPA (fp8) or INT8-QK (krea); no quantized attention runs fast on the CPU
+        assert quantized.details["attention"]["backends"] == ["sdpa" if precision == "fp8" and not attention
+                                                              else "reference"]
         hidden = torch.randn(1, 6, 64, generator=gen(4))
         inputs = dict(hidden_states=hidden, encoder_hidden_states=torch.randn(1, 3, 64, generator=gen(5)),
                       pooled_projections=torch.randn(1, 32, generator=gen(6)), timestep=torch.tensor([0.5]),
