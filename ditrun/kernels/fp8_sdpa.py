@@ -16,7 +16,7 @@ The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel 
 
 Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is the rounding of
 P and of the output (3 mantissa bits each), which the ``fp8`` and ``int8qk*`` recipes, with P @ V in
-BF16, do not pay. (AITER's kernel writes BF16: on AMD the output is not rounded to E4M3.)
+BF16, do not pay. (AITER's kernel writes BF16; its output is rounded to the recipe's E4M3 here.)
 
 "Per tensor" means per call. In a parallel layout a call holds the heads of one rank (Ulysses) or
 one CFG branch, so the scales are those of what the call holds, and a layout's output is close to
@@ -52,9 +52,9 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     V's and the output's (1 / (2 * V's)), powers of two.
 
     K is smoothed in fp32 (see ``attention.fp8_operands``). Its scale comes from amax|k| + amax|mean|,
-    a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale up to
-    one octave too large costs E4M3 only values below 2^-6 of the largest turning subnormal, and saves
-    a pass over K."""
+    a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
+    octave too large makes values below about 2^-14 of the largest (instead of 2^-15) subnormal, and
+    saves a pass over K."""
     mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)
     amax = torch.stack([q.abs().amax().float(), k.abs().amax().float() + mean.abs().amax(), v.abs().amax().float()])
     scales = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
