@@ -63,7 +63,7 @@ def test_precision_mistakes_are_one_sentence(override, message):
 
 
 def test_labels_name_what_ran():
-    cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32",
+    cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32", ("fp8_all",): "fp8_all+fp32",
              ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32", ("fp8", "precision.attention=int8qk"):
              "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32"}
     for overrides, label in cases.items():
