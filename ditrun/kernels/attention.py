@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats, fp8_sdpa
-from ditrun.kernels.fp8_sdpa import fp8_pv_attention
 from ditrun.kernels.linear import CompiledOnGpu, _has_rowwise_fp8, fp8_dtype, triton_available
 from ditrun.model.dit import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
@@ -76,8 +75,7 @@ def fp8_head_exponents(x: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, S, D] -> (E4M3 codes, fp32 power-of-two scale [B, H]): ``quantize_v(x, "fp8")`` as codes and
     scale (codes * scale equals it exactly), the operands of the FP8 attention kernel."""
-    exponent = fp8_head_exponents(x)
-    scale = torch.ldexp(torch.ones_like(exponent), exponent)
+    scale = formats.fp8_power_of_two_scale(x.float().abs().amax(dim=(-2, -1)))
     codes = formats.round_to_grid(x.float() / scale[..., None, None], "fp8_e4m3").to(torch.float8_e4m3fn)
     return codes, scale
 
@@ -275,8 +273,8 @@ ATTENTION_KERNELS.register("fp8", AttentionKernel(
     fp8_attention, unavailable=_fp8_triton_unavailable))
 ATTENTION_KERNELS.register("fp8_pv", AttentionKernel(
     "fp8_pv", "Q, smoothed K, V and P in FP8 E4M3 (a power-of-two scale per tensor), FP8 Q.K^T and P.V, fp32 "
-    "softmax: the vendors' fused FP8 attention (cuDNN, AITER)", fp8_pv_attention, unavailable=fp8_sdpa.unavailable,
-    backend=fp8_sdpa.BACKEND))
+    "softmax: the vendors' fused FP8 attention (cuDNN, AITER)", fp8_sdpa.fp8_pv_attention,
+    unavailable=fp8_sdpa.unavailable, backend=fp8_sdpa.BACKEND))
 for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
     ATTENTION_KERNELS.register(_name, AttentionKernel(

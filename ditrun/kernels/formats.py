@@ -197,6 +197,12 @@ def shared_exponents(amax: torch.Tensor, fmt: ElementFormat, scale_mode: str = "
     return exponent.clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
+def fp8_power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The fp32 power-of-two E4M3 scale of each amax (``rceil``: amax / scale lands at or below 448)."""
+    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32),
+                       shared_exponents(amax, FORMATS["fp8_e4m3"], "rceil").float())
+
+
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     if x.shape[-1] % block:
         raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of the block size {block}")

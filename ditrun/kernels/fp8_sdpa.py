@@ -2,8 +2,9 @@
 
 The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel on AMD GPUs):
 
-* Q, K smoothed by its mean over the tokens (``attention.smooth_k``), and V are quantized to E4M3
-  with one power-of-two scale per tensor (``rceil``: the tensor's amax lands at or below 448);
+* Q, K smoothed by its mean over the tokens (in fp32, as ``attention.fp8_operands`` does), and V are
+  quantized to E4M3 with one power-of-two scale per tensor (``rceil``: the tensor's amax lands at or
+  below 448);
 * the scores are an FP8 dot times both scales and the softmax scale; the softmax runs in fp32;
 * the unnormalized probabilities exp(s - running max), in [0, 1], are multiplied by ``P_SCALE`` and
   rounded to E4M3 for the P @ V dot (an FP8 dot too), and the fp32 row sums of the unrounded
@@ -31,13 +32,14 @@ recipe in torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
 
 from ditrun.kernels import formats
-from ditrun.kernels.linear import CompiledOnGpu, fp8_dtype
+from ditrun.kernels.linear import CompiledOnGpu, aiter_function, fp8_dtype
 
 P_SCALE = 256.0
 """P in [0, 1] times this before rounding to E4M3 (a power of two, so the reference's rounding is exact
@@ -57,7 +59,7 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     saves a pass over K."""
     mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)
     amax = torch.stack([q.abs().amax().float(), k.abs().amax().float() + mean.abs().amax(), v.abs().amax().float()])
-    scales = torch.ldexp(torch.ones_like(amax), formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"]).float())
+    scales = formats.fp8_power_of_two_scale(amax)
     # every |t / s| <= 448 (rceil scales), where the cast rounds to nearest even as ``round_to_grid`` does;
     # the clamp only keeps a NaN-free cast should a bound be off
     q8, k8, v8 = ((t * (1 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
@@ -106,14 +108,16 @@ def cudnn_module():
     return cudnn
 
 
+@functools.lru_cache(maxsize=None)
 def unavailable(device: torch.device) -> Optional[str]:
-    """None when a fused FP8 attention kernel runs on ``device``, else why not (one clause)."""
+    """None when a fused FP8 attention kernel runs on ``device``, else why not (one clause). Cached: the
+    op asks on every call, and a missing package's import is not cached by Python."""
     if device.type != "cuda":
         return "needs a GPU (cuDNN's FP8 SDPA on NVIDIA sm_90+, AITER on AMD gfx950)"
     if torch.version.hip:
         if fp8_dtype() != torch.float8_e4m3fn:
             return "needs OCP E4M3 (AMD gfx950; MI300 has the FNUZ variant)"
-        if _aiter_function() is None:
+        if aiter_function(AITER_ATTENTION) is None:
             return "needs AITER's flash_attn_fp8_pertensor_func (the aiter package)"
         return None
     if torch.cuda.get_device_capability(device) < (9, 0):
@@ -127,12 +131,16 @@ BACKEND = "aiter" if torch.version.hip else "cudnn"
 """The library that runs ``fp8_pv`` on this build of PyTorch's GPUs."""
 
 
-def _aiter_function():
-    try:
-        import aiter
-    except ImportError:
-        return None
-    return getattr(aiter, "flash_attn_fp8_pertensor_func", None)
+AITER_ATTENTION = "flash_attn_fp8_pertensor_func"
+
+
+SCALAR = {"dim": [1, 1, 1, 1], "stride": [1, 1, 1, 1]}
+
+
+def _bhsd(shape: tuple) -> dict:
+    """A contiguous [B, S, H, D] tensor as cuDNN's [B, H, S, D] dims and strides."""
+    b, s, h, d = shape
+    return {"dim": [b, h, s, d], "stride": [s * h * d, d, h * d, 1]}
 
 
 class CudnnGraph:
@@ -152,21 +160,20 @@ class CudnnGraph:
         fp8, fp32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=fp32, compute_data_type=fp32, handle=handle)
 
-        def operand(name, shape, data_type=fp8):
-            b, s, h, d = shape
-            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=data_type)
+        def operand(name, shape):
+            return graph.tensor(name=name, **_bhsd(shape), data_type=fp8)
 
         def scalar(name):
-            return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=fp32)
+            return graph.tensor(name=name, **SCALAR, data_type=fp32)
 
         self.q, self.k, self.v = operand("q", q_shape), operand("k", kv_shape), operand("v", kv_shape)
         self.scalars = [scalar(n) for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
         o, _, amax_s, amax_o = graph.sdpa_fp8(self.q, self.k, self.v, *self.scalars, generate_stats=False,
                                               attn_scale=sm_scale, name="ditrun_fp8_pv")
-        b, s, h, d = q_shape
-        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(fp8)
+        layout = _bhsd(q_shape)
+        o.set_output(True).set_dim(layout["dim"]).set_stride(layout["stride"]).set_data_type(fp8)
         for t in (amax_s, amax_o):
-            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(fp32)
+            t.set_output(True).set_dim(SCALAR["dim"]).set_stride(SCALAR["stride"]).set_data_type(fp32)
         self.o, self.amax = o, (amax_s, amax_o)
         graph.validate()
         graph.build_operation_graph()
@@ -209,7 +216,7 @@ def fp8_sdpa_op(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: to
     if unavailable(q8.device) is None:
         q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
         if torch.version.hip:  # AITER writes BF16: rounded to the recipe's E4M3 output here
-            out = _aiter_function()(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3], causal=False,
+            out = aiter_function(AITER_ATTENTION)(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3], causal=False,
                                     softmax_scale=sm_scale)
             return formats.round_to_grid(out.float() * scales[3], "fp8_e4m3").to(torch.float8_e4m3fn)
         return cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale)

@@ -361,13 +361,13 @@ class MxScaledMm:
                                 out_dtype=out_dtype)
 
 
-def _aiter_gemm():
-    """AITER's per-token x per-channel FP8 GEMM (CK), when AITER is installed; None otherwise."""
+def aiter_function(name: str):
+    """AITER's function ``name`` when AITER is installed and has it; None otherwise."""
     try:
         import aiter
     except ImportError:
         return None
-    return getattr(aiter, "gemm_a8w8_CK", None)
+    return getattr(aiter, name, None)
 
 
 class AiterFp8:
@@ -381,7 +381,7 @@ class AiterFp8:
             return "runs fp8 only"
         if not torch.version.hip or device.type != "cuda":
             return "needs ROCm"
-        return None if _aiter_gemm() is not None else "needs AITER (aiter.gemm_a8w8_CK)"
+        return None if aiter_function("gemm_a8w8_CK") is not None else "needs AITER (aiter.gemm_a8w8_CK)"
 
     def prepare(self, weight, fmt, scale_mode):
         w8, scale = quantize_rowwise_fp8(weight, fp8_dtype())
@@ -393,7 +393,8 @@ class AiterFp8:
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale = operand
         gemm_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-        return _aiter_gemm()(x8, weights["w8"], x_scale, weights["scale"], None, gemm_dtype).to(out_dtype)
+        out = aiter_function("gemm_a8w8_CK")(x8, weights["w8"], x_scale, weights["scale"], None, gemm_dtype)
+        return out.to(out_dtype)
 
 
 LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
