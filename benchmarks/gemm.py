@@ -85,6 +85,36 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
     return row
 
 
+FUSION_SETS = [  # (block, [(K, N) of linears that read one input]): time separate against one stacked GEMM
+    ("double: q, k, v", [(3072, 3072)] * 3),
+    ("single: q, k, v, proj_mlp", [(3072, 3072)] * 3 + [(3072, 12288)]),
+    ("single: qkv, proj_mlp", [(3072, 9216), (3072, 12288)]),
+]
+
+
+def fusion_rows(m: int, repeats: int) -> list[dict[str, str]]:
+    """BF16 linears with bias (``model.fuse``): the separate GEMMs against the stacked one, with and
+    without the bias (inductor may move a bias into the next kernel), on this GPU's BLAS."""
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    rows = []
+    for block, shapes in FUSION_SETS:
+        k = shapes[0][0]
+        x = torch.randn(m, k, device=CUDA, generator=g).to(torch.bfloat16)
+        ws = [(torch.randn(n, k, device=CUDA, generator=g) / k**0.5).to(torch.bfloat16) for _, n in shapes]
+        bs = [torch.randn(n, device=CUDA, generator=g).to(torch.bfloat16) for _, n in shapes]
+        w, b = torch.cat(ws), torch.cat(bs)
+        flops = 2 * m * k * w.shape[0]
+        times = {
+            "separate": time_ms(lambda: [F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], CUDA, repeats),
+            "stacked": time_ms(lambda: F.linear(x, w, b), CUDA, repeats),
+            "separate, no bias": time_ms(lambda: [x @ wi.t() for wi in ws], CUDA, repeats),
+            "stacked, no bias": time_ms(lambda: x @ w.t(), CUDA, repeats),
+        }
+        rows.append({"M": str(m), "linears": block, "N": "+".join(str(n) for _, n in shapes),
+                     **{f"{name} ms": f"{ms:.3f} ({flops / ms / 1e9:.0f} TF/s)" for name, ms in times.items()}})
+    return rows
+
+
 def print_table(rows: list[dict[str, str]]) -> None:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     widths = {c: max(len(c), *(len(row.get(c, "")) for row in rows)) for c in columns}
@@ -99,11 +129,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--formats", nargs="*", default=["fp8", "fp8_fast", "mxfp8", "mxfp6", "mxfp4"],
                         help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists")
+    parser.add_argument("--fusion", action="store_true",
+                        help="only BF16: the linears that read one input, separate against stacked (model.fuse)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"{'ROCm ' + torch.version.hip if torch.version.hip else 'CUDA ' + str(torch.version.cuda)}")
+    if args.fusion:
+        print_table([row for m in args.m for row in fusion_rows(m, args.repeats)])
+        return
     rows = []
     for m in args.m:
         for name, k, n in FLUX_SHAPES:

@@ -57,6 +57,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.config import ModelConfig, PrecisionConfig  # noqa: E402
+from ditrun.kernels import linear as L  # noqa: E402
 from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
 from ditrun.model.compile import CompilePlan  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
@@ -111,9 +112,9 @@ KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
 )
 
 
-def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
+def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
     """Kernel time of one call by kind (ms): attention, GEMM and the rest (norms, elementwise, copies);
-    ``top_rest``: the ``top`` costliest kernels of the rest, (name, ms), where fusion has work left;
+    ``top_rest``: the ``top`` costliest kernels of the rest, (name, ms, calls), where fusion has work left;
     ``attention_kernels``: every kernel counted as attention, (name, ms, calls): which SDPA backend ran;
     ``top_gemm``: the ``top`` costliest GEMM kernels, (name, ms, calls)."""
     from torch.profiler import ProfilerActivity, profile
@@ -136,7 +137,7 @@ def kernel_breakdown(fn: Callable, top: int = 6) -> dict:
         ms = event.self_device_time_total / 1e3
         totals[kind] += ms
         if kind == "rest":
-            rest.append((event.key[:90], round(ms, 2)))
+            rest.append((event.key[:90], round(ms, 2), event.count))
         elif kind == "attention":
             attention.append((event.key[:120], round(ms, 2), event.count))
         else:
@@ -189,6 +190,10 @@ def make_inputs(tokens: int) -> dict:
         txt_ids=torch.zeros(TEXT, 3, device="cuda"), guidance=torch.tensor([3.5], device="cuda"))
 
 
+COMPILE_TUNING = False
+"""``--compile-tuning``: ditrun's modes compile with ``model.compile_tuning`` (inductor's coordinate descent)."""
+
+
 def ditrun_forward(mode: str, weights: dict) -> Callable:
     """A forward of ditrun built as ``mode`` says, from diffusers' tensors (shared, not copied)."""
     spec = PRECISIONS[mode.removesuffix("-regions")]
@@ -202,7 +207,7 @@ def ditrun_forward(mode: str, weights: dict) -> Callable:
     plan = plan_precision(precision_cfg, placement.device)
     compiled = mode != "ditrun"
     built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
-                        speed=CompilePlan(compile=compiled, fuse=compiled))
+                        speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING))
     model, attention = built.model, built.attention
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
         return lambda inputs: model(**inputs, attention=lambda q, k, v: attention(q, k, v))
@@ -354,14 +359,22 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
     parser.add_argument("--out", type=Path, default=None, help="write vs_diffusers.json here")
+    parser.add_argument("--compile-tuning", action="store_true",
+                        help="ditrun's compiled modes with model.compile_tuning=true (inductor's coordinate descent)")
+    parser.add_argument("--fused-quantizer", action="store_true",
+                        help="FP8 linears quantize [prefix | GELU(x)] with ditrun::act_rowwise_fp8, not as inductor fuses it")
     args = parser.parse_args()
+    global COMPILE_TUNING
+    COMPILE_TUNING = args.compile_tuning
+    L.FUSED_ACTIVATION_QUANTIZER = args.fused_quantizer
     if nothing_to_measure("vs_diffusers"):
         return 0
     if "diffusers" not in args.modes:
         args.modes.insert(0, "diffusers")  # the reference every error is measured against
     ceilings = gemm_ceilings()
     print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
-          f"tokens {args.tokens}", flush=True)
+          f"tokens {args.tokens}, compile tuning {COMPILE_TUNING}, fused activation quantizer "
+          f"{L.FUSED_ACTIVATION_QUANTIZER}", flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
     biggest = max(args.tokens)
@@ -376,6 +389,7 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
+            "compile_tuning": COMPILE_TUNING, "fused_activation_quantizer": L.FUSED_ACTIVATION_QUANTIZER,
             "skipped": skipped, "targets": targets,
             "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
     return 0

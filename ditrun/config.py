@@ -52,6 +52,9 @@ class ModelConfig:
     ``aot_eager`` (traces and checks the graphs, runs them eagerly: finds a graph break without codegen)."""
     fuse: str = "auto"
     """Stack the linears that read one input into one GEMM: ``auto`` (when compiled), ``on``, ``off``."""
+    compile_tuning: bool = False
+    """Let inductor tune its generated kernels' tile sizes (coordinate descent): a few % faster blocks, a much
+    longer first compile (86 s against 11 s at 8704 tokens on one H200), cached for later processes."""
 
 
 @dataclass

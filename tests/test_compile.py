@@ -114,6 +114,10 @@ def test_auto_compiles_on_gpus_only():
     assert plan_compile(model, torch.device("cpu")) == CompilePlan(compile=False, fuse=False)
     assert plan_compile(model, torch.device("cuda")) == CompilePlan(compile=True, fuse=True)
     assert plan_compile(tiny_config("model.fuse=on").model, torch.device("cpu")) == CompilePlan(False, True)
+    tuned = plan_compile(tiny_config("model.compile_tuning=true").model, torch.device("cuda"))
+    assert tuned == CompilePlan(True, True, "inductor", tuning=True) and tuned.label == "compiled, tuned"
+    debug = tiny_config("model.compile=on", "model.compile_tuning=true", "model.compile_backend=aot_eager").model
+    assert not plan_compile(debug, torch.device("cpu")).tuning  # inductor's option: nothing to tune in aot_eager
 
 
 @pytest.mark.timeout(240)

@@ -17,7 +17,7 @@ from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, in
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
 from ditrun.model.build import build_model, plan_precision, precision_label, select_placement
 from ditrun.model.components import COMPONENT_LINEARS, component_linears
-from ditrun.model.dit import FluxDiT, sdpa_attention
+from ditrun.model.dit import FluxDiT, gelu_activation, sdpa_attention
 from ditrun.model.presets import geometry_from_config
 from launching import relative_error, tiny_config
 
@@ -117,6 +117,26 @@ def test_the_down_projection_quantizes_the_activation_output_it_is_given(variant
     hidden = ff.net[0].proj(x)
     assert torch.equal(ff(x), ff.net[2](ff.activation(hidden)))  # the fused call computes the same product
     assert isinstance(ff.net[2], L.QuantizedLinear)
+
+
+@pytest.mark.parametrize("fmt, backend", [("fp8", "emulation"), ("fp8", "fp8_rowwise"), ("mxfp6", "emulation")])
+def test_a_prefix_and_an_activation_join_inside_the_linear(fmt, backend):
+    """proj_out(hidden, activation, prefix) is proj_out([prefix | activation(hidden)]) on every backend; on the
+    CPU the fused quantizer's op is the torch reference of the joined input (the GPU test checks its kernel)."""
+    if backend != "emulation" and not hasattr(torch, "_scaled_mm"):
+        pytest.skip("no torch._scaled_mm")
+    f = L.LINEAR_FORMATS.get(fmt, "test")
+    layer = L.QuantizedLinear.with_backend(torch.randn(40, 96, generator=gen(15)) / 8, f, backend)
+    prefix, hidden = torch.randn(2, 5, 32, generator=gen(16)), torch.randn(2, 5, 64, generator=gen(17))
+    want = layer(torch.cat([prefix, gelu_activation(hidden)], dim=-1))
+    assert torch.equal(layer(hidden, activation=gelu_activation, prefix=prefix), want)
+    rows = hidden.reshape(-1, 64)
+    codes, scale = L.act_rowwise_fp8_op(prefix.reshape(-1, 32), rows, "gelu_tanh", torch.float8_e4m3fn)
+    ref_codes, ref_scale = L.quantize_rowwise_fp8(torch.cat([prefix.reshape(-1, 32), gelu_activation(rows)], -1),
+                                                  torch.float8_e4m3fn)
+    assert torch.equal(codes.float(), ref_codes.float()) and torch.equal(scale, ref_scale)
+    torch.library.opcheck(L.act_rowwise_fp8_op, (prefix.reshape(-1, 32), rows, "gelu_tanh", torch.float8_e4m3fn),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("variant", ["flux", "krea3"])

@@ -56,6 +56,41 @@ def check_arithmetic(store_dtype=torch.float32) -> None:
                 assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), (element, mode)
 
 
+def act_inputs(device: str = "cpu"):
+    """(prefix or None, x) pairs for the fused activation quantizer: no prefix, a prefix ending inside a chunk and one
+    spanning chunks, ragged last chunks, a zero row."""
+    g = torch.Generator().manual_seed(2)
+    pairs = []
+    for ka, kb in ((0, 16448), (1000, 320), (3072, 5000)):
+        x = torch.randn(5, kb, generator=g) * 3
+        prefix = None if ka == 0 else torch.randn(5, ka, generator=g)
+        x[1] = 0
+        if prefix is not None:
+            prefix[1] = 0
+        pairs.append(tuple(None if t is None else t.to(torch.bfloat16).to(device) for t in (prefix, x)))
+    return pairs
+
+
+def assert_codes_match(got: torch.Tensor, want: torch.Tensor) -> None:
+    """E4M3 codes of the fused quantizer against the reference's: it multiplies by the scale's reciprocal, which
+    moves x / scale by at most an fp32 ulp, so a rare code is the neighbouring one."""
+    got, want = got.float(), want.float()
+    assert (got != want).float().mean() < 1e-3
+    assert torch.allclose(got, want, rtol=2**-3, atol=2**-9)
+
+
+def check_act_quantizer(store_dtype=torch.float32) -> None:
+    """``act_rowwise_fp8`` without an activation against ``quantize_rowwise_fp8`` of [prefix | x], values before
+    the cast (the interpreter's BF16 casts truncate, so the GELU's rounding is checked on GPUs)."""
+    from ditrun.kernels import quantize_triton as T
+
+    for prefix, x in act_inputs():
+        got, scale = T.act_rowwise_fp8(prefix, x, False, torch.float8_e4m3fn, store_dtype)
+        want, want_scale = L.quantize_rowwise_fp8(L.joined(prefix, x, None), torch.float8_e4m3fn)
+        assert torch.equal(scale, want_scale)
+        assert_codes_match(got.to(torch.float8_e4m3fn), want)
+
+
 def check_attention() -> None:
     """The attention kernel with fixed tiles (the interpreter cannot autotune), BF16-path V, masked and not."""
     from ditrun.kernels.attention_triton import int8qk_flash
@@ -103,7 +138,7 @@ def test_triton_kernels_in_the_cpu_interpreter():
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
     code = ("import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); t.check_fp8_attention(); "
-            "t.check_qk_quantizer()")
+            "t.check_qk_quantizer(); t.check_act_quantizer()")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=200)
@@ -124,6 +159,26 @@ def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
                 got = L.mx_repack_fp8_op(x, element, 32, mode)
                 want = L.mx_repack_fp8(x, element, 32, mode)
                 assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1]), (element, mode)
+
+
+@pytest.mark.gpu
+def test_fused_activation_quantizer_equals_the_reference_on_the_gpu():
+    """[prefix | x]: the reference's scales, its codes but for rare neighbours (``assert_codes_match``);
+    [prefix | GELU(x)] within one BF16 step of the GELU: torch's tanh and the kernel's exp form differ in the
+    last fp32 bits, which moves a rare value to the neighbouring BF16 number."""
+    dtype = L.fp8_dtype()
+    gelu = L.ACTIVATION_FUNCTIONS["gelu_tanh"]
+    for prefix, x in act_inputs("cuda"):
+        got, scale = L.act_rowwise_fp8_op(prefix, x, "none", dtype)
+        want, want_scale = L.quantize_rowwise_fp8(L.joined(prefix, x, None), dtype)
+        assert torch.equal(scale, want_scale)
+        assert_codes_match(got, want)
+        got, scale = L.act_rowwise_fp8_op(prefix, x, "gelu_tanh", dtype)
+        want, want_scale = L.quantize_rowwise_fp8(L.joined(prefix, x, gelu), dtype)
+        assert torch.allclose(scale, want_scale, rtol=2**-7, atol=0)
+        values, want_values = got.float() * scale, want.float() * want_scale
+        assert torch.allclose(values, want_values, rtol=2**-3, atol=float(want_scale.max()) * 2**-9)
+        assert (got.float() != want.float()).float().mean() < 1e-3
 
 
 @pytest.mark.gpu

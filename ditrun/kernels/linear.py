@@ -24,6 +24,7 @@ Backends, by device:
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
@@ -188,6 +189,57 @@ def _(x, element_name, block, scale_mode):
             x.new_empty((), dtype=torch.int64))
 
 
+TRITON = importlib.util.find_spec("triton") is not None
+"""Whether Triton is installed (a constant, so compiled regions read it without tracing an import)."""
+FUSED_ACTIVATIONS = ("gelu_tanh",)
+"""Activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry."""
+FUSED_ACTIVATION_QUANTIZER = False
+"""Whether FP8 row-wise linears quantize [prefix | activation(x)] with ``ditrun::act_rowwise_fp8`` on GPUs with
+Triton, in compiled regions too. Off: inductor fuses the same torch arithmetic into one kernel per linear,
+which measured faster on one H200 (205.2 against 208.1-209.7 ms per forward at 8704 tokens,
+docs/PERFORMANCE.md 2026-11-30, last); ``benchmarks/vs_diffusers.py --fused-quantizer`` compares the two."""
+
+
+@torch.library.custom_op("ditrun::act_rowwise_fp8", mutates_args=())
+def act_rowwise_fp8_op(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: str,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[prefix | activation(x)] -> row-wise FP8 codes and scales (``quantize_rowwise_fp8`` of it) in two passes
+    over the whole GPU (``quantize_triton.act_rowwise_fp8``); the torch reference off GPUs."""
+    if not triton_available(x.device):
+        return quantize_rowwise_fp8(joined(prefix, x, ACTIVATION_FUNCTIONS[activation]), dtype)
+    from ditrun.kernels import quantize_triton
+
+    return quantize_triton.act_rowwise_fp8(None if prefix is None else prefix.contiguous(), x.contiguous(),
+                                           activation == "gelu_tanh", dtype)
+
+
+@act_rowwise_fp8_op.register_fake
+def _(prefix, x, activation, dtype):
+    width = x.shape[1] + (0 if prefix is None else prefix.shape[1])
+    return x.new_empty((x.shape[0], width), dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+ACTIVATION_FUNCTIONS = {"none": None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+"""The fused activations' torch definitions, by kernel name (the op's reference off GPUs)."""
+
+
+def joined(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: Optional[Callable]) -> torch.Tensor:
+    """A linear's input [prefix | activation(x)] along the last dim (what the fused quantizer never writes)."""
+    x = x if activation is None else activation(x)
+    return x if prefix is None else torch.cat([prefix, x], dim=-1)
+
+
+def fused_activation_quantize(backend, activation: Optional[Callable], rows: torch.Tensor,
+                              prefix: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, ...]]:
+    """The FP8 operand of [prefix | activation(rows)] from ``ditrun::act_rowwise_fp8`` where it applies (an FP8
+    row-wise backend, a fusable activation, a GPU with Triton); else None."""
+    name = "none" if activation is None else getattr(activation, "kernel_name", None)
+    if not (FUSED_ACTIVATION_QUANTIZER and getattr(backend, "fused_activation", False) and name in FUSED_ACTIVATIONS
+            and rows.is_cuda and TRITON):
+        return None
+    return act_rowwise_fp8_op(prefix, rows, name, fp8_dtype())
+
+
 # ---------------------------------------------------------------------------------------------
 # Backends
 
@@ -263,6 +315,8 @@ class Fp8Rowwise:
 
     triton_quantizer = True
     """Its activation quantizer is one Triton kernel on GPUs with Triton (nothing to compile around it)."""
+    fused_activation = True
+    """An activation before it (and a prefix) runs in ``ditrun::act_rowwise_fp8`` (``fused_activation_quantize``)."""
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
@@ -388,7 +442,7 @@ class AiterFp8:
         return {"w8": w8, "scale": scale}
 
     quantize = staticmethod(Fp8Rowwise.quantize)
-    triton_quantizer = True
+    triton_quantizer = fused_activation = True
 
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale = operand
@@ -451,24 +505,33 @@ class QuantizedLinear(nn.Module):
         self.weights = {name: backend.prepare(weight, fmt, scale_mode) for name, backend in backends.items()}
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, activation: Optional[Callable] = None):
-        """``activation``: applied to x first, inside the quantizer, so that a quantized down projection
-        takes the MLP's hidden state and its activation's output is quantized as it is made."""
+    def forward(self, x: torch.Tensor, activation: Optional[Callable] = None, prefix: Optional[torch.Tensor] = None):
+        """The linear of [prefix | activation(x)] (joined along the last dim). ``activation``: applied inside the
+        quantizer, so that a quantized down projection takes the MLP's hidden state and its activation's
+        output is quantized as it is made; ``prefix`` (the single block's attention output beside its MLP's)
+        is joined there too, so that neither is written whole in the compute dtype."""
         # x: [..., K] (K before the activation) -> [..., N] (or a tuple split along N)
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # FP8 GEMMs want a row-major activation
-        out = self.matmul(rows, self.choose(rows.shape[0]), activation)
+        prefix_rows = None if prefix is None else prefix.reshape(-1, prefix.shape[-1]).contiguous()
+        out = self.matmul(rows, self.choose(rows.shape[0]), activation, prefix_rows)
         if self.bias is not None:
             out = out + self.bias
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.splits is None else out.split(self.splits, dim=-1)
 
-    def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None) -> torch.Tensor:
-        """rows [M, K] through backend ``name`` -> [M, N], bias not included."""
+    def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None,
+               prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """[prefix | activation(rows)] [M, K] through backend ``name`` -> [M, N], bias not included."""
         backend = self.backends[name]
-        if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
-            operand = backend.quantize(rows if activation is None else activation(rows), self.fmt, self.scale_mode)
-        else:
-            operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
+        operand = fused_activation_quantize(backend, activation, rows, prefix)
+        if operand is None:
+            if prefix is not None:
+                rows, activation = joined(prefix, rows, activation), None
+            if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
+                operand = backend.quantize(rows if activation is None else activation(rows), self.fmt,
+                                           self.scale_mode)
+            else:
+                operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
         return backend.gemm(operand, self.weights[name], self.fmt, rows.dtype)
 
     @classmethod

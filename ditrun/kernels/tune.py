@@ -17,7 +17,7 @@ import time
 import torch
 
 from ditrun.errors import UserError
-from ditrun.kernels.linear import QuantizedLinear
+from ditrun.kernels.linear import QuantizedLinear, joined
 from ditrun.kernels.tuning import DispatchTable, device_key, entry_key, m_bucket
 
 TOLERANCE = 2e-2
@@ -49,8 +49,8 @@ def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple
     seen: dict[tuple, tuple[QuantizedLinear, torch.Tensor]] = {}
 
     def hook(module: QuantizedLinear, args, kwargs):
-        x, activation = args[0], kwargs.get("activation")  # a down projection gets the pre-activation state
-        rows = (x if activation is None else activation(x)).reshape(-1, module.in_features)
+        # a down projection gets the pre-activation state (and the single block's proj_out a prefix)
+        rows = joined(kwargs.get("prefix"), args[0], kwargs.get("activation")).reshape(-1, module.in_features)
         key = (module.fmt.name, m_bucket(rows.shape[0]), module.in_features, module.out_features)
         if key not in seen:
             seen[key] = (module, rows.detach().clone())

@@ -60,11 +60,14 @@ class CompilePlan:
     fuse: bool
     backend: str = "inductor"
     """``torch.compile``'s backend (``model.compile_backend``)."""
+    tuning: bool = False
+    """Inductor's coordinate-descent tuning of its kernels (``model.compile_tuning``)."""
 
     @property
     def label(self) -> str:
         if self.compile:
-            return "compiled" if self.backend == "inductor" else f"compiled ({self.backend})"
+            label = "compiled" if self.backend == "inductor" else f"compiled ({self.backend})"
+            return f"{label}, tuned" if self.tuning else label
         return "eager+fused" if self.fuse else "eager"
 
 
@@ -82,7 +85,8 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
     if compiled and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
                         f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
-    return CompilePlan(compiled, fused, backend)
+    tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor"
+    return CompilePlan(compiled, fused, backend, tuning)
 
 
 def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] = None) -> dict[str, int]:
@@ -90,7 +94,7 @@ def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] 
     returns what was done, for the records."""
     done = {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
     if plan.compile:
-        done["compiled_blocks"] = compile_regions(model, attention, plan.backend)
+        done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning)
     return done
 
 
@@ -151,7 +155,8 @@ def fuse_projections(model: FluxDiT) -> int:
 # Regional compilation
 
 
-def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor") -> int:
+def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor",
+                    tuning: bool = False) -> int:
     """Compile every block's halves (see the module doc); returns the number of blocks.
 
     ``attention``: the run's own attention function (SDPA or a custom-op kernel: no exchange in it).
@@ -166,7 +171,8 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
         assert isinstance(block, (DoubleStreamBlock, SingleStreamBlock))
         # Static shapes: the dispatch table picks a backend per row count, and an edit has few shapes.
         # Bound methods of one class share their code object, so all blocks of a class share a graph.
-        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend)
+        options = {"coordinate_descent_tuning": True} if tuning else None
+        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
         regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
                           compiled(block.joint) if attention is not None else None, attention)
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()

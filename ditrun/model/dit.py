@@ -275,6 +275,9 @@ def gelu_activation(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
+gelu_activation.kernel_name = "gelu_tanh"  # what fused kernels that apply it themselves call it (kernels/linear.py)
+
+
 def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
     # h: [..., 2 * hidden] -> [..., hidden]
     a, b = h.chunk(2, dim=-1)
@@ -436,7 +439,12 @@ class SingleStreamBlock(nn.Module):
         gate, attn_gate, mlp_in = state
         attn_out = self.attn.gated(out.flatten(2).to(x.dtype), attn_gate)
         hidden = mlp_in if self.fused_in is not None else self.proj_mlp(mlp_in)
-        x = x + gate[:, None] * self.proj_out(torch.cat([attn_out, mlp_activation(hidden, self.swiglu)], dim=2))
+        if isinstance(self.proj_out, nn.Linear):
+            projected = self.proj_out(torch.cat([attn_out, mlp_activation(hidden, self.swiglu)], dim=2))
+        else:  # quantized: it joins and activates its input inside the quantizer (one fused pass on GPUs)
+            activation = swiglu_activation if self.swiglu else gelu_activation
+            projected = self.proj_out(hidden, activation=activation, prefix=attn_out)
+        x = x + gate[:, None] * projected
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
