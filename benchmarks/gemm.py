@@ -2,6 +2,7 @@
 
     python benchmarks/gemm.py                # M = 4608 and 20992, every Flux (K, N)
     python benchmarks/gemm.py --m 4608 --repeats 30
+    python benchmarks/gemm.py --fusion --m 4608 8704 20992   # BF16: separate linears against one stacked GEMM
 
 For each (M, K, N) it times, with CUDA events (median of ``--repeats`` after warm-up):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized

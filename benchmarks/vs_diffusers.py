@@ -35,6 +35,10 @@ Shapes (``--tokens``; image + reference + text tokens): 8704 (Kontext 1 MP edit:
     python benchmarks/vs_diffusers.py --out results/vs                # everything (~15 min on an H200)
     python benchmarks/vs_diffusers.py --modes diffusers ditrun-krea --tokens 20992
 
+Options: ``--compile-tuning`` compiles ditrun's modes with ``model.compile_tuning`` (inductor's coordinate-descent
+tuning; diffusers' rows keep their recipe); ``--fused-quantizer`` quantizes the FP8 down projections' inputs with
+``ditrun::act_rowwise_fp8`` instead of inductor's fusion (off by default: it measured slower).
+
 Needs a GPU with ~90 GB free, diffusers (and torchao for its row); exits 0 with a message otherwise.
 Compile time per mode is the first call's wall time minus a steady call (printed apart).
 """
