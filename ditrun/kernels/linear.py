@@ -191,8 +191,6 @@ def _(x, element_name, block, scale_mode):
 
 TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (a constant, so compiled regions read it without tracing an import)."""
-FUSED_ACTIVATIONS = ("gelu_tanh",)
-"""Activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry."""
 FUSED_ACTIVATION_QUANTIZER = False
 """Whether FP8 row-wise linears quantize [prefix | activation(x)] with ``ditrun::act_rowwise_fp8`` on GPUs with
 Triton, in compiled regions too. Off: inductor fuses the same torch arithmetic into one kernel per linear,
@@ -220,7 +218,8 @@ def _(prefix, x, activation, dtype):
 
 
 ACTIVATION_FUNCTIONS = {"none": None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-"""The fused activations' torch definitions, by kernel name (the op's reference off GPUs)."""
+"""The activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry, with their
+torch definitions (the op's reference off GPUs)."""
 
 
 def joined(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: Optional[Callable]) -> torch.Tensor:
@@ -233,8 +232,8 @@ def fused_activation_quantize(backend, activation: Optional[Callable], rows: tor
                               prefix: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, ...]]:
     """The FP8 operand of [prefix | activation(rows)] from ``ditrun::act_rowwise_fp8`` where it applies (an FP8
     row-wise backend, a fusable activation, a GPU with Triton); else None."""
-    name = "none" if activation is None else getattr(activation, "kernel_name", None)
-    if not (FUSED_ACTIVATION_QUANTIZER and getattr(backend, "fused_activation", False) and name in FUSED_ACTIVATIONS
+    name = getattr(activation, "kernel_name", None)  # None without an activation: nothing to fuse
+    if not (FUSED_ACTIVATION_QUANTIZER and getattr(backend, "fused_activation", False) and name in ACTIVATION_FUNCTIONS
             and rows.is_cuda and TRITON):
         return None
     return act_rowwise_fp8_op(prefix, rows, name, fp8_dtype())

@@ -194,8 +194,9 @@ def act_rowwise_fp8(prefix: torch.Tensor | None, x: torch.Tensor, gelu: bool, dt
                     store_dtype: torch.dtype | None = None, block: int = BLOCK_ELEMENTS):
     """[prefix | act(x)] [R, KA + KB] -> (fp8 [R, KA + KB], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8``
     of the activation's output (GELU-tanh rounded to x's dtype, or none) after the prefix, never written
-    in x's dtype; the scales equal the reference's, the codes but for rare neighbours (see the kernel). Two passes over all of the GPU: per-chunk amaxes, then the codes (each a grid of
-    rows x chunks, so that enough memory traffic is in flight; one program per row leaves HBM idle).
+    in x's dtype; the scales equal the reference's, the codes but for rare neighbours (see the kernel). Two
+    passes over all of the GPU: per-chunk amaxes, then the codes (each a grid of rows x chunks, so that
+    enough memory traffic is in flight; one program per row leaves HBM idle).
     ``prefix``: [R, KA] or None. ``store_dtype``: as in ``rowwise_fp8``."""
     rows, kb = x.shape
     ka = 0 if prefix is None else prefix.shape[1]

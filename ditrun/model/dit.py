@@ -259,8 +259,7 @@ class FeedForward(nn.Module):
         proj = nn.Module()
         proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
-        # A module-level function, the same object in every block (quantizers are shared by it).
-        self.activation = swiglu_activation if self.swiglu else gelu_activation
+        self.activation = mlp_activation(self.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, down = self.net[0].proj(x), self.net[2]
@@ -284,8 +283,9 @@ def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-def mlp_activation(h: torch.Tensor, swiglu_mlp: bool) -> torch.Tensor:
-    return swiglu_activation(h) if swiglu_mlp else gelu_activation(h)
+def mlp_activation(swiglu_mlp: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The MLP's activation function: module-level, so the same object in every block (quantizers are shared by it)."""
+    return swiglu_activation if swiglu_mlp else gelu_activation
 
 
 class StackedLinear(nn.Module):
@@ -405,6 +405,7 @@ class SingleStreamBlock(nn.Module):
         self.norm = AdaNormZero(geo.inner_dim, 3, geo.modulation_norm)
         self.swiglu = geo.mlp == "swiglu"
         mlp_in = 2 * geo.mlp_hidden_dim if self.swiglu else geo.mlp_hidden_dim
+        self.activation = mlp_activation(self.swiglu)
         self.proj_mlp = nn.Linear(geo.inner_dim, mlp_in)
         self.proj_out = nn.Linear(geo.inner_dim + geo.mlp_hidden_dim, geo.inner_dim)
         self.attn = Attention(geo, dual=False, has_out=False)
@@ -440,10 +441,9 @@ class SingleStreamBlock(nn.Module):
         attn_out = self.attn.gated(out.flatten(2).to(x.dtype), attn_gate)
         hidden = mlp_in if self.fused_in is not None else self.proj_mlp(mlp_in)
         if isinstance(self.proj_out, nn.Linear):
-            projected = self.proj_out(torch.cat([attn_out, mlp_activation(hidden, self.swiglu)], dim=2))
+            projected = self.proj_out(torch.cat([attn_out, self.activation(hidden)], dim=2))
         else:  # quantized: it joins and activates its input inside the quantizer (one fused pass on GPUs)
-            activation = swiglu_activation if self.swiglu else gelu_activation
-            projected = self.proj_out(hidden, activation=activation, prefix=attn_out)
+            projected = self.proj_out(hidden, activation=self.activation, prefix=attn_out)
         x = x + gate[:, None] * projected
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
