@@ -3,6 +3,7 @@
     python benchmarks/gemm.py                # M = 4608 and 20992, every Flux (K, N)
     python benchmarks/gemm.py --m 4608 --repeats 30
     python benchmarks/gemm.py --fusion --m 4608 8704 20992   # BF16: separate linears against one stacked GEMM
+    python benchmarks/gemm.py --activation --m 4608 8704     # GELU + FP8 row quantization, compiled: tanh or sigmoid
 
 For each (M, K, N) it times, with CUDA events (median of ``--repeats`` after warm-up):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized
@@ -17,6 +18,7 @@ Every backend's output is compared with the emulation reference (relative error,
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -116,6 +118,35 @@ def fusion_rows(m: int, repeats: int) -> list[dict[str, str]]:
     return rows
 
 
+def activation_rows(m: int, repeats: int) -> list[dict[str, str]]:
+    """The single block's down-projection input, [attention (3072) | GELU(MLP hidden) (12288)], quantized to
+    row-wise FP8 in one compiled function, as a compiled block runs it: GELU written with tanh (``F.gelu``)
+    or as h * sigmoid(2u) (``dit.gelu_activation`` under compile), against no activation at all (the
+    memory-bound floor) and the BF16 model's GELU + concatenation (one pass, no quantization)."""
+    from ditrun.model import dit
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    prefix = torch.randn(m, 3072, device=CUDA, generator=g).to(torch.bfloat16)
+    hidden = (2 * torch.randn(m, 12288, device=CUDA, generator=g)).to(torch.bfloat16)
+    dtype = L.fp8_dtype()
+    tanh = functools.partial(F.gelu, approximate="tanh")
+    forms = {"tanh": tanh, "sigmoid": dit.gelu_activation, "none": lambda h: h}
+    io_bytes = 2 * prefix.numel() + 2 * hidden.numel() + prefix.numel() + hidden.numel()  # bf16 in, fp8 out
+    row, codes = {"M": str(m)}, {}
+    for name, activation in forms.items():
+        fn = torch.compile(lambda p, h, a=activation: L.quantize_rowwise_fp8(L.joined(p, h, a), dtype), dynamic=False)
+        codes[name] = fn(prefix, hidden)
+        ms = time_ms(lambda: fn(prefix, hidden), CUDA, repeats)
+        row[f"fp8, {name} ms"] = f"{ms:.3f} ({io_bytes / ms / 1e9:.2f} TB/s)"
+    bf16 = torch.compile(lambda p, h: L.joined(p, h, tanh), dynamic=False)
+    ms = time_ms(lambda: bf16(prefix, hidden), CUDA, repeats)
+    row["bf16 gelu + cat, tanh ms"] = f"{ms:.3f} ({4 * (prefix.numel() + hidden.numel()) / ms / 1e9:.2f} TB/s)"
+    (a, sa), (b, sb) = codes["tanh"], codes["sigmoid"]
+    row["sigmoid vs tanh"] = (f"codes differ {(a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item():.1e}, "
+                              f"scales {((sa - sb).abs() / sa).max().item():.1e}")
+    return row
+
+
 def print_table(rows: list[dict[str, str]]) -> None:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     widths = {c: max(len(c), *(len(row.get(c, "")) for row in rows)) for c in columns}
@@ -132,11 +163,16 @@ def main() -> None:
                         help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists")
     parser.add_argument("--fusion", action="store_true",
                         help="only BF16: the linears that read one input, separate against stacked (model.fuse)")
+    parser.add_argument("--activation", action="store_true",
+                        help="only the GELU + row-wise FP8 quantizer of the down projection's input, tanh or sigmoid form")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"{'ROCm ' + torch.version.hip if torch.version.hip else 'CUDA ' + str(torch.version.cuda)}")
+    if args.activation:
+        print_table([activation_rows(m, args.repeats) for m in args.m])
+        return
     if args.fusion:
         print_table([row for m in args.m for row in fusion_rows(m, args.repeats)])
         return

@@ -37,7 +37,9 @@ Shapes (``--tokens``; image + reference + text tokens): 8704 (Kontext 1 MP edit:
 
 Options: ``--compile-tuning`` compiles ditrun's modes with ``model.compile_tuning`` (inductor's coordinate-descent
 tuning; diffusers' rows keep their recipe); ``--fused-quantizer`` quantizes the FP8 down projections' inputs with
-``ditrun::act_rowwise_fp8`` instead of inductor's fusion (off by default: it measured slower).
+``ditrun::act_rowwise_fp8`` instead of inductor's fusion (off by default: it measured slower); ``--cuda-graphs``
+replays ditrun's compiled forwards from CUDA graphs (``model.cuda_graphs``); ``--tanh-gelu`` keeps GELU's tanh
+form in compiled regions (``dit.GELU_AS_SIGMOID`` off: the code before 2026-11-30, for comparison).
 
 Needs a GPU with ~90 GB free, diffusers (and torchao for its row); exits 0 with a message otherwise.
 Compile time per mode is the first call's wall time minus a steady call (printed apart).
@@ -63,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ditrun.config import ModelConfig, PrecisionConfig  # noqa: E402
 from ditrun.kernels import linear as L  # noqa: E402
 from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
+from ditrun.model import dit  # noqa: E402
 from ditrun.model.compile import CompilePlan  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
@@ -196,6 +199,8 @@ def make_inputs(tokens: int) -> dict:
 
 COMPILE_TUNING = False
 """``--compile-tuning``: ditrun's modes compile with ``model.compile_tuning`` (inductor's coordinate descent)."""
+CUDA_GRAPHS = False
+"""``--cuda-graphs``: ditrun's compiled modes replay their forward from CUDA graphs (``model.cuda_graphs``)."""
 
 
 def ditrun_forward(mode: str, weights: dict) -> Callable:
@@ -211,11 +216,12 @@ def ditrun_forward(mode: str, weights: dict) -> Callable:
     plan = plan_precision(precision_cfg, placement.device)
     compiled = mode != "ditrun"
     built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
-                        speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING))
-    model, attention = built.model, built.attention
+                        speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING,
+                                          graphs=compiled and CUDA_GRAPHS))
+    forward, attention = built.forward, built.attention
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
-        return lambda inputs: model(**inputs, attention=lambda q, k, v: attention(q, k, v))
-    return lambda inputs: model(**inputs, attention=attention)
+        return lambda inputs: forward(**inputs, attention=lambda q, k, v: attention(q, k, v))
+    return lambda inputs: forward(**inputs, attention=attention)
 
 
 def diffusers_forward(model) -> Callable:
@@ -367,9 +373,14 @@ def main() -> int:
                         help="ditrun's compiled modes with model.compile_tuning=true (inductor's coordinate descent)")
     parser.add_argument("--fused-quantizer", action="store_true",
                         help="FP8 linears quantize [prefix | GELU(x)] with ditrun::act_rowwise_fp8, not as inductor fuses it")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="ditrun's compiled modes replay their forward from CUDA graphs (model.cuda_graphs=on)")
+    parser.add_argument("--tanh-gelu", action="store_true",
+                        help="compiled regions keep GELU's tanh form (dit.GELU_AS_SIGMOID off), as before 2026-11-30")
     args = parser.parse_args()
-    global COMPILE_TUNING
-    COMPILE_TUNING = args.compile_tuning
+    global COMPILE_TUNING, CUDA_GRAPHS
+    COMPILE_TUNING, CUDA_GRAPHS = args.compile_tuning, args.cuda_graphs
+    dit.GELU_AS_SIGMOID = not args.tanh_gelu
     L.FUSED_ACTIVATION_QUANTIZER = args.fused_quantizer
     if nothing_to_measure("vs_diffusers"):
         return 0
@@ -378,7 +389,7 @@ def main() -> int:
     ceilings = gemm_ceilings()
     print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
           f"tokens {args.tokens}, compile tuning {COMPILE_TUNING}, fused activation quantizer "
-          f"{L.FUSED_ACTIVATION_QUANTIZER}", flush=True)
+          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}", flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
     biggest = max(args.tokens)
@@ -394,6 +405,7 @@ def main() -> int:
         (args.out / "vs_diffusers.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
             "compile_tuning": COMPILE_TUNING, "fused_activation_quantizer": L.FUSED_ACTIVATION_QUANTIZER,
+            "cuda_graphs": CUDA_GRAPHS, "gelu_as_sigmoid": dit.GELU_AS_SIGMOID,
             "skipped": skipped, "targets": targets,
             "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
     return 0

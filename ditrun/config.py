@@ -55,6 +55,10 @@ class ModelConfig:
     compile_tuning: bool = False
     """Let inductor tune its generated kernels' tile sizes (coordinate descent): a few % faster blocks, a much
     longer first compile (86 s against 11 s at 8704 tokens on one H200), cached for later processes."""
+    cuda_graphs: str = "auto"
+    """Replay the DiT's forward from CUDA graphs (``model/graphs.py``): ``auto`` (on for compiled GPU models),
+    ``on``, ``off``. Only forwards that exchange nothing inside are graphed (layout ``single``, or CFG layouts
+    with one worker per branch); one graph per input shape, captured at its first call."""
 
 
 @dataclass

@@ -11,12 +11,14 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ditrun.config import ModelConfig
 from ditrun.errors import UserError
 from ditrun.model.build import Placement, build_model, plan_precision
 from ditrun.model.compile import CompilePlan, fuse_projections, plan_compile
-from ditrun.model.dit import StackedLinear, sdpa_attention
+from ditrun.model.dit import StackedLinear, gelu_activation, sdpa_attention
+from ditrun.model.graphs import GraphedForward
 from launching import (MAX_QUANTIZED_RELATIVE_ERROR, MAX_RELATIVE_ERROR, assert_same_latents, ditrun_command, records,
                        relative_error, run, single_reference, tiny_config)
 
@@ -96,6 +98,8 @@ def test_quantized_models_trace_as_one_graph_per_half(precision):
 @pytest.mark.parametrize("override, message", [
     ("model.compile=yes", "model.compile='yes' is unknown; allowed: auto, on, off."),
     ("model.fuse=maybe", "model.fuse='maybe' is unknown; allowed: auto, on, off."),
+    ("model.cuda_graphs=always", "model.cuda_graphs='always' is unknown; allowed: auto, on, off."),
+    ("model.cuda_graphs=on", "model.cuda_graphs=on needs a GPU, and device is cpu; allowed here: auto, off."),
 ])
 def test_compile_mistakes_are_one_sentence(override, message):
     with pytest.raises(UserError) as err:
@@ -112,12 +116,34 @@ def test_an_unknown_compile_backend_is_named():
 def test_auto_compiles_on_gpus_only():
     model = ModelConfig()
     assert plan_compile(model, torch.device("cpu")) == CompilePlan(compile=False, fuse=False)
-    assert plan_compile(model, torch.device("cuda")) == CompilePlan(compile=True, fuse=True)
+    assert plan_compile(model, torch.device("cuda")) == CompilePlan(compile=True, fuse=True, graphs=True)
     assert plan_compile(tiny_config("model.fuse=on").model, torch.device("cpu")) == CompilePlan(False, True)
     tuned = plan_compile(tiny_config("model.compile_tuning=true").model, torch.device("cuda"))
-    assert tuned == CompilePlan(True, True, "inductor", tuning=True) and tuned.label == "compiled, tuned"
+    assert tuned == CompilePlan(True, True, "inductor", tuning=True, graphs=True)
+    assert tuned.label == "compiled, tuned, CUDA graphs"
     debug = tiny_config("model.compile=on", "model.compile_tuning=true", "model.compile_backend=aot_eager").model
     assert not plan_compile(debug, torch.device("cpu")).tuning  # inductor's option: nothing to tune in aot_eager
+    graphs = tiny_config("model.cuda_graphs=auto").model
+    assert plan_compile(graphs, torch.device("cuda")).label == "compiled, CUDA graphs"
+    assert not plan_compile(graphs, torch.device("cpu")).graphs
+    assert not plan_compile(tiny_config("model.cuda_graphs=auto", "model.compile=off").model, torch.device("cuda")).graphs
+
+
+def test_compiled_gelu_is_the_tanh_gelu_written_with_a_sigmoid():
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.randn(4000) * 3, torch.tensor([0.0, -0.0, 80.0, -80.0])])
+    traced = torch.compile(gelu_activation, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(traced(x), F.gelu(x, approximate="tanh"), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(traced(x.bfloat16()), F.gelu(x.bfloat16(), approximate="tanh"))
+    assert torch.equal(gelu_activation(x), F.gelu(x, approximate="tanh"))  # eager: diffusers' bits
+
+
+def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
+    built = _built()
+    graphed = GraphedForward(built.model, built.attention)
+    inputs = _inputs()
+    assert torch.equal(graphed(**inputs, attention=built.attention), built.model(**inputs, attention=built.attention))
+    assert torch.equal(graphed(**inputs, attention=lambda q, k, v: sdpa_attention(q, k, v)), built.model(**inputs))
+    assert graphed.graphs == {}
 
 
 @pytest.mark.timeout(240)
@@ -152,8 +178,28 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
         from torch._inductor.async_compile import shutdown_compile_workers
 
         shutdown_compile_workers()
-    assert compiled["precision_detail"]["compile"]["mode"] == "compiled"
+    assert compiled["precision_detail"]["compile"]["mode"] == "compiled, CUDA graphs"
     assert eager["precision_detail"]["compile"]["mode"] == "eager"
     for record in records(tmp_path / "eager"):
         # BF16 compute: fused kernels round differently; quantized: a rounding flip moves a code.
         assert relative_error(latents(tmp_path / "compiled", record["edit"]), latents(tmp_path / "eager", record["edit"])) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_graphed_forward_replays_the_compiled_forward():
+    """One graph per input shape; a replay computes the new inputs' result, as the compiled model does."""
+    cuda = Placement(torch.device("cuda"), torch.bfloat16, "bf16")
+    cfg = tiny_config("precision=fp8")
+    built = build_model(cfg.model, cuda, plan_precision(cfg.precision, cuda.device), announce=False,
+                        speed=CompilePlan(compile=True, fuse=True, graphs=True))
+    assert isinstance(built.forward, GraphedForward)
+    with torch.inference_mode():
+        for seed, n_img in ((0, 48), (1, 48), (2, 80)):
+            inputs = {k: v.to("cuda") for k, v in _inputs(seed, n_img).items()}
+            for k in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
+                inputs[k] = inputs[k].bfloat16()
+            got = built.forward(**inputs, attention=built.attention)
+            want = built.model(**inputs, attention=built.attention)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert len(built.forward.graphs) == 2 and not built.forward.failed

@@ -343,6 +343,9 @@ def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
     if backend == "mx_repack_fp8":
         counts = fast.backends[backend].inexact_rows
         assert counts["weight"] == 0 and int(counts["activation"]) == 0
+        x[3, :32] *= 2.0**24  # a block far above the rest of its row: that row's repack is inexact
+        fast(x), fast(x)
+        assert int(counts["activation"]) == 2  # summed in place on the device, call after call
 
 
 @pytest.mark.gpu

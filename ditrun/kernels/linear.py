@@ -366,6 +366,8 @@ class MxRepackFp8:
     def prepare(self, weight, fmt, scale_mode):
         w8, scale, inexact = mx_repack_fp8(weight, fmt.element, fmt.block, scale_mode)
         self.inexact_rows["weight"] += int(inexact)
+        if self.inexact_rows["activation"] is None:  # a device counter, added to in place: a CUDA graph's replay adds too
+            self.inexact_rows["activation"] = torch.zeros((), dtype=torch.int64, device=weight.device)
         return {"w8": w8, "scale": scale}
 
     triton_quantizer = True
@@ -378,8 +380,7 @@ class MxRepackFp8:
 
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale, inexact = operand
-        seen = self.inexact_rows["activation"]
-        self.inexact_rows["activation"] = inexact if seen is None else seen + inexact  # no host sync
+        self.inexact_rows["activation"].add_(inexact)  # no host sync
         return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
 
 

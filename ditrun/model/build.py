@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import yaml
@@ -28,6 +28,7 @@ from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_pa
 from ditrun.model.compile import CompilePlan, apply_plan
 from ditrun.model.components import LINEAR_COMPONENTS
 from ditrun.model.dit import AttentionFn, DiTGeometry, FluxDiT
+from ditrun.model.graphs import GraphedForward
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
 from ditrun.model.text import transformer_folder
 from ditrun.model.presets import geometry_from_config
@@ -185,6 +186,11 @@ class BuiltModel:
     precision: Optional[PrecisionPlan] = None
     details: dict = field(default_factory=dict)
     """Per component: the format and the backends its weights were prepared for; the attention kernel."""
+    forward: Optional[Callable] = None
+    """What a layout calls: the model, or its forward replayed from CUDA graphs (``model.cuda_graphs``)."""
+
+    def __post_init__(self):
+        self.forward = self.model if self.forward is None else self.forward
 
 
 def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
@@ -213,6 +219,8 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
     built.model.eval().requires_grad_(False)
     if speed is not None:
         built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
+        if speed.graphs:
+            built.forward = GraphedForward(built.model, built.attention)
     return built
 
 

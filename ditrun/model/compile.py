@@ -42,6 +42,11 @@ COMPILE_MODES = {
     "on": "compile the blocks' regions (inductor); on CPUs too",
     "off": "eager PyTorch",
 }
+GRAPH_MODES = {
+    "auto": "on for compiled models on GPUs",
+    "on": "on (needs a GPU)",
+    "off": "launch every kernel from Python",
+}
 FUSE_MODES = {
     "auto": "fuse when the model is compiled",
     "on": "fuse (also in eager mode)",
@@ -62,13 +67,17 @@ class CompilePlan:
     """``torch.compile``'s backend (``model.compile_backend``)."""
     tuning: bool = False
     """Inductor's coordinate-descent tuning of its kernels (``model.compile_tuning``)."""
+    graphs: bool = False
+    """The forward replayed from CUDA graphs (``model.cuda_graphs``, ``model/graphs.py``)."""
 
     @property
     def label(self) -> str:
         if self.compile:
             label = "compiled" if self.backend == "inductor" else f"compiled ({self.backend})"
-            return f"{label}, tuned" if self.tuning else label
-        return "eager+fused" if self.fuse else "eager"
+            label = f"{label}, tuned" if self.tuning else label
+        else:
+            label = "eager+fused" if self.fuse else "eager"
+        return f"{label}, CUDA graphs" if self.graphs else label
 
 
 def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
@@ -86,7 +95,13 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
         raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
                         f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
     tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor"
-    return CompilePlan(compiled, fused, backend, tuning)
+    graphs_key = str(getattr(model_cfg, "cuda_graphs", "auto"))
+    if graphs_key not in GRAPH_MODES:
+        raise UserError(f"model.cuda_graphs={graphs_key!r} is unknown; allowed: {', '.join(GRAPH_MODES)}.")
+    if graphs_key == "on" and device.type != "cuda":
+        raise UserError(f"model.cuda_graphs=on needs a GPU, and device is {device.type}; allowed here: auto, off.")
+    graphs = graphs_key == "on" or (graphs_key == "auto" and compiled and device.type == "cuda")
+    return CompilePlan(compiled, fused, backend, tuning, graphs)
 
 
 def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] = None) -> dict[str, int]:

@@ -270,7 +270,23 @@ class FeedForward(nn.Module):
         return down(hidden, activation=self.activation)
 
 
+GELU_AS_SIGMOID = True
+"""Whether compiled regions write GELU(tanh) as h * sigmoid(2u) (``gelu_activation``); eager code never does."""
+GELU_TANH_COEFF = 0.044715
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
 def gelu_activation(h: torch.Tensor) -> torch.Tensor:
+    """GELU, tanh approximation: 0.5 h (1 + tanh(u)), u = sqrt(2 / pi) (h + 0.044715 h^3).
+
+    Inside ``torch.compile`` it is written as the same function h * sigmoid(2u) (0.5 (1 + tanh u) =
+    sigmoid(2u)): inductor computes sigmoid with the hardware exp, tanh with libdevice's longer
+    routine, and the FP8 row quantizer of the down projection's input evaluates the activation twice
+    (once for the row's amax, once for the codes), enough arithmetic to bound that kernel. The two
+    forms differ by fp32 rounding only; eager code keeps ``F.gelu``, bitwise diffusers'."""
+    if GELU_AS_SIGMOID and torch.compiler.is_compiling():
+        x = h.float()  # as inductor computes the tanh form (and free inside its fused kernel)
+        return (x * torch.sigmoid((2.0 * SQRT_2_OVER_PI) * (x + GELU_TANH_COEFF * x * x * x))).to(h.dtype)
     return F.gelu(h, approximate="tanh")
 
 

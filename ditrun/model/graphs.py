@@ -1,0 +1,103 @@
+"""The DiT's forward replayed from CUDA graphs (``model.cuda_graphs``).
+
+A compiled forward still launches every kernel from Python: per block, two compiled regions, the
+attention's quantizer and kernel, a few hundred launches per forward. The GPU waits wherever the
+launches fall behind, or between two kernels that each start when the last one ends. A CUDA graph
+records the forward's launches once and replays them as one.
+
+``GraphedForward(model, attention)`` stands where the model is called (``BuiltModel.forward``):
+
+* one graph per input signature (names, shapes and dtypes of the tensors; the other arguments by
+  value), captured at the signature's first call after two warm-up forwards on a side stream
+  (compilation, cuDNN graph builds, cuBLAS workspaces happen there, not under capture); all
+  graphs share one memory pool, since they replay one at a time;
+* a call copies its tensors into the graph's inputs, replays it, and returns a copy of the output
+  (the next replay overwrites it);
+* only calls whose attention is ``attention``, the run's own kernel, which exchanges nothing, are
+  graphed. A layout that exchanges inside the forward (Ulysses all-to-alls, the copy-engine
+  transport's waits on peers) runs the model as it is;
+* where capturing fails it says why once and runs the model without graphs from then on.
+
+The graph's results are those of the forward it recorded: the same kernels on the same inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+
+from ditrun.model.dit import sdpa_attention
+
+WARMUP_FORWARDS = 2
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]
+    output: torch.Tensor
+
+
+def signature(inputs: dict) -> tuple:
+    """What a graph is recorded for: each tensor's name, shape, dtype and device; other values as they are."""
+    key = []
+    for name, value in sorted(inputs.items()):
+        if isinstance(value, torch.Tensor):
+            key.append((name, tuple(value.shape), value.dtype, value.device))
+        else:
+            key.append((name, value if isinstance(value, Hashable) else id(value)))
+    return tuple(key)
+
+
+class GraphedForward:
+    """``model(**inputs)``, replayed from one CUDA graph per input signature (see the module doc)."""
+
+    def __init__(self, model: nn.Module, attention: Callable):
+        self.model, self.attention = model, attention
+        self.graphs: dict[tuple, _Graph] = {}
+        self.pool = None
+        self.failed = False
+
+    def __call__(self, **inputs) -> torch.Tensor:
+        if not self._graphable(inputs):
+            return self.model(**inputs)
+        key = signature(inputs)
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self.graphs[key] = self._capture(inputs)
+            except Exception as err:  # noqa: BLE001 - any capture failure: the model runs as it is
+                self.failed = True
+                print(f"ditrun: capturing the DiT forward in a CUDA graph failed ({type(err).__name__}: {err}); "
+                      "running it without CUDA graphs.", flush=True)
+                return self.model(**inputs)
+        for name, static in entry.inputs.items():
+            static.copy_(inputs[name])
+        entry.graph.replay()
+        return entry.output.clone()
+
+    def _graphable(self, inputs: dict) -> bool:
+        tensors = [value for value in inputs.values() if isinstance(value, torch.Tensor)]
+        return (not self.failed and bool(tensors) and all(t.is_cuda for t in tensors)
+                and inputs.get("attention", sdpa_attention) is self.attention
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _capture(self, inputs: dict) -> _Graph:
+        static = {name: value.clone() for name, value in inputs.items() if isinstance(value, torch.Tensor)}
+        call = {**inputs, **static}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_FORWARDS):
+                self.model(**call)
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # the heartbeat thread runs on
+            output = self.model(**call)
+        torch.cuda.empty_cache()  # the warm-ups' blocks: the graph's pool holds what replays need
+        return _Graph(graph, static, output)
