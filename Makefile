@@ -17,7 +17,7 @@ run: $(STAMP)
 # (three workers were no faster: 17.1 min against 16.9). Files go out longest first (tests/conftest.py's
 # FILE_SECONDS; --no-loadscope-reorder keeps that order).
 test: system-packages $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 install: system-packages $(STAMP)
 

@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--fusion", action="store_true",
                         help="only BF16: the linears that read one input, separate against stacked (model.fuse)")
     parser.add_argument("--activation", action="store_true",
-                        help="only the GELU + row-wise FP8 quantizer of the down projection's input, tanh or sigmoid form")
+                        help="only the down projection's GELU + row-wise FP8 input quantizer, tanh or sigmoid form")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")

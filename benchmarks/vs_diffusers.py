@@ -389,7 +389,8 @@ def main() -> int:
     ceilings = gemm_ceilings()
     print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
           f"tokens {args.tokens}, compile tuning {COMPILE_TUNING}, fused activation quantizer "
-          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}", flush=True)
+          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}",
+          flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
     biggest = max(args.tokens)

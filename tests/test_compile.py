@@ -126,7 +126,8 @@ def test_auto_compiles_on_gpus_only():
     graphs = tiny_config("model.cuda_graphs=auto").model
     assert plan_compile(graphs, torch.device("cuda")).label == "compiled, CUDA graphs"
     assert not plan_compile(graphs, torch.device("cpu")).graphs
-    assert not plan_compile(tiny_config("model.cuda_graphs=auto", "model.compile=off").model, torch.device("cuda")).graphs
+    eager = tiny_config("model.cuda_graphs=auto", "model.compile=off").model
+    assert not plan_compile(eager, torch.device("cuda")).graphs
 
 
 def test_compiled_gelu_is_the_tanh_gelu_written_with_a_sigmoid():

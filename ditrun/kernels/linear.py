@@ -366,7 +366,7 @@ class MxRepackFp8:
     def prepare(self, weight, fmt, scale_mode):
         w8, scale, inexact = mx_repack_fp8(weight, fmt.element, fmt.block, scale_mode)
         self.inexact_rows["weight"] += int(inexact)
-        if self.inexact_rows["activation"] is None:  # a device counter, added to in place: a CUDA graph's replay adds too
+        if self.inexact_rows["activation"] is None:  # on the device, added to in place: graph replays add too
             self.inexact_rows["activation"] = torch.zeros((), dtype=torch.int64, device=weight.device)
         return {"w8": w8, "scale": scale}
 

@@ -156,8 +156,8 @@ class Run:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
         velocity = layout_velocity(
-            self.layout, self.transports, self.built.forward, inputs, cfg.workload.true_cfg_scale, guidance, placement.dtype,
-            inner_attention=self.built.attention,
+            self.layout, self.transports, self.built.forward, inputs, cfg.workload.true_cfg_scale, guidance,
+            placement.dtype, inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
         prepare_transports(self.layout, self.transports, inputs, self.geometry, placement.dtype)

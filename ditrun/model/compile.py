@@ -1,4 +1,4 @@
-"""Making the built model fast on GPUs: projection fusion and regional compilation (``model.compile``).
+"""Making the built model fast on GPUs: projection fusion, regional compilation (``model.compile``), CUDA graphs.
 
 Two transforms, applied after the weights are loaded and quantized (``model/build.py``):
 
@@ -17,6 +17,9 @@ Two transforms, applied after the weights are loaded and quantized (``model/buil
   input shape). The attention call stays eager between the halves, so every layout and
   transport (their all-to-alls, copy engines and streams) runs unchanged inside a compiled
   model, and the custom attention kernels are ``torch.library.custom_op``s either way.
+
+A third, ``model.cuda_graphs``, is decided here too (``CompilePlan.graphs``) and applied where the model is
+called: ``model/graphs.py`` replays the forward from CUDA graphs (``BuiltModel.forward``).
 
 Compiled code is checked against the eager model in tests (CPU inductor) and in
 ``benchmarks/vs_diffusers.py`` (GPU). Inductor's FX-graph and autotuning caches persist across
