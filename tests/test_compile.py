@@ -188,15 +188,19 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_gpu_graphed_forward_replays_the_compiled_forward():
-    """One graph per input shape; a replay computes the new inputs' result, as the compiled model does."""
+def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
+    """One graph per input shape; a replay computes the new inputs' result, as the compiled model does; past
+    ``MAX_GRAPHS`` shapes the model runs as it is."""
+    from ditrun.model import graphs
+
+    monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
     cuda = Placement(torch.device("cuda"), torch.bfloat16, "bf16")
     cfg = tiny_config("precision=fp8")
     built = build_model(cfg.model, cuda, plan_precision(cfg.precision, cuda.device), announce=False,
                         speed=CompilePlan(compile=True, fuse=True, graphs=True))
     assert isinstance(built.forward, GraphedForward)
     with torch.inference_mode():
-        for seed, n_img in ((0, 48), (1, 48), (2, 80)):
+        for seed, n_img in ((0, 48), (1, 48), (2, 80), (3, 96)):
             inputs = {k: v.to("cuda") for k, v in _inputs(seed, n_img).items()}
             for k in ("hidden_states", "encoder_hidden_states", "pooled_projections"):
                 inputs[k] = inputs[k].bfloat16()

@@ -16,7 +16,8 @@ records the forward's launches once and replays them as one.
 * only calls whose attention is ``attention``, the run's own kernel, which exchanges nothing, are
   graphed. A layout that exchanges inside the forward (Ulysses all-to-alls, the copy-engine
   transport's waits on peers) runs the model as it is;
-* where capturing fails it says why once and runs the model without graphs from then on.
+* where capturing fails it says why once and runs the model without graphs from then on; past
+  ``MAX_GRAPHS`` signatures, new ones run without graphs.
 
 The graph's results are those of the forward it recorded: the same kernels on the same inputs.
 """
@@ -29,9 +30,13 @@ from typing import Callable, Hashable
 import torch
 from torch import nn
 
+from ditrun.model.compile import RECOMPILE_LIMIT
 from ditrun.model.dit import sdpa_attention
 
 WARMUP_FORWARDS = 2
+MAX_GRAPHS = RECOMPILE_LIMIT
+"""Input signatures graphed per model (as many as compiled shapes are kept); a workload of more sizes runs the
+rest without graphs."""
 
 
 @dataclass
@@ -66,6 +71,8 @@ class GraphedForward:
             return self.model(**inputs)
         key = signature(inputs)
         entry = self.graphs.get(key)
+        if entry is None and len(self.graphs) >= MAX_GRAPHS:
+            return self.model(**inputs)
         if entry is None:
             try:
                 entry = self.graphs[key] = self._capture(inputs)
