@@ -110,8 +110,12 @@ def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inp
         return sequential_cfg_velocity(model, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
     sp = transports["sp"]
     shards = _shards(transports, inputs)
-    extra = {} if inner_attention is None else {"inner": inner_attention}
-    attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
+    if sp.size == 1 and layout.plan.head_groups == 1 and inner_attention is not None:
+        attention = inner_attention  # nothing to exchange: the run's own kernel, as in ``single`` (compiled into
+        # the whole block, and the forward graphable: ``model/graphs.py``)
+    else:
+        extra = {} if inner_attention is None else {"inner": inner_attention}
+        attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
     branches = LocalBranches(model, inputs, shards, attention, dtype, guidance)
     if kind.cfg_degree == 2:
         return _split(branches, sp, transports["cfg"], guidance_scale)
