@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditrun.kernels import formats
+from ditrun.model.dit import gelu_activation
 from ditrun.registry import Registry
 
 
@@ -217,9 +218,9 @@ def _(prefix, x, activation, dtype):
     return x.new_empty((x.shape[0], width), dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
-ACTIVATION_FUNCTIONS = {"none": None, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
-"""The activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry, with their
-torch definitions (the op's reference off GPUs)."""
+ACTIVATION_FUNCTIONS = {"none": None, gelu_activation.kernel_name: gelu_activation}
+"""The activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry, with the
+model's functions (the op's reference off GPUs: run eagerly, so GELU's ``F.gelu`` form)."""
 
 
 def joined(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: Optional[Callable]) -> torch.Tensor:

@@ -83,14 +83,18 @@ class CompilePlan:
         return f"{label}, CUDA graphs" if self.graphs else label
 
 
+def _mode(model_cfg, key: str, modes: dict[str, str]) -> str:
+    """``model.<key>`` (default ``auto``), one of ``modes``; one sentence naming the key when it is not."""
+    value = str(getattr(model_cfg, key, "auto"))
+    if value not in modes:
+        raise UserError(f"model.{key}={value!r} is unknown; allowed: {', '.join(modes)}.")
+    return value
+
+
 def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
     """One sentence naming the key when a value is unknown; ``auto`` resolved for ``device``."""
-    compile_key = str(getattr(model_cfg, "compile", "auto"))
-    fuse_key = str(getattr(model_cfg, "fuse", "auto"))
-    if compile_key not in COMPILE_MODES:
-        raise UserError(f"model.compile={compile_key!r} is unknown; allowed: {', '.join(COMPILE_MODES)}.")
-    if fuse_key not in FUSE_MODES:
-        raise UserError(f"model.fuse={fuse_key!r} is unknown; allowed: {', '.join(FUSE_MODES)}.")
+    compile_key = _mode(model_cfg, "compile", COMPILE_MODES)
+    fuse_key = _mode(model_cfg, "fuse", FUSE_MODES)
     compiled = compile_key == "on" or (compile_key == "auto" and device.type == "cuda")
     fused = fuse_key == "on" or (fuse_key == "auto" and compiled)
     backend = str(getattr(model_cfg, "compile_backend", "inductor"))
@@ -98,9 +102,7 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
         raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
                         f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
     tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor"
-    graphs_key = str(getattr(model_cfg, "cuda_graphs", "auto"))
-    if graphs_key not in GRAPH_MODES:
-        raise UserError(f"model.cuda_graphs={graphs_key!r} is unknown; allowed: {', '.join(GRAPH_MODES)}.")
+    graphs_key = _mode(model_cfg, "cuda_graphs", GRAPH_MODES)
     if graphs_key == "on" and device.type != "cuda":
         raise UserError(f"model.cuda_graphs=on needs a GPU, and device is {device.type}; allowed here: auto, off.")
     graphs = graphs_key == "on" or (graphs_key == "auto" and compiled and device.type == "cuda")
