@@ -2,10 +2,11 @@
 
     python benchmarks/attention.py              # S = 20992 and 4608, 24 heads of 128, batch 1
     python benchmarks/attention.py --s 20992 --repeats 10
+    python benchmarks/attention.py --gluon --s 20992 8704 4608   # the Hopper Gluon kernel's options vs Triton
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
-``int8qk kernel only`` (the autotuned Triton kernel on operands quantized beforehand, with BF16 V
-and with FP8 V on the FP8 P @ V dot), ``fp8_pv kernel only`` (cuDNN's fused FP8 attention on operands
+``int8qk kernel only`` (``ditrun::int8qk_attention`` on operands quantized beforehand, with BF16 V and with
+FP8-exact V: the Gluon kernel on Hopper, the autotuned Triton kernel elsewhere), ``fp8_pv kernel only`` (cuDNN's fused FP8 attention on operands
 quantized beforehand) and every quantized attention kernel end to end (operand quantization,
 torch.compile'd, + kernel), as the model calls it. The first call of each kernel
 autotunes it (untimed).
@@ -196,6 +197,54 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
     return rows
 
 
+# The Gluon kernel's options the --gluon probe compares (``attention_gluon.int8qk_gluon`` keywords).
+GLUON_BEST = dict(block_n=128, stages=3, rowsum_mma=True)
+GLUON_CONFIGS = [GLUON_BEST, {**GLUON_BEST, "rowsum_mma": False}, {**GLUON_BEST, "block_n": 64},
+                 {**GLUON_BEST, "block_n": 64, "rowsum_mma": False}]
+
+
+def gluon_label(config: dict) -> str:
+    return f"n{config['block_n']} s{config['stages']}{' rowsum_mma' if config['rowsum_mma'] else ''}"
+
+
+def gluon_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+    """The Hopper Gluon INT8-QK kernel (``kernels/attention_gluon.py``) beside the Triton one, on the same
+    operands quantized beforehand (BF16 V), per GLUON_CONFIGS entry. Its error column is against fp32 SDPA, as
+    everywhere; each row also prints how far it is from the Triton kernel's output (the same math)."""
+    from ditrun.kernels.attention_gluon import int8qk_gluon
+    from ditrun.kernels.attention_triton import flash_attention
+
+    x = Inputs(s, heads, head_dim, repeats)
+    ops = quantize_operands(x.q, x.k, x.v, "bf16")
+    sm_scale = 1 / math.sqrt(head_dim)
+    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
+    triton_out = flash_attention(*args)
+    rows = [x.sdpa_row(), x.row("int8qk triton kernel only", lambda: flash_attention(*args).transpose(1, 2))]
+    for config in GLUON_CONFIGS:
+        def run():
+            return int8qk_gluon(*args, **config)
+        try:
+            gap = relative_error(run(), triton_out)
+        except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
+            gap = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:90] if str(failure) else ''}"
+        rows.append(x.row(f"gluon {gluon_label(config)}", lambda: run().transpose(1, 2), probe=True))
+        print(rows[-1], f"vs triton: {gap if isinstance(gap, str) else f'{gap:.1e}'}", flush=True)
+    return rows
+
+
+def ncu_calls(s: int, heads: int, head_dim: int) -> None:
+    """One SDPA call and one call of the Gluon kernel (GLUON_BEST), nothing timed: the two launches for Nsight
+    Compute to compare (``ncu --clock-control none -k regex:'sdpa|_int8qk' ...``)."""
+    from ditrun.kernels.attention_gluon import int8qk_gluon
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    ops = quantize_operands(q, k, v, "bf16")
+    sdpa(q, k, v)
+    int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), **GLUON_BEST)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s", type=int, nargs="*", default=[20992, 4608])
@@ -207,6 +256,12 @@ def main() -> None:
                         help="only SDPA per backend and operand layout (which backend is fastest at each S)")
     parser.add_argument("--configs", action="store_true",
                         help="only the flash kernel's operand variants x tile/TMA/warp-specialisation configurations")
+    parser.add_argument("--gluon", action="store_true",
+                        help="only the Hopper Gluon INT8-QK kernel's configurations beside the Triton kernel")
+    parser.add_argument("--gluon-only", metavar="KEY=VALUE,...",
+                        help="with --gluon: only this configuration (GLUON_BEST with these keywords changed)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="only one SDPA and one Gluon-kernel launch (for Nsight Compute), at the first --s")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
@@ -216,6 +271,15 @@ def main() -> None:
         return
     if args.configs:
         print_table([row for s in args.s for row in config_rows(s, args.heads, args.head_dim, args.repeats)])
+        return
+    if args.ncu:
+        ncu_calls(args.s[0], args.heads, args.head_dim)
+        return
+    if args.gluon_only:
+        changes = dict(item.split("=") for item in args.gluon_only.split(","))
+        GLUON_CONFIGS[:] = [{**GLUON_BEST, **{key: int(value) for key, value in changes.items()}}]
+    if args.gluon:
+        print_table([row for s in args.s for row in gluon_rows(s, args.heads, args.head_dim, args.repeats)])
         return
     rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats, args.flex)]
     print_table(rows)

@@ -39,7 +39,8 @@ Options: ``--compile-tuning`` compiles ditrun's modes with ``model.compile_tunin
 tuning; diffusers' rows keep their recipe); ``--fused-quantizer`` quantizes the FP8 down projections' inputs with
 ``ditrun::act_rowwise_fp8`` instead of inductor's fusion (off by default: it measured slower); ``--cuda-graphs``
 replays ditrun's compiled forwards from CUDA graphs (``model.cuda_graphs``); ``--tanh-gelu`` keeps GELU's tanh
-form in compiled regions (``dit.GELU_AS_SIGMOID`` off: the code before 2026-11-30, for comparison).
+form in compiled regions (``dit.GELU_AS_SIGMOID`` off: the code before 2026-11-30, for comparison);
+``--triton-int8qk`` runs INT8-QK attention on the Triton kernel on Hopper too (``attention.GLUON_INT8QK`` off).
 
 Needs a GPU with ~90 GB free, diffusers (and torchao for its row); exits 0 with a message otherwise.
 Compile time per mode is the first call's wall time minus a steady call (printed apart).
@@ -63,6 +64,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.config import ModelConfig, PrecisionConfig  # noqa: E402
+from ditrun.kernels import attention as A  # noqa: E402
 from ditrun.kernels import linear as L  # noqa: E402
 from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
 from ditrun.model import dit  # noqa: E402
@@ -377,11 +379,14 @@ def main() -> int:
                         help="ditrun's compiled modes replay their forward from CUDA graphs (model.cuda_graphs=on)")
     parser.add_argument("--tanh-gelu", action="store_true",
                         help="compiled regions keep GELU's tanh form (dit.GELU_AS_SIGMOID off), as before 2026-11-30")
+    parser.add_argument("--triton-int8qk", action="store_true",
+                        help="INT8-QK attention on the Triton kernel, not the Gluon one (attention.GLUON_INT8QK off)")
     args = parser.parse_args()
     global COMPILE_TUNING, CUDA_GRAPHS
     COMPILE_TUNING, CUDA_GRAPHS = args.compile_tuning, args.cuda_graphs
     dit.GELU_AS_SIGMOID = not args.tanh_gelu
     L.FUSED_ACTIVATION_QUANTIZER = args.fused_quantizer
+    A.GLUON_INT8QK = not args.triton_int8qk
     if nothing_to_measure("vs_diffusers"):
         return 0
     if "diffusers" not in args.modes:
@@ -389,8 +394,8 @@ def main() -> int:
     ceilings = gemm_ceilings()
     print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
           f"tokens {args.tokens}, compile tuning {COMPILE_TUNING}, fused activation quantizer "
-          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}",
-          flush=True)
+          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}, "
+          f"Gluon INT8-QK kernel {A.GLUON_INT8QK}", flush=True)
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
     targets = print_tables(rows, ceilings)
     biggest = max(args.tokens)
@@ -406,7 +411,7 @@ def main() -> int:
         (args.out / "vs_diffusers.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
             "compile_tuning": COMPILE_TUNING, "fused_activation_quantizer": L.FUSED_ACTIVATION_QUANTIZER,
-            "cuda_graphs": CUDA_GRAPHS, "gelu_as_sigmoid": dit.GELU_AS_SIGMOID,
+            "cuda_graphs": CUDA_GRAPHS, "gelu_as_sigmoid": dit.GELU_AS_SIGMOID, "gluon_int8qk": A.GLUON_INT8QK,
             "skipped": skipped, "targets": targets,
             "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
     return 0

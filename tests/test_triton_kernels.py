@@ -222,3 +222,19 @@ def test_triton_fp8_attention_equals_the_reference():
     assert relative_error(got.float(), fp8_reference(*operands, 1 / math.sqrt(128)).float()) < 1e-2
     fast, reference = (ATTENTION_KERNELS.get("fp8", "test").make(f) for f in (True, False))
     assert relative_error(fast(q, k, v).float(), reference(q, k, v).float()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s, config", [(1000, {}), (4608, {}), (200, {"block_n": 64}), (256, {"rowsum_mma": False}),
+                                       (1000, {"block_n": 64, "rowsum_mma": False})])
+def test_gluon_int8qk_equals_the_reference(s, config):
+    """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
+    sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon INT8-QK kernel is for Hopper (sm_90)")
+    gluon = pytest.importorskip("ditrun.kernels.attention_gluon", reason="this Triton has no Gluon Hopper API")
+    g = torch.Generator().manual_seed(s)
+    q, k, v = (torch.randn(2, s, 3, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
+    ops = quantize_operands(q, k, v, "bf16")
+    got = gluon.int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), **config)
+    assert relative_error(got.float(), int8qk_reference(ops, 1 / math.sqrt(128)).float()) < 1e-2

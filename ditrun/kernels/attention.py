@@ -26,6 +26,7 @@ math on other devices.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -159,11 +160,43 @@ conversion and its trip to the dot's operand layout cost more than the dot saves
 so the FP8-exact V values run the BF16 dot, exactly as the reference computes them."""
 
 
+GLUON_INT8QK = True
+"""Whether INT8-QK attention runs the Hopper Gluon kernel (``attention_gluon.py``) where it can: sm_90, head
+dim 128, V in BF16/FP16, Triton with Gluon's Hopper API. On one H200 it ran 1.12-1.16x faster than the
+Triton kernel at 4608-20992 tokens (docs/PERFORMANCE.md); elsewhere the Triton kernel runs."""
+
+
+@functools.cache
+def _gluon_kernels():
+    """The Gluon kernel module, or None where this Triton lacks the API it is written against."""
+    try:
+        from ditrun.kernels import attention_gluon
+    except (ImportError, AttributeError):
+        return None
+    return attention_gluon
+
+
+def gluon_int8qk_available(device: torch.device) -> bool:
+    """Whether ``device`` runs the Gluon INT8-QK kernel (an NVIDIA Hopper GPU, the kernel importable)."""
+    if not GLUON_INT8QK or device.type != "cuda" or torch.version.hip:
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_kernels() is not None
+
+
+def _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot: bool) -> bool:
+    """This call's operands fit the Gluon kernel: INT8 per-token Q/K, head dim 128, 16-byte aligned rows."""
+    b, h, s, d = q.shape
+    return (q.dtype == torch.int8 and not fp8_dot and d == 128 and v.dtype in (torch.bfloat16, torch.float16)
+            and b * h * s >= 128 and all(t.data_ptr() % 16 == 0 for t in (q, k, q_scale, k_scale, v))
+            and gluon_int8qk_available(q.device))
+
+
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                         v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
-    fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention).
+    fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention). On Hopper the INT8
+    case runs the Gluon kernel (``GLUON_INT8QK``), elsewhere on GPUs the Triton kernel.
 
     ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); with ``FP8_PV_DOT`` the kernel then
     runs P @ V as an FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
@@ -171,6 +204,9 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
         from ditrun.kernels.attention_triton import flash_attention
 
         fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
+        q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
+        if _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot):
+            return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale)
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)
     if q.dtype != torch.int8:
         return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)
@@ -215,8 +251,11 @@ class AttentionKernel:
     quantized: bool = True
     unavailable: Callable[[torch.device], Optional[str]] = _triton_unavailable
     """device -> None where the fast implementation runs, else why not (a clause for error messages)."""
-    backend: str = "triton"
-    """What the fast implementation runs on, for records."""
+    backend: str | Callable[[torch.device], str] = "triton"
+    """What the fast implementation runs on, for records (or device -> that)."""
+
+    def backend_on(self, device: torch.device) -> str:
+        return self.backend(device) if callable(self.backend) else self.backend
 
 
 def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
@@ -265,6 +304,10 @@ def fp8_attention(fast: bool) -> AttentionFn:
     return attention
 
 
+def _int8qk_backend(device: torch.device) -> str:
+    return "gluon" if gluon_int8qk_available(device) else "triton"
+
+
 ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel")
 ATTENTION_KERNELS.register("bf16", AttentionKernel(
     "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda fast: sdpa_attention, quantized=False))
@@ -279,7 +322,7 @@ for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
     ATTENTION_KERNELS.register(_name, AttentionKernel(
         _name, f"INT8 Q and K (smoothed K, a scale per token), fp32 softmax, V in {_v.upper()}",
-        lambda fast, _v=_v: int8qk_attention(_v, fast)))
+        lambda fast, _v=_v: int8qk_attention(_v, fast), backend=_int8qk_backend))
 
 
 def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> Optional[str]:
