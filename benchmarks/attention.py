@@ -6,10 +6,11 @@
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
 ``int8qk kernel only`` (``ditrun::int8qk_attention`` on operands quantized beforehand, with BF16 V and with
-FP8-exact V: the Gluon kernel on Hopper, the autotuned Triton kernel elsewhere), ``fp8_pv kernel only`` (cuDNN's fused FP8 attention on operands
-quantized beforehand) and every quantized attention kernel end to end (operand quantization,
-torch.compile'd, + kernel), as the model calls it. The first call of each kernel
-autotunes it (untimed).
+FP8-exact V: the Gluon kernel on Hopper, the autotuned Triton kernel elsewhere), ``fp8_pv kernel only``
+(cuDNN's fused FP8 attention on operands quantized beforehand) and every quantized attention kernel end to
+end (operand quantization, torch.compile'd, + kernel), as the model calls it. The first call of each kernel
+autotunes it (untimed). ``--gluon`` compares the Gluon kernel's options with the Triton kernel; ``--ncu``
+makes one launch of each for Nsight Compute.
 Error: max |out - SDPA in fp32| / max |SDPA in fp32| over the first 2048 queries (fp32 SDPA is
 the exact reference; BF16 SDPA's own error is printed beside it for scale).
 """

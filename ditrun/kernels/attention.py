@@ -191,6 +191,23 @@ def _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot: bool) -> bool:
             and gluon_int8qk_available(q.device))
 
 
+def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float) -> Optional[torch.Tensor]:
+    """The Gluon kernel's output, or None (after one sentence, and for the rest of the process) when this
+    Triton cannot compile it: the kernel is written against Triton 3.6's Gluon API, which is experimental."""
+    global GLUON_INT8QK
+    try:
+        return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale)
+    except Exception as failure:  # noqa: BLE001 - compile errors of an API that moves: fall back, say so once
+        from triton.compiler.errors import CompilationError
+
+        if not isinstance(failure, (CompilationError, AttributeError, TypeError, ValueError, AssertionError)):
+            raise
+        GLUON_INT8QK = False
+        print(f"ditrun: the Gluon INT8-QK kernel does not compile with Triton here ({type(failure).__name__}); "
+              "INT8-QK attention runs on the Triton kernel.", flush=True)
+        return None
+
+
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
                         v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
@@ -206,7 +223,9 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
         fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
         q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
         if _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot):
-            return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale)
+            out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale)
+            if out is not None:
+                return out
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)
     if q.dtype != torch.int8:
         return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)
