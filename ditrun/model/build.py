@@ -232,8 +232,9 @@ def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device:
         print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference on this device.",
               flush=True)
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
-    attention_backend = (plan.attention.backend_on(device) if fast_attention else "reference") if plan.attention.quantized \
-        else "sdpa"
+    attention_backend = "sdpa"
+    if plan.attention.quantized:
+        attention_backend = plan.attention.backend_on(device) if fast_attention else "reference"
     details["attention"] = {"format": plan.attention.name, "backends": [attention_backend]}
     return BuiltModel(model, plan.attention.make(fast_attention), plan, details)
 
