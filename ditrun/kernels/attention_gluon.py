@@ -9,7 +9,8 @@ softmax. This one is built the way Hopper attention kernels are:
 - **Ping-pong.** The two warpgroups take turns issuing their matrix products (an mbarrier pair), so one
   group's products run on the tensor cores while the other computes its softmax.
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
-  P @ V (BF16, P from registers) go out back to back; the softmax of tile j waits only for Q.K^T.
+  P @ V (BF16, P from registers) go out back to back; the softmax of tile j needs only Q.K^T (but see
+  below).
 - **Row sums on the tensor cores** (``rowsum_mma``): P @ ones, one more narrow product, instead of one fp32
   add per score (sums of P as rounded for P @ V).
 
@@ -18,10 +19,14 @@ exp2, the BF16 pack. Q and K carry one scale per token (``kernels/attention.py``
 FP8/MXFP6-exact values in BF16).
 
 Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, session 3): 1.12-1.16x the Triton kernel's speed at
-4608-20992 tokens, and 0.93x cuDNN's BF16 SDPA at 20992. What holds it back: the per-token key scale costs a
-multiply per score, and ptxas places the wait for P @ V before the softmax, so a warpgroup's softmax overlaps
-only the other group's products, not its own. ``attention.int8qk_attention_op`` runs it on Hopper
-(``attention.GLUON_INT8QK``).
+4608-20992 tokens, and 0.93x cuDNN's BF16 SDPA at 20992. It issues fewer instructions than cuDNN's kernel but
+at a lower rate. What holds it back:
+- a third of its stalls are at the 128-thread barrier Triton puts before each (single-thread) mbarrier
+  arrive, three per step;
+- ptxas places the wait for P @ V before the softmax, so a warpgroup's softmax overlaps only the other
+  group's products, not its own;
+- the per-token key scale costs a multiply per score.
+``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``).
 """
 
 from __future__ import annotations
