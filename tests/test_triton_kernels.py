@@ -238,3 +238,27 @@ def test_gluon_int8qk_equals_the_reference(s, config):
     ops = quantize_operands(q, k, v, "bf16")
     got = gluon.int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), **config)
     assert relative_error(got.float(), int8qk_reference(ops, 1 / math.sqrt(128)).float()) < 1e-2
+
+
+@pytest.mark.timeout(240)
+def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
+    """The Gluon INT8-QK kernel built for sm_90 by this machine's Triton and its ptxas (no GPU needed): INT8 and
+    BF16 ``wgmma`` in the PTX and a cubin; or, where this Triton's Gluon API has moved, an error of the kinds the
+    op catches to run the Triton kernel instead (an xfail that names it), never one that would end a run."""
+    pytest.importorskip("triton")
+    import triton
+    from ditrun.kernels.attention import _gluon_kernels, gluon_compile_errors
+
+    gluon = _gluon_kernels()
+    if gluon is None:
+        pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API: the op runs the Triton kernel")
+    try:
+        kernel = gluon.compile_sm90()
+    except gluon_compile_errors() as failure:
+        pytest.xfail(f"Triton {triton.__version__} does not compile the Gluon kernel ({type(failure).__name__}); "
+                     "the op falls back to the Triton kernel")
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx  # Q.K^T
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx  # P @ V
+    assert "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16" in ptx  # the row sums, P @ ones
+    assert kernel.asm["cubin"]

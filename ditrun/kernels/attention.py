@@ -191,17 +191,20 @@ def _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot: bool) -> bool:
             and gluon_int8qk_available(q.device))
 
 
+def gluon_compile_errors() -> tuple[type[Exception], ...]:
+    """What a Triton whose Gluon API moved raises compiling the Gluon kernel: the op then falls back."""
+    from triton.compiler.errors import CompilationError
+
+    return CompilationError, AttributeError, TypeError, ValueError, AssertionError
+
+
 def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float) -> Optional[torch.Tensor]:
     """The Gluon kernel's output, or None (after one sentence, and for the rest of the process) when this
     Triton cannot compile it: the kernel is written against Triton 3.6's Gluon API, which is experimental."""
     global GLUON_INT8QK
     try:
         return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale)
-    except Exception as failure:  # noqa: BLE001 - compile errors of an API that moves: fall back, say so once
-        from triton.compiler.errors import CompilationError
-
-        if not isinstance(failure, (CompilationError, AttributeError, TypeError, ValueError, AssertionError)):
-            raise
+    except gluon_compile_errors() as failure:
         GLUON_INT8QK = False
         print(f"ditrun: the Gluon INT8-QK kernel does not compile with Triton here ({type(failure).__name__}); "
               "INT8-QK attention runs on the Triton kernel.", flush=True)

@@ -39,6 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+"""TMA tile load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` later."""
+
 LOG2_E = 1.4426950408889634
 GROUP_M = gl.constexpr(64)
 """Query rows per warpgroup (the M of one ``wgmma``); a program holds two groups."""
@@ -52,19 +55,19 @@ def _load(q_desc, k_desc, ks_desc, v_desc, q_smem, k_smem, ks_smem, v_smem, q_ba
     """The loading warp: the program's two Q tiles once, then K tiles (with their keys' scales) and V tiles
     through the stage ring."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [q_row + GROUP_M, 0], q_bar, q_smem.index(1))
+    _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
+    _tma_load(q_desc, [q_row + GROUP_M, 0], q_bar, q_smem.index(1))
     for j in range(n_tiles):
         stage = j % STAGES
         phase = (j // STAGES) & 1
         # A fresh barrier has completed "phase -1": the first pass through the ring does not wait.
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        tma.async_copy_global_to_shared(ks_desc, [kv_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
+        _tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
+        _tma_load(ks_desc, [kv_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        _tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
@@ -263,3 +266,23 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, q_scale.contiguous(), out, s, sm_scale * LOG2_E, D=d,
                          BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma, num_warps=4)
     return out.view(b, h, s, d)
+
+
+def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool = True, rowsum_mma: bool = True):
+    """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): the ``CompiledKernel`` (its ``asm`` holds
+    the PTX and the cubin) for BF16 V. For tests of a Triton version, and to read the SASS off any machine."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    layouts = {name: gl.NVMMASharedLayout.get_default_for(shape, dtype) for name, shape, dtype in (
+        ("q", [GROUP_M.value, d], gl.int8), ("k", [block_n, d], gl.int8), ("ks", [block_n], gl.float32),
+        ("v", [block_n, d], gl.bfloat16))}
+    signature = {"q_desc": f"tensordesc<i8[{GROUP_M.value}, {d}],{layouts['q']!r}>",
+                 "k_desc": f"tensordesc<i8[{block_n}, {d}],{layouts['k']!r}>",
+                 "ks_desc": f"tensordesc<fp32[{block_n}],{layouts['ks']!r}>",
+                 "v_desc": f"tensordesc<bf16[{block_n}, {d}],{layouts['v']!r}>",
+                 "QS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
+                 "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr"}
+    constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma}
+    source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
