@@ -254,6 +254,8 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
         pytest.skip(f"Triton {triton.__version__} has no Gluon Hopper API: the op runs the Triton kernel")
     try:
         kernel = gluon.compile_sm90()
+    except ImportError as failure:  # compile_sm90's entry points into Triton, not the kernel's API
+        pytest.skip(f"Triton {triton.__version__} cannot build Gluon kernels without a GPU here: {failure}")
     except gluon_compile_errors() as failure:
         pytest.xfail(f"Triton {triton.__version__} does not compile the Gluon kernel ({type(failure).__name__}); "
                      "the op falls back to the Triton kernel")
