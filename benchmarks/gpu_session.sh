@@ -10,6 +10,9 @@
 #   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_session.sh kernels                  (one GPU: the Triton kernels' GPU tests, attention and GEMM
 #                                                            benchmarks, the attention kernel's configurations; ~4 min)
+#   bash benchmarks/gpu_session.sh gluon                    (one GPU: the Hopper Gluon INT8-QK kernel's GPU tests, its
+#                                                            options one process each beside the Triton kernel, and
+#                                                            Nsight Compute of it and SDPA; ~4 min)
 #   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
@@ -87,6 +90,18 @@ if [[ $what == kernels ]]; then
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
   python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py --configs --s 8704 --repeats 5 2>&1 | grep -v "^{" | tee "$OUT/attention_configs.txt"
+fi
+if [[ $what == gluon ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k gluon 2>&1 \
+    | tee "$OUT/tests_gluon.log" | tail -5
+  for change in block_n=128 block_n=128,rowsum_mma=0 block_n=64; do  # a faulting variant cannot poison the next
+    timeout 150 python3 benchmarks/attention.py --gluon --gluon-only "$change" --s 20992 8704 4608 --repeats 5 2>&1 \
+      | grep -v "^{" | tee -a "$OUT/attention_gluon.txt"
+  done
+  timeout 200 ncu --clock-control none -k regex:"sdpa|_int8qk" --set full --import-source no \
+    python3 benchmarks/attention.py --ncu --s 20992 > "$OUT/ncu_attention.txt" 2>&1
+  grep -E "_int8qk|sdpa|Duration|Issued Instructions  |Issue Slots Busy|Local Memory Spilling Requests " \
+    "$OUT/ncu_attention.txt"
 fi
 if [[ $what == workload || $what == all ]]; then
   # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
