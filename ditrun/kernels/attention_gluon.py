@@ -247,6 +247,14 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, QS, O, S, sm_scale_log2, D: 
     ], [4, 1], [232, 24])
 
 
+def _blocks(d: int, block_n: int, v_type) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
+    """Each TMA operand's tile shape and shared-memory layout: Q, K and the keys' scales, V (of ``v_type``)."""
+    shapes = {"q": ([GROUP_M.value, d], gl.int8), "k": ([block_n, d], gl.int8), "ks": ([block_n], gl.float32),
+              "v": ([block_n, d], v_type)}
+    return {name: (shape, gl.NVMMASharedLayout.get_default_for(shape, dtype))
+            for name, (shape, dtype) in shapes.items()}
+
+
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
                  sm_scale: float, block_n: int = 128, stages: int = 3, rowsum_mma: bool = True) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
@@ -254,15 +262,11 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     b, h, s, d = q.shape
     rows = b * h * s
     q2, k2, v2 = (t.contiguous().view(rows, d) for t in (q, k, v))
-    v_type = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    group = GROUP_M.value
-    q_desc = TensorDescriptor.from_tensor(q2, [group, d], gl.NVMMASharedLayout.get_default_for([group, d], gl.int8))
-    k_desc = TensorDescriptor.from_tensor(k2, [block_n, d], gl.NVMMASharedLayout.get_default_for([block_n, d], gl.int8))
-    ks_desc = TensorDescriptor.from_tensor(k_scale.contiguous().view(rows), [block_n],
-                                           gl.NVMMASharedLayout.get_default_for([block_n], gl.float32))
-    v_desc = TensorDescriptor.from_tensor(v2, [block_n, d], gl.NVMMASharedLayout.get_default_for([block_n, d], v_type))
+    blocks = _blocks(d, block_n, gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16)
+    q_desc, k_desc, ks_desc, v_desc = (TensorDescriptor.from_tensor(t, *blocks[name]) for name, t in (
+        ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2)))
     out = torch.empty_like(v2)
-    grid = (triton.cdiv(s, 2 * group), b * h)
+    grid = (triton.cdiv(s, 2 * GROUP_M.value), b * h)
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, q_scale.contiguous(), out, s, sm_scale * LOG2_E, D=d,
                          BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma, num_warps=4)
     return out.view(b, h, s, d)
@@ -274,15 +278,12 @@ def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool =
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    layouts = {name: gl.NVMMASharedLayout.get_default_for(shape, dtype) for name, shape, dtype in (
-        ("q", [GROUP_M.value, d], gl.int8), ("k", [block_n, d], gl.int8), ("ks", [block_n], gl.float32),
-        ("v", [block_n, d], gl.bfloat16))}
-    signature = {"q_desc": f"tensordesc<i8[{GROUP_M.value}, {d}],{layouts['q']!r}>",
-                 "k_desc": f"tensordesc<i8[{block_n}, {d}],{layouts['k']!r}>",
-                 "ks_desc": f"tensordesc<fp32[{block_n}],{layouts['ks']!r}>",
-                 "v_desc": f"tensordesc<bf16[{block_n}, {d}],{layouts['v']!r}>",
-                 "QS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
-                 "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr"}
+    blocks = _blocks(d, block_n, gl.bfloat16)
+    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": "bf16"}
+    signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
+                 for name, (shape, layout) in blocks.items()}
+    signature |= {"QS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
+                  "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr"}
     constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma}
     source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
