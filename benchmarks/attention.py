@@ -47,6 +47,12 @@ def fp32_reference(q, k, v):
     return sdpa(q[:, :ERROR_QUERIES].float(), k.float(), v.float())
 
 
+def failure_text(failure: Exception) -> str:
+    """A probe's failure in one short line: its type and the first line of its message."""
+    first = str(failure).splitlines()[0][:90] if str(failure) else ""
+    return f"failed: {type(failure).__name__}: {first}"
+
+
 class Inputs:
     """Seeded Q, K (with a key bias) and V [1, S, H, D] in BF16, the fp32 attention of their first
     ERROR_QUERIES queries, and SDPA's time on them: what every row is measured against."""
@@ -73,9 +79,8 @@ class Inputs:
         except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
             if not probe:
                 raise
-            first = str(failure).splitlines()[0][:90] if str(failure) else ""
             return {"S": str(self.s), "kernel": kernel, "ms": "-", "TF/s": "-", "vs sdpa": "-",
-                    "error": f"failed: {type(failure).__name__}: {first}"}
+                    "error": failure_text(failure)}
         return self._row(kernel, ms, err)
 
     def sdpa_row(self, error: bool = True) -> dict[str, str]:
@@ -208,10 +213,11 @@ def gluon_label(config: dict) -> str:
     return f"n{config['block_n']} s{config['stages']}{' rowsum_mma' if config['rowsum_mma'] else ''}"
 
 
-def gluon_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
+def gluon_rows(s: int, heads: int, head_dim: int, repeats: int, configs: list[dict]) -> list[dict[str, str]]:
     """The Hopper Gluon INT8-QK kernel (``kernels/attention_gluon.py``) beside the Triton one, on the same
-    operands quantized beforehand (BF16 V), per GLUON_CONFIGS entry. Its error column is against fp32 SDPA, as
-    everywhere; each row also prints how far it is from the Triton kernel's output (the same math)."""
+    operands quantized beforehand (BF16 V), per entry of ``configs`` (``int8qk_gluon`` keywords). Its error
+    column is against fp32 SDPA, as everywhere; each row also prints how far it is from the Triton kernel's
+    output (the same math)."""
     from ditrun.kernels.attention_gluon import int8qk_gluon
     from ditrun.kernels.attention_triton import flash_attention
 
@@ -221,13 +227,13 @@ def gluon_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str
     args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
     triton_out = flash_attention(*args)
     rows = [x.sdpa_row(), x.row("int8qk triton kernel only", lambda: flash_attention(*args).transpose(1, 2))]
-    for config in GLUON_CONFIGS:
+    for config in configs:
         def run():
             return int8qk_gluon(*args, **config)
         try:
             gap = relative_error(run(), triton_out)
         except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
-            gap = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:90] if str(failure) else ''}"
+            gap = failure_text(failure)
         rows.append(x.row(f"gluon {gluon_label(config)}", lambda: run().transpose(1, 2), probe=True))
         print(rows[-1], f"vs triton: {gap if isinstance(gap, str) else f'{gap:.1e}'}", flush=True)
     return rows
@@ -276,11 +282,12 @@ def main() -> None:
     if args.ncu:
         ncu_calls(args.s[0], args.heads, args.head_dim)
         return
-    if args.gluon_only:
-        changes = dict(item.split("=") for item in args.gluon_only.split(","))
-        GLUON_CONFIGS[:] = [{**GLUON_BEST, **{key: int(value) for key, value in changes.items()}}]
     if args.gluon:
-        print_table([row for s in args.s for row in gluon_rows(s, args.heads, args.head_dim, args.repeats)])
+        configs = GLUON_CONFIGS
+        if args.gluon_only:
+            changes = dict(item.split("=") for item in args.gluon_only.split(","))
+            configs = [{**GLUON_BEST, **{key: int(value) for key, value in changes.items()}}]
+        print_table([row for s in args.s for row in gluon_rows(s, args.heads, args.head_dim, args.repeats, configs)])
         return
     rows = [row for s in args.s for row in bench(s, args.heads, args.head_dim, args.repeats, args.flex)]
     print_table(rows)
