@@ -206,32 +206,35 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
 # The Gluon kernel's options the --gluon probe compares (``attention_gluon.int8qk_gluon`` keywords).
 GLUON_BEST = dict(block_n=128, stages=3, rowsum_mma=True)
 GLUON_CONFIGS = [GLUON_BEST, {**GLUON_BEST, "rowsum_mma": False}, {**GLUON_BEST, "block_n": 64},
-                 {**GLUON_BEST, "block_n": 64, "rowsum_mma": False}]
+                 {**GLUON_BEST, "v_fp8": True}, {**GLUON_BEST, "v_fp8": True, "rowsum_mma": False}]
 
 
 def gluon_label(config: dict) -> str:
-    return f"n{config['block_n']} s{config['stages']}{' rowsum_mma' if config['rowsum_mma'] else ''}"
+    return (f"n{config['block_n']} s{config['stages']}{' rowsum_mma' if config['rowsum_mma'] else ''}"
+            f"{' fp8 P.V' if config.get('v_fp8') else ''}")
 
 
 def gluon_rows(s: int, heads: int, head_dim: int, repeats: int, configs: list[dict]) -> list[dict[str, str]]:
     """The Hopper Gluon INT8-QK kernel (``kernels/attention_gluon.py``) beside the Triton one, on the same
-    operands quantized beforehand (BF16 V), per entry of ``configs`` (``int8qk_gluon`` keywords). Its error
-    column is against fp32 SDPA, as everywhere; each row also prints how far it is from the Triton kernel's
-    output (the same math)."""
+    operands quantized beforehand (BF16 V; FP8-exact V for ``v_fp8`` configurations), per entry of ``configs``
+    (``int8qk_gluon`` keywords). Its error column is against fp32 SDPA, as everywhere; each row also prints how
+    far it is from the Triton kernel's output on the same operands (the same math, but for FP8 P)."""
     from ditrun.kernels.attention_gluon import int8qk_gluon
     from ditrun.kernels.attention_triton import flash_attention
 
     x = Inputs(s, heads, head_dim, repeats)
-    ops = quantize_operands(x.q, x.k, x.v, "bf16")
     sm_scale = 1 / math.sqrt(head_dim)
-    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale)
-    triton_out = flash_attention(*args)
-    rows = [x.sdpa_row(), x.row("int8qk triton kernel only", lambda: flash_attention(*args).transpose(1, 2))]
+    ops = {v: quantize_operands(x.q, x.k, x.v, v) for v in ("bf16", "fp8")}
+    operands = {v: (o.q, o.q_scale, o.k, o.k_scale, o.v, sm_scale) for v, o in ops.items()}
+    triton_out = {v: flash_attention(*args) for v, args in operands.items()}
+    rows = [x.sdpa_row(), x.row("int8qk triton kernel only", lambda: flash_attention(*operands["bf16"]).transpose(1, 2))]
     for config in configs:
+        v_format = "fp8" if config.get("v_fp8") else "bf16"
+
         def run():
-            return int8qk_gluon(*args, **config)
+            return int8qk_gluon(*operands[v_format], **config)
         try:
-            gap = relative_error(run(), triton_out)
+            gap = relative_error(run(), triton_out[v_format])
         except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
             gap = failure_text(failure)
         rows.append(x.row(f"gluon {gluon_label(config)}", lambda: run().transpose(1, 2), probe=True))

@@ -135,8 +135,13 @@ def quantize_operands(q, k, v, v_format: str) -> Int8QK:
 # The reference
 
 
-def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
-    """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype."""
+P_FP8_LOG2 = 8
+"""An FP8 P @ V takes 2^8 P (at most 256 < 448, E4M3's max) rounded to E4M3 (``int8qk_reference(p_fp8=True)``)."""
+
+
+def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024, p_fp8: bool = False) -> torch.Tensor:
+    """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype. ``p_fp8``:
+    as an FP8 P @ V computes it (FP8 V values): 2^8 P rounded to E4M3, both for the product and the row sums."""
     q_scale, k_scale, k = ops.q_scale, ops.k_scale, ops.k.float()  # scales: [B, H, S]
     out = torch.empty_like(ops.v)
     for start in range(0, ops.q.shape[2], chunk):
@@ -144,7 +149,12 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.T
         # int8 x int8 sums over D <= 256 stay below 2^24: exact in fp32
         scores = ops.q[:, :, rows].float() @ k.transpose(-1, -2)  # [B, H, c, S]
         scores = scores * (q_scale[:, :, rows, None] * k_scale[:, :, None, :] * sm_scale)
-        p = torch.softmax(scores, dim=-1)
+        if p_fp8:
+            p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)) * 2.0 ** P_FP8_LOG2
+            p = formats.round_to_grid(p, "fp8_e4m3")
+            p = p / p.sum(dim=-1, keepdim=True)
+        else:
+            p = torch.softmax(scores, dim=-1)
         out[:, :, rows] = (p @ ops.v.float()).to(out.dtype)
     return out
 
@@ -165,6 +175,11 @@ GLUON_INT8QK = True
 dim 128, V in BF16/FP16, Triton with Gluon's Hopper API. On one H200 it ran 1.12-1.16x faster than the
 Triton kernel at 4608-20992 tokens (docs/PERFORMANCE.md); elsewhere the Triton kernel runs."""
 
+GLUON_FP8_PV = True
+"""Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3, V as its E4M3
+codes): 1.20x SDPA at S = 20992 on one H200 against 1.02x with the BF16 product (docs/PERFORMANCE.md), at the
+price of P's rounding (``int8qk_reference(p_fp8=True)`` is its exact math)."""
+
 
 @functools.cache
 def _gluon_kernels():
@@ -183,10 +198,10 @@ def gluon_int8qk_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_kernels() is not None
 
 
-def _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot: bool) -> bool:
+def _runs_gluon(q, k, q_scale, k_scale, v) -> bool:
     """This call's operands fit the Gluon kernel: INT8 per-token Q/K, head dim 128, 16-byte aligned rows."""
     b, h, s, d = q.shape
-    return (q.dtype == torch.int8 and not fp8_dot and d == 128 and v.dtype in (torch.bfloat16, torch.float16)
+    return (q.dtype == torch.int8 and d == 128 and v.dtype in (torch.bfloat16, torch.float16)
             and b * h * s >= 128 and all(t.data_ptr() % 16 == 0 for t in (q, k, q_scale, k_scale, v))
             and gluon_int8qk_available(q.device))
 
@@ -198,12 +213,12 @@ def gluon_compile_errors() -> tuple[type[Exception], ...]:
     return CompilationError, AttributeError, TypeError, ValueError, AssertionError
 
 
-def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float) -> Optional[torch.Tensor]:
+def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool) -> Optional[torch.Tensor]:
     """The Gluon kernel's output, or None (after one sentence, and for the rest of the process) when this
     Triton cannot compile it: the kernel is written against Triton 3.6's Gluon API, which is experimental."""
     global GLUON_INT8QK
     try:
-        return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale)
+        return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale, v_fp8=v_fp8)
     except gluon_compile_errors() as failure:
         GLUON_INT8QK = False
         print(f"ditrun: the Gluon INT8-QK kernel does not compile with Triton here ({type(failure).__name__}); "
@@ -218,15 +233,16 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
     fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention). On Hopper the INT8
     case runs the Gluon kernel (``GLUON_INT8QK``), elsewhere on GPUs the Triton kernel.
 
-    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); with ``FP8_PV_DOT`` the kernel then
-    runs P @ V as an FP8 dot (P rounded to E4M3 too), where the GPU has OCP E4M3. The reference ignores it."""
+    ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the Gluon kernel (``GLUON_FP8_PV``, BF16 V)
+    and, with ``FP8_PV_DOT``, the Triton kernel then run P @ V as an FP8 dot (P rounded to E4M3 too, as
+    ``int8qk_reference(p_fp8=True)``). The reference off GPUs ignores it."""
     if triton_available(q.device):
         from ditrun.kernels.attention_triton import flash_attention
 
         fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
         q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
-        if _runs_gluon(q, k, q_scale, k_scale, v, fp8_dot):
-            out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale)
+        if _runs_gluon(q, k, q_scale, k_scale, v):
+            out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale, GLUON_FP8_PV and v_fp8 and v.dtype == torch.bfloat16)
             if out is not None:
                 return out
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)

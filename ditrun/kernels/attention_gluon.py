@@ -31,11 +31,13 @@ at a lower rate. What holds it back:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -50,13 +52,15 @@ SUM_N = gl.constexpr(8)
 
 
 @gluon.jit
-def _load(q_desc, k_desc, ks_desc, v_desc, q_smem, k_smem, ks_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-          q_row, kv_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """The loading warp: the program's two Q tiles once, then K tiles (with their keys' scales) and V tiles
-    through the stage ring."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty,
+          v_ready, v_empty, q_row, kv_row, v_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          V_FP8: gl.constexpr):
+    """The loading warp: the program's two Q tiles and the ones tile once, then K tiles (with their keys' scales)
+    and V tiles through the stage ring (FP8 V: tiles of V^T, [D, BLOCK_N] from row ``v_row``)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
     _tma_load(q_desc, [q_row + GROUP_M, 0], q_bar, q_smem.index(1))
+    _tma_load(ones_desc, [0, 0], q_bar, ones)
     for j in range(n_tiles):
         stage = j % STAGES
         phase = (j // STAGES) & 1
@@ -67,28 +71,33 @@ def _load(q_desc, k_desc, ks_desc, v_desc, q_smem, k_smem, ks_smem, v_smem, q_ba
         _tma_load(ks_desc, [kv_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
+        if V_FP8:
+            _tma_load(v_desc, [v_row, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
+        else:
+            _tma_load(v_desc, [kv_row + j * BLOCK_N, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 @gluon.jit
-def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, EVEN: gl.constexpr):
-    """One tile's int32 Q.K sums and its keys' scales -> (P in fp32, the new row max, the old rows' rescale
-    factor). Scores are in log2 units: q_scale holds sm_scale * log2(e)."""
+def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N: gl.constexpr, EVEN: gl.constexpr,
+            P_LOG2: gl.constexpr):
+    """One tile's int32 Q.K sums and its keys' scales -> (2^P_LOG2 P in fp32, the new row max, the old rows'
+    rescale factor). Scores are in log2 units: q_scale holds sm_scale * log2(e)."""
     x = acc_int.to(gl.float32) * ks[None, :]
     if not EVEN:
         cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         x = gl.where((cols < S)[None, :], x, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(x, axis=1) * q_scale)  # q_scale > 0
-    p = gl.exp2(x * q_scale[:, None] - m_new[:, None])
+    p = gl.exp2(x * q_scale[:, None] - (m_new - P_LOG2)[:, None])
     return p, m_new, gl.exp2(m_i - m_new)
 
 
 @gluon.jit
-def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """The running row sums with tile P added: issued as P @ ones (async) or added in fp32 at once."""
+def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, lp_layout: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+    """The running row sums with tile P added: issued as P @ ones (async; ``lp_layout``: P as its A operand) or
+    added in fp32 at once."""
     if ROWSUM_MMA:
-        l_new = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(0, l_layout, 2), assert_trivial=True),
-                              ones.permute((1, 0)), l_acc, is_async=True)
+        l_new = warpgroup_mma(gl.convert_layout(p, lp_layout, assert_trivial=True), ones.permute((1, 0)), l_acc,
+                              is_async=True)
     else:
         l_new = (l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
                  + gl.convert_layout(gl.sum(p, axis=1), gl.SliceLayout(1, l_layout))[:, None])
@@ -96,115 +105,166 @@ def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, ROWSUM_MMA: gl.cons
 
 
 @gluon.jit
-def _step(j, p, acc, l_acc, m_i, ones, q_tile, q_scale, k_smem, ks_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
-          my_turn, their_turn, zero, S, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-          l_layout: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr,
-          GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """Tile j's Q.K^T and tile j-1's P @ V (and P @ ones) issued together in this group's turn; tile j's softmax;
-    then the output rescaled. -> (tile j's P, the output, the row sums, the row max)."""
-    stage = j % STAGES
-    prev = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-    mbarrier.wait(my_turn, (j & 1) ^ GROUP)  # group 0 goes first: its first wait passes on the fresh barrier
-    qk = warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-    pv = warpgroup_mma(p, v_smem.index(prev), acc, is_async=True)
-    if ROWSUM_MMA:
-        l_acc = _row_sums(p, l_acc, None, ones, l_layout, True)
-    mbarrier.arrive(their_turn, count=1)
-    ks = ks_smem.index(stage).load(gl.SliceLayout(0, s_layout))
-    qk = warpgroup_mma_wait(2 if ROWSUM_MMA else 1, deps=[qk])
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    p_next, m_i, alpha = _scores(qk, ks, j * BLOCK_N, S, q_scale, m_i, s_layout, BLOCK_N, EVEN)
-    if not ROWSUM_MMA:
-        l_acc = _row_sums(p_next, l_acc, alpha, ones, l_layout, False)
-    p_next = gl.convert_layout(p_next.to(p.dtype), p_layout)
-    if ROWSUM_MMA:
-        acc, l_acc, p = warpgroup_mma_wait(0, deps=[pv, l_acc, p])
-        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-    else:
-        acc, p = warpgroup_mma_wait(0, deps=[pv, p])
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    return p_next, acc, l_acc, m_i
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, BLOCK_N: gl.constexpr, V_FP8: gl.constexpr):
+    """P (fp32, in the scores' layout) -> the A operand of P @ V in registers, in ``dtype``. BF16: the scores'
+    layout is the operand's. FP8: within each 32 keys the operand wants other keys in a thread's registers than
+    the scores put there; the keys are taken in the order that makes the two layouts the same registers (no data
+    moves), and V^T's keys are stored in that order (``fp8_v_operand``)."""
+    if V_FP8:
+        p = p.reshape([GROUP_M, BLOCK_N // 32, 2, 2, 4, 2])
+        p = p.permute((0, 1, 2, 4, 3, 5))
+        p = gl.convert_layout(p.reshape([GROUP_M, BLOCK_N]), p_layout, assert_trivial=True)
+        # Four of a thread's consecutive operand elements (one row, four keys) into one register.
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1; cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; "
+            "mov.b32 $0, {lo, hi}; }", "=r,r,r,r,r", [p], gl.float8e4nv, is_pure=True, pack=4)
+    return gl.convert_layout(p.to(dtype), p_layout)
 
 
 @gluon.jit
-def _last_pv(n_tiles, p, acc, l_acc, ones, v_smem, v_ready, v_empty, l_layout: gl.constexpr, STAGES: gl.constexpr,
-             ROWSUM_MMA: gl.constexpr):
-    last = (n_tiles - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p, v_smem.index(last), acc, is_async=True)
-    if ROWSUM_MMA:
-        l_acc = _row_sums(p, l_acc, None, ones, l_layout, True)
-        acc, l_acc, p = warpgroup_mma_wait(0, deps=[acc, l_acc, p])
+def _v_tile(v_smem, stage, V_FP8: gl.constexpr):
+    """Stage ``stage`` of V as the B operand [BLOCK_N, D] of P @ V (FP8: stored as V^T, keys contiguous)."""
+    if V_FP8:
+        tile = v_smem.index(stage).permute((1, 0))
     else:
-        acc, p = warpgroup_mma_wait(0, deps=[acc, p])
-    mbarrier.arrive(v_empty.index(last), count=1)
+        tile = v_smem.index(stage)
+    return tile
+
+
+@gluon.jit
+def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn, their_turn,
+           p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+           STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
+           NEXT_QK: gl.constexpr):
+    """Tile i's P (fp32) as the operand, then in this group's turn (the other group computes its softmax
+    meanwhile): tile i's P @ V (and P @ ones) and, with NEXT_QK, tile i+1's Q.K^T, all asynchronous.
+    -> (Q.K^T (``zero`` without NEXT_QK), the output, the row sums, P as the operand)."""
+    p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
+    stage = i % STAGES
+    qk = zero
+    if NEXT_QK:
+        mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
+    mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)  # group 0 goes first: its first wait passes on the fresh barrier
+    if NEXT_QK:
+        qk = warpgroup_mma(q_tile, k_smem.index((i + 1) % STAGES).permute((1, 0)), zero, use_acc=False,
+                           is_async=True)
+    acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
+    if ROWSUM_MMA:
+        l_acc = _row_sums(p, l_acc, None, ones, l_layout, lp_layout, True)
+    mbarrier.arrive(their_turn, count=1)
+    return qk, acc, l_acc, p
+
+
+@gluon.jit
+def _pv_wait(acc, l_acc, p, pending: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
+    """Wait until at most ``pending`` products are running, keeping P's registers (BF16 only: Triton 3.6 has no
+    8-bit dependencies; ptxas keeps FP8 P's registers itself). -> (the output, the row sums)."""
+    if V_FP8:
+        if ROWSUM_MMA:
+            acc, l_acc = warpgroup_mma_wait(pending, deps=[acc, l_acc])
+        else:
+            acc = warpgroup_mma_wait(pending, deps=[acc])
+    elif ROWSUM_MMA:
+        acc, l_acc, p = warpgroup_mma_wait(pending, deps=[acc, l_acc, p])
+    else:
+        acc, p = warpgroup_mma_wait(pending, deps=[acc, p])
     return acc, l_acc
 
 
 @gluon.jit
+def _softmax(j, qk, acc, l_acc, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S, s_layout: gl.constexpr,
+             o_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+             STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
+             P_LOG2: gl.constexpr, FIRST: gl.constexpr):
+    """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V, of operand ``p_op``, still running unless
+    FIRST), then the output and row sums rescaled once that P @ V is done. -> (tile j's P in fp32, the output,
+    the row sums, the row max)."""
+    stage = j % STAGES
+    ks = ks_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+    qk = warpgroup_mma_wait(0 if FIRST else (2 if ROWSUM_MMA else 1), deps=[qk])
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, m_i, alpha = _scores(qk, ks, j * BLOCK_N, S, q_scale, m_i, s_layout, BLOCK_N, EVEN, P_LOG2)
+    if not FIRST:
+        acc, l_acc = _pv_wait(acc, l_acc, p_op, 0, ROWSUM_MMA, V_FP8)
+        mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    if ROWSUM_MMA:
+        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+    else:
+        l_acc = _row_sums(p, l_acc, alpha, ones, l_layout, lp_layout, False)
+    return p, acc, l_acc, m_i
+
+
+@gluon.jit
 def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, QS,
-            O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """One warpgroup: 64 query rows against every key tile; writes their output rows."""
+            VS, O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
+            SUM: gl.constexpr):
+    """One warpgroup: 64 query rows against every key tile; writes their output rows.
+
+    Trip j of the key loop issues tile j's Q.K^T with tile j-1's P @ V, then computes tile j's softmax. P
+    crosses the loop in fp32 and is made the operand just before its product: FP8 P would otherwise cross as
+    single bytes, to be packed again."""
+    # The K of one P @ V instruction, the operand's elements per 32 bits, P's scale (FP8: 2^8 P, at most 256).
+    PV_K: gl.constexpr = 32 if V_FP8 else 16
+    P_WIDTH: gl.constexpr = 4 if V_FP8 else 2
+    P_LOG2: gl.constexpr = 8.0 if V_FP8 else 0.0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    # Row sums as [64, SUM_N] (every column the same): the accumulators of P @ ones, or broadcast fp32 sums.
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, PV_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=P_WIDTH)
+    # Row sums as [64, SUM] (every column the same): the accumulators of P @ ones, or broadcast fp32 sums.
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, SUM_N, 16])
+                                                       instr_shape=[16, SUM, PV_K])
+    lp_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=P_WIDTH)
 
     rows = row0 + gl.arange(0, GROUP_M, layout=gl.SliceLayout(1, s_layout))
     q_scale = gl.load(QS + bh * S + rows, mask=rows < S, other=1.0) * sm_scale_log2
     zero = gl.zeros([GROUP_M, BLOCK_N], gl.int32, s_layout)
     acc = gl.zeros([GROUP_M, D], gl.float32, o_layout)
-    l_acc = gl.zeros([GROUP_M, SUM_N], gl.float32, l_layout)
+    l_acc = gl.zeros([GROUP_M, SUM], gl.float32, l_layout)
     m_i = gl.full([GROUP_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    ks = ks_smem.index(0).load(gl.SliceLayout(0, s_layout))
-    qk = warpgroup_mma_wait(0, deps=[qk])
-    mbarrier.arrive(k_empty.index(0), count=1)
-    p_a, m_i, alpha = _scores(qk, ks, 0, S, q_scale, m_i, s_layout, BLOCK_N, EVEN)
-    if not ROWSUM_MMA:
-        l_acc = _row_sums(p_a, l_acc, alpha, ones, l_layout, False)
-    p_a = gl.convert_layout(p_a.to(v_smem.dtype), p_layout)
-    # Two steps per trip, P alternating between two register sets: the next tile's P is written while the
-    # current one is still an operand of the running P @ V.
-    for j in range(1, n_tiles - 1, 2):
-        p_b, acc, l_acc, m_i = _step(j, p_a, acc, l_acc, m_i, ones, q_tile, q_scale, k_smem, ks_smem, v_smem, k_ready,
-                                     k_empty, v_ready, v_empty, my_turn, their_turn, zero, S, s_layout, o_layout,
-                                     p_layout, l_layout, BLOCK_N, STAGES, EVEN, GROUP, ROWSUM_MMA)
-        p_a, acc, l_acc, m_i = _step(j + 1, p_b, acc, l_acc, m_i, ones, q_tile, q_scale, k_smem, ks_smem, v_smem,
-                                     k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, zero, S, s_layout,
-                                     o_layout, p_layout, l_layout, BLOCK_N, STAGES, EVEN, GROUP, ROWSUM_MMA)
-    if n_tiles % 2 == 0:
-        p_b, acc, l_acc, m_i = _step(n_tiles - 1, p_a, acc, l_acc, m_i, ones, q_tile, q_scale, k_smem, ks_smem, v_smem,
-                                     k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, zero, S, s_layout,
-                                     o_layout, p_layout, l_layout, BLOCK_N, STAGES, EVEN, GROUP, ROWSUM_MMA)
-        acc, l_acc = _last_pv(n_tiles, p_b, acc, l_acc, ones, v_smem, v_ready, v_empty, l_layout, STAGES, ROWSUM_MMA)
-    else:
-        acc, l_acc = _last_pv(n_tiles, p_a, acc, l_acc, ones, v_smem, v_ready, v_empty, l_layout, STAGES, ROWSUM_MMA)
+    p, acc, l_acc, m_i = _softmax(0, qk, acc, l_acc, m_i, zero, ones, q_scale, ks_smem, k_empty, v_empty, S,
+                                  s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA, V_FP8,
+                                  P_LOG2, True)
+    for j in range(1, n_tiles):
+        qk, acc, l_acc, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready,
+                                      my_turn, their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP,
+                                      ROWSUM_MMA, V_FP8, True)
+        p, acc, l_acc, m_i = _softmax(j, qk, acc, l_acc, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S,
+                                      s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA,
+                                      V_FP8, P_LOG2, False)
+    last = n_tiles - 1
+    qk, acc, l_acc, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn,
+                                  their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP, ROWSUM_MMA,
+                                  V_FP8, False)
+    acc, l_acc = _pv_wait(acc, l_acc, p_op, 0, ROWSUM_MMA, V_FP8)
+    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
     l_i = gl.max(l_acc, axis=1)
+    if V_FP8:
+        l_i = l_i / gl.load(VS + bh)  # V's scale per head
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     out_rows = row0 + gl.arange(0, GROUP_M, layout=gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
     offsets = (bh * S + out_rows).to(gl.int64)[:, None] * D + dims[None, :]
-    gl.store(O + offsets, out.to(v_smem.dtype), mask=(out_rows < S)[:, None])
+    gl.store(O + offsets, out.to(O.dtype.element_ty), mask=(out_rows < S)[:, None])
 
 
 @gluon.jit
-def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, QS, O, S, sm_scale_log2, D: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr):
+def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_scale_log2, D: gl.constexpr,
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+                   V_FP8: gl.constexpr, SUM: gl.constexpr):
     # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS and the scales behind ks_desc: fp32
     # [B * H * S], one per token. Tiles past a head's S read the next head's rows: their scores are masked
-    # (keys) or their rows not stored (queries); past the tensor TMA reads zeros.
+    # (keys) or their rows not stored (queries); past the tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
+    # V^T, [B * H * D, S rounded up to 32] (``fp8_v_operand``), VS one fp32 scale per (batch, head).
     block_m = gl.program_id(0)
     bh = gl.program_id(1)
     row0 = block_m * (2 * GROUP_M.value)
@@ -213,13 +273,13 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, QS, O, S, sm_scale_log2, D: 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, GROUP_M, D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK_N, D], k_desc.layout)
     ks_smem = gl.allocate_shared_memory(ks_desc.dtype, [STAGES, BLOCK_N], ks_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    # The B operand of P @ ones, stored K-major ([SUM_N, BLOCK_N], read transposed) as K is.
-    ones = gl.allocate_shared_memory(v_desc.dtype, [SUM_N, BLOCK_N],
-                                     gl.NVMMASharedLayout.get_default_for([SUM_N, BLOCK_N], v_desc.dtype),
-                                     gl.full([SUM_N, BLOCK_N], 1.0, v_desc.dtype,
-                                             gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])))
-    fence_async_shared()
+    if V_FP8:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BLOCK_N], v_desc.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    # The B operand of P @ ones, stored K-major ([SUM, BLOCK_N], read transposed) as K is; loaded by TMA (written
+    # from registers, Triton 3.6 gives an 8-bit tile that P @ ones does not read as ones).
+    ones = gl.allocate_shared_memory(ones_desc.dtype, [SUM, BLOCK_N], ones_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -237,53 +297,101 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, QS, O, S, sm_scale_log2, D: 
 
     gl.warp_specialize([
         (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
-                   turns.index(0), turns.index(1), QS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES, EVEN,
-                   0, ROWSUM_MMA)),
+                   turns.index(0), turns.index(1), QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES,
+                   EVEN, 0, ROWSUM_MMA, V_FP8, SUM)),
         (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
-                   turns.index(1), turns.index(0), QS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D, BLOCK_N,
-                   STAGES, EVEN, 1, ROWSUM_MMA)),
-        (_load, (q_desc, k_desc, ks_desc, v_desc, q_smem, k_smem, ks_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                 v_empty, bh * S + row0, bh * S, n_tiles, BLOCK_N, STAGES)),
+                   turns.index(1), turns.index(0), QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D,
+                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8, SUM)),
+        (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
+                 k_empty, v_ready, v_empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232, 24])
 
 
-def _blocks(d: int, block_n: int, v_type) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
-    """Each TMA operand's tile shape and shared-memory layout: Q, K and the keys' scales, V (of ``v_type``)."""
+def _blocks(d: int, block_n: int, v_type, sum_n: int = SUM_N.value) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
+    """Each TMA operand's tile shape and shared-memory layout: Q, K and the keys' scales, V (of ``v_type``; E4M3:
+    tiles of V^T), the ones of P @ ones (``v_type``)."""
+    v_shape = [d, block_n] if v_type == gl.float8e4nv else [block_n, d]
     shapes = {"q": ([GROUP_M.value, d], gl.int8), "k": ([block_n, d], gl.int8), "ks": ([block_n], gl.float32),
-              "v": ([block_n, d], v_type)}
+              "v": (v_shape, v_type), "ones": ([sum_n, block_n], v_type)}
     return {name: (shape, gl.NVMMASharedLayout.get_default_for(shape, dtype))
             for name, (shape, dtype) in shapes.items()}
 
 
+def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8-exact V [B, H, S, D] in BF16 (``attention.quantize_v(v, "fp8")``) -> (E4M3 codes of V^T, [B * H * D, S']
+    with S rounded up to 32 (zeros past S), fp32 power-of-two scale per head [B * H]): the FP8 P @ V's B operand.
+    Exact: the values times the inverse of their head's power-of-two scale are E4M3 values again.
+
+    Within each 32 keys the codes are stored in the order ``_p_operand`` takes P's keys in: stored key
+    16h + 4t + 2w + e is key 16h + 8w + 2t + e (h, w, e < 2, t < 4), the scores' column a thread holds in the
+    register where the FP8 operand wants that position."""
+    from ditrun.kernels import formats
+
+    b, h, s, d = v.shape
+    padded = -(-s // 32) * 32
+    scale = formats.fp8_power_of_two_scale(v.abs().amax(dim=(-2, -1)).float())  # [B, H]
+    codes = (v * (1 / scale).to(v.dtype)[..., None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
+    # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]: transposed, keys reordered, in one copy
+    codes = codes.permute(0, 1, 7, 2, 3, 5, 4, 6).contiguous().view(torch.float8_e4m3fn)
+    return codes.view(b * h * d, padded), scale.flatten().contiguous()
+
+
+@functools.cache
+def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The ones tile P @ ones reads (loaded by TMA), one per shape, dtype and device."""
+    return torch.ones(rows, cols, device=device).to(dtype)
+
+
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-                 sm_scale: float, block_n: int = 128, stages: int = 3, rowsum_mma: bool = True) -> torch.Tensor:
+                 sm_scale: float, block_n: int = 128, stages: int = 3, rowsum_mma: bool = True,
+                 v_fp8: bool = False, v_scale: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None, sum_n: int = SUM_N.value) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
-    in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products)."""
+    in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
+    ``v_fp8``: v holds FP8-exact values; P @ V runs as an FP8 product of 2^8 P rounded to E4M3 and V's codes
+    (``fp8_v_operand``), the row sums add P as rounded. With ``v_scale``, v is ``fp8_v_operand``'s codes
+    already (and ``out_dtype`` the output's dtype, BF16 unless given)."""
     b, h, s, d = q.shape
     rows = b * h * s
-    q2, k2, v2 = (t.contiguous().view(rows, d) for t in (q, k, v))
-    blocks = _blocks(d, block_n, gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16)
-    q_desc, k_desc, ks_desc, v_desc = (TensorDescriptor.from_tensor(t, *blocks[name]) for name, t in (
-        ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2)))
-    out = torch.empty_like(v2)
+    q2, k2 = (t.contiguous().view(rows, d) for t in (q, k))
+    out_dtype = out_dtype or (torch.bfloat16 if v_scale is not None else v.dtype)
+    if v_scale is not None:
+        v2, v_type = v, gl.float8e4nv
+    elif v_fp8:
+        v2, v_scale = fp8_v_operand(v)
+        v_type = gl.float8e4nv
+    else:
+        v2, v_scale = v.contiguous().view(rows, d), q_scale  # q_scale: an unread stand-in
+        v_type = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
+    blocks = _blocks(d, block_n, v_type, sum_n)
+    ones = _ones(sum_n, block_n, torch.float8_e4m3fn if v_type == gl.float8e4nv else v.dtype, q.device)
+    q_desc, k_desc, ks_desc, v_desc, ones_desc = (TensorDescriptor.from_tensor(t, *blocks[name]) for name, t in (
+        ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2), ("ones", ones)))
+    out = torch.empty((b, h, s, d), dtype=out_dtype, device=q.device)
     grid = (triton.cdiv(s, 2 * GROUP_M.value), b * h)
-    _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, q_scale.contiguous(), out, s, sm_scale * LOG2_E, D=d,
-                         BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma, num_warps=4)
-    return out.view(b, h, s, d)
+    _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s, sm_scale * LOG2_E,
+                         D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma,
+                         V_FP8=v_type == gl.float8e4nv, SUM=sum_n, num_warps=4)
+    return out
 
 
-def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool = True, rowsum_mma: bool = True):
+def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool = True, rowsum_mma: bool = True,
+                 v_fp8: bool = False):
     """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): the ``CompiledKernel`` (its ``asm`` holds
-    the PTX and the cubin) for BF16 V. For tests of a Triton version, and to read the SASS off any machine."""
+    the PTX and the cubin) for BF16 V, or FP8 V. For tests of a Triton version, and to read the SASS off any
+    machine."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    blocks = _blocks(d, block_n, gl.bfloat16)
-    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": "bf16"}
+    blocks = _blocks(d, block_n, gl.float8e4nv if v_fp8 else gl.bfloat16)
+    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": "fp8e4nv" if v_fp8 else "bf16", "ones": "fp8e4nv" if v_fp8 else "bf16"}
     signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
                  for name, (shape, layout) in blocks.items()}
-    signature |= {"QS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
-                  "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr"}
-    constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma}
+    signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
+                  "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr",
+                  "V_FP8": "constexpr", "SUM": "constexpr"}
+    constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma,
+                 "V_FP8": v_fp8, "SUM": SUM_N.value}
     source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
