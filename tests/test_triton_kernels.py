@@ -233,8 +233,9 @@ def test_triton_fp8_attention_equals_the_reference():
 def test_gluon_int8qk_equals_the_reference(s, config):
     """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
     sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next.
-    ``v_fp8``: FP8-exact V and an FP8 P @ V, against the reference that rounds 2^8 P to E4M3 as the kernel does
-    (a wrong key order in V^T would be off by the whole output); the gap to unrounded P is printed."""
+    ``v_fp8``: FP8-exact V and an FP8 P @ V, P rounded to E4M3 (2^8 P), which the reference does not round: a few
+    % (max-norm), as the Triton kernel's FP8 dot; a wrong key order in V^T, or row sums added at the FP8
+    products' precision over many tiles, are off by far more (both were, once)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon INT8-QK kernel is for Hopper (sm_90)")
     gluon = pytest.importorskip("ditrun.kernels.attention_gluon", reason="this Triton has no Gluon Hopper API")
@@ -243,10 +244,9 @@ def test_gluon_int8qk_equals_the_reference(s, config):
     fp8 = config.get("v_fp8", False)
     ops = quantize_operands(q, k, v, "fp8" if fp8 else "bf16")
     got = gluon.int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), **config).float()
-    error = relative_error(got, int8qk_reference(ops, 1 / math.sqrt(128), p_fp8=fp8).float())
-    print(f"S = {s} {config}: error {error:.2e} against its math, "
-          f"{relative_error(got, int8qk_reference(ops, 1 / math.sqrt(128)).float()):.2e} against unrounded P")
-    assert error < 1e-2
+    error = relative_error(got, int8qk_reference(ops, 1 / math.sqrt(128)).float())
+    print(f"S = {s} {config}: error {error:.2e}")
+    assert error < (5e-2 if fp8 else 1e-2)
 
 
 @pytest.mark.timeout(240)
@@ -276,16 +276,3 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx and "m64n8k32.f32.e4m3.e4m3" in ptx
     assert kernel.asm["cubin"] and fp8_kernel.asm["cubin"]
 
-
-def test_the_fp8_p_reference_rounds_p_as_an_fp8_product():
-    """``int8qk_reference(p_fp8=True)``, the math of the FP8 P @ V: 2^8 P on the E4M3 grid, for the product and the
-    row sums. Equal scores give every key 2^8 (exact): the mean of V (to fp32 sums). Random scores land within P's
-    rounding of the unrounded reference (E4M3 keeps 3 mantissa bits: a few %), never on it."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 96, 2, 128, generator=g) for _ in range(3))
-    ops = quantize_operands(torch.zeros_like(q), k, v, "fp8")
-    flat = int8qk_reference(ops, 1 / math.sqrt(128), p_fp8=True)
-    torch.testing.assert_close(flat, ops.v.float().mean(dim=2, keepdim=True).expand_as(flat), rtol=0, atol=1e-6)
-    ops = quantize_operands(3 * q, k, v, "fp8")
-    rounded, exact = (int8qk_reference(ops, 1 / math.sqrt(128), p_fp8=p) for p in (True, False))
-    assert 1e-4 < relative_error(rounded, exact) < 5e-2

@@ -135,13 +135,8 @@ def quantize_operands(q, k, v, v_format: str) -> Int8QK:
 # The reference
 
 
-P_FP8_LOG2 = 8
-"""An FP8 P @ V takes 2^8 P (at most 256 < 448, E4M3's max) rounded to E4M3 (``int8qk_reference(p_fp8=True)``)."""
-
-
-def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024, p_fp8: bool = False) -> torch.Tensor:
-    """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype. ``p_fp8``:
-    as an FP8 P @ V computes it (FP8 V values): 2^8 P rounded to E4M3, both for the product and the row sums."""
+def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
+    """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype."""
     q_scale, k_scale, k = ops.q_scale, ops.k_scale, ops.k.float()  # scales: [B, H, S]
     out = torch.empty_like(ops.v)
     for start in range(0, ops.q.shape[2], chunk):
@@ -149,12 +144,7 @@ def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024, p_fp8: boo
         # int8 x int8 sums over D <= 256 stay below 2^24: exact in fp32
         scores = ops.q[:, :, rows].float() @ k.transpose(-1, -2)  # [B, H, c, S]
         scores = scores * (q_scale[:, :, rows, None] * k_scale[:, :, None, :] * sm_scale)
-        if p_fp8:
-            p = torch.exp(scores - scores.amax(dim=-1, keepdim=True)) * 2.0 ** P_FP8_LOG2
-            p = formats.round_to_grid(p, "fp8_e4m3")
-            p = p / p.sum(dim=-1, keepdim=True)
-        else:
-            p = torch.softmax(scores, dim=-1)
+        p = torch.softmax(scores, dim=-1)
         out[:, :, rows] = (p @ ops.v.float()).to(out.dtype)
     return out
 
@@ -175,10 +165,12 @@ GLUON_INT8QK = True
 dim 128, V in BF16/FP16, Triton with Gluon's Hopper API. On one H200 it ran 1.12-1.16x faster than the
 Triton kernel at 4608-20992 tokens (docs/PERFORMANCE.md); elsewhere the Triton kernel runs."""
 
-GLUON_FP8_PV = True
+GLUON_FP8_PV = False
 """Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3, V as its E4M3
-codes): 1.20x SDPA at S = 20992 on one H200 against 1.02x with the BF16 product (docs/PERFORMANCE.md), at the
-price of P's rounding (``int8qk_reference(p_fp8=True)`` is its exact math)."""
+codes, ``attention_gluon.fp8_v_operand``), at the price of P's rounding (3 mantissa bits; a few % max-norm against
+the reference, which does not round P). Off: on one H200 the kernel is 1.19x SDPA at 20992 tokens (1.15x the BF16
+product), but the op converts V to the codes in eager torch (1.07 ms at 20992), which costs more than the kernel
+saves (docs/PERFORMANCE.md, 2026-11-30 session 4); the conversion belongs in the compiled operand quantization."""
 
 
 @functools.cache
@@ -234,8 +226,8 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
     case runs the Gluon kernel (``GLUON_INT8QK``), elsewhere on GPUs the Triton kernel.
 
     ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the Gluon kernel (``GLUON_FP8_PV``, BF16 V)
-    and, with ``FP8_PV_DOT``, the Triton kernel then run P @ V as an FP8 dot (P rounded to E4M3 too, as
-    ``int8qk_reference(p_fp8=True)``). The reference off GPUs ignores it."""
+    and, with ``FP8_PV_DOT``, the Triton kernel then run P @ V as an FP8 dot (2^8 P rounded to E4M3 too). The
+    reference off GPUs ignores it."""
     if triton_available(q.device):
         from ditrun.kernels.attention_triton import flash_attention
 

@@ -92,12 +92,13 @@ def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, lp_layout: gl.constexpr, ROWSUM_MMA: gl.constexpr):
-    """The running row sums with tile P added: issued as P @ ones (async; ``lp_layout``: P as its A operand) or
-    added in fp32 at once."""
+def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, lp_layout: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+              FRESH: gl.constexpr = False):
+    """The running row sums with tile P added: issued as P @ ones (async; ``lp_layout``: P as its A operand; FRESH:
+    tile P's sums alone) or added in fp32 at once."""
     if ROWSUM_MMA:
         l_new = warpgroup_mma(gl.convert_layout(p, lp_layout, assert_trivial=True), ones.permute((1, 0)), l_acc,
-                              is_async=True)
+                              use_acc=not FRESH, is_async=True)
     else:
         l_new = (l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
                  + gl.convert_layout(gl.sum(p, axis=1), gl.SliceLayout(1, l_layout))[:, None])
@@ -137,8 +138,10 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_read
            STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
            NEXT_QK: gl.constexpr):
     """Tile i's P (fp32) as the operand, then in this group's turn (the other group computes its softmax
-    meanwhile): tile i's P @ V (and P @ ones) and, with NEXT_QK, tile i+1's Q.K^T, all asynchronous.
-    -> (Q.K^T (``zero`` without NEXT_QK), the output, the row sums, P as the operand)."""
+    meanwhile): tile i's P @ V (and P @ ones) and, with NEXT_QK, tile i+1's Q.K^T, all asynchronous. P @ V adds
+    into the output. FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the FP8
+    products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992 keys.
+    -> (Q.K^T (``zero`` without NEXT_QK), the output, the row sums (FP8: the tile's), P as the operand)."""
     p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
     qk = zero
@@ -151,7 +154,7 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_read
                            is_async=True)
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
     if ROWSUM_MMA:
-        l_acc = _row_sums(p, l_acc, None, ones, l_layout, lp_layout, True)
+        l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
     mbarrier.arrive(their_turn, count=1)
     return qk, acc, l_acc, p
 
@@ -173,20 +176,30 @@ def _pv_wait(acc, l_acc, p, pending: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_F
 
 
 @gluon.jit
-def _softmax(j, qk, acc, l_acc, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S, s_layout: gl.constexpr,
-             o_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
-             P_LOG2: gl.constexpr, FIRST: gl.constexpr):
-    """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V, of operand ``p_op``, still running unless
-    FIRST), then the output and row sums rescaled once that P @ V is done. -> (tile j's P in fp32, the output,
-    the row sums, the row max)."""
+def _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
+    """Once tile i's P @ V (and P @ ones) are done: the output and row sums with tile i in (FP8: the tile's row
+    sums added in fp32)."""
+    pv, l_tile = _pv_wait(pv, l_tile, p_op, 0, ROWSUM_MMA, V_FP8)
+    if ROWSUM_MMA:
+        l_acc = l_acc + l_tile if V_FP8 else l_tile
+    return pv, l_acc
+
+
+@gluon.jit
+def _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+             V_FP8: gl.constexpr, P_LOG2: gl.constexpr, FIRST: gl.constexpr):
+    """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V ``pv`` (and P @ ones ``l_tile``), of operand
+    ``p_op``, still running unless FIRST), then tile j-1 merged into the output and row sums once its products
+    are done, both rescaled to tile j's row max. -> (tile j's P in fp32, the output, the row sums, the row max)."""
     stage = j % STAGES
     ks = ks_smem.index(stage).load(gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma_wait(0 if FIRST else (2 if ROWSUM_MMA else 1), deps=[qk])
     mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_i, alpha = _scores(qk, ks, j * BLOCK_N, S, q_scale, m_i, s_layout, BLOCK_N, EVEN, P_LOG2)
     if not FIRST:
-        acc, l_acc = _pv_wait(acc, l_acc, p_op, 0, ROWSUM_MMA, V_FP8)
+        acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
         mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     if ROWSUM_MMA:
@@ -230,21 +243,21 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_re
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    p, acc, l_acc, m_i = _softmax(0, qk, acc, l_acc, m_i, zero, ones, q_scale, ks_smem, k_empty, v_empty, S,
-                                  s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA, V_FP8,
-                                  P_LOG2, True)
+    p, acc, l_acc, m_i = _softmax(0, qk, acc, l_acc, acc, l_acc, m_i, zero, ones, q_scale, ks_smem, k_empty,
+                                  v_empty, S, s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN,
+                                  ROWSUM_MMA, V_FP8, P_LOG2, True)
     for j in range(1, n_tiles):
-        qk, acc, l_acc, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready,
+        qk, pv, l_tile, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready,
                                       my_turn, their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP,
                                       ROWSUM_MMA, V_FP8, True)
-        p, acc, l_acc, m_i = _softmax(j, qk, acc, l_acc, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S,
-                                      s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA,
-                                      V_FP8, P_LOG2, False)
+        p, acc, l_acc, m_i = _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k_empty,
+                                      v_empty, S, s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN,
+                                      ROWSUM_MMA, V_FP8, P_LOG2, False)
     last = n_tiles - 1
-    qk, acc, l_acc, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn,
+    qk, pv, l_tile, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn,
                                   their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP, ROWSUM_MMA,
                                   V_FP8, False)
-    acc, l_acc = _pv_wait(acc, l_acc, p_op, 0, ROWSUM_MMA, V_FP8)
+    acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
     mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
     l_i = gl.max(l_acc, axis=1)
