@@ -133,12 +133,31 @@ def check_qk_quantizer(dtype=torch.float32) -> None:
 
 
 @pytest.mark.timeout(240)
+def check_v_codes(device: str = "cpu") -> None:
+    """The FP8 P @ V's V operand (``attention_gluon.fp8_v_operand``, one Triton kernel) equals its torch
+    statement (``fp8_v_operand_reference``): E4M3 codes of V^T, keys reordered within 32, zeros past S, the
+    scale per head; S even, uneven and below 32. The interpreter flushes E4M3 subnormals: there, normal codes."""
+    from ditrun.kernels.attention import _gluon_kernels, quantize_v
+
+    gluon = _gluon_kernels()
+    if gluon is None:  # this Triton has no Gluon Hopper API: nothing runs the operand
+        return
+    g = torch.Generator().manual_seed(1)
+    for s in (96, 100, 17):
+        v = quantize_v((3 * torch.randn(2, 3, s, 128, generator=g)).to(device, torch.bfloat16), "fp8")
+        (codes, scale), (ref, ref_scale) = gluon.fp8_v_operand(v), gluon.fp8_v_operand_reference(v)
+        assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32) and torch.equal(scale, ref_scale)
+        got, want = codes.float(), ref.float()
+        kept = want.abs() >= 2 ** -6 if device == "cpu" else torch.ones_like(want, dtype=torch.bool)
+        assert torch.equal(got[kept], want[kept])
+
+
 def test_triton_kernels_in_the_cpu_interpreter():
     pytest.importorskip("triton")
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
     code = ("import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); t.check_fp8_attention(); "
-            "t.check_qk_quantizer(); t.check_act_quantizer()")
+            "t.check_qk_quantizer(); t.check_act_quantizer(); t.check_v_codes()")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
                          capture_output=True, text=True, timeout=200)
@@ -247,6 +266,13 @@ def test_gluon_int8qk_equals_the_reference(s, config):
     error = relative_error(got, int8qk_reference(ops, 1 / math.sqrt(128)).float())
     print(f"S = {s} {config}: error {error:.2e}")
     assert error < (5e-2 if fp8 else 1e-2)
+
+
+@pytest.mark.gpu
+def test_gluon_v_codes_equal_their_torch_statement():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon INT8-QK kernel is for Hopper (sm_90)")
+    check_v_codes("cuda")
 
 
 @pytest.mark.timeout(240)

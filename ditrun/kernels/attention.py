@@ -169,8 +169,9 @@ GLUON_FP8_PV = False
 """Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3, V as its E4M3
 codes, ``attention_gluon.fp8_v_operand``), at the price of P's rounding (3 mantissa bits; a few % max-norm against
 the reference, which does not round P). Off: on one H200 the kernel is 1.19x SDPA at 20992 tokens (1.15x the BF16
-product), but the op converts V to the codes in eager torch (1.07 ms at 20992), which costs more than the kernel
-saves (docs/PERFORMANCE.md, 2026-11-30 session 4); the conversion belongs in the compiled operand quantization."""
+product), but end to end ``int8qk_fp8v`` was no faster: the op converts V to the codes on each call (a Triton
+kernel after V's amax; docs/PERFORMANCE.md, 2026-11-30 session 4). The codes belong in the compiled operand
+quantization, which reads V anyway."""
 
 
 @functools.cache
