@@ -134,10 +134,11 @@ def check_qk_quantizer(dtype=torch.float32) -> None:
 
 @pytest.mark.timeout(240)
 def check_v_codes(device: str = "cpu") -> None:
-    """The FP8 P @ V's V operand (``attention_gluon.fp8_v_operand``, one Triton kernel) equals its torch
-    statement (``fp8_v_operand_reference``): E4M3 codes of V^T, keys reordered within 32, zeros past S, the
-    scale per head; S even, uneven and below 32. The interpreter flushes E4M3 subnormals: there, normal codes."""
-    from ditrun.kernels.attention import _gluon_kernels, quantize_v
+    """The FP8 P @ V's V operand made by one Triton kernel (``attention_gluon.fp8_v_operand``, for FP8-exact V)
+    equals its torch statement (``attention.fp8_v_codes``): E4M3 codes of V^T, keys reordered within 32, zeros
+    past S, times the scale per head; S even, uneven and below 32. The interpreter flushes E4M3 subnormals:
+    there, normal codes only."""
+    from ditrun.kernels.attention import _gluon_kernels, fp8_v_codes, quantize_v
 
     gluon = _gluon_kernels()
     if gluon is None:  # this Triton has no Gluon Hopper API: nothing runs the operand
@@ -145,10 +146,11 @@ def check_v_codes(device: str = "cpu") -> None:
     g = torch.Generator().manual_seed(1)
     for s in (96, 100, 17):
         v = quantize_v((3 * torch.randn(2, 3, s, 128, generator=g)).to(device, torch.bfloat16), "fp8")
-        (codes, scale), (ref, ref_scale) = gluon.fp8_v_operand(v), gluon.fp8_v_operand_reference(v)
-        assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32) and torch.equal(scale, ref_scale)
-        got, want = codes.float(), ref.float()
-        kept = want.abs() >= 2 ** -6 if device == "cpu" else torch.ones_like(want, dtype=torch.bool)
+        (codes, scale), (ref, ref_scale) = gluon.fp8_v_operand(v), fp8_v_codes(v)
+        assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32)
+        got = codes.float() * torch.repeat_interleave(scale, 128)[:, None]
+        want = ref.float() * torch.repeat_interleave(ref_scale, 128)[:, None]
+        kept = (ref.float().abs() >= 2 ** -6) if device == "cpu" else torch.ones_like(want, dtype=torch.bool)
         assert torch.equal(got[kept], want[kept])
 
 
@@ -302,3 +304,35 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx and "m64n8k32.f32.e4m3.e4m3" in ptx
     assert kernel.asm["cubin"] and fp8_kernel.asm["cubin"]
 
+
+
+def test_fp8_v_codes_decode_to_quantize_v():
+    """``attention.fp8_v_codes`` (what the compiled quantization writes for the Hopper FP8 P @ V), decoded by
+    ``fp8_v_values``, is ``quantize_v(v, "fp8")`` exactly, for S even, uneven and below 32 (its key order is
+    checked against the Triton kernel's in ``check_v_codes`` and, on the GPU, by the product itself)."""
+    from ditrun.kernels.attention import fp8_v_codes, fp8_v_values, quantize_v
+
+    g = torch.Generator().manual_seed(2)
+    for s in (96, 100, 17):
+        v = (3 * torch.randn(2, 3, s, 128, generator=g)).to(torch.bfloat16)
+        codes, scale = fp8_v_codes(v)
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == (2 * 3 * 128, -(-s // 32) * 32)
+        assert torch.equal(fp8_v_values(codes, scale, v.shape), quantize_v(v, "fp8"))
+
+
+@pytest.mark.gpu
+def test_int8qk_fp8v_with_the_fp8_product_equals_the_reference(monkeypatch):
+    """``int8qk_fp8v`` as the model calls it, with ``GLUON_FP8_PV`` on: V's codes written by the compiled
+    quantization, the Hopper kernel's FP8 P @ V; against the torch reference of the same quantization (P
+    unrounded there: a few %)."""
+    from ditrun.kernels import attention as A
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon INT8-QK kernel is for Hopper (sm_90)")
+    monkeypatch.setattr(A, "GLUON_FP8_PV", True)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 1000, 4, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
+    assert A.gluon_fp8_pv_runs(q, v)
+    fast, reference = (A.ATTENTION_KERNELS.get("int8qk_fp8v", "test").make(f) for f in (True, False))
+    got = fast(q, k, v)
+    assert got.dtype == torch.bfloat16 and relative_error(got.float(), reference(q, k, v).float()) < 5e-2

@@ -96,6 +96,8 @@ class Int8QK:
     k: torch.Tensor
     k_scale: torch.Tensor
     v: torch.Tensor
+    v_scale: Optional[torch.Tensor] = None
+    """With it, ``v`` holds FP8 V as the Gluon FP8 P @ V's operand (``fp8_v_codes``), this its scale per head."""
 
 
 @torch.library.custom_op("ditrun::quantize_qk", mutates_args=())
@@ -119,11 +121,37 @@ def quantize_qk(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tens
     return quantize_int8_rows((smooth_k(x, dim=1) if smooth else x).transpose(1, 2))
 
 
-def operand_tensors(q, k, v, v_format: str) -> tuple[torch.Tensor, ...]:
-    """The fields of ``Int8QK``, as a tuple (what torch.compile returns best)."""
+def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V [B, H, S, D] -> ``quantize_v(v, "fp8")`` as the Hopper kernel's FP8 P @ V operand: (E4M3 codes of V^T,
+    [B * H * D, S rounded up to 32], keys reordered within each 32 as ``attention_gluon.fp8_v_operand`` says, zeros
+    past S; the power-of-two scale per head, [B * H]). Torch operations, so that the compiled operand
+    quantization writes the codes in the pass that quantizes V (``fp8_v_values`` undoes it)."""
+    b, h, s, d = v.shape
+    exponent = fp8_head_exponents(v)  # [B, H]
+    values = formats.round_to_grid(torch.ldexp(v.float(), -exponent[..., None, None]), "fp8_e4m3")
+    padded = -(-s // 32) * 32
+    values = F.pad(values, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
+    # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]: stored key 16h + 4t + 2w + e is key 16h + 8w + 2t + e
+    codes = values.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b * h * d, padded).to(torch.float8_e4m3fn)
+    return codes, torch.ldexp(torch.ones_like(exponent), exponent).flatten()
+
+
+def fp8_v_values(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``fp8_v_codes``' output -> V [B, H, S, D] (``shape``) in BF16: ``quantize_v(v, "fp8")`` again, exactly."""
+    b, h, s, d = shape
+    padded = codes.shape[1]
+    values = codes.float().view(b, h, d, padded // 32, 2, 4, 2, 2).permute(0, 1, 3, 4, 6, 5, 7, 2)
+    return (values.reshape(b, h, padded, d)[:, :, :s] * scale.view(b, h, 1, 1)).to(torch.bfloat16)
+
+
+def operand_tensors(q, k, v, v_format: str, v_codes: bool = False) -> tuple[torch.Tensor, ...]:
+    """The fields of ``Int8QK``, as a tuple (what torch.compile returns best). ``v_codes`` (FP8 V): V as the
+    Hopper kernel's FP8 P @ V operand and its scale (``fp8_v_codes``)."""
     # q, k, v: [B, S, H, D] -> [B, H, S, D] operands
     q8, q_scale = quantize_qk(q, smooth=False)
     k8, k_scale = quantize_qk(k, smooth=True)
+    if v_codes:
+        return (q8, q_scale, k8, k_scale, *fp8_v_codes(v.transpose(1, 2)))
     return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), v_format).contiguous()
 
 
@@ -166,12 +194,11 @@ dim 128, V in BF16/FP16, Triton with Gluon's Hopper API. On one H200 it ran 1.12
 Triton kernel at 4608-20992 tokens (docs/PERFORMANCE.md); elsewhere the Triton kernel runs."""
 
 GLUON_FP8_PV = False
-"""Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3, V as its E4M3
-codes, ``attention_gluon.fp8_v_operand``), at the price of P's rounding (3 mantissa bits; a few % max-norm against
-the reference, which does not round P). Off: on one H200 the kernel is 1.19x SDPA at 20992 tokens (1.15x the BF16
-product), but end to end ``int8qk_fp8v`` was no faster: the op converts V to the codes on each call (a Triton
-kernel after V's amax; docs/PERFORMANCE.md, 2026-11-30 session 4). The codes belong in the compiled operand
-quantization, which reads V anyway."""
+"""Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3; V as E4M3 codes
+written by the operand quantization, ``fp8_v_codes``), at the price of P's rounding (3 mantissa bits; a few %
+max-norm against the reference, which does not round P). On one H200 the kernel is 1.19x SDPA at 20992 tokens
+(1.15x the BF16 product) and ``int8qk_fp8v`` 7% faster end to end, eagerly (docs/PERFORMANCE.md, 2026-11-30
+session 4). Off until it has run under the model's ``torch.compile(fullgraph=True)`` and CUDA graphs."""
 
 
 @functools.cache
@@ -194,7 +221,7 @@ def gluon_int8qk_available(device: torch.device) -> bool:
 def _runs_gluon(q, k, q_scale, k_scale, v) -> bool:
     """This call's operands fit the Gluon kernel: INT8 per-token Q/K, head dim 128, 16-byte aligned rows."""
     b, h, s, d = q.shape
-    return (q.dtype == torch.int8 and d == 128 and v.dtype in (torch.bfloat16, torch.float16)
+    return (q.dtype == torch.int8 and d == 128 and v.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
             and b * h * s >= 128 and all(t.data_ptr() % 16 == 0 for t in (q, k, q_scale, k_scale, v))
             and gluon_int8qk_available(q.device))
 
@@ -206,12 +233,20 @@ def gluon_compile_errors() -> tuple[type[Exception], ...]:
     return CompilationError, AttributeError, TypeError, ValueError, AssertionError
 
 
-def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool) -> Optional[torch.Tensor]:
+def gluon_fp8_pv_runs(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether ``int8qk_fp8v`` on these [B, S, H, D] inputs runs the Hopper kernel's FP8 P @ V (``GLUON_FP8_PV``):
+    its quantization then writes V as that product's operand (``fp8_v_codes``)."""
+    return (GLUON_FP8_PV and GLUON_INT8QK and v.dtype == torch.bfloat16 and q.shape[-1] == 128
+            and gluon_int8qk_available(q.device))
+
+
+def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool,
+                v_scale: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The Gluon kernel's output, or None (after one sentence, and for the rest of the process) when this
     Triton cannot compile it: the kernel is written against Triton 3.6's Gluon API, which is experimental."""
     global GLUON_INT8QK
     try:
-        return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale, v_fp8=v_fp8)
+        return _gluon_kernels().int8qk_gluon(q, q_scale, k, k_scale, v, sm_scale, v_fp8=v_fp8, v_scale=v_scale)
     except gluon_compile_errors() as failure:
         GLUON_INT8QK = False
         print(f"ditrun: the Gluon INT8-QK kernel does not compile with Triton here ({type(failure).__name__}); "
@@ -221,23 +256,30 @@ def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool) -> Opti
 
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
 def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                        v: torch.Tensor, sm_scale: float, v_fp8: bool = False) -> torch.Tensor:
+                        v: torch.Tensor, sm_scale: float, v_fp8: bool = False,
+                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
     fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention). On Hopper the INT8
     case runs the Gluon kernel (``GLUON_INT8QK``), elsewhere on GPUs the Triton kernel.
 
     ``v_fp8``: V holds FP8-exact values (``quantize_v(v, "fp8")``); the Gluon kernel (``GLUON_FP8_PV``, BF16 V)
     and, with ``FP8_PV_DOT``, the Triton kernel then run P @ V as an FP8 dot (2^8 P rounded to E4M3 too). The
-    reference off GPUs ignores it."""
+    reference off GPUs ignores it. ``v_scale``: v holds ``fp8_v_codes``' codes, made for the Gluon kernel's FP8
+    P @ V (where that cannot run, the other paths take ``fp8_v_values`` of them); the output is then BF16."""
+    if v_scale is not None and not (triton_available(q.device) and _runs_gluon(q, k, q_scale, k_scale, v)):
+        v, v_scale = fp8_v_values(v, v_scale, q.shape), None
     if triton_available(q.device):
         from ditrun.kernels.attention_triton import flash_attention
 
         fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
         q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
         if _runs_gluon(q, k, q_scale, k_scale, v):
-            out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale, GLUON_FP8_PV and v_fp8 and v.dtype == torch.bfloat16)
+            out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale,
+                              GLUON_FP8_PV and v_fp8 and v.dtype in (torch.bfloat16, torch.float8_e4m3fn), v_scale)
             if out is not None:
                 return out
+        if v_scale is not None:  # the Gluon kernel fell back
+            v = fp8_v_values(v, v_scale, q.shape)
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)
     if q.dtype != torch.int8:
         return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)
@@ -245,8 +287,8 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
 
 
 @int8qk_attention_op.register_fake
-def _(q, q_scale, k, k_scale, v, sm_scale, v_fp8=False):
-    return torch.empty_like(v)
+def _(q, q_scale, k, k_scale, v, sm_scale, v_fp8=False, v_scale=None):
+    return torch.empty_like(v) if v_scale is None else q.new_empty(q.shape, dtype=torch.bfloat16)
 
 
 def fp8_reference(q8, q_scale, k8, k_scale, v, sm_scale: float) -> torch.Tensor:
@@ -294,10 +336,12 @@ def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
-        ops = Int8QK(*quantize(q, k, v, v_format))
+        codes = fast and v_format == "fp8" and gluon_fp8_pv_runs(q, v)
+        ops = Int8QK(*quantize(q, k, v, v_format, codes))
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
         if fast:
-            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, v_format == "fp8")
+            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, v_format == "fp8",
+                                      ops.v_scale)
         else:
             out = int8qk_reference(ops, sm_scale)
         return out.transpose(1, 2)

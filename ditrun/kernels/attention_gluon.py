@@ -339,7 +339,7 @@ def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Within each 32 keys the codes are stored in the order ``_p_operand`` takes P's keys in: stored key
     16h + 4t + 2w + e is key 16h + 8w + 2t + e (h, w, e < 2, t < 4), the scores' column a thread holds in the
-    register where the FP8 operand wants that position (``fp8_v_operand_reference``: the same in torch)."""
+    register where the FP8 operand wants that position (``attention.fp8_v_codes``: the same in torch)."""
     from ditrun.kernels import formats
 
     b, h, s, d = v.shape
@@ -363,20 +363,6 @@ def _v_codes_kernel(V, SCALE_INV, OUT, S, S_PAD, D: tl.constexpr, BLOCK: tl.cons
     x = tl.load(V + (bh * S + src).to(tl.int64)[:, None] * D + d[None, :], mask=(src < S)[:, None], other=0.0)
     codes = (x.to(tl.float32) * tl.load(SCALE_INV + bh)).to(tl.float8e4nv)
     tl.store(OUT + (bh * D + d).to(tl.int64)[None, :] * S_PAD + k[:, None], codes, mask=(k < S_PAD)[:, None])
-
-
-def fp8_v_operand_reference(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fp8_v_operand`` in torch (any device): the codes' layout written out as a permutation."""
-    from ditrun.kernels import formats
-
-    b, h, s, d = v.shape
-    padded = -(-s // 32) * 32
-    scale = formats.fp8_power_of_two_scale(v.abs().amax(dim=(-2, -1)).float())  # [B, H]
-    codes = (v * (1 / scale).to(v.dtype)[..., None, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-    codes = torch.nn.functional.pad(codes, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
-    # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]: transposed, keys reordered
-    codes = codes.permute(0, 1, 7, 2, 3, 5, 4, 6).contiguous().view(torch.float8_e4m3fn)
-    return codes.view(b * h * d, padded), scale.flatten().contiguous()
 
 
 @functools.cache
