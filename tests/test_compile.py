@@ -188,6 +188,32 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
+def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path, monkeypatch):
+    """``int8qk_fp8v`` with the Hopper kernel's FP8 P @ V (``attention.GLUON_FP8_PV``): V's codes written by the
+    quantization inside the compiled blocks (fullgraph) and the op taking them, replayed from CUDA graphs, against
+    the same run eager. 128 x 128 images: enough tokens for the Hopper kernel."""
+    from launching import latents
+    from ditrun.kernels import attention
+    from ditrun.launch import worker
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the FP8 P @ V is the Hopper (sm_90) Gluon kernel's")
+    monkeypatch.setattr(attention, "GLUON_FP8_PV", True)
+    run = ["precision=bf16", "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
+    eager = worker.run(tiny_config(*run, "model.compile=off"), tmp_path / "eager")
+    try:
+        compiled = worker.run(tiny_config(*run), tmp_path / "compiled")
+    finally:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    assert compiled["precision_detail"]["compile"]["mode"] == "compiled, CUDA graphs"
+    for record in records(tmp_path / "eager"):
+        assert relative_error(latents(tmp_path / "compiled", record["edit"]), latents(tmp_path / "eager", record["edit"])) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
 def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
     """One graph per input shape; a replay computes the new inputs' result, as the compiled model does; past
     ``MAX_GRAPHS`` shapes the model runs as it is."""

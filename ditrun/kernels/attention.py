@@ -236,8 +236,13 @@ def gluon_compile_errors() -> tuple[type[Exception], ...]:
 def gluon_fp8_pv_runs(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``int8qk_fp8v`` on these [B, S, H, D] inputs runs the Hopper kernel's FP8 P @ V (``GLUON_FP8_PV``):
     its quantization then writes V as that product's operand (``fp8_v_codes``)."""
-    return (GLUON_FP8_PV and GLUON_INT8QK and v.dtype == torch.bfloat16 and q.shape[-1] == 128
-            and gluon_int8qk_available(q.device))
+    return GLUON_FP8_PV and v.dtype == torch.bfloat16 and q.shape[-1] == 128 and _fp8_pv_on(q.device)
+
+
+@torch.compiler.assume_constant_result
+def _fp8_pv_on(device: torch.device) -> bool:
+    """The device half of ``gluon_fp8_pv_runs``: one constant per compiled graph (it asks CUDA and imports)."""
+    return GLUON_FP8_PV and gluon_int8qk_available(device)
 
 
 def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool,
