@@ -18,15 +18,17 @@ Per score: the int32 sum to fp32 (``I2FP``), times the key's scale, the row max,
 exp2, the BF16 pack. Q and K carry one scale per token (``kernels/attention.py`` says why), V is BF16 (or
 FP8/MXFP6-exact values in BF16).
 
-Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, session 3): 1.12-1.16x the Triton kernel's speed at
-4608-20992 tokens, and 0.93x cuDNN's BF16 SDPA at 20992. It issues fewer instructions than cuDNN's kernel but
-at a lower rate. What holds it back:
-- a third of its stalls are at the 128-thread barrier Triton puts before each (single-thread) mbarrier
-  arrive, three per step;
-- ptxas places the wait for P @ V before the softmax, so a warpgroup's softmax overlaps only the other
-  group's products, not its own;
+- **FP8 P @ V** (``v_fp8``, for FP8 V): 2^8 P rounded to E4M3 in registers, V as E4M3 codes of V^T whose keys
+  are stored in the order that makes the scores' registers the operand's (``_p_operand``, ``fp8_v_operand``);
+  each tile's row sums start from zero and are added in fp32 (the FP8 products add at less than fp32
+  precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
+
+Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3 and 4): with BF16 P @ V 1.04x cuDNN's BF16
+SDPA at 20992 tokens (1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.19x. What holds it back:
+- stalls at the 128-thread barrier Triton puts before each (single-thread) mbarrier arrive, several per
+  step (a per-thread ``cp.async`` arrive gets one too, so it does not help);
 - the per-token key scale costs a multiply per score.
-``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``).
+``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``, ``attention.GLUON_FP8_PV``).
 """
 
 from __future__ import annotations
