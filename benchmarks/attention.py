@@ -3,6 +3,7 @@
     python benchmarks/attention.py              # S = 20992 and 4608, 24 heads of 128, batch 1
     python benchmarks/attention.py --s 20992 --repeats 10
     python benchmarks/attention.py --gluon --s 20992 8704 4608   # the Hopper Gluon kernel's options vs Triton
+    python benchmarks/attention.py --fp8-pv on --s 20992   # int8qk_fp8v with the Hopper kernel's FP8 P @ V
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer),
 ``int8qk kernel only`` (``ditrun::int8qk_attention`` on operands quantized beforehand, with BF16 V and with
@@ -271,9 +272,16 @@ def main() -> None:
                         help="only the Hopper Gluon INT8-QK kernel's configurations beside the Triton kernel")
     parser.add_argument("--gluon-only", metavar="KEY=VALUE,...",
                         help="with --gluon: only this configuration (GLUON_BEST with these keywords changed)")
+    parser.add_argument("--fp8-pv", choices=("on", "off"),
+                        help="int8qk_fp8v on the Hopper kernel with the FP8 P @ V or not (attention.GLUON_FP8_PV; "
+                             "default: as shipped)")
     parser.add_argument("--ncu", action="store_true",
                         help="only one SDPA and one Gluon-kernel launch (for Nsight Compute), at the first --s")
     args = parser.parse_args()
+    if args.fp8_pv:
+        from ditrun.kernels import attention
+
+        attention.GLUON_FP8_PV = args.fp8_pv == "on"
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")

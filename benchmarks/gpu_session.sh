@@ -13,6 +13,9 @@
 #   bash benchmarks/gpu_session.sh gluon                    (one GPU: the Hopper Gluon INT8-QK kernel's GPU tests, its
 #                                                            options one process each beside the Triton kernel, and
 #                                                            Nsight Compute of it and SDPA; ~4 min)
+#   bash benchmarks/gpu_session.sh fp8pv                    (one GPU: the FP8 P @ V's GPU tests, the compiled worker's
+#                                                            among them, then int8qk_fp8v end to end with it off and on;
+#                                                            ~5 min: what decides attention.GLUON_FP8_PV's default)
 #   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
@@ -102,6 +105,16 @@ if [[ $what == gluon ]]; then
     python3 benchmarks/attention.py --ncu --s 20992 > "$OUT/ncu_attention.txt" 2>&1
   grep -E "_int8qk|sdpa|Duration|Issued Instructions  |Issue Slots Busy|Local Memory Spilling Requests " \
     "$OUT/ncu_attention.txt"
+fi
+if [[ $what == fp8pv ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "gluon or v_codes or fp8" \
+    2>&1 | tee "$OUT/tests_fp8pv.log" | tail -5
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile.py -k fp8_product 2>&1 \
+    | tee -a "$OUT/tests_fp8pv.log" | tail -5
+  for fp8pv in off on; do  # one process each: the autotuned and compiled kernels stay apart
+    timeout 200 python3 benchmarks/attention.py --fp8-pv "$fp8pv" --s 20992 8704 --repeats 10 2>&1 | grep -v "^{" \
+      | tee -a "$OUT/attention_fp8pv.txt"
+  done
 fi
 if [[ $what == workload || $what == all ]]; then
   # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
