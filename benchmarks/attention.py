@@ -229,7 +229,8 @@ def gluon_rows(s: int, heads: int, head_dim: int, repeats: int, configs: list[di
     ops = {v: quantize_operands(x.q, x.k, x.v, v) for v in ("bf16", "fp8")}
     operands = {v: (o.q, o.q_scale, o.k, o.k_scale, o.v, sm_scale) for v, o in ops.items()}
     triton_out = {v: flash_attention(*args) for v, args in operands.items()}
-    rows = [x.sdpa_row(), x.row("int8qk triton kernel only", lambda: flash_attention(*operands["bf16"]).transpose(1, 2))]
+    rows = [x.sdpa_row(),
+            x.row("int8qk triton kernel only", lambda: flash_attention(*operands["bf16"]).transpose(1, 2))]
     for config in configs:
         v_format = "fp8" if config.get("v_fp8") else "bf16"
 

@@ -183,7 +183,8 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
     assert eager["precision_detail"]["compile"]["mode"] == "eager"
     for record in records(tmp_path / "eager"):
         # BF16 compute: fused kernels round differently; quantized: a rounding flip moves a code.
-        assert relative_error(latents(tmp_path / "compiled", record["edit"]), latents(tmp_path / "eager", record["edit"])) < 2e-2
+        edit = record["edit"]
+        assert relative_error(latents(tmp_path / "compiled", edit), latents(tmp_path / "eager", edit)) < 2e-2
 
 
 @pytest.mark.gpu
@@ -209,7 +210,8 @@ def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path, monk
         shutdown_compile_workers()
     assert compiled["precision_detail"]["compile"]["mode"] == "compiled, CUDA graphs"
     for record in records(tmp_path / "eager"):
-        assert relative_error(latents(tmp_path / "compiled", record["edit"]), latents(tmp_path / "eager", record["edit"])) < 2e-2
+        edit = record["edit"]
+        assert relative_error(latents(tmp_path / "compiled", edit), latents(tmp_path / "eager", edit)) < 2e-2
 
 
 @pytest.mark.gpu

@@ -280,8 +280,9 @@ def test_gluon_v_codes_equal_their_torch_statement():
 @pytest.mark.timeout(240)
 def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     """The Gluon INT8-QK kernel built for sm_90 by this machine's Triton and its ptxas (no GPU needed), with BF16
-    and with FP8 V: INT8, BF16 and FP8 ``wgmma`` in the PTX and a cubin; or, where this Triton's Gluon API has moved, an error of the kinds the
-    op catches to run the Triton kernel instead (an xfail that names it), never one that would end a run."""
+    and with FP8 V: INT8, BF16 and FP8 ``wgmma`` in the PTX and a cubin; or, where this Triton's Gluon API has
+    moved, an error of the kinds the op catches to run the Triton kernel instead (an xfail that names it), never
+    one that would end a run."""
     pytest.importorskip("triton")
     import triton
     from ditrun.kernels.attention import _gluon_kernels, gluon_compile_errors

@@ -131,7 +131,8 @@ def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = formats.round_to_grid(torch.ldexp(v.float(), -exponent[..., None, None]), "fp8_e4m3")
     padded = -(-s // 32) * 32
     values = F.pad(values, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
-    # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]: stored key 16h + 4t + 2w + e is key 16h + 8w + 2t + e
+    # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]:
+    # stored key 16h + 4t + 2w + e is key 16h + 8w + 2t + e
     codes = values.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b * h * d, padded).to(torch.float8_e4m3fn)
     return codes, torch.ldexp(torch.ones_like(exponent), exponent).flatten()
 

@@ -323,7 +323,8 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     ], [4, 1], [232, 24])
 
 
-def _blocks(d: int, block_n: int, v_type, sum_n: int = SUM_N.value) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
+def _blocks(d: int, block_n: int, v_type,
+            sum_n: int = SUM_N.value) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
     """Each TMA operand's tile shape and shared-memory layout: Q, K and the keys' scales, V (of ``v_type``; E4M3:
     tiles of V^T), the ones of P @ ones (``v_type``)."""
     v_shape = [d, block_n] if v_type == gl.float8e4nv else [block_n, d]
@@ -400,7 +401,8 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
         ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2), ("ones", ones)))
     out = torch.empty((b, h, s, d), dtype=out_dtype, device=q.device)
     grid = (triton.cdiv(s, 2 * GROUP_M.value), b * h)
-    _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s, sm_scale * LOG2_E,
+    _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s,
+                         sm_scale * LOG2_E,
                          D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma,
                          V_FP8=v_type == gl.float8e4nv, SUM=sum_n, num_warps=4)
     return out
@@ -415,7 +417,8 @@ def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool =
     from triton.experimental.gluon._runtime import GluonASTSource
 
     blocks = _blocks(d, block_n, gl.float8e4nv if v_fp8 else gl.bfloat16)
-    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": "fp8e4nv" if v_fp8 else "bf16", "ones": "fp8e4nv" if v_fp8 else "bf16"}
+    v_element = "fp8e4nv" if v_fp8 else "bf16"
+    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": v_element, "ones": v_element}
     signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
                  for name, (shape, layout) in blocks.items()}
     signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
