@@ -243,7 +243,7 @@ def gluon_fp8_pv_runs(q: torch.Tensor, v: torch.Tensor) -> bool:
 @torch.compiler.assume_constant_result
 def _fp8_pv_on(device: torch.device) -> bool:
     """The device half of ``gluon_fp8_pv_runs``: one constant per compiled graph (it asks CUDA and imports)."""
-    return GLUON_FP8_PV and gluon_int8qk_available(device)
+    return gluon_int8qk_available(device)
 
 
 def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool,
@@ -272,20 +272,20 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
     and, with ``FP8_PV_DOT``, the Triton kernel then run P @ V as an FP8 dot (2^8 P rounded to E4M3 too). The
     reference off GPUs ignores it. ``v_scale``: v holds ``fp8_v_codes``' codes, made for the Gluon kernel's FP8
     P @ V (where that cannot run, the other paths take ``fp8_v_values`` of them); the output is then BF16."""
-    if v_scale is not None and not (triton_available(q.device) and _runs_gluon(q, k, q_scale, k_scale, v)):
-        v, v_scale = fp8_v_values(v, v_scale, q.shape), None
-    if triton_available(q.device):
-        from ditrun.kernels.attention_triton import flash_attention
-
-        fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
+    gpu = triton_available(q.device)
+    if gpu:
         q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
         if _runs_gluon(q, k, q_scale, k_scale, v):
             out = _gluon_call(q, q_scale, k, k_scale, v, sm_scale,
-                              GLUON_FP8_PV and v_fp8 and v.dtype in (torch.bfloat16, torch.float8_e4m3fn), v_scale)
+                              GLUON_FP8_PV and v_fp8 and v.dtype == torch.bfloat16, v_scale)
             if out is not None:
                 return out
-        if v_scale is not None:  # the Gluon kernel fell back
-            v = fp8_v_values(v, v_scale, q.shape)
+    if v_scale is not None:  # codes for the Gluon kernel, which did not run them: the other paths take the values
+        v = fp8_v_values(v, v_scale, q.shape)
+    if gpu:
+        from ditrun.kernels.attention_triton import flash_attention
+
+        fp8_dot = FP8_PV_DOT and v_fp8 and fp8_dtype() == torch.float8_e4m3fn
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale, fp8_dot)
     if q.dtype != torch.int8:
         return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)

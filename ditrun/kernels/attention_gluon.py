@@ -215,8 +215,7 @@ def _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k
 @gluon.jit
 def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, QS,
             VS, O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
-            SUM: gl.constexpr):
+            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile; writes their output rows.
 
     Trip j of the key loop issues tile j's Q.K^T with tile j-1's P @ V, then computes tile j's softmax. P
@@ -231,16 +230,16 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_re
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, PV_K])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=P_WIDTH)
-    # Row sums as [64, SUM] (every column the same): the accumulators of P @ ones, or broadcast fp32 sums.
+    # Row sums as [64, SUM_N] (every column the same): the accumulators of P @ ones, or broadcast fp32 sums.
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, SUM, PV_K])
+                                                       instr_shape=[16, SUM_N, PV_K])
     lp_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=P_WIDTH)
 
     rows = row0 + gl.arange(0, GROUP_M, layout=gl.SliceLayout(1, s_layout))
     q_scale = gl.load(QS + bh * S + rows, mask=rows < S, other=1.0) * sm_scale_log2
     zero = gl.zeros([GROUP_M, BLOCK_N], gl.int32, s_layout)
     acc = gl.zeros([GROUP_M, D], gl.float32, o_layout)
-    l_acc = gl.zeros([GROUP_M, SUM], gl.float32, l_layout)
+    l_acc = gl.zeros([GROUP_M, SUM_N], gl.float32, l_layout)
     m_i = gl.full([GROUP_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
     mbarrier.wait(q_bar, 0)
@@ -276,7 +275,7 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_re
 @gluon.jit
 def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_scale_log2, D: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                   V_FP8: gl.constexpr, SUM: gl.constexpr):
+                   V_FP8: gl.constexpr):
     # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS and the scales behind ks_desc: fp32
     # [B * H * S], one per token. Tiles past a head's S read the next head's rows: their scores are masked
     # (keys) or their rows not stored (queries); past the tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
@@ -293,9 +292,9 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, D, BLOCK_N], v_desc.layout)
     else:
         v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-    # The B operand of P @ ones, stored K-major ([SUM, BLOCK_N], read transposed) as K is; loaded by TMA (written
-    # from registers, Triton 3.6 gives an 8-bit tile that P @ ones does not read as ones).
-    ones = gl.allocate_shared_memory(ones_desc.dtype, [SUM, BLOCK_N], ones_desc.layout)
+    # The B operand of P @ ones, stored K-major ([SUM_N, BLOCK_N], read transposed) as K is; loaded by TMA
+    # (written from registers, Triton 3.6 gives an 8-bit tile that P @ ones does not read as ones).
+    ones = gl.allocate_shared_memory(ones_desc.dtype, [SUM_N, BLOCK_N], ones_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -314,22 +313,21 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     gl.warp_specialize([
         (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
                    turns.index(0), turns.index(1), QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES,
-                   EVEN, 0, ROWSUM_MMA, V_FP8, SUM)),
+                   EVEN, 0, ROWSUM_MMA, V_FP8)),
         (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
                    turns.index(1), turns.index(0), QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D,
-                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8, SUM)),
+                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
                  k_empty, v_ready, v_empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232, 24])
 
 
-def _blocks(d: int, block_n: int, v_type,
-            sum_n: int = SUM_N.value) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
+def _blocks(d: int, block_n: int, v_type) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
     """Each TMA operand's tile shape and shared-memory layout: Q, K and the keys' scales, V (of ``v_type``; E4M3:
     tiles of V^T), the ones of P @ ones (``v_type``)."""
     v_shape = [d, block_n] if v_type == gl.float8e4nv else [block_n, d]
     shapes = {"q": ([GROUP_M.value, d], gl.int8), "k": ([block_n, d], gl.int8), "ks": ([block_n], gl.float32),
-              "v": (v_shape, v_type), "ones": ([sum_n, block_n], v_type)}
+              "v": (v_shape, v_type), "ones": ([SUM_N.value, block_n], v_type)}
     return {name: (shape, gl.NVMMASharedLayout.get_default_for(shape, dtype))
             for name, (shape, dtype) in shapes.items()}
 
@@ -376,17 +374,16 @@ def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> tor
 
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
                  sm_scale: float, block_n: int = 128, stages: int = 3, rowsum_mma: bool = True,
-                 v_fp8: bool = False, v_scale: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None, sum_n: int = SUM_N.value) -> torch.Tensor:
+                 v_fp8: bool = False, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
     in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
     ``v_fp8``: v holds FP8-exact values; P @ V runs as an FP8 product of 2^8 P rounded to E4M3 and V's codes
     (``fp8_v_operand``), the row sums add P as rounded. With ``v_scale``, v is ``fp8_v_operand``'s codes
-    already (and ``out_dtype`` the output's dtype, BF16 unless given)."""
+    already, and the output BF16."""
     b, h, s, d = q.shape
     rows = b * h * s
     q2, k2 = (t.contiguous().view(rows, d) for t in (q, k))
-    out_dtype = out_dtype or (torch.bfloat16 if v_scale is not None else v.dtype)
+    out_dtype = torch.bfloat16 if v_scale is not None else v.dtype
     if v_scale is not None:
         v2, v_type = v, gl.float8e4nv
     elif v_fp8:
@@ -395,8 +392,8 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     else:
         v2, v_scale = v.contiguous().view(rows, d), q_scale  # q_scale: an unread stand-in
         v_type = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
-    blocks = _blocks(d, block_n, v_type, sum_n)
-    ones = _ones(sum_n, block_n, torch.float8_e4m3fn if v_type == gl.float8e4nv else v.dtype, q.device)
+    blocks = _blocks(d, block_n, v_type)
+    ones = _ones(SUM_N.value, block_n, torch.float8_e4m3fn if v_type == gl.float8e4nv else v.dtype, q.device)
     q_desc, k_desc, ks_desc, v_desc, ones_desc = (TensorDescriptor.from_tensor(t, *blocks[name]) for name, t in (
         ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2), ("ones", ones)))
     out = torch.empty((b, h, s, d), dtype=out_dtype, device=q.device)
@@ -404,7 +401,7 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s,
                          sm_scale * LOG2_E,
                          D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma,
-                         V_FP8=v_type == gl.float8e4nv, SUM=sum_n, num_warps=4)
+                         V_FP8=v_type == gl.float8e4nv, num_warps=4)
     return out
 
 
@@ -423,8 +420,8 @@ def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool =
                  for name, (shape, layout) in blocks.items()}
     signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
                   "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr",
-                  "V_FP8": "constexpr", "SUM": "constexpr"}
+                  "V_FP8": "constexpr"}
     constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma,
-                 "V_FP8": v_fp8, "SUM": SUM_N.value}
+                 "V_FP8": v_fp8}
     source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
