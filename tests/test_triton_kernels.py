@@ -250,7 +250,8 @@ def test_triton_fp8_attention_equals_the_reference():
                                        (1000, {"block_n": 64, "rowsum_mma": False}), (1000, {"v_fp8": True}),
                                        (4608, {"v_fp8": True}), (100, {"v_fp8": True}),
                                        (1000, {"v_fp8": True, "rowsum_mma": False}),
-                                       (1000, {"v_fp8": True, "block_n": 64})])
+                                       (1000, {"v_fp8": True, "block_n": 64}), (1000, {"stages": 3}),
+                                       (1000, {"v_fp8": True, "stages": 3})])
 def test_gluon_int8qk_equals_the_reference(s, config):
     """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
     sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next.

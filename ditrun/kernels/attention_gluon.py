@@ -4,8 +4,10 @@ The Triton kernel (``attention_triton.py``) leaves the tensor cores idle while a
 softmax. This one is built the way Hopper attention kernels are:
 
 - **Warp specialisation.** One warp streams K tiles (with their keys' scales) and V tiles into a ring of
-  shared-memory stages with the tensor memory accelerator (TMA), signalling mbarriers. Two warpgroups of
-  four warps each own 64 of the program's 128 query rows.
+  shared-memory stages (4) with the tensor memory accelerator (TMA), signalling mbarriers. Two warpgroups of
+  four warps each own 64 of the program's 128 query rows. A stage (one tile's K and V) is released once, after
+  its P @ V: Triton puts a warpgroup barrier before each single-thread mbarrier arrive and between an arrive and
+  a later shared-memory read, so the kernel keeps arrives few and reads together (3 barriers per step, from 5).
 - **Ping-pong.** The two warpgroups take turns issuing their matrix products (an mbarrier pair), so one
   group's products run on the tensor cores while the other computes its softmax.
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
@@ -23,10 +25,11 @@ FP8/MXFP6-exact values in BF16).
   each tile's row sums start from zero and are added in fp32 (the FP8 products add at less than fp32
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
-Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3 and 4): with BF16 P @ V 1.04x cuDNN's BF16
-SDPA at 20992 tokens (1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.19x. What holds it back:
-- stalls at the 128-thread barrier Triton puts before each (single-thread) mbarrier arrive, several per
-  step (a per-thread ``cp.async`` arrive gets one too, so it does not help);
+Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-5): with BF16 P @ V about cuDNN's BF16 SDPA
+at 20992 tokens (0.99-1.04x; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.21x (7% of it from
+the one release per stage and 4 stages, session 5). What holds it back:
+- stalls at the 128-thread barriers Triton puts around mbarrier arrives, 3 per step (a per-thread ``cp.async``
+  arrive gets one too, so it does not help);
 - the per-token key scale costs a multiply per score.
 ``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``, ``attention.GLUON_FP8_PV``).
 """
@@ -55,11 +58,11 @@ SUM_N = gl.constexpr(8)
 
 
 @gluon.jit
-def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty,
-          v_ready, v_empty, q_row, kv_row, v_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          V_FP8: gl.constexpr):
+def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready,
+          empty, q_row, kv_row, v_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_FP8: gl.constexpr):
     """The loading warp: the program's two Q tiles and the ones tile once, then K tiles (with their keys' scales)
-    and V tiles through the stage ring (FP8 V: tiles of V^T, [D, BLOCK_N] from row ``v_row``)."""
+    and V tiles through the stage ring (FP8 V: tiles of V^T, [D, BLOCK_N] from row ``v_row``). A stage holds one
+    tile's K and V and is released once, when both groups are done with its V (its K was done before)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
     _tma_load(q_desc, [q_row + GROUP_M, 0], q_bar, q_smem.index(1))
@@ -68,11 +71,10 @@ def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v
         stage = j % STAGES
         phase = (j // STAGES) & 1
         # A fresh barrier has completed "phase -1": the first pass through the ring does not wait.
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
+        mbarrier.wait(empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
         _tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
         _tma_load(ks_desc, [kv_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         if V_FP8:
             _tma_load(v_desc, [v_row, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
@@ -136,18 +138,21 @@ def _v_tile(v_smem, stage, V_FP8: gl.constexpr):
 
 
 @gluon.jit
-def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn, their_turn,
-           p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr, BLOCK_N: gl.constexpr,
-           STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
-           NEXT_QK: gl.constexpr):
+def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready, v_ready, my_turn, their_turn,
+           s_layout: gl.constexpr, p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+           V_FP8: gl.constexpr, NEXT_QK: gl.constexpr):
     """Tile i's P (fp32) as the operand, then in this group's turn (the other group computes its softmax
     meanwhile): tile i's P @ V (and P @ ones) and, with NEXT_QK, tile i+1's Q.K^T, all asynchronous. P @ V adds
     into the output. FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the FP8
     products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992 keys.
-    -> (Q.K^T (``zero`` without NEXT_QK), the output, the row sums (FP8: the tile's), P as the operand)."""
+    Tile i+1's key scales are read here, before the mbarrier arrive (Triton puts a warpgroup barrier between a
+    shared-memory write, such as an arrive, and a later read, so reads and arrives are kept in few runs). -> (Q.K^T
+    (``zero`` without NEXT_QK), its keys' scales, the output, the row sums (FP8: the tile's), P as the operand)."""
     p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
     qk = zero
+    ks = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
     if NEXT_QK:
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
@@ -158,8 +163,10 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_read
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
     if ROWSUM_MMA:
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
+    if NEXT_QK:
+        ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
     mbarrier.arrive(their_turn, count=1)
-    return qk, acc, l_acc, p
+    return qk, ks, acc, l_acc, p
 
 
 @gluon.jit
@@ -189,21 +196,19 @@ def _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA: gl.constexpr, V_FP8: gl.con
 
 
 @gluon.jit
-def _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k_empty, v_empty, S,
+def _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty, S,
              s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
              V_FP8: gl.constexpr, P_LOG2: gl.constexpr, FIRST: gl.constexpr):
     """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V ``pv`` (and P @ ones ``l_tile``), of operand
     ``p_op``, still running unless FIRST), then tile j-1 merged into the output and row sums once its products
-    are done, both rescaled to tile j's row max. -> (tile j's P in fp32, the output, the row sums, the row max)."""
-    stage = j % STAGES
-    ks = ks_smem.index(stage).load(gl.SliceLayout(0, s_layout))
+    are done (its stage released), both rescaled to tile j's row max. ``ks``: tile j's key scales. -> (tile j's P
+    in fp32, the output, the row sums, the row max)."""
     qk = warpgroup_mma_wait(0 if FIRST else (2 if ROWSUM_MMA else 1), deps=[qk])
-    mbarrier.arrive(k_empty.index(stage), count=1)
     p, m_i, alpha = _scores(qk, ks, j * BLOCK_N, S, q_scale, m_i, s_layout, BLOCK_N, EVEN, P_LOG2)
     if not FIRST:
         acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
-        mbarrier.arrive(v_empty.index((j - 1) % STAGES), count=1)
+        mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     if ROWSUM_MMA:
         l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
@@ -213,7 +218,7 @@ def _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k
 
 
 @gluon.jit
-def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, my_turn, their_turn, QS,
+def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty, my_turn, their_turn, QS,
             VS, O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile; writes their output rows.
@@ -244,23 +249,23 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_re
 
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
+    ks = ks_smem.index(0).load(gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    p, acc, l_acc, m_i = _softmax(0, qk, acc, l_acc, acc, l_acc, m_i, zero, ones, q_scale, ks_smem, k_empty,
-                                  v_empty, S, s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN,
-                                  ROWSUM_MMA, V_FP8, P_LOG2, True)
+    p, acc, l_acc, m_i = _softmax(0, qk, ks, acc, l_acc, acc, l_acc, m_i, zero, ones, q_scale, empty, S, s_layout,
+                                  o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA, V_FP8, P_LOG2, True)
     for j in range(1, n_tiles):
-        qk, pv, l_tile, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready,
-                                      my_turn, their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP,
-                                      ROWSUM_MMA, V_FP8, True)
-        p, acc, l_acc, m_i = _softmax(j, qk, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, ks_smem, k_empty,
-                                      v_empty, S, s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN,
-                                      ROWSUM_MMA, V_FP8, P_LOG2, False)
+        qk, ks, pv, l_tile, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
+                                          v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout,
+                                          BLOCK_N, STAGES, GROUP, ROWSUM_MMA, V_FP8, True)
+        p, acc, l_acc, m_i = _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty, S,
+                                      s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA,
+                                      V_FP8, P_LOG2, False)
     last = n_tiles - 1
-    qk, pv, l_tile, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, v_smem, k_ready, v_ready, my_turn,
-                                  their_turn, p_layout, l_layout, lp_layout, BLOCK_N, STAGES, GROUP, ROWSUM_MMA,
-                                  V_FP8, False)
+    qk, ks, pv, l_tile, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
+                                      v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout, BLOCK_N,
+                                      STAGES, GROUP, ROWSUM_MMA, V_FP8, False)
     acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
-    mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    mbarrier.arrive(empty.index(last % STAGES), count=1)
 
     l_i = gl.max(l_acc, axis=1)
     if V_FP8:
@@ -297,9 +302,8 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     ones = gl.allocate_shared_memory(ones_desc.dtype, [SUM_N, BLOCK_N], ones_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.init(turns.index(0), count=1)
@@ -307,18 +311,17 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both warpgroups release a stage
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(empty.index(i), count=2)  # both warpgroups release a stage
 
     gl.warp_specialize([
-        (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
+        (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
                    turns.index(0), turns.index(1), QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES,
                    EVEN, 0, ROWSUM_MMA, V_FP8)),
-        (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty,
+        (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
                    turns.index(1), turns.index(0), QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D,
                    BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
-                 k_empty, v_ready, v_empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
+                 v_ready, empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232, 24])
 
 
@@ -373,7 +376,7 @@ def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> tor
 
 
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-                 sm_scale: float, block_n: int = 128, stages: int = 3, rowsum_mma: bool = True,
+                 sm_scale: float, block_n: int = 128, stages: int = 4, rowsum_mma: bool = True,
                  v_fp8: bool = False, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
     in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
@@ -405,7 +408,7 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     return out
 
 
-def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 3, even: bool = True, rowsum_mma: bool = True,
+def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 4, even: bool = True, rowsum_mma: bool = True,
                  v_fp8: bool = False):
     """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): the ``CompiledKernel`` (its ``asm`` holds
     the PTX and the cubin) for BF16 V, or FP8 V. For tests of a Triton version, and to read the SASS off any
