@@ -8,8 +8,10 @@ softmax. This one is built the way Hopper attention kernels are:
   four warps each own 64 of the program's 128 query rows. A stage (one tile's K and V) is released once, after
   its P @ V: Triton puts a warpgroup barrier before each single-thread mbarrier arrive and between an arrive and
   a later shared-memory read, so the kernel keeps arrives few and reads together (3 barriers per step, from 5).
-- **Ping-pong.** The two warpgroups take turns issuing their matrix products (an mbarrier pair), so one
-  group's products run on the tensor cores while the other computes its softmax.
+- **Ping-pong** (BF16 P @ V). The two warpgroups take turns issuing their matrix products (an mbarrier pair),
+  so one group's products run on the tensor cores while the other computes its softmax. With FP8 P @ V the
+  groups issue freely: the turns' barriers cost more than they gain there (2-3% at 8704-20992 tokens; with
+  BF16 P @ V ping-pong is 7% faster).
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
   P @ V (BF16, P from registers) go out back to back; the softmax of tile j needs only Q.K^T (but see
   below).
@@ -26,10 +28,10 @@ FP8/MXFP6-exact values in BF16).
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
 Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-5): with BF16 P @ V about cuDNN's BF16 SDPA
-at 20992 tokens (0.99-1.04x; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.21x (7% of it from
-the one release per stage and 4 stages, session 5). What holds it back:
-- stalls at the 128-thread barriers Triton puts around mbarrier arrives, 3 per step (a per-thread ``cp.async``
-  arrive gets one too, so it does not help);
+at 20992 tokens (0.99-1.04x; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.23x (9% of it from
+the one release per stage, 4 stages and free issue, session 5). What holds it back:
+- stalls at the 128-thread barriers Triton puts around mbarrier arrives, 2-3 per step (a per-thread
+  ``cp.async`` arrive gets one too, so it does not help);
 - the per-token key scale costs a multiply per score.
 ``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``, ``attention.GLUON_FP8_PV``).
 """
@@ -156,7 +158,8 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     if NEXT_QK:
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
     mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-    mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)  # group 0 goes first: its first wait passes on the fresh barrier
+    if not V_FP8:  # ping-pong (see the module's docstring); group 0 goes first: its first wait passes at once
+        mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
     if NEXT_QK:
         qk = warpgroup_mma(q_tile, k_smem.index((i + 1) % STAGES).permute((1, 0)), zero, use_acc=False,
                            is_async=True)
@@ -165,7 +168,8 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
     if NEXT_QK:
         ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    mbarrier.arrive(their_turn, count=1)
+    if not V_FP8:
+        mbarrier.arrive(their_turn, count=1)
     return qk, ks, acc, l_acc, p
 
 
