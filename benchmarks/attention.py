@@ -28,8 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, quantize_fp8_heads,  # noqa: E402
-                                     quantize_operands, quantize_v, smooth_k)
+from ditrun.kernels.attention import (ATTENTION_KERNELS, fp8_v_codes, gluon_fp8_pv_runs,  # noqa: E402
+                                     int8qk_attention_op, quantize_fp8_heads, quantize_operands, quantize_v, smooth_k)
 from ditrun.kernels import fp8_sdpa  # noqa: E402
 from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op  # noqa: E402
 from gemm import CUDA, print_table, relative_error  # noqa: E402
@@ -98,10 +98,14 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False) 
     x = Inputs(s, heads, head_dim, repeats)
     q, k, v = x.q, x.k, x.v
     rows = [x.sdpa_row()]
-    for v_format in ("bf16", "fp8"):  # the kernel on operands quantized beforehand: BF16 and FP8 P @ V
+    for v_format in ("bf16", "fp8"):  # the kernel on operands quantized beforehand (FP8 V: as the model hands it)
         ops = quantize_operands(q, k, v, v_format)
-        args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), v_format == "fp8")
-        rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args), error=False))
+        v_operand, v_scale = ops.v, None
+        if v_format == "fp8" and gluon_fp8_pv_runs(q, v):  # the FP8 P @ V's operand, made by the quantization
+            v_operand, v_scale = fp8_v_codes(ops.v)
+        args = (ops.q, ops.q_scale, ops.k, ops.k_scale, v_operand, 1 / math.sqrt(head_dim), v_format == "fp8")
+        rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args, v_scale=v_scale),
+                          error=False))
     fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
     rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
                       lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, 1 / math.sqrt(head_dim)), fp8_pv[3],
