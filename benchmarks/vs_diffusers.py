@@ -51,7 +51,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -252,10 +254,38 @@ class Row:
     first_call_s: float
     error: float
     kernels: dict
+    clocks: dict
+    """Mean SM clock (MHz) and board power (W) while the timed forwards ran (``nvidia-smi``; empty without it)."""
 
     @property
     def compile_s(self) -> float:
         return max(0.0, self.first_call_s - self.seconds)
+
+
+class ClockSampler:
+    """``nvidia-smi`` sampling this GPU's SM clock and power every 100 ms while the block runs: whether two modes
+    ran at the same clocks (a denser forward can draw the board to its power limit and lower them)."""
+
+    def __enter__(self) -> "ClockSampler":
+        self.process = None
+        if shutil.which("nvidia-smi") and torch.version.cuda:
+            self.process = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
+                 "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.result = {}
+        if self.process is None:
+            return
+        self.process.terminate()
+        out, _ = self.process.communicate(timeout=10)
+        samples = [[float(v) for v in line.split(",")] for line in out.splitlines() if line.count(",") == 1
+                   and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))]
+        if samples:
+            self.result = {"sm_mhz": statistics.mean(s[0] for s in samples),
+                           "watts": statistics.mean(s[1] for s in samples), "samples": len(samples)}
 
 
 def measure(mode: str, forward: Callable, tokens_list: list[int], references: dict, repeats: int,
@@ -271,11 +301,13 @@ def measure(mode: str, forward: Callable, tokens_list: list[int], references: di
             first = time.perf_counter() - start
             if mode == "diffusers":
                 references[tokens] = out.clone()
-            seconds = statistics.median(cuda_time(lambda: forward(inputs), 2, repeats))
+            with ClockSampler() as clocks:
+                seconds = statistics.median(cuda_time(lambda: forward(inputs), 2, repeats))
             kernels = kernel_breakdown(lambda: forward(inputs)) if profile else {}
-        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels))
+        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels, clocks.result))
+        clock_text = f"  SM {clocks.result['sm_mhz']:.0f} MHz, {clocks.result['watts']:.0f} W" if clocks.result else ""
         print(f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
-              f"first call {first:6.1f} s", flush=True)
+              f"first call {first:6.1f} s{clock_text}", flush=True)
     return rows
 
 
