@@ -157,6 +157,8 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     ks = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
     if NEXT_QK:
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
+        if V_FP8:  # read early, so that the multiply after Q.K^T does not wait on it
+            ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
     mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
     if not V_FP8:  # ping-pong (see the module's docstring); group 0 goes first: its first wait passes at once
         mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
@@ -166,7 +168,7 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
     if ROWSUM_MMA:
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
-    if NEXT_QK:
+    if NEXT_QK and not V_FP8:  # BF16: held across the issue, with BF16 P live until P @ V is done, they spill
         ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
     if not V_FP8:
         mbarrier.arrive(their_turn, count=1)
