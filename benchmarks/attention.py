@@ -250,8 +250,9 @@ def gluon_rows(s: int, heads: int, head_dim: int, repeats: int, configs: list[di
 
 
 def ncu_calls(s: int, heads: int, head_dim: int) -> None:
-    """One SDPA call and one call of the Gluon kernel (GLUON_BEST), nothing timed: the two launches for Nsight
-    Compute to compare (``ncu --clock-control none -k regex:'sdpa|_int8qk' ...``)."""
+    """One SDPA call and two calls of the Gluon kernel (GLUON_BEST; BF16 P @ V, then FP8 P @ V on V's codes),
+    nothing timed: the launches for Nsight Compute to compare (``ncu --clock-control none -k
+    regex:'sdpa|_int8qk' ...``)."""
     from ditrun.kernels.attention_gluon import int8qk_gluon
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -259,6 +260,10 @@ def ncu_calls(s: int, heads: int, head_dim: int) -> None:
     ops = quantize_operands(q, k, v, "bf16")
     sdpa(q, k, v)
     int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(head_dim), **GLUON_BEST)
+    ops = quantize_operands(q, k, v, "fp8")
+    codes, v_scale = fp8_v_codes(ops.v)
+    int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, codes, 1 / math.sqrt(head_dim), v_fp8=True, v_scale=v_scale,
+                 **GLUON_BEST)
     torch.cuda.synchronize()
 
 

@@ -28,8 +28,9 @@ FP8/MXFP6-exact values in BF16).
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
 Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-5): with BF16 P @ V about cuDNN's BF16 SDPA
-at 20992 tokens (0.99-1.04x; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.23x (9% of it from
-the one release per stage, 4 stages and free issue, session 5). What holds it back:
+at 20992 tokens (1.03x, session 5; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.24-1.27x
+(14% faster than session 4: one release per stage, 4 stages, free issue, key scales read early). What holds it
+back:
 - stalls at the 128-thread barriers Triton puts around mbarrier arrives, 2-3 per step (a per-thread
   ``cp.async`` arrive gets one too, so it does not help);
 - the per-token key scale costs a multiply per score.
@@ -151,7 +152,8 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     Tile i+1's key scales are read here, before the mbarrier arrive (Triton puts a warpgroup barrier between a
     shared-memory write, such as an arrive, and a later read, so reads and arrives are kept in few runs). -> (Q.K^T
     (``zero`` without NEXT_QK), its keys' scales, the output, the row sums (FP8: the tile's), P as the operand)."""
-    p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
+    if V_FP8:
+        p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
     qk = zero
     ks = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
@@ -159,12 +161,16 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
         if V_FP8:  # read early, so that the multiply after Q.K^T does not wait on it
             ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
     if not V_FP8:  # ping-pong (see the module's docstring); group 0 goes first: its first wait passes at once
         mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
-    if NEXT_QK:
+    if V_FP8:
+        mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
+    if NEXT_QK:  # BF16: issued before P is made the operand, so Q.K^T runs while the last exponentials finish
         qk = warpgroup_mma(q_tile, k_smem.index((i + 1) % STAGES).permute((1, 0)), zero, use_acc=False,
                            is_async=True)
+    if not V_FP8:
+        p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
+        mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
     if ROWSUM_MMA:
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
@@ -328,7 +334,7 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
                    BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
                  v_ready, empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
-    ], [4, 1], [232, 24])
+    ], [4, 1], [232 if V_FP8 else 240, 24])  # the second group's registers: none spilled with these (Triton 3.6)
 
 
 def _blocks(d: int, block_n: int, v_type) -> dict[str, tuple[list[int], gl.NVMMASharedLayout]]:
