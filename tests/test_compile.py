@@ -147,6 +147,27 @@ def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
     assert graphed.graphs == {}
 
 
+def test_the_fp8_product_switch_traces_as_a_constant_and_costs_no_dynamo_import():
+    """``attention.gluon_fp8_pv_runs`` is asked inside the compiled operand quantization: its device half is one
+    constant per graph (``fullgraph=True`` traces through it). Marking it so imports torch._dynamo (2.4 s); a
+    process that imports the worker and never compiles (every CPU rank) must not pay that."""
+    import subprocess
+    import sys
+
+    from ditrun.kernels import attention
+
+    attention.int8qk_attention("fp8", fast=True)  # makes the constant eagerly, as a model build does
+
+    def decide(q, v):
+        return q * 2 if attention.gluon_fp8_pv_runs(q, v) else q + 1
+
+    q = torch.randn(1, 4, 2, 128, dtype=torch.bfloat16)
+    assert torch.equal(torch.compile(decide, fullgraph=True, backend="eager")(q, q), q + 1)  # no Gluon on a CPU
+    imported = subprocess.run([sys.executable, "-c", "import sys, ditrun.launch.worker; "
+                               "print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    assert imported.stdout.strip() == "False", imported.stderr
+
+
 @pytest.mark.timeout(240)
 def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""

@@ -237,13 +237,25 @@ def gluon_compile_errors() -> tuple[type[Exception], ...]:
 def gluon_fp8_pv_runs(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether ``int8qk_fp8v`` on these [B, S, H, D] inputs runs the Hopper kernel's FP8 P @ V (``GLUON_FP8_PV``):
     its quantization then writes V as that product's operand (``fp8_v_codes``)."""
-    return GLUON_FP8_PV and v.dtype == torch.bfloat16 and q.shape[-1] == 128 and _fp8_pv_on(q.device)
+    return GLUON_FP8_PV and v.dtype == torch.bfloat16 and q.shape[-1] == 128 and _fp8_pv_on()(q.device)
 
 
-@torch.compiler.assume_constant_result
-def _fp8_pv_on(device: torch.device) -> bool:
-    """The device half of ``gluon_fp8_pv_runs``: one constant per compiled graph (it asks CUDA and imports)."""
+def _fp8_pv_device(device: torch.device) -> bool:
+    """The device half of ``gluon_fp8_pv_runs`` (it asks CUDA and imports)."""
     return gluon_int8qk_available(device)
+
+
+_FP8_PV_DEVICE_CONSTANT: Optional[Callable[[torch.device], bool]] = None
+
+
+def _fp8_pv_on() -> Callable[[torch.device], bool]:
+    """``_fp8_pv_device`` as one constant per compiled graph (``torch.compiler.assume_constant_result``), made on
+    first use: the decorator imports torch._dynamo, 2.4 s of every process that imports this module, which ranks
+    that never compile should not pay. ``int8qk_attention`` makes it eagerly, before any graph is traced."""
+    global _FP8_PV_DEVICE_CONSTANT
+    if _FP8_PV_DEVICE_CONSTANT is None:
+        _FP8_PV_DEVICE_CONSTANT = torch.compiler.assume_constant_result(_fp8_pv_device)
+    return _FP8_PV_DEVICE_CONSTANT
 
 
 def _gluon_call(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool,
@@ -339,6 +351,8 @@ class AttentionKernel:
 
 def int8qk_attention(v_format: str, fast: bool) -> AttentionFn:
     quantize = CompiledOnGpu(operand_tensors) if fast else operand_tensors
+    if fast and v_format == "fp8":
+        _fp8_pv_on()  # made here, eagerly: the function below may be traced
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
