@@ -168,6 +168,31 @@ def test_the_fp8_product_switch_traces_as_a_constant_and_costs_no_dynamo_import(
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+def test_a_meta_model_is_materialized_as_to_empty_does_without_importing_sympy():
+    """``load.materialize`` is ``Module.to_empty`` without torch's Python ``empty_like``, whose first call imports
+    sympy (0.75 s in every process that builds a model)."""
+    import subprocess
+    import sys
+
+    from ditrun.model.load import materialize
+
+    def meta_model():
+        with torch.device("meta"):
+            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3))
+        return model.to(dtype=torch.bfloat16).requires_grad_(False)
+
+    ours, theirs = meta_model(), meta_model().to_empty(device="cpu")
+    materialize(ours, torch.device("cpu"))
+    for (name, a), (_, b) in zip([*ours.named_parameters(), *ours.named_buffers()],
+                                 [*theirs.named_parameters(), *theirs.named_buffers()], strict=True):
+        assert (a.shape, a.dtype, a.device, a.requires_grad) == (b.shape, b.dtype, b.device, b.requires_grad), name
+    code = ("import sys, torch; from ditrun.model.load import materialize; "
+            "model = torch.nn.Linear(4, 4, device='meta'); materialize(model, torch.device('cpu')); "
+            "print('sympy' in sys.modules, model.weight.device)")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert imported.stdout.strip() == "False cpu", imported.stderr
+
+
 @pytest.mark.timeout(240)
 def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""
