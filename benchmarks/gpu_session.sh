@@ -15,7 +15,7 @@
 #                                                            Nsight Compute of it and SDPA; ~4 min)
 #   bash benchmarks/gpu_session.sh fp8pv                    (one GPU: the FP8 P @ V's GPU tests, the compiled worker's
 #                                                            among them, then int8qk_fp8v end to end with it off and on;
-#                                                            ~5 min: what decides attention.GLUON_FP8_PV's default)
+#                                                            ~5 min; it decided attention.GLUON_FP8_PV's default, on)
 #   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
