@@ -8,6 +8,8 @@ out. One test compiles with inductor here; the GPU tests (``-m gpu``) compile wi
 """
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -151,9 +153,6 @@ def test_the_fp8_product_switch_traces_as_a_constant_and_costs_no_dynamo_import(
     """``attention.gluon_fp8_pv_runs`` is asked inside the compiled operand quantization: its device half is one
     constant per graph (``fullgraph=True`` traces through it). Marking it so imports torch._dynamo (2.4 s); a
     process that imports the worker and never compiles (every CPU rank) must not pay that."""
-    import subprocess
-    import sys
-
     from ditrun.kernels import attention
 
     attention.int8qk_attention("fp8", fast=True)  # makes the constant eagerly, as a model build does
@@ -168,29 +167,37 @@ def test_the_fp8_product_switch_traces_as_a_constant_and_costs_no_dynamo_import(
     assert imported.stdout.strip() == "False", imported.stderr
 
 
-def test_a_meta_model_is_materialized_as_to_empty_does_without_importing_sympy():
-    """``load.materialize`` is ``Module.to_empty`` without torch's Python ``empty_like``, whose first call imports
-    sympy (0.75 s in every process that builds a model)."""
-    import subprocess
-    import sys
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
+    """``load.draw_random_weights`` assigns its tensors (as a checkpoint's are): the weights ``Module.to_empty``
+    and a copy gave, bit for bit, without torch's Python ``empty_like``, whose first call imports sympy (0.75 s in
+    every process that builds a model)."""
+    from ditrun.model.dit import FluxDiT
+    from ditrun.model.load import random_model
+    from ditrun.model.presets import PRESETS
 
-    from ditrun.model.load import materialize
-
-    def meta_model():
-        with torch.device("meta"):
-            model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.BatchNorm1d(3))
-        return model.to(dtype=torch.bfloat16).requires_grad_(False)
-
-    ours, theirs = meta_model(), meta_model().to_empty(device="cpu")
-    materialize(ours, torch.device("cpu"))
-    for (name, a), (_, b) in zip([*ours.named_parameters(), *ours.named_buffers()],
-                                 [*theirs.named_parameters(), *theirs.named_buffers()], strict=True):
-        assert (a.shape, a.dtype, a.device, a.requires_grad) == (b.shape, b.dtype, b.device, b.requires_grad), name
-    code = ("import sys, torch; from ditrun.model.load import materialize; "
-            "model = torch.nn.Linear(4, 4, device='meta'); materialize(model, torch.device('cpu')); "
-            "print('sympy' in sys.modules, model.weight.device)")
+    ours = random_model(PRESETS["tiny"], seed=3, dtype=dtype)
+    with torch.device("meta"):
+        theirs = FluxDiT(PRESETS["tiny"])
+    theirs.to(dtype=dtype).to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in sorted(theirs.named_parameters()):
+            data = torch.empty(param.shape)
+            if name.endswith("norm_q.weight") or name.endswith("norm_k.weight") or ".norm_added_" in name:
+                data.uniform_(0.9, 1.1, generator=gen)
+            else:
+                bound = 1.0 / param.shape[-1] ** 0.5 if param.ndim == 2 else 0.02
+                data.uniform_(-bound, bound, generator=gen)
+            param.copy_(data)
+    expected = dict(theirs.named_parameters())
+    for name, param in ours.named_parameters():
+        assert param.dtype == dtype and torch.equal(param, expected.pop(name)), name
+    assert not expected
+    code = ("import sys; from ditrun.model.load import random_model; from ditrun.model.presets import PRESETS; "
+            "random_model(PRESETS['tiny']); print('sympy' in sys.modules)")
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert imported.stdout.strip() == "False cpu", imported.stderr
+    assert imported.stdout.strip() == "False", imported.stderr
 
 
 @pytest.mark.timeout(240)
