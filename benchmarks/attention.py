@@ -286,7 +286,8 @@ def main() -> None:
                         help="int8qk_fp8v on the Hopper kernel with the FP8 P @ V or not (attention.GLUON_FP8_PV; "
                              "default: as shipped)")
     parser.add_argument("--ncu", action="store_true",
-                        help="only one SDPA and one Gluon-kernel launch (for Nsight Compute), at the first --s")
+                        help="only one SDPA launch and two of the Gluon kernel, BF16 then FP8 P @ V (for Nsight "
+                             "Compute), at the first --s")
     args = parser.parse_args()
     if args.fp8_pv:
         from ditrun.kernels import attention

@@ -49,8 +49,9 @@ def call_ms(fn, calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
-def cases(s: int, baseline, stages: list[int]) -> dict:
-    """(V type, stages, "baseline" | "current") -> a call of that kernel on this length's operands."""
+def cases(s: int, baseline, stages: list[int]) -> tuple[dict, tuple[torch.Tensor, ...]]:
+    """({(V type, stages, "baseline" | "current"): a call of that kernel on this length's operands}, the BF16
+    q, k, v [1, S, H, D] they were quantized from)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, s, HEADS, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
                for _ in range(3))

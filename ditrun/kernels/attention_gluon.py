@@ -145,13 +145,16 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
            s_layout: gl.constexpr, p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr,
            V_FP8: gl.constexpr, NEXT_QK: gl.constexpr):
-    """Tile i's P (fp32) as the operand, then in this group's turn (the other group computes its softmax
-    meanwhile): tile i's P @ V (and P @ ones) and, with NEXT_QK, tile i+1's Q.K^T, all asynchronous. P @ V adds
-    into the output. FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the FP8
-    products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992 keys.
-    Tile i+1's key scales are read here, before the mbarrier arrive (Triton puts a warpgroup barrier between a
-    shared-memory write, such as an arrive, and a later read, so reads and arrives are kept in few runs). -> (Q.K^T
-    (``zero`` without NEXT_QK), its keys' scales, the output, the row sums (FP8: the tile's), P as the operand)."""
+    """With NEXT_QK tile i+1's Q.K^T, then tile i's P @ V (and P @ ones) with tile i's P (fp32) made the operand,
+    all asynchronous; P @ V adds into the output. The orders measured fastest differ: FP8 makes P the operand
+    and reads tile i+1's key scales before any product (so the multiply after Q.K^T does not wait on them); BF16
+    waits for its turn (ping-pong; the other group computes its softmax meanwhile), issues Q.K^T before making P
+    the operand (it runs while the last exponentials finish) and reads the key scales after the products. All
+    reads come before the one mbarrier arrive (Triton puts a warpgroup barrier between an arrive and a later
+    shared-memory read). FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the
+    FP8 products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992
+    keys. -> (Q.K^T (``zero`` without NEXT_QK), its keys' scales, the output, the row sums (FP8: the tile's), P as
+    the operand)."""
     if V_FP8:
         p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
@@ -159,13 +162,13 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     ks = gl.zeros([BLOCK_N], gl.float32, gl.SliceLayout(0, s_layout))
     if NEXT_QK:
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
-        if V_FP8:  # read early, so that the multiply after Q.K^T does not wait on it
+        if V_FP8:
             ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
     if not V_FP8:  # ping-pong (see the module's docstring); group 0 goes first: its first wait passes at once
         mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
     if V_FP8:
         mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
-    if NEXT_QK:  # BF16: issued before P is made the operand, so Q.K^T runs while the last exponentials finish
+    if NEXT_QK:
         qk = warpgroup_mma(q_tile, k_smem.index((i + 1) % STAGES).permute((1, 0)), zero, use_acc=False,
                            is_async=True)
     if not V_FP8:
@@ -174,7 +177,7 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
     if ROWSUM_MMA:
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
-    if NEXT_QK and not V_FP8:  # BF16: held across the issue, with BF16 P live until P @ V is done, they spill
+    if NEXT_QK and not V_FP8:
         ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
     if not V_FP8:
         mbarrier.arrive(their_turn, count=1)
