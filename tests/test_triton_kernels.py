@@ -251,7 +251,9 @@ def test_triton_fp8_attention_equals_the_reference():
                                        (4608, {"v_fp8": True}), (100, {"v_fp8": True}),
                                        (1000, {"v_fp8": True, "rowsum_mma": False}),
                                        (1000, {"v_fp8": True, "block_n": 64}), (1000, {"stages": 3}),
-                                       (1000, {"v_fp8": True, "stages": 3})])
+                                       (1000, {"v_fp8": True, "stages": 3}), (1000, {"schedule": "pingpong"}),
+                                       (1000, {"v_fp8": True, "schedule": "pingpong"}),
+                                       (4608, {"v_fp8": True, "schedule": "stagger"}), (200, {"schedule": "stagger"})])
 def test_gluon_int8qk_equals_the_reference(s, config):
     """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
     sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next.
@@ -305,6 +307,21 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     ptx = fp8_kernel.asm["ptx"]  # FP8 P @ V
     assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx and "m64n8k32.f32.e4m3.e4m3" in ptx
     assert kernel.asm["cubin"] and fp8_kernel.asm["cubin"]
+    for schedule in set(gluon.SCHEDULES) - {"free"}:  # the two schedules kept beside the default build too
+        assert gluon.compile_sm90(v_fp8=True, schedule=schedule).asm["cubin"]
+
+
+def test_the_kernels_int32_to_fp32_conversion_is_exact():
+    """The Hopper kernel's conversion of its INT8 Q.K sums: x + 0x4B400000 read as fp32, minus 1.5 * 2^23, is
+    float(x) exactly for |x| < 2^22, which bounds every sum of 128 (and 256) products of codes within +-127."""
+    bound = 127 * 127 * 256
+    assert bound < 2**22
+    g = torch.Generator().manual_seed(0)
+    edges = [-bound, -1, 0, 1, bound, 127 * 127 * 128, -(2**22) + 1, 2**22 - 1]
+    x = torch.cat([torch.randint(-bound, bound + 1, (100_000,), generator=g, dtype=torch.int32),
+                   torch.tensor(edges, dtype=torch.int32)])
+    converted = (x + 0x4B400000).view(torch.float32) - 12582912.0
+    assert torch.equal(converted, x.float())
 
 
 

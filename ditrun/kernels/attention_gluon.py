@@ -8,32 +8,40 @@ softmax. This one is built the way Hopper attention kernels are:
   four warps each own 64 of the program's 128 query rows. A stage (one tile's K and V) is released once, after
   its P @ V: Triton puts a warpgroup barrier before each single-thread mbarrier arrive and between an arrive and
   a later shared-memory read, so the kernel keeps arrives few and reads together (3 barriers per step, from 5).
-- **Ping-pong** (BF16 P @ V). The two warpgroups take turns issuing their matrix products (an mbarrier pair),
-  so one group's products run on the tensor cores while the other computes its softmax. With FP8 P @ V the
-  groups issue freely: the turns' barriers cost more than they gain there (2-3% at 8704-20992 tokens; with
-  BF16 P @ V ping-pong is 7% faster).
+- **The groups issue freely** (``schedule="free"``). Two other schedules are kept, measured slower with both V
+  types (session 6): ``"pingpong"``, the groups taking turns at their matrix products (an mbarrier pair) so that
+  one group's products run while the other computes its softmax (FP8 P @ V: 17% slower at 20992 tokens; BF16:
+  1-2%, where it was 7% faster before the conversion below), and ``"stagger"``, group 1 starting once group 0
+  has computed its first softmax (5% slower).
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
   P @ V (BF16, P from registers) go out back to back; the softmax of tile j needs only Q.K^T (but see
   below).
 - **Row sums on the tensor cores** (``rowsum_mma``): P @ ones, one more narrow product, instead of one fp32
   add per score (sums of P as rounded for P @ V).
 
-Per score: the int32 sum to fp32 (``I2FP``), times the key's scale, the row max, one FMA for the exponent,
-exp2, the BF16 pack. Q and K carry one scale per token (``kernels/attention.py`` says why), V is BF16 (or
-FP8/MXFP6-exact values in BF16).
+Per score: the int32 sum to fp32 (an integer add and an fp32 subtraction through the bits of 1.5 * 2^23:
+exact, and 3-4% faster at 20992 tokens than ``I2FP``), times the key's scale, the row max, one FMA for the
+exponent, exp2, the pack to the P @ V operand. Q and K carry one scale per token (``kernels/attention.py`` says
+why), V is BF16 (or FP8/MXFP6-exact values in BF16).
 
 - **FP8 P @ V** (``v_fp8``, for FP8 V): 2^8 P rounded to E4M3 in registers, V as E4M3 codes of V^T whose keys
   are stored in the order that makes the scores' registers the operand's (``_p_operand``, ``fp8_v_operand``);
   each tile's row sums start from zero and are added in fp32 (the FP8 products add at less than fp32
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
-Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-5): with BF16 P @ V about cuDNN's BF16 SDPA
-at 20992 tokens (1.03x, session 5; 1.12-1.16x the Triton kernel at 4608-20992), with FP8 P @ V 1.24-1.27x
-(14% faster than session 4: one release per stage, 4 stages, free issue, key scales read early). What holds it
-back:
-- stalls at the 128-thread barriers Triton puts around mbarrier arrives, 2-3 per step (a per-thread
-  ``cp.async`` arrive gets one too, so it does not help);
-- the per-token key scale costs a multiply per score.
+Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-6), kernel only at 20992 tokens against
+cuDNN's BF16 SDPA in the same process: with FP8 P @ V 1.29-1.34x (session 6; 1.24-1.27x in session 5), with
+BF16 P @ V 1.01-1.10x. What holds it back (Nsight Compute: no pipe above 45% busy, 0.65 eligible warps per
+scheduler, so latency):
+- the softmax is about 9 instructions per score, 600 per step and warp (the conversion, the key scale, the max,
+  the exponent, the pack, the output's rescale), and the two groups' warps share each scheduler;
+- stalls at the 128-thread barriers Triton puts around mbarrier arrives and waits, 2 per step (a per-thread
+  ``cp.async`` arrive gets one too, and reading the key scales from global memory instead of shared memory
+  leaves the one before the next stage's wait);
+- the per-token key scale costs a multiply per score (folding it into one FMA with the conversion's constant
+  ran 4% slower).
+Tried and dropped in session 6: exponentials in FP16 pairs (``ex2.approx.f16x2`` is two ``MUFU.EX2.F16`` on
+sm_90, no fewer); half the conversions on ``I2FP`` (1% slower); row sums added in fp32 (7% slower).
 ``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``, ``attention.GLUON_FP8_PV``).
 """
 
@@ -58,6 +66,11 @@ GROUP_M = gl.constexpr(64)
 """Query rows per warpgroup (the M of one ``wgmma``); a program holds two groups."""
 SUM_N = gl.constexpr(8)
 """Columns of the row-sum product P @ ones (the narrowest ``wgmma``)."""
+FREE, PINGPONG, STAGGER = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
+"""How the two warpgroups' steps are placed (``schedule``): each issues its products when ready; they take turns
+at every step (an mbarrier pair); or group 1 starts once group 0 has computed its first softmax, and each goes
+freely after that."""
+SCHEDULES = {"free": FREE.value, "pingpong": PINGPONG.value, "stagger": STAGGER.value}
 
 
 @gluon.jit
@@ -90,7 +103,9 @@ def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N
             P_LOG2: gl.constexpr):
     """One tile's int32 Q.K sums and its keys' scales -> (2^P_LOG2 P in fp32, the new row max, the old rows'
     rescale factor). Scores are in log2 units: q_scale holds sm_scale * log2(e)."""
-    x = acc_int.to(gl.float32) * ks[None, :]
+    # int32 -> fp32 off the conversion unit: |acc_int| < 2^22 (at most 256 channels of codes within +-127), so
+    # acc_int + 0x4B400000 read as fp32 is 1.5 * 2^23 + acc_int exactly, and the subtraction is exact too.
+    x = ((acc_int + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0) * ks[None, :]
     if not EVEN:
         cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         x = gl.where((cols < S)[None, :], x, float("-inf"))
@@ -144,12 +159,13 @@ def _v_tile(v_smem, stage, V_FP8: gl.constexpr):
 def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready, v_ready, my_turn, their_turn,
            s_layout: gl.constexpr, p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
            BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-           V_FP8: gl.constexpr, NEXT_QK: gl.constexpr):
+           V_FP8: gl.constexpr, NEXT_QK: gl.constexpr, SCHEDULE: gl.constexpr):
     """With NEXT_QK tile i+1's Q.K^T, then tile i's P @ V (and P @ ones) with tile i's P (fp32) made the operand,
     all asynchronous; P @ V adds into the output. The orders measured fastest differ: FP8 makes P the operand
     and reads tile i+1's key scales before any product (so the multiply after Q.K^T does not wait on them); BF16
-    waits for its turn (ping-pong; the other group computes its softmax meanwhile), issues Q.K^T before making P
-    the operand (it runs while the last exponentials finish) and reads the key scales after the products. All
+    (measured with ping-pong, session 5) issues Q.K^T before making P the operand (it runs while the last
+    exponentials finish) and reads the key scales after the products. With ``PINGPONG`` a group waits for its
+    turn before its products and passes the turn after them. All
     reads come before the one mbarrier arrive (Triton puts a warpgroup barrier between an arrive and a later
     shared-memory read). FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the
     FP8 products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992
@@ -164,7 +180,7 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
         if V_FP8:
             ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    if not V_FP8:  # ping-pong (see the module's docstring); group 0 goes first: its first wait passes at once
+    if SCHEDULE == PINGPONG:  # group 0 goes first: its first wait passes at once
         mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
     if V_FP8:
         mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
@@ -179,7 +195,7 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
     if NEXT_QK and not V_FP8:
         ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    if not V_FP8:
+    if SCHEDULE == PINGPONG:
         mbarrier.arrive(their_turn, count=1)
     return qk, ks, acc, l_acc, p
 
@@ -235,7 +251,8 @@ def _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty,
 @gluon.jit
 def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty, my_turn, their_turn, QS,
             VS, O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
+            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
+            SCHEDULE: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile; writes their output rows.
 
     Trip j of the key loop issues tile j's Q.K^T with tile j-1's P @ V, then computes tile j's softmax. P
@@ -262,23 +279,29 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
     l_acc = gl.zeros([GROUP_M, SUM_N], gl.float32, l_layout)
     m_i = gl.full([GROUP_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
+    if SCHEDULE == STAGGER:
+        if GROUP == 1:
+            mbarrier.wait(my_turn, 0)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     ks = ks_smem.index(0).load(gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
     p, acc, l_acc, m_i = _softmax(0, qk, ks, acc, l_acc, acc, l_acc, m_i, zero, ones, q_scale, empty, S, s_layout,
                                   o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA, V_FP8, P_LOG2, True)
+    if SCHEDULE == STAGGER:
+        if GROUP == 0:
+            mbarrier.arrive(their_turn, count=1)
     for j in range(1, n_tiles):
         qk, ks, pv, l_tile, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
                                           v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout,
-                                          BLOCK_N, STAGES, GROUP, ROWSUM_MMA, V_FP8, True)
+                                          BLOCK_N, STAGES, GROUP, ROWSUM_MMA, V_FP8, True, SCHEDULE)
         p, acc, l_acc, m_i = _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty, S,
                                       s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA,
                                       V_FP8, P_LOG2, False)
     last = n_tiles - 1
     qk, ks, pv, l_tile, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
                                       v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout, BLOCK_N,
-                                      STAGES, GROUP, ROWSUM_MMA, V_FP8, False)
+                                      STAGES, GROUP, ROWSUM_MMA, V_FP8, False, SCHEDULE)
     acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
     mbarrier.arrive(empty.index(last % STAGES), count=1)
 
@@ -295,7 +318,7 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
 @gluon.jit
 def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_scale_log2, D: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                   V_FP8: gl.constexpr):
+                   V_FP8: gl.constexpr, SCHEDULE: gl.constexpr):
     # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS and the scales behind ks_desc: fp32
     # [B * H * S], one per token. Tiles past a head's S read the next head's rows: their scores are masked
     # (keys) or their rows not stored (queries); past the tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
@@ -331,10 +354,10 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     gl.warp_specialize([
         (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
                    turns.index(0), turns.index(1), QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES,
-                   EVEN, 0, ROWSUM_MMA, V_FP8)),
+                   EVEN, 0, ROWSUM_MMA, V_FP8, SCHEDULE)),
         (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
                    turns.index(1), turns.index(0), QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D,
-                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8)),
+                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8, SCHEDULE)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
                  v_ready, empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232 if V_FP8 else 240, 24])  # the second group's registers: none spilled with these (Triton 3.6)
@@ -392,12 +415,12 @@ def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> tor
 
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
                  sm_scale: float, block_n: int = 128, stages: int = 4, rowsum_mma: bool = True,
-                 v_fp8: bool = False, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_fp8: bool = False, v_scale: torch.Tensor | None = None, schedule: str = "free") -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
     in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
     ``v_fp8``: v holds FP8-exact values; P @ V runs as an FP8 product of 2^8 P rounded to E4M3 and V's codes
     (``fp8_v_operand``), the row sums add P as rounded. With ``v_scale``, v is ``fp8_v_operand``'s codes
-    already, and the output BF16."""
+    already, and the output BF16. ``schedule``: one of ``SCHEDULES``."""
     b, h, s, d = q.shape
     rows = b * h * s
     q2, k2 = (t.contiguous().view(rows, d) for t in (q, k))
@@ -419,12 +442,13 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s,
                          sm_scale * LOG2_E,
                          D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma,
-                         V_FP8=v_type == gl.float8e4nv, num_warps=4)
+                         V_FP8=v_type == gl.float8e4nv, SCHEDULE=SCHEDULES[schedule],
+                         num_warps=4)
     return out
 
 
 def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 4, even: bool = True, rowsum_mma: bool = True,
-                 v_fp8: bool = False):
+                 v_fp8: bool = False, schedule: str = "free"):
     """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): the ``CompiledKernel`` (its ``asm`` holds
     the PTX and the cubin) for BF16 V, or FP8 V. For tests of a Triton version, and to read the SASS off any
     machine."""
@@ -438,8 +462,8 @@ def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 4, even: bool =
                  for name, (shape, layout) in blocks.items()}
     signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
                   "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr",
-                  "V_FP8": "constexpr"}
+                  "V_FP8": "constexpr", "SCHEDULE": "constexpr"}
     constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma,
-                 "V_FP8": v_fp8}
+                 "V_FP8": v_fp8, "SCHEDULE": SCHEDULES[schedule]}
     source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
