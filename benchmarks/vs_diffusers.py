@@ -26,6 +26,8 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
 * ``ditrun-fp8-fast-fp8attn`` FP8 linears with fast accumulation + FP8 attention (FP8 Q.K^T), compiled
 * ``ditrun-fp8-fast-fp8pv`` FP8 linears with fast accumulation + ``fp8_pv`` attention (cuDNN's fused FP8
                            kernel: Q, K, V and P in E4M3), compiled
+* ``ditrun-fp8-fast-int8qkfp8v`` FP8 linears with fast accumulation + ``int8qk_fp8v`` attention (the Hopper
+                           Gluon kernel: INT8 Q.K^T, FP8 P @ V), compiled
 * ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
 * ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
 
@@ -93,10 +95,13 @@ PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names 
                                     backend="fp8_rowwise_fast"),
     "ditrun-fp8-fast-fp8pv": dict(name="fp8-fp8pv", mlp="fp8", qkv="fp8", out="fp8", attention="fp8_pv",
                                   backend="fp8_rowwise_fast"),
+    "ditrun-fp8-fast-int8qkfp8v": dict(name="fp8-int8qkfp8v", mlp="fp8", qkv="fp8", out="fp8",
+                                       attention="int8qk_fp8v", backend="fp8_rowwise_fast"),
 }
 MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
          "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "ditrun-fp8-fast-int8qk",
-         "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "diffusers-compiled", "diffusers-torchao-fp8")
+         "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v", "diffusers-compiled",
+         "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -372,7 +377,7 @@ def check_targets(rows: list[Row]) -> list[str]:
     lines = []
     torchao = {t: get("diffusers-torchao-fp8", t) for t in SHAPES}
     for mode in ("ditrun-krea", "ditrun-fp8-int8qk", "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn",
-                 "ditrun-fp8-fast-fp8pv"):
+                 "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v"):
         row, peer = get(mode, 20992), torchao[20992]
         if row and peer:
             x = peer.seconds / row.seconds

@@ -134,24 +134,30 @@ def check_qk_quantizer(dtype=torch.float32) -> None:
 
 @pytest.mark.timeout(240)
 def check_v_codes(device: str = "cpu") -> None:
-    """The FP8 P @ V's V operand made by one Triton kernel (``attention_gluon.fp8_v_operand``, for FP8-exact V)
-    equals its torch statement (``attention.fp8_v_codes``): E4M3 codes of V^T, keys reordered within 32, zeros
-    past S, times the scale per head; S even, uneven and below 32. The interpreter flushes E4M3 subnormals:
-    there, normal codes only."""
+    """The FP8 P @ V's V operand made by two Triton passes (``attention_triton.fp8_v_codes``: the heads' amax, then
+    the codes; behind ``attention.fp8_v_codes_op`` and ``attention_gluon.fp8_v_operand``) equals its torch statement
+    (``attention.fp8_v_codes``): E4M3 codes of V^T, keys reordered within 32, zeros past S, and the scale per head;
+    for V as the model hands it ([B, S, H, D], unquantized) and FP8-exact V as a [B, H, S, D] view; S even, uneven
+    and below 32. The interpreter's E4M3 casts flush subnormals and do not round as the GPU does: there, FP8-exact V
+    and normal codes only."""
     from ditrun.kernels.attention import _gluon_kernels, fp8_v_codes, quantize_v
+    from ditrun.kernels.attention_triton import fp8_v_codes as triton_fp8_v_codes
 
     gluon = _gluon_kernels()
-    if gluon is None:  # this Triton has no Gluon Hopper API: nothing runs the operand
-        return
     g = torch.Generator().manual_seed(1)
     for s in (96, 100, 17):
-        v = quantize_v((3 * torch.randn(2, 3, s, 128, generator=g)).to(device, torch.bfloat16), "fp8")
-        (codes, scale), (ref, ref_scale) = gluon.fp8_v_operand(v), fp8_v_codes(v)
-        assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32)
-        got = codes.float() * torch.repeat_interleave(scale, 128)[:, None]
-        want = ref.float() * torch.repeat_interleave(ref_scale, 128)[:, None]
-        kept = (ref.float().abs() >= 2 ** -6) if device == "cpu" else torch.ones_like(want, dtype=torch.bool)
-        assert torch.equal(got[kept], want[kept])
+        v = (3 * torch.randn(2, s, 3, 128, generator=g)).to(device, torch.bfloat16)  # [B, S, H, D]
+        fp8_exact = quantize_v(v.transpose(1, 2), "fp8")  # [B, H, S, D]
+        made = [(triton_fp8_v_codes(fp8_exact.transpose(1, 2)), fp8_v_codes(fp8_exact))]
+        if device != "cpu":
+            made.append((triton_fp8_v_codes(v), fp8_v_codes(v.transpose(1, 2))))
+        if gluon is not None:
+            made.append((gluon.fp8_v_operand(fp8_exact), fp8_v_codes(fp8_exact)))
+        for (codes, scale), (ref, ref_scale) in made:
+            assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32)
+            assert torch.equal(scale, ref_scale)
+            kept = (ref.float().abs() >= 2 ** -6) if device == "cpu" else torch.ones_like(ref, dtype=torch.bool)
+            assert torch.equal(codes.float()[kept], ref.float()[kept])
 
 
 def test_triton_kernels_in_the_cpu_interpreter():

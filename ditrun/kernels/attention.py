@@ -124,8 +124,8 @@ def quantize_qk(x: torch.Tensor, smooth: bool) -> tuple[torch.Tensor, torch.Tens
 def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """V [B, H, S, D] -> ``quantize_v(v, "fp8")`` as the Hopper kernel's FP8 P @ V operand: (E4M3 codes of V^T,
     [B * H * D, S rounded up to 32], keys reordered within each 32 as ``attention_gluon.fp8_v_operand`` says, zeros
-    past S; the power-of-two scale per head, [B * H]). Torch operations, so that the compiled operand
-    quantization writes the codes in the pass that quantizes V (``fp8_v_values`` undoes it)."""
+    past S; the power-of-two scale per head, [B * H]). The torch statement, run off GPUs; on GPUs the operand
+    quantization calls ``fp8_v_codes_op``, which writes the same codes (``fp8_v_values`` undoes them)."""
     b, h, s, d = v.shape
     exponent = fp8_head_exponents(v)  # [B, H]
     values = formats.round_to_grid(torch.ldexp(v.float(), -exponent[..., None, None]), "fp8_e4m3")
@@ -135,6 +135,23 @@ def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # stored key 16h + 4t + 2w + e is key 16h + 8w + 2t + e
     codes = values.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b * h * d, padded).to(torch.float8_e4m3fn)
     return codes, torch.ldexp(torch.ones_like(exponent), exponent).flatten()
+
+
+@torch.library.custom_op("ditrun::fp8_v_codes", mutates_args=())
+def fp8_v_codes_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_v_codes`` of V [B, S, H, D] (the model's layout) by two Triton passes (``attention_triton.fp8_v_codes``:
+    the heads' amax, then the codes). On one H200 at 20992 tokens, 24 heads, the torch statement compiled by
+    inductor took 1.2 ms per call (docs/PERFORMANCE.md, session 6)."""
+    from ditrun.kernels.attention_triton import fp8_v_codes as triton_fp8_v_codes
+
+    return triton_fp8_v_codes(v)
+
+
+@fp8_v_codes_op.register_fake
+def _(v):
+    b, s, h, d = v.shape
+    return (v.new_empty((b * h * d, (s + 31) // 32 * 32), dtype=torch.float8_e4m3fn),
+            v.new_empty((b * h,), dtype=torch.float32))
 
 
 def fp8_v_values(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -152,7 +169,8 @@ def operand_tensors(q, k, v, v_format: str, v_codes: bool = False) -> tuple[torc
     q8, q_scale = quantize_qk(q, smooth=False)
     k8, k_scale = quantize_qk(k, smooth=True)
     if v_codes:
-        return (q8, q_scale, k8, k_scale, *fp8_v_codes(v.transpose(1, 2)))
+        codes = fp8_v_codes_op(v) if triton_available(v.device) else fp8_v_codes(v.transpose(1, 2))
+        return (q8, q_scale, k8, k_scale, *codes)
     return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), v_format).contiguous()
 
 

@@ -51,7 +51,6 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
@@ -374,37 +373,16 @@ def _blocks(d: int, block_n: int, v_type) -> dict[str, tuple[list[int], gl.NVMMA
 
 
 def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8-exact V [B, H, S, D] in BF16 (``attention.quantize_v(v, "fp8")``) -> (E4M3 codes of V^T, [B * H * D, S']
-    with S rounded up to 32 (zeros past S), fp32 power-of-two scale per head [B * H]): the FP8 P @ V's B operand,
-    in one pass of ``_v_codes_kernel`` after V's amax. Exact: the values times the inverse of their head's
-    power-of-two scale are E4M3 values again.
+    """V [B, H, S, D] (BF16/FP16) -> the FP8 P @ V's B operand: (E4M3 codes of ``attention.quantize_v(v, "fp8")``
+    as V^T, [B * H * D, S rounded up to 32] (zeros past S), keys reordered within each 32; fp32 power-of-two scale
+    per head [B * H]), by the Triton kernels of ``attention_triton.fp8_v_codes``.
 
     Within each 32 keys the codes are stored in the order ``_p_operand`` takes P's keys in: stored key
     16h + 4t + 2w + e is key 16h + 8w + 2t + e (h, w, e < 2, t < 4), the scores' column a thread holds in the
     register where the FP8 operand wants that position (``attention.fp8_v_codes``: the same in torch)."""
-    from ditrun.kernels import formats
+    from ditrun.kernels.attention_triton import fp8_v_codes
 
-    b, h, s, d = v.shape
-    padded = -(-s // 32) * 32
-    scale = formats.fp8_power_of_two_scale(v.abs().amax(dim=(-2, -1)).float()).flatten().contiguous()  # [B * H]
-    codes = torch.empty(b * h * d, padded, dtype=torch.float8_e4m3fn, device=v.device)
-    block = 64
-    _v_codes_kernel[(triton.cdiv(padded, block), b * h)](v.contiguous(), 1 / scale, codes, s, padded, D=d,
-                                                          BLOCK=block)
-    return codes, scale
-
-
-@triton.jit
-def _v_codes_kernel(V, SCALE_INV, OUT, S, S_PAD, D: tl.constexpr, BLOCK: tl.constexpr):
-    # V: [B * H, S, D] (BF16/FP16, FP8-exact values); OUT: E4M3 [B * H * D, S_PAD], keys reordered in 32s.
-    bh = tl.program_id(1)
-    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # stored key positions
-    r = k % 32
-    src = k - r + (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2  # the key stored there
-    d = tl.arange(0, D)
-    x = tl.load(V + (bh * S + src).to(tl.int64)[:, None] * D + d[None, :], mask=(src < S)[:, None], other=0.0)
-    codes = (x.to(tl.float32) * tl.load(SCALE_INV + bh)).to(tl.float8e4nv)
-    tl.store(OUT + (bh * D + d).to(tl.int64)[None, :] * S_PAD + k[:, None], codes, mask=(k < S_PAD)[:, None])
+    return fp8_v_codes(v.transpose(1, 2))
 
 
 @functools.cache

@@ -233,3 +233,54 @@ def quantize_qk(x: torch.Tensor, smooth: bool, block_s: int = 64) -> tuple[torch
         x, mean, codes, scale, s, h, x.stride(0), x.stride(1), x.stride(2), mean.stride(0), mean.stride(1),
         SMOOTH=smooth, D=d, BLOCK_S=block_s, num_warps=4)
     return codes, scale
+
+
+@triton.jit
+def _head_amax_kernel(X, AMAX, S, H, stride_xb, stride_xs, stride_xh, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # X: [B, S, H, D] (any strides, D contiguous); AMAX: fp32 [B * H], zeros before the launch. One program: the
+    # max of |x| over BLOCK_S tokens of one (batch, head), into AMAX by an atomic max (exact in any order).
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    tokens = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, D)
+    rows = X + b.to(tl.int64) * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xs
+    x = tl.load(rows + dims[None, :], mask=tokens[:, None] < S, other=0.0)
+    tl.atomic_max(AMAX + bh, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
+
+
+@triton.jit
+def _fp8_v_codes_kernel(V, SCALE_INV, OUT, S, S_PAD, H, stride_vb, stride_vs, stride_vh, D: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    # V: [B, S, H, D] (any strides, D contiguous); SCALE_INV: fp32 [B * H]; OUT: E4M3 [B * H * D, S_PAD], V^T
+    # with the keys reordered within each 32 (``fp8_v_codes``). One program: BLOCK stored keys of one head.
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    k = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # stored key positions
+    r = k % 32
+    src = k - r + (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2  # the key stored there
+    d = tl.arange(0, D)
+    x = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + src[:, None].to(tl.int64) * stride_vs + d[None, :],
+                mask=(src < S)[:, None], other=0.0)
+    codes = (x.to(tl.float32) * tl.load(SCALE_INV + bh)).to(tl.float8e4nv)  # round to nearest even
+    tl.store(OUT + (bh * D + d).to(tl.int64)[None, :] * S_PAD + k[:, None], codes, mask=(k < S_PAD)[:, None])
+
+
+def fp8_v_codes(v: torch.Tensor, block_s: int = 128, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """V [B, S, H, D] (BF16/FP16, any strides with D contiguous) -> ``attention.fp8_v_codes`` of V [B, H, S, D]:
+    (E4M3 codes of ``quantize_v(v, "fp8")`` as V^T [B * H * D, S rounded up to 32], keys reordered within each 32,
+    zeros past S; the fp32 power-of-two scale per head [B * H]). Two passes over V: the heads' amax, then the
+    codes (V times the inverse of its head's scale, rounded to E4M3 by the hardware's round to nearest even)."""
+    from ditrun.kernels import formats
+
+    b, s, h, d = v.shape
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    amax = torch.zeros(b * h, dtype=torch.float32, device=v.device)
+    _head_amax_kernel[(triton.cdiv(s, block_s), b * h)](v, amax, s, h, v.stride(0), v.stride(1), v.stride(2), D=d,
+                                                        BLOCK_S=block_s, num_warps=4)
+    scale = formats.fp8_power_of_two_scale(amax)  # as attention.fp8_head_exponents: rceil, exact
+    padded = -(-s // 32) * 32
+    codes = torch.empty(b * h * d, padded, dtype=torch.float8_e4m3fn, device=v.device)
+    _fp8_v_codes_kernel[(triton.cdiv(padded, block), b * h)](v, 1 / scale, codes, s, padded, h, v.stride(0),
+                                                             v.stride(1), v.stride(2), D=d, BLOCK=block, num_warps=4)
+    return codes, scale

@@ -25,22 +25,26 @@ TOLERANCE = 2e-2
 REPEATS = 20
 
 
-def time_ms(fn, device: torch.device, repeats: int = REPEATS) -> float:
-    """Median milliseconds per call after one warm-up call (CUDA events on GPUs)."""
+def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) -> float:
+    """Median milliseconds per call after one warm-up call (CUDA events on GPUs). Each of the ``repeats`` times
+    ``calls`` back-to-back calls: with more than one, a call's launch on the host overlaps the GPU work of the one
+    before it, as in a model's stream of calls; with one, the host's launch time counts too."""
     fn()  # warm-up: compilation, allocator, library heuristics
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            for _ in range(calls):
+                fn()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(start.elapsed_time(end) / calls)
         else:
             begin = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - begin) * 1e3)
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - begin) * 1e3 / calls)
     return statistics.median(times)
 
 
