@@ -5,7 +5,7 @@ A change to ``ditrun/kernels/attention_gluon.py`` is measured against the file b
 same operands, with both V types
 (BF16 P @ V; FP8 P @ V on V's codes made beforehand) and each stage count: rounds of ``--calls`` calls per case,
 SDPA's included, the median round reported, so that clock drift hits every case alike; each round starts one case
-later (the case run after SDPA measured up to 5% slower). Outputs are compared with
+later (in a fixed order the same code measured up to 7% apart by its place). Outputs are compared with
 ``torch.equal`` with the first baseline's (a change that keeps the math says "bitwise = base") and against fp32
 SDPA over the first 1024 queries. Needs an sm_90 GPU and Triton with Gluon's Hopper API.
 

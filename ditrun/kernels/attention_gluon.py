@@ -10,9 +10,9 @@ softmax. This one is built the way Hopper attention kernels are:
   a later shared-memory read, so the kernel keeps arrives few and reads together (3 barriers per step, from 5).
 - **The groups issue freely** (``schedule="free"``). Two other schedules are kept, measured slower with both V
   types (session 6): ``"pingpong"``, the groups taking turns at their matrix products (an mbarrier pair) so that
-  one group's products run while the other computes its softmax (FP8 P @ V: 17% slower at 20992 tokens; BF16:
+  one group's products run while the other computes its softmax (FP8 P @ V: 19% slower at 20992 tokens; BF16:
   1-2%, where it was 7% faster before the conversion below), and ``"stagger"``, group 1 starting once group 0
-  has computed its first softmax (5% slower).
+  has computed its first softmax (5-6% slower).
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
   P @ V (BF16, P from registers) go out back to back; the softmax of tile j needs only Q.K^T (but see
   below).
