@@ -108,8 +108,8 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, probe: bool = False, 
         if v_format == "fp8" and gluon_fp8_pv_runs(q, v):  # the FP8 P @ V's operand, made by the quantization
             v_operand, v_scale = fp8_v_codes(ops.v)
         args = (ops.q, ops.q_scale, ops.k, ops.k_scale, v_operand, 1 / math.sqrt(head_dim), v_format == "fp8")
-        rows.append(x.row(f"int8qk kernel only ({v_format} V)", lambda: int8qk_attention_op(*args, v_scale=v_scale),
-                          error=False))
+        rows.append(x.row(f"int8qk kernel only ({v_format} V)",
+                          lambda: int8qk_attention_op(*args, v_scale=v_scale).transpose(1, 2)))
     fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
     rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
                       lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, 1 / math.sqrt(head_dim)), fp8_pv[3],
