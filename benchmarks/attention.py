@@ -12,8 +12,9 @@ FP8-exact V: the Gluon kernel on Hopper, the autotuned Triton kernel elsewhere),
 end (operand quantization, torch.compile'd, + kernel), as the model calls it. The first call of each kernel
 autotunes it (untimed). ``--gluon`` compares the Gluon kernel's options with the Triton kernel; ``--ncu``
 makes one launch of each for Nsight Compute.
-Each time covers ``--calls`` back-to-back calls (default 5), SDPA's too: a call's Python (the operand quantization,
-the op's checks and descriptors) then overlaps the GPU work of the call before, as in a model's stream of calls.
+Each time covers ``--calls`` back-to-back calls (default 5) after one untimed call, SDPA's too: a call's Python (the
+operand quantization, the op's checks and descriptors) then overlaps the GPU work of the call before, as in a
+model's stream of calls.
 Timed one call at a time, the host's launch counted as well: up to 0.45 ms of the Gluon kernel's row and 1.6 ms of
 ``int8qk_fp8v``'s at 20992 tokens (one H200, session 6).
 Error: max |out - SDPA in fp32| / max |SDPA in fp32| over the first 2048 queries (fp32 SDPA is

@@ -27,13 +27,16 @@ REPEATS = 20
 
 def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) -> float:
     """Median milliseconds per call after one warm-up call (CUDA events on GPUs). Each of the ``repeats`` times
-    ``calls`` back-to-back calls: with more than one, a call's launch on the host overlaps the GPU work of the one
-    before it, as in a model's stream of calls; with one, the host's launch time counts too."""
+    ``calls`` back-to-back calls: with more than one, the stream is first given one untimed call, so that every
+    timed call's launch on the host overlaps the GPU work of the one before it, as in a model's stream of calls
+    (a host slower than the GPU still shows); with one, the host's launch time counts too."""
     fn()  # warm-up: compilation, allocator, library heuristics
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if calls > 1:
+                fn()  # the GPU works on it while the host launches the timed calls
             start.record()
             for _ in range(calls):
                 fn()
