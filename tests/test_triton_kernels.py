@@ -140,7 +140,7 @@ def check_v_codes(device: str = "cpu") -> None:
     for V as the model hands it ([B, S, H, D], unquantized) and FP8-exact V as a [B, H, S, D] view; S even, uneven
     and below 32. The interpreter's E4M3 casts flush subnormals and do not round as the GPU does: there, FP8-exact V
     and normal codes only."""
-    from ditrun.kernels.attention import _gluon_kernels, fp8_v_codes, quantize_v
+    from ditrun.kernels.attention import _gluon_kernels, fp8_v_codes, fp8_v_codes_op, quantize_v
     from ditrun.kernels.attention_triton import fp8_v_codes as triton_fp8_v_codes
 
     gluon = _gluon_kernels()
@@ -158,6 +158,8 @@ def check_v_codes(device: str = "cpu") -> None:
             assert torch.equal(scale, ref_scale)
             kept = (ref.float().abs() >= 2 ** -6) if device == "cpu" else torch.ones_like(ref, dtype=torch.bool)
             assert torch.equal(codes.float()[kept], ref.float()[kept])
+    # The custom op compiled graphs call: its schema, and its fake's shapes and dtypes (dynamic ones too).
+    torch.library.opcheck(fp8_v_codes_op, (fp8_exact.transpose(1, 2),))
 
 
 def test_triton_kernels_in_the_cpu_interpreter():

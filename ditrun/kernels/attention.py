@@ -214,10 +214,10 @@ Triton kernel at 4608-20992 tokens (docs/PERFORMANCE.md); elsewhere the Triton k
 
 GLUON_FP8_PV = True
 """Whether ``int8qk_fp8v`` on the Gluon kernel runs P @ V as an FP8 product (2^8 P rounded to E4M3; V as E4M3 codes
-written by the operand quantization, ``fp8_v_codes``), at the price of P's rounding (3 mantissa bits; a few %
-max-norm against the reference, which does not round P). On one H200 the kernel is 1.19x SDPA at 20992 tokens
-(1.15x the BF16 product) and ``int8qk_fp8v`` 7-15% faster end to end; its GPU tests, the compiled and CUDA-graphed
-worker's among them, pass (docs/PERFORMANCE.md, 2026-11-30 sessions 4 and 5)."""
+written by the operand quantization, ``fp8_v_codes_op``), at the price of P's rounding (3 mantissa bits; a few %
+max-norm against the reference, which does not round P). On one H200 at 20992 tokens the kernel is 1.32-1.33x
+cuDNN's BF16 SDPA (1.2x the BF16 product) and ``int8qk_fp8v`` 1.30x end to end; its GPU tests, the compiled and
+CUDA-graphed worker's among them, pass (docs/PERFORMANCE.md, 2026-11-30 sessions 4-6)."""
 
 
 @functools.cache
