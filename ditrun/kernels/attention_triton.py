@@ -243,7 +243,7 @@ def _head_amax_kernel(X, AMAX, S, H, stride_xb, stride_xs, stride_xh, D: tl.cons
     b, h = bh // H, bh % H
     tokens = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, D)
-    rows = X + b.to(tl.int64) * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xs
+    rows = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xs
     x = tl.load(rows + dims[None, :], mask=tokens[:, None] < S, other=0.0)
     tl.atomic_max(AMAX + bh, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
 
@@ -259,8 +259,8 @@ def _fp8_v_codes_kernel(V, SCALE_INV, OUT, S, S_PAD, H, stride_vb, stride_vs, st
     r = k % 32
     src = k - r + (r // 16) * 16 + ((r // 2) % 2) * 8 + ((r // 4) % 4) * 2 + r % 2  # the key stored there
     d = tl.arange(0, D)
-    x = tl.load(V + b.to(tl.int64) * stride_vb + h * stride_vh + src[:, None].to(tl.int64) * stride_vs + d[None, :],
-                mask=(src < S)[:, None], other=0.0)
+    head = V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh  # 64-bit: [B, H, S, D] views have large strides
+    x = tl.load(head + src[:, None].to(tl.int64) * stride_vs + d[None, :], mask=(src < S)[:, None], other=0.0)
     codes = (x.to(tl.float32) * tl.load(SCALE_INV + bh)).to(tl.float8e4nv)  # round to nearest even
     tl.store(OUT + (bh * D + d).to(tl.int64)[None, :] * S_PAD + k[:, None], codes, mask=(k < S_PAD)[:, None])
 
