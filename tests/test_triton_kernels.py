@@ -320,15 +320,20 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
 
 
 def test_the_kernels_int32_to_fp32_conversion_is_exact():
-    """The Hopper kernel's conversion of its INT8 Q.K sums: x + 0x4B400000 read as fp32, minus 1.5 * 2^23, is
-    float(x) exactly for |x| < 2^22, which bounds every sum of 128 (and 256) products of codes within +-127."""
+    """The INT8 kernels' conversion of their Q.K sums (``attention_triton.INT_MAGIC``, ``ROUND_MAGIC``): x plus the
+    bits of 1.5 * 2^23 read as fp32, minus 1.5 * 2^23, is float(x) exactly for |x| < 2^22, which bounds every sum
+    of 128 (and 256) products of codes within +-127."""
+    pytest.importorskip("triton")
+    from ditrun.kernels.attention_triton import INT_MAGIC, ROUND_MAGIC
+
+    assert (INT_MAGIC.value, ROUND_MAGIC.value) == (0x4B400000, 1.5 * 2**23)
     bound = 127 * 127 * 256
     assert bound < 2**22
     g = torch.Generator().manual_seed(0)
     edges = [-bound, -1, 0, 1, bound, 127 * 127 * 128, -(2**22) + 1, 2**22 - 1]
     x = torch.cat([torch.randint(-bound, bound + 1, (100_000,), generator=g, dtype=torch.int32),
                    torch.tensor(edges, dtype=torch.int32)])
-    converted = (x + 0x4B400000).view(torch.float32) - 12582912.0
+    converted = (x + INT_MAGIC.value).view(torch.float32) - ROUND_MAGIC.value
     assert torch.equal(converted, x.float())
 
 

@@ -57,10 +57,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ditrun.kernels.attention_triton import INT_MAGIC, LOG2_E, ROUND_MAGIC, fp8_v_codes
+
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 """TMA tile load into shared memory: ``async_copy_global_to_shared`` in Triton 3.6, renamed ``async_load`` later."""
 
-LOG2_E = 1.4426950408889634
 GROUP_M = gl.constexpr(64)
 """Query rows per warpgroup (the M of one ``wgmma``); a program holds two groups."""
 SUM_N = gl.constexpr(8)
@@ -102,9 +103,7 @@ def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N
             P_LOG2: gl.constexpr):
     """One tile's int32 Q.K sums and its keys' scales -> (2^P_LOG2 P in fp32, the new row max, the old rows'
     rescale factor). Scores are in log2 units: q_scale holds sm_scale * log2(e)."""
-    # int32 -> fp32 off the conversion unit: |acc_int| < 2^22 (at most 256 channels of codes within +-127), so
-    # acc_int + 0x4B400000 read as fp32 is 1.5 * 2^23 + acc_int exactly, and the subtraction is exact too.
-    x = ((acc_int + 0x4B400000).to(gl.float32, bitcast=True) - 12582912.0) * ks[None, :]
+    x = ((acc_int + INT_MAGIC).to(gl.float32, bitcast=True) - ROUND_MAGIC) * ks[None, :]  # int32 -> fp32, exact
     if not EVEN:
         cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         x = gl.where((cols < S)[None, :], x, float("-inf"))
@@ -164,12 +163,11 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
     and reads tile i+1's key scales before any product (so the multiply after Q.K^T does not wait on them); BF16
     (measured with ping-pong, session 5) issues Q.K^T before making P the operand (it runs while the last
     exponentials finish) and reads the key scales after the products. With ``PINGPONG`` a group waits for its
-    turn before its products and passes the turn after them. All
-    reads come before the one mbarrier arrive (Triton puts a warpgroup barrier between an arrive and a later
-    shared-memory read). FP8 P @ ones starts from zero, the tile's own sums (added in fp32 by ``_merge``): the
-    FP8 products add at less than fp32 precision, and the row sums, growing with every tile, lost 40% by 20992
-    keys. -> (Q.K^T (``zero`` without NEXT_QK), its keys' scales, the output, the row sums (FP8: the tile's), P as
-    the operand)."""
+    turn before its products and passes the turn after them. All reads come before the one mbarrier arrive
+    (Triton puts a warpgroup barrier between an arrive and a later shared-memory read). FP8 P @ ones starts from
+    zero, the tile's own sums (added in fp32 by ``_merge``): the FP8 products add at less than fp32 precision,
+    and the row sums, growing with every tile, lost 40% by 20992 keys. -> (Q.K^T (``zero`` without NEXT_QK), its
+    keys' scales, the output, the row sums (FP8: the tile's), P as the operand)."""
     if V_FP8:
         p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
@@ -380,8 +378,6 @@ def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     Within each 32 keys the codes are stored in the order ``_p_operand`` takes P's keys in: stored key
     16h + 4t + 2w + e is key 16h + 8w + 2t + e (h, w, e < 2, t < 4), the scores' column a thread holds in the
     register where the FP8 operand wants that position (``attention.fp8_v_codes``: the same in torch)."""
-    from ditrun.kernels.attention_triton import fp8_v_codes
-
     return fp8_v_codes(v.transpose(1, 2))
 
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ditrun.kernels import formats
 from ditrun.kernels.attention import quantize_fp8_heads
 from ditrun.kernels.quantize_triton import ROUND_MAGIC
 
@@ -270,8 +271,6 @@ def fp8_v_codes(v: torch.Tensor, block_s: int = 128, block: int = 64) -> tuple[t
     (E4M3 codes of ``quantize_v(v, "fp8")`` as V^T [B * H * D, S rounded up to 32], keys reordered within each 32,
     zeros past S; the fp32 power-of-two scale per head [B * H]). Two passes over V: the heads' amax, then the
     codes (V times the inverse of its head's scale, rounded to E4M3 by the hardware's round to nearest even)."""
-    from ditrun.kernels import formats
-
     b, s, h, d = v.shape
     if v.stride(-1) != 1:
         v = v.contiguous()
