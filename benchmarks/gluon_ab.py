@@ -27,7 +27,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ditrun.kernels import attention_gluon as current  # noqa: E402
 from ditrun.kernels.attention import quantize_operands  # noqa: E402
+from ditrun.kernels.tune import time_ms  # noqa: E402
 
+CUDA = torch.device("cuda")
 HEADS, HEAD_DIM, ERROR_QUERIES = 24, 128, 1024
 
 
@@ -36,19 +38,6 @@ def load_baseline(path: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def call_ms(fn, calls: int) -> float:
-    """Mean milliseconds of ``calls`` back-to-back calls (CUDA events), after one call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def cases(s: int, modules: dict, stages: list[int], configs: list[str]) -> tuple[dict, tuple[torch.Tensor, ...]]:
@@ -103,7 +92,7 @@ def main() -> None:
         calls = list(made.items()) + [("sdpa", lambda: F.scaled_dot_product_attention(qt, kt, vt))]
         for r in range(args.rounds):  # each round starts one case later: a case's place in a round shows in its time
             for key, fn in calls[r % len(calls):] + calls[:r % len(calls)]:
-                times[key].append(call_ms(fn, args.calls))
+                times[key].append(time_ms(fn, CUDA, 1, args.calls))  # one round: back to back, primed
         sdpa = statistics.median(times["sdpa"])
         print(f"S={s} sdpa {sdpa:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times['sdpa'])})", flush=True)
         for key, fn in made.items():
