@@ -4,11 +4,14 @@
     python benchmarks/gemm.py --m 4608 --repeats 30
     python benchmarks/gemm.py --fusion --m 4608 8704 20992   # BF16: separate linears against one stacked GEMM
     python benchmarks/gemm.py --activation --m 4608 8704     # GELU + FP8 row quantization, compiled: tanh or sigmoid
+    python benchmarks/gemm.py --tilings                      # the Triton activation quantizers' tilings, per K
 
-For each (M, K, N) it times, with CUDA events (median of ``--repeats`` after warm-up):
+For each (M, K, N) it times, with CUDA events (median of ``--repeats``, each ``--calls`` back-to-back
+calls replayed as one CUDA graph, as a graphed model runs them; ``--timing calls``: launched one by
+one, back to back, host included; ``--timing single``: one call at a time, as before 2026-12-01):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized
 beforehand: the ceiling of any FP8 path), and each quantized backend end to end as a model
-call runs it: activation quantization (torch.compile'd) + GEMM. Speedups are against bf16; the
+call runs it: activation quantization (one Triton kernel) + GEMM. Speedups are against bf16; the
 MX repack column is also given as a fraction of the fp8 path (the issue's target: within 10%).
 ``fp8 quant ms`` / ``mxfp6 quant ms``: the activation quantizer alone, with the bandwidth of one
 pass (bf16 read + fp8 write = 3 bytes per element; the H200 peaks near 4.8 TB/s).
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.kernels import linear as L  # noqa: E402
-from ditrun.kernels.tune import time_ms  # noqa: E402
+from ditrun.kernels import tune  # noqa: E402
+from ditrun.kernels.tune import load_module, time_ms  # noqa: E402
 
 # Flux (FLUX.1-dev) linears: (name, K, N). Q/K/V(+gate) are one stacked GEMM; the single-stream
 # block's proj_out takes [attention, MLP] = 3072 + 12288 channels.
@@ -49,22 +53,30 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dict[str, str]:
+def timer(mode: str, calls: int):
+    """fn, repeats -> median ms per call, timed as ``--timing`` says."""
+    if mode == "graph":
+        return lambda fn, repeats: tune.graph_ms(fn, repeats, calls)
+    return lambda fn, repeats: time_ms(fn, CUDA, repeats, calls if mode == "calls" else 1)
+
+
+def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str], time_ms=time_ms) -> dict[str, str]:
+    """One row of the table; ``time_ms(fn, repeats)`` times each column (``timer``)."""
     device = CUDA
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(torch.bfloat16)
     row = {}
-    bf16 = time_ms(lambda: F.linear(x, w), CUDA, repeats)
+    bf16 = time_ms(lambda: F.linear(x, w), repeats)
     flops = 2 * m * k * n
     row["bf16 ms"] = f"{bf16:.3f} ({flops / bf16 / 1e9:.0f} TF/s)"
     if L._has_rowwise_fp8(device):
         dtype = L.fp8_dtype()
         x8, xs = L.quantize_rowwise_fp8(x, dtype)
         w8, ws = L.quantize_rowwise_fp8(w, dtype)
-        gemm = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16), CUDA, repeats)
+        gemm = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16), repeats)
         row["fp8 gemm ms"] = f"{gemm:.3f} ({bf16 / gemm:.2f}x)"
-        fast = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16, fast_accum=True), CUDA, repeats)
+        fast = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16, fast_accum=True), repeats)
         row["fp8 fast-accum gemm ms"] = f"{fast:.3f} ({bf16 / fast:.2f}x)"
     fp8_path = None
     for name in formats:
@@ -76,10 +88,11 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str]) -> dic
             row[name] = "no fast backend"
             continue
         layer = L.QuantizedLinear.with_backend(w, fmt, backends[0])  # the model's path: quantizer + GEMM
-        ms = time_ms(lambda: layer(x), CUDA, repeats)
+        ms = time_ms(lambda: layer(x), repeats)
         if name in ("fp8", "mxfp6"):  # the activation quantizer alone: one pass over x, or not?
-            quantize = layer.backends[backends[0]].quantize
-            quant = time_ms(lambda: quantize(x, fmt, "rceil"), CUDA, repeats)
+            backend = layer.backends[backends[0]]  # the quantizer the layer's eager GPU call runs
+            quantize = getattr(backend, "quantize_counted", backend.quantize)
+            quant = time_ms(lambda: quantize(x, fmt, "rceil"), repeats)
             row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.2f} TB/s)"
         error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
         fp8_path = ms if name == "fp8" else fp8_path
@@ -147,6 +160,37 @@ def activation_rows(m: int, repeats: int) -> list[dict[str, str]]:
     return row
 
 
+def tiling_rows(m: int, repeats: int, time_ms, baseline: Path | None) -> list[dict[str, str]]:
+    """The Triton activation quantizers (row-wise FP8, MXFP6 repack) of an [m, K] BF16 activation for each K of the
+    Flux linears, in every candidate tiling (``quantize_triton.candidate_tilings``), the default marked, the fastest
+    starred; ``baseline``: another copy of kernels/quantize_triton.py, timed with its own defaults beside them."""
+    from ditrun.kernels import formats
+    from ditrun.kernels import quantize_triton as T
+
+    dtype, element = L.fp8_dtype(), "fp6_e2m3"
+    headroom = L.repack_headroom(formats.FORMATS[element])
+    rows = []
+    for k in sorted({k for _, k, _ in FLUX_SHAPES}):
+        x = torch.randn(m, k, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(k)).to(torch.bfloat16)
+        io_bytes = 3 * x.numel()
+        defaults = {kernel: T.default_tiling(k, kernel) for kernel in ("fp8", "mx")}
+        cases = {str(t) + "".join(f" (default {kernel})" for kernel, d in defaults.items() if t == d):
+                 (lambda t=t: T.rowwise_fp8(x, dtype, tiling=t),
+                  lambda t=t: T.mx_repack_fp8(x, element, 32, "rceil", headroom, tiling=t))
+                 for t in T.candidate_tilings(k) + list(defaults.values())}
+        if baseline is not None:
+            old = load_module(baseline, "quantize_triton_baseline")
+            cases[f"baseline {baseline.name}"] = (lambda: old.rowwise_fp8(x, dtype),
+                                                  lambda: old.mx_repack_fp8(x, element, 32, "rceil", headroom))
+        times = {name: [time_ms(fn, repeats) for fn in fns] for name, fns in cases.items()}
+        best = [min(ms[i] for ms in times.values()) for i in range(2)]
+        for name, ms in times.items():
+            rows.append({"M": str(m), "K": str(k), "tiling": name, **{
+                f"{kind} ms": f"{ms[i]:.4f} ({io_bytes / ms[i] / 1e9:.2f} TB/s){' *' if ms[i] == best[i] else ''}"
+                for i, kind in enumerate(("fp8", "mxfp6 repack"))}})
+    return rows
+
+
 def print_table(rows: list[dict[str, str]]) -> None:
     columns = list(dict.fromkeys(key for row in rows for key in row))
     widths = {c: max(len(c), *(len(row.get(c, "")) for row in rows)) for c in columns}
@@ -165,11 +209,23 @@ def main() -> None:
                         help="only BF16: the linears that read one input, separate against stacked (model.fuse)")
     parser.add_argument("--activation", action="store_true",
                         help="only the down projection's GELU + row-wise FP8 input quantizer, tanh or sigmoid form")
+    parser.add_argument("--tilings", action="store_true",
+                        help="only the Triton activation quantizers, every candidate tiling, per K of the Flux linears")
+    parser.add_argument("--baseline", type=Path, help="with --tilings: another copy of kernels/quantize_triton.py")
+    parser.add_argument("--timing", choices=("graph", "calls", "single"), default="graph",
+                        help="graph: --calls calls replayed as one CUDA graph (the GPU's time); calls: launched back "
+                             "to back (host included); single: one call at a time")
+    parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"{'ROCm ' + torch.version.hip if torch.version.hip else 'CUDA ' + str(torch.version.cuda)}")
+    print(f"timing: {args.timing}" + (f", {args.calls} calls" if args.timing != "single" else ""))
+    timed = timer(args.timing, args.calls)
+    if args.tilings:
+        print_table([row for m in args.m for row in tiling_rows(m, args.repeats, timed, args.baseline)])
+        return
     if args.activation:
         print_table([activation_rows(m, args.repeats) for m in args.m])
         return
@@ -180,7 +236,7 @@ def main() -> None:
     for m in args.m:
         for name, k, n in FLUX_SHAPES:
             rows.append({"M": str(m), "linear": name, "K": str(k), "N": str(n),
-                         **bench_shape(m, k, n, args.repeats, args.formats)})
+                         **bench_shape(m, k, n, args.repeats, args.formats, timed)})
     print_table(rows)
 
 

@@ -15,7 +15,6 @@ SDPA over the first 1024 queries. Needs an sm_90 GPU and Triton with Gluon's Hop
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import statistics
 import sys
@@ -27,17 +26,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ditrun.kernels import attention_gluon as current  # noqa: E402
 from ditrun.kernels.attention import quantize_operands  # noqa: E402
-from ditrun.kernels.tune import time_ms  # noqa: E402
+from ditrun.kernels.tune import load_module, time_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
 HEADS, HEAD_DIM, ERROR_QUERIES = 24, 128, 1024
 
 
 def load_baseline(path: Path):
-    spec = importlib.util.spec_from_file_location(f"attention_gluon_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path, f"attention_gluon_{path.stem}")
 
 
 def cases(s: int, modules: dict, stages: list[int], configs: list[str]) -> tuple[dict, tuple[torch.Tensor, ...]]:

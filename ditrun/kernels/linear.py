@@ -190,6 +190,24 @@ def _(x, element_name, block, scale_mode):
             x.new_empty((), dtype=torch.int64))
 
 
+@torch.library.custom_op("ditrun::mx_repack_fp8_counted", mutates_args=("count",))
+def mx_repack_fp8_counted_op(x: torch.Tensor, element_name: str, block: int, scale_mode: str,
+                             count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mx_repack_fp8_op`` that adds its inexact rows to ``count`` (a running 0-dim int64 count on x's device) in the
+    kernel: no count to allocate, sum or add per call."""
+    from ditrun.kernels import quantize_triton
+
+    headroom = repack_headroom(formats.element_format(element_name))
+    fp8, scale, _ = quantize_triton.mx_repack_fp8(x.contiguous(), element_name, block, scale_mode, headroom,
+                                                  count=count)
+    return fp8, scale
+
+
+@mx_repack_fp8_counted_op.register_fake
+def _(x, element_name, block, scale_mode, count):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
 TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (a constant, so compiled regions read it without tracing an import)."""
 FUSED_ACTIVATION_QUANTIZER = False
@@ -379,9 +397,18 @@ class MxRepackFp8:
             return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 
+    def quantize_counted(self, x, fmt, scale_mode):
+        """``quantize`` for eager calls on GPUs with Triton: the kernel adds the inexact rows to this backend's count
+        itself (the operand's count is None)."""
+        if self.inexact_rows["activation"].device != x.device:  # prepared on another device, then moved
+            self.inexact_rows["activation"] = self.inexact_rows["activation"].to(x.device)
+        return (*mx_repack_fp8_counted_op(x, fmt.element, fmt.block, scale_mode, self.inexact_rows["activation"]),
+                None)
+
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale, inexact = operand
-        self.inexact_rows["activation"].add_(inexact)  # no host sync
+        if inexact is not None:
+            self.inexact_rows["activation"].add_(inexact)  # no host sync
         return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
 
 
@@ -531,6 +558,8 @@ class QuantizedLinear(nn.Module):
             if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
                 operand = backend.quantize(rows if activation is None else activation(rows), self.fmt,
                                            self.scale_mode)
+            elif activation is None and hasattr(backend, "quantize_counted") and eager_triton(rows.device):
+                operand = backend.quantize_counted(rows, self.fmt, self.scale_mode)
             else:
                 operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
         return backend.gemm(operand, self.weights[name], self.fmt, rows.dtype)

@@ -3,17 +3,21 @@
 Quantizing an activation for ``torch._scaled_mm`` costs a row amax, a scale and a cast. Run as
 separate PyTorch ops (or as a torch.compile graph with dynamic shapes) that is several passes over
 an activation as large as the GEMM's input, and it ate most of FP8's gain on the H200
-(docs/PERFORMANCE.md). Here one program owns one row: a first loop over K finds the row's (or its
-MX blocks') amax, a second loop reads the row again (from L2) and writes the FP8 codes.
+(docs/PERFORMANCE.md). Here a program owns whole rows (``Tiling``): it finds each row's (or its
+MX blocks') amax, then writes the FP8 codes, holding the rows in registers or reading them again.
 
 The arithmetic is exactly ``linear.quantize_rowwise_fp8`` and ``linear.mx_repack_fp8`` (tested
-equal, in Triton's CPU interpreter and on the GPU): powers of two are built from their bits, the
-element grid's round-half-to-even with the 1.5 * 2^23 trick (exact for the few-bit integers
-it rounds), and every division is correctly rounded. NaN and infinite inputs are not given the
-reference's special scales (activations are finite); the reference codec is the one for them.
+equal, in Triton's CPU interpreter and on the GPU) at a few instructions per element: powers of
+two are built from their bits, the element grid's round-half-to-even on the bits (and with the
+1.5 * 2^k trick below the smallest normal), and each division by a row's scale is one multiply
+and two multiply-adds that give the correctly rounded quotient (``_quotient``). NaN and infinite
+inputs are not given the reference's special scales (activations are finite); the reference codec
+is the one for them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -40,43 +44,128 @@ def _floor_log2(x):
     return ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
 
 
+@dataclass(frozen=True)
+class Tiling:
+    """How ``rowwise_fp8`` and ``mx_repack_fp8`` walk the activation: ``rows`` rows per program, in tiles of
+    ``tile`` columns on ``warps`` warps. ``one_tile``: the whole row is one tile (``tile`` at least K, a power of
+    two) held in registers, so the activation is read once; otherwise the rows are read twice, tile by tile
+    (amax, then codes), the second time mostly from L2."""
+
+    rows: int
+    tile: int
+    warps: int
+    one_tile: bool = False
+
+    def __str__(self) -> str:
+        return f"{'one tile' if self.one_tile else f'tiles of {self.tile}'} x {self.rows} rows, {self.warps} warps"
+
+
+def default_tiling(k: int, kernel: str = "fp8") -> Tiling:
+    """The tiling ``kernel`` ("fp8": ``rowwise_fp8``; "mx": ``mx_repack_fp8``) uses for rows of ``k`` elements: the
+    fastest, or within 2% of it, at M = 4608 and 20992 for the Flux linears' K on one H200
+    (``benchmarks/gemm.py --tilings``, docs/PERFORMANCE.md 2026-12-01). Rows of at most 4096 elements are held
+    in registers by 4 warps (the MX kernel two rows per program); longer ones by 8 warps up to 16384 elements for
+    the MX kernel, whose per-element arithmetic then outweighs a second read, while the FP8 kernel reads them
+    twice, in tiles of 1024 on 8 warps."""
+    whole = triton.next_power_of_2(k)
+    if whole <= 4096:
+        return Tiling(rows=2 if kernel == "mx" else 1, tile=whole, warps=4, one_tile=True)
+    if kernel == "mx" and whole <= 16384:
+        return Tiling(rows=1, tile=whole, warps=8, one_tile=True)
+    return Tiling(rows=1, tile=1024 if kernel == "fp8" else 2048, warps=8 if kernel == "fp8" else 4)
+
+
+def candidate_tilings(k: int) -> list[Tiling]:
+    """Tilings worth timing for rows of ``k`` elements (``benchmarks/gemm.py --tilings``)."""
+    looped = [Tiling(r, t, w) for r in (1, 2, 4) for t in (512, 1024, 2048) for w in (4, 8) if r * t <= 4096]
+    whole = triton.next_power_of_2(k)
+    held = [Tiling(r, whole, w, True) for r in (1, 2) for w in (4, 8, 16) if r * whole // (32 * w) <= 64]
+    return looped + held
+
+
+def _grid(rows: int, tiling: Tiling, k: int) -> tuple[tuple[int], Tiling]:
+    if tiling.one_tile and tiling.tile < k:
+        raise ValueError(f"a one-tile tiling needs tile >= K = {k}, got {tiling.tile}")
+    return (triton.cdiv(rows, tiling.rows),), tiling
+
+
 @triton.jit
-def _rowwise_fp8_kernel(X, Y, SCALE, K, stride_x, stride_y, FP8_MAX: tl.constexpr, BLOCK_K: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _quotient(x, scale, recip):
+    """x / scale rounded once (as ``torch.div`` and ``tl.math.div_rn``), from recip = 1 / scale rounded once: one
+    multiply and two multiply-adds instead of a division per element. The remainder x - q scale of the first
+    quotient q is exact in an fma, and q + remainder / scale rounded once is the correctly rounded quotient
+    (Markstein's theorem, for a faithful q and a correctly rounded reciprocal; quotients below 2^-126, which
+    are E4M3 zeros either way, aside)."""
+    q = x * recip
+    return tl.fma(tl.fma(-q, scale, x), recip, q)
+
+
+@triton.jit
+def _divisor(scale):
+    """(lift, divisor, 1 / divisor) for dividing by ``scale``: a row of tiny values (scale < 2^-100) is divided with
+    both operands times 2^64, exactly, so that the reciprocal and the remainder stay normal numbers."""
+    lift = tl.where(scale < 7.888609052210118e-31, 1.8446744073709552e19, 1.0)
+    divisor = scale * lift
+    return lift, divisor, tl.math.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
+
+
+@triton.jit
+def _fp8_codes(x, lift, divisor, recip, FP8_MAX: tl.constexpr):
+    """x / scale (``_divisor``'s terms), clamped to +-FP8_MAX: the codes' values before the cast."""
+    return tl.minimum(tl.maximum(_quotient(x * lift, divisor, recip), -FP8_MAX), FP8_MAX)
+
+
+@triton.jit
+def _rowwise_fp8_kernel(X, Y, SCALE, R, K, stride_x, stride_y, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
-    amax = tl.zeros([BLOCK_K], tl.float32)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    top = tl.max(amax, 0)
-    scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
-    tl.store(SCALE + row, scale)
-    for start in range(0, K, BLOCK_K):
-        x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
-        tl.store(Y + row * stride_y + start + cols, y.to(Y.dtype.element_ty), mask=start + cols < K)
+    row_ok = rows < R
+    xp = X + rows[:, None] * stride_x + cols[None, :]
+    yp = Y + rows[:, None] * stride_y + cols[None, :]
+    if ONE_TILE:
+        mask = row_ok[:, None] & (cols < K)[None, :]
+        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), 1)
+    else:
+        top = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        for start in range(0, K, BLOCK_K):
+            tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
+            top = tl.maximum(top, tl.abs(tile.to(tl.float32)))
+        amax = tl.max(top, 1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    tl.store(SCALE + rows, scale, mask=row_ok)
+    lift, divisor, recip = _divisor(scale[:, None])
+    if ONE_TILE:
+        tl.store(yp, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
+    else:
+        for start in range(0, K, BLOCK_K):
+            mask = row_ok[:, None] & (start + cols < K)[None, :]
+            x = tl.load(xp + start, mask=mask, other=0.0).to(tl.float32)
+            tl.store(yp + start, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
 
 
-def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None):
-    """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel.
+def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None,
+                tiling: Tiling | None = None):
+    """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel, bit for bit.
 
     ``store_dtype=torch.float32`` returns the values before the cast to ``dtype`` (the CPU interpreter's
     FP8 casts are not exact, so the tests check the arithmetic that way there and the cast on GPUs).
+    ``tiling``: ``default_tiling(K, "fp8")`` unless given.
     """
     rows, k = x.shape
     y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    _rowwise_fp8_kernel[(rows,)](x, y, scale, k, x.stride(0), y.stride(0), FP8_MAX=torch.finfo(dtype).max,
-                                 BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4)
+    grid, t = _grid(rows, tiling or default_tiling(k, "fp8"), k)
+    _rowwise_fp8_kernel[grid](x, y, scale, rows, k, x.stride(0), y.stride(0), FP8_MAX=torch.finfo(dtype).max,
+                              BLOCK_R=t.rows, BLOCK_K=t.tile, ONE_TILE=t.one_tile, num_warps=t.warps)
     return y, scale
 
 
 @triton.jit
-def _block_exponents(x, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr):
-    """x [NB, BLOCK] fp32 -> each block's shared exponent [NB] (``formats.shared_exponents``, finite x)."""
-    amax = tl.max(tl.abs(x), 1)
-    log2 = _floor_log2(amax)
-    exponent = log2 - EMAX
+def _shared_exponent(amax, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr):
+    """Each block's shared exponent from its amax (``formats.shared_exponents``, finite amax)."""
+    exponent = _floor_log2(amax) - EMAX
     if RCEIL:
         # amax > max_elem * 2^exponent  <=>  amax's significand (in [1, 2)) > max_elem / 2^emax
         significand = ((amax.to(tl.int32, bitcast=True) & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
@@ -86,58 +175,103 @@ def _block_exponents(x, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: t
 
 
 @triton.jit
-def _round_to_grid(v, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr):
-    """``formats.round_to_grid``: v onto the element grid (step 2^(binade - mantissa bits)), half to even."""
-    step_exp = tl.maximum(_floor_log2(tl.abs(v)), MIN_EXP) - MBITS
-    steps = v * _pow2(-step_exp)  # exact: a power of two
-    rounded = (steps + ROUND_MAGIC) - ROUND_MAGIC
-    return tl.minimum(tl.maximum(rounded * _pow2(step_exp), -ELEM_MAX), ELEM_MAX)
+def _round_to_grid(v, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr, CLAMP: tl.constexpr):
+    """``formats.round_to_grid``: v onto the element grid, half to even. The grid step in v's binade (never below the
+    subnormals' 2^(MIN_EXP - MBITS)) is the last bit of 1.5 * 2^(23 + binade - MBITS): adding and subtracting that
+    number rounds to it. ``CLAMP``: to +-ELEM_MAX (the floor scale rule lets a block's largest value exceed it)."""
+    binade = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, MIN_EXP + 127)  # biased
+    magic = (((binade + (23 - MBITS)) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    rounded = (v + magic) - magic
+    if CLAMP:
+        rounded = tl.minimum(tl.maximum(rounded, -ELEM_MAX), ELEM_MAX)
+    return rounded
 
 
 @triton.jit
-def _mx_repack_kernel(X, Y, SCALE, INEXACT, K, stride_x, stride_y,
+def _block_exponents(x, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr):
+    """x [rows, blocks, BLOCK] -> each block's shared exponent [rows, blocks]."""
+    return _shared_exponent(tl.max(tl.abs(x), 2), EMAX, TOP_MANTISSA, RCEIL)
+
+
+@triton.jit
+def _mx_codes(x, exponent, row_exp, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr,
+              CLAMP: tl.constexpr, DTYPE: tl.constexpr):
+    """A tile's E4M3 values [rows, blocks, BLOCK] and whether each row has one that E4M3 cannot hold [rows].
+
+    A grid value has at most 3 significant bits and the row scale keeps it at or below 448, so E4M3 holds it
+    exactly from its smallest normal 2^-6 up; below, only multiples of its subnormal step 2^-9 (zero included).
+    Grid values are multiples of 2^(MIN_EXP - MBITS), so a block shifted by 2^d with d >= -9 - MIN_EXP + MBITS
+    is exact whatever its values: only a tile with a block shifted further checks its elements."""
+    shift = tl.maximum(exponent - row_exp[:, None], -252)
+    grid = _round_to_grid(x * _pow2(-exponent)[:, :, None], MBITS, MIN_EXP, ELEM_MAX, CLAMP)
+    shifted = grid * _pow2(shift)[:, :, None]
+    flags = tl.zeros(row_exp.shape, tl.int32)
+    if tl.min(tl.min(shift, 1), 0) < -9 - MIN_EXP + MBITS:
+        steps = shifted * 512.0  # exact; below 2^-6 it is below 8 in magnitude
+        off_grid = (tl.abs(shifted) < 0.015625) & (((steps + ROUND_MAGIC) - ROUND_MAGIC) != steps)
+        flags = tl.max(tl.max(off_grid.to(tl.int32), 2), 1)
+    return shifted.to(DTYPE), flags
+
+
+@triton.jit
+def _mx_repack_kernel(X, Y, SCALE, COUNT, R, K, stride_x, stride_y,
                       EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr, MBITS: tl.constexpr,
                       MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr, HEADROOM: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCKS_PER_TILE: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    # One tile = BLOCKS_PER_TILE MX blocks of BLOCK elements: [NB, BLOCK] offsets within the row.
-    offsets = tl.arange(0, BLOCKS_PER_TILE)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    TILE = BLOCKS_PER_TILE * BLOCK
-    top = tl.full([BLOCKS_PER_TILE], -127, tl.int32)
-    for start in range(0, K, TILE):
-        mask = start + offsets < K
-        x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
-        top = tl.maximum(top, _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL))
-    row_exp = tl.max(top, 0) - HEADROOM
-    tl.store(SCALE + row, _pow2(row_exp))
-    inexact = tl.zeros([BLOCKS_PER_TILE, BLOCK], tl.int32)
-    for start in range(0, K, TILE):
-        mask = start + offsets < K
-        x = tl.load(X + row * stride_x + start + offsets, mask=mask, other=0.0).to(tl.float32)
-        exponent = _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL)[:, None]
-        grid = _round_to_grid(x * _pow2(-exponent), MBITS, MIN_EXP, ELEM_MAX)
-        shifted = grid * _pow2(tl.maximum(exponent - row_exp, -252))
-        y = shifted.to(Y.dtype.element_ty)
-        inexact |= (y.to(tl.float32) != shifted).to(tl.int32)
-        tl.store(Y + row * stride_y + start + offsets, y, mask=mask)
-    tl.atomic_add(INEXACT, (tl.max(tl.max(inexact, 1), 0)).to(tl.int64))
+                      BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr, ONE_TILE: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    # A tile: NB MX blocks of BLOCK elements of each of the program's rows, as [BLOCK_R, NB, BLOCK].
+    offsets = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    xp = X + rows[:, None, None] * stride_x + offsets[None, :, :]
+    yp = Y + rows[:, None, None] * stride_y + offsets[None, :, :]
+    TILE: tl.constexpr = NB * BLOCK
+    if ONE_TILE:
+        mask = row_ok[:, None, None] & (offsets < K)[None, :, :]
+        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        exponent = _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL)
+        top = tl.max(exponent, 1)
+    else:
+        top = tl.full([BLOCK_R, NB], -127, tl.int32)
+        for start in range(0, K, TILE):
+            tile = tl.load(xp + start, mask=row_ok[:, None, None] & (start + offsets < K)[None, :, :], other=0.0)
+            top = tl.maximum(top, _block_exponents(tile.to(tl.float32), EMAX, TOP_MANTISSA, RCEIL))
+        top = tl.max(top, 1)
+    row_exp = top - HEADROOM
+    tl.store(SCALE + rows, _pow2(row_exp), mask=row_ok)
+    if ONE_TILE:
+        y, inexact = _mx_codes(x, exponent, row_exp, MBITS, MIN_EXP, ELEM_MAX, not RCEIL, Y.dtype.element_ty)
+        tl.store(yp, y, mask=mask)
+    else:
+        inexact = tl.zeros([BLOCK_R], tl.int32)
+        for start in range(0, K, TILE):
+            mask = row_ok[:, None, None] & (start + offsets < K)[None, :, :]
+            x = tl.load(xp + start, mask=mask, other=0.0).to(tl.float32)
+            exponent = _block_exponents(x, EMAX, TOP_MANTISSA, RCEIL)
+            y, bad = _mx_codes(x, exponent, row_exp, MBITS, MIN_EXP, ELEM_MAX, not RCEIL, Y.dtype.element_ty)
+            inexact |= bad
+            tl.store(yp + start, y, mask=mask)
+    # one atomic per inexact row (none in most programs), into the caller's running count
+    tl.atomic_add(COUNT + rows * 0, inexact.to(tl.int64), mask=row_ok & (inexact > 0))
 
 
 def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str, headroom: int,
-                  store_dtype: torch.dtype = torch.float8_e4m3fn):
-    """``linear.mx_repack_fp8`` in one kernel: x [R, K] -> (E4M3 [R, K], fp32 2^e_row [R, 1], inexact rows).
-    ``store_dtype``: as in ``rowwise_fp8``."""
+                  store_dtype: torch.dtype = torch.float8_e4m3fn, tiling: Tiling | None = None,
+                  count: torch.Tensor | None = None):
+    """``linear.mx_repack_fp8`` in one kernel, bit for bit: x [R, K] -> (E4M3 [R, K], fp32 2^e_row [R, 1],
+    inexact rows: ``count`` with them added, a 0-dim int64 tensor, or a new one). ``store_dtype``: as in
+    ``rowwise_fp8``; ``tiling``: ``default_tiling(K, "mx")`` unless given."""
     element = formats.element_format(element_name)
     rows, k = x.shape
     y = torch.empty(rows, k, dtype=store_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    inexact = torch.zeros((), dtype=torch.int64, device=x.device)
-    _mx_repack_kernel[(rows,)](
-        x, y, scale, inexact, k, x.stride(0), y.stride(0),
+    count = torch.zeros((), dtype=torch.int64, device=x.device) if count is None else count
+    grid, t = _grid(rows, tiling or default_tiling(k, "mx"), k)
+    _mx_repack_kernel[grid](
+        x, y, scale, count, rows, k, x.stride(0), y.stride(0),
         EMAX=element.emax, TOP_MANTISSA=element.max_value / 2.0**element.emax, RCEIL=scale_mode == "rceil",
         MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,
-        BLOCK=block, BLOCKS_PER_TILE=max(1, min(32, triton.next_power_of_2(k // block))), num_warps=4)
-    return y, scale, inexact
+        BLOCK=block, BLOCK_R=t.rows, NB=max(1, t.tile // block), ONE_TILE=t.one_tile, num_warps=t.warps)
+    return y, scale, count
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,9 +318,8 @@ def _act_quantize_kernel(A, B, PARTIAL, Y, SCALE, KA, KB, stride_a, stride_b, st
     if chunk == 0:
         tl.store(SCALE + row, scale)
     x, cols = _act_chunk(A, B, row, chunk, KA, KB, stride_a, stride_b, GELU, BLOCK)
-    # times the reciprocal, not a correctly rounded division per element (which made the kernel compute-bound):
-    # x / scale moves by at most an fp32 ulp, which changes an E4M3 code only next to a rounding boundary
-    y = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, scale), -FP8_MAX), FP8_MAX)
+    lift, divisor, recip = _divisor(scale)
+    y = _fp8_codes(x, lift, divisor, recip, FP8_MAX)
     tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < KA + KB)
 
 
@@ -194,7 +327,7 @@ def act_rowwise_fp8(prefix: torch.Tensor | None, x: torch.Tensor, gelu: bool, dt
                     store_dtype: torch.dtype | None = None, block: int = BLOCK_ELEMENTS):
     """[prefix | act(x)] [R, KA + KB] -> (fp8 [R, KA + KB], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8``
     of the activation's output (GELU-tanh rounded to x's dtype, or none) after the prefix, never written
-    in x's dtype; the scales equal the reference's, the codes but for rare neighbours (see the kernel). Two
+    in x's dtype; scales and codes equal the reference's. Two
     passes over all of the GPU: per-chunk amaxes, then the codes (each a grid of rows x chunks, so that
     enough memory traffic is in flight; one program per row leaves HBM idle).
     ``prefix``: [R, KA] or None. ``store_dtype``: as in ``rowwise_fp8``."""

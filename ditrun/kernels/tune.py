@@ -51,6 +51,32 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
     return statistics.median(times)
 
 
+def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
+    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph: the GPU's time
+    alone, as a graphed model (``model.cuda_graphs``) runs them, without the host's launch costs."""
+    fn()  # warm-up outside the capture: compilation, autotuning, the allocator
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, torch.device("cuda"), repeats) / calls
+
+
+def load_module(path, name: str):
+    """The Python file ``path`` imported as module ``name`` (a benchmark's baseline copy of a kernel file)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple[QuantizedLinear, torch.Tensor]]:
     """(format, M bucket, K, N) -> (a linear of that shape, the first input it saw) over one ``run_once()``."""
     seen: dict[tuple, tuple[QuantizedLinear, torch.Tensor]] = {}
