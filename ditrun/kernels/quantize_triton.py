@@ -62,17 +62,21 @@ class Tiling:
 
 def default_tiling(k: int, kernel: str = "fp8") -> Tiling:
     """The tiling ``kernel`` ("fp8": ``rowwise_fp8``; "mx": ``mx_repack_fp8``) uses for rows of ``k`` elements: the
-    fastest, or within 2% of it, at M = 4608 and 20992 for the Flux linears' K on one H200
-    (``benchmarks/gemm.py --tilings``, docs/PERFORMANCE.md 2026-12-01). Rows of at most 4096 elements are held
-    in registers by 4 warps (the MX kernel two rows per program); longer ones by 8 warps up to 16384 elements for
-    the MX kernel, whose per-element arithmetic then outweighs a second read, while the FP8 kernel reads them
-    twice, in tiles of 1024 on 8 warps."""
+    fastest, or within 3% of it, at M = 4608 and 20992 for each K of the Flux linears on one H200
+    (``benchmarks/gemm.py --tilings``, docs/PERFORMANCE.md 2026-12-01).
+
+    FP8: rows of at most 4096 elements held in registers by 4 warps, longer ones read twice in tiles of 1024 on 8
+    warps. MX: two rows per program read twice, in tiles of 1024 on 4 warps up to 4096 elements and of 2048 on 8
+    warps where 2048 divides K; other rows up to 16384 elements held in registers by 8 warps (K = 15360: a ragged
+    last tile cost more than the registers)."""
     whole = triton.next_power_of_2(k)
+    if kernel == "fp8":
+        return Tiling(rows=1, tile=whole, warps=4, one_tile=True) if whole <= 4096 else Tiling(1, 1024, 8)
     if whole <= 4096:
-        return Tiling(rows=2 if kernel == "mx" else 1, tile=whole, warps=4, one_tile=True)
-    if kernel == "mx" and whole <= 16384:
+        return Tiling(rows=2, tile=1024, warps=4)
+    if k % 2048 and whole <= 16384:
         return Tiling(rows=1, tile=whole, warps=8, one_tile=True)
-    return Tiling(rows=1, tile=1024 if kernel == "fp8" else 2048, warps=8 if kernel == "fp8" else 4)
+    return Tiling(rows=2, tile=2048, warps=8)
 
 
 def candidate_tilings(k: int) -> list[Tiling]:
