@@ -7,8 +7,9 @@
     python benchmarks/gemm.py --tilings                      # the Triton activation quantizers' tilings, per K
 
 For each (M, K, N) it times, with CUDA events (median of ``--repeats``, each ``--calls`` back-to-back
-calls replayed as one CUDA graph, as a graphed model runs them; ``--timing calls``: launched one by
-one, back to back, host included; ``--timing single``: one call at a time, as before 2026-12-01):
+calls replayed as one CUDA graph, as a graphed model runs them, every column of a row in turns so
+that clock drift weighs on all alike; ``--timing calls``: launched one by one, back to back, host
+included; ``--timing single``: one call at a time, as before 2026-12-01; both column by column):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized
 beforehand: the ceiling of any FP8 path), and each quantized backend end to end as a model
 call runs it: activation quantization (one Triton kernel) + GEMM. Speedups are against bf16; the
@@ -60,44 +61,59 @@ def timer(mode: str, calls: int):
     return lambda fn, repeats: time_ms(fn, CUDA, repeats, calls if mode == "calls" else 1)
 
 
-def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str], time_ms=time_ms) -> dict[str, str]:
-    """One row of the table; ``time_ms(fn, repeats)`` times each column (``timer``)."""
+def timings(mode: str, calls: int):
+    """{name: fn}, repeats -> {name: median ms per call}: with graphs, the cases of one row in turns
+    (``tune.interleaved_graph_ms``); otherwise one after another."""
+    if mode == "graph":
+        return lambda fns, repeats: tune.interleaved_graph_ms(fns, repeats, calls)
+    single = timer(mode, calls)
+    return lambda fns, repeats: {name: single(fn, repeats) for name, fn in fns.items()}
+
+
+def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str], measure) -> dict[str, str]:
+    """One row of the table; ``measure({name: fn}, repeats)`` times its cases (``timings``)."""
     device = CUDA
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
     w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(torch.bfloat16)
-    row = {}
-    bf16 = time_ms(lambda: F.linear(x, w), repeats)
-    flops = 2 * m * k * n
-    row["bf16 ms"] = f"{bf16:.3f} ({flops / bf16 / 1e9:.0f} TF/s)"
+    cases, notes = {"bf16": lambda: F.linear(x, w)}, {}
     if L._has_rowwise_fp8(device):
         dtype = L.fp8_dtype()
         x8, xs = L.quantize_rowwise_fp8(x, dtype)
         w8, ws = L.quantize_rowwise_fp8(w, dtype)
-        gemm = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16), repeats)
-        row["fp8 gemm ms"] = f"{gemm:.3f} ({bf16 / gemm:.2f}x)"
-        fast = time_ms(lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16, fast_accum=True), repeats)
-        row["fp8 fast-accum gemm ms"] = f"{fast:.3f} ({bf16 / fast:.2f}x)"
-    fp8_path = None
+        cases["fp8 gemm"] = lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16)
+        cases["fp8 fast-accum gemm"] = lambda: L._scaled_mm(x8, w8, xs, ws, torch.bfloat16, fast_accum=True)
     for name in formats:
         fmt = L.LINEAR_FORMATS.get(name.removesuffix("_fast"), "--formats")
         backends = L.fast_backends(fmt, device)
         if name.endswith("_fast"):
             backends = [b for b in backends if b.endswith("_fast")]
         if not backends:
-            row[name] = "no fast backend"
+            notes[name] = "no fast backend"
             continue
         layer = L.QuantizedLinear.with_backend(w, fmt, backends[0])  # the model's path: quantizer + GEMM
-        ms = time_ms(lambda: layer(x), repeats)
+        cases[name] = lambda layer=layer: layer(x)
         if name in ("fp8", "mxfp6"):  # the activation quantizer alone: one pass over x, or not?
             backend = layer.backends[backends[0]]  # the quantizer the layer's eager GPU call runs
             quantize = getattr(backend, "quantize_counted", backend.quantize)
-            quant = time_ms(lambda: quantize(x, fmt, "rceil"), repeats)
-            row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.2f} TB/s)"
+            cases[f"{name} quant"] = lambda quantize=quantize, fmt=fmt: quantize(x, fmt, "rceil")
         error = relative_error(layer(x), L.QuantizedLinear.with_backend(w, fmt, "emulation")(x))
-        fp8_path = ms if name == "fp8" else fp8_path
-        versus_fp8 = f", {ms / fp8_path:.2f} of fp8" if fp8_path and name != "fp8" else ""
-        row[name] = f"{ms:.3f} ({bf16 / ms:.2f}x{versus_fp8}; {backends[0]}; err {error:.1e})"
+        notes[name] = f"{backends[0]}; err {error:.1e}"
+    ms = measure(cases, repeats)
+    bf16, flops = ms["bf16"], 2 * m * k * n
+    row = {"bf16 ms": f"{bf16:.3f} ({flops / bf16 / 1e9:.0f} TF/s)"}
+    for name in ("fp8 gemm", "fp8 fast-accum gemm"):
+        if name in ms:
+            row[f"{name} ms"] = f"{ms[name]:.3f} ({bf16 / ms[name]:.2f}x)"
+    for name in formats:
+        if name not in ms:
+            row[name] = notes[name]
+            continue
+        if f"{name} quant" in ms:
+            quant = ms[f"{name} quant"]
+            row[f"{name} quant ms"] = f"{quant:.3f} ({3 * x.numel() / quant / 1e9:.2f} TB/s)"
+        versus_fp8 = f", {ms[name] / ms['fp8']:.2f} of fp8" if "fp8" in ms and name != "fp8" else ""
+        row[name] = f"{ms[name]:.3f} ({bf16 / ms[name]:.2f}x{versus_fp8}; {notes[name]})"
     return row
 
 
@@ -236,7 +252,7 @@ def main() -> None:
     for m in args.m:
         for name, k, n in FLUX_SHAPES:
             rows.append({"M": str(m), "linear": name, "K": str(k), "N": str(n),
-                         **bench_shape(m, k, n, args.repeats, args.formats, timed)})
+                         **bench_shape(m, k, n, args.repeats, args.formats, timings(args.timing, args.calls))})
     print_table(rows)
 
 

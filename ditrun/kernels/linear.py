@@ -210,6 +210,13 @@ def _(x, element_name, block, scale_mode, count):
 
 TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (a constant, so compiled regions read it without tracing an import)."""
+MX_KERNEL_WHEN_COMPILED = True
+"""Whether compiled regions call the MX repack's Triton kernel (``ditrun::mx_repack_fp8``, an opaque node) instead of
+tracing ``mx_repack_fp8`` for inductor to fuse with the activation's producer: inductor's code for the per-block
+exponents and grid rounding cost far more than writing and reading the activation once more
+(docs/PERFORMANCE.md 2026-12-01)."""
+FP8_KERNEL_WHEN_COMPILED = False
+"""The same choice for the row-wise FP8 quantizer (``ditrun::rowwise_fp8``)."""
 FUSED_ACTIVATION_QUANTIZER = False
 """Whether FP8 row-wise linears quantize [prefix | activation(x)] with ``ditrun::act_rowwise_fp8`` on GPUs with
 Triton, in compiled regions too. Off: inductor fuses the same torch arithmetic into one kernel per linear,
@@ -338,7 +345,7 @@ class Fp8Rowwise:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if eager_triton(x.device):
+        if x.is_cuda and TRITON and (FP8_KERNEL_WHEN_COMPILED or not torch.compiler.is_compiling()):
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
@@ -393,7 +400,7 @@ class MxRepackFp8:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if eager_triton(x.device):
+        if x.is_cuda and TRITON and (MX_KERNEL_WHEN_COMPILED or not torch.compiler.is_compiling()):
             return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 

@@ -51,10 +51,9 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
     return statistics.median(times)
 
 
-def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
-    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph: the GPU's time
-    alone, as a graphed model (``model.cuda_graphs``) runs them, without the host's launch costs."""
-    fn()  # warm-up outside the capture: compilation, autotuning, the allocator
+def _graph_of(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """``calls`` back-to-back calls of ``fn`` captured as one CUDA graph, after warm-up calls outside it."""
+    fn()  # compilation, autotuning, the allocator
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -64,7 +63,32 @@ def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_ms(graph.replay, torch.device("cuda"), repeats) / calls
+    return graph
+
+
+def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
+    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph: the GPU's time
+    alone, as a graphed model (``model.cuda_graphs``) runs them, without the host's launch costs."""
+    return time_ms(_graph_of(fn, calls).replay, torch.device("cuda"), repeats) / calls
+
+
+def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
+    """``graph_ms`` of each of ``fns`` (name -> function), timed in turns: every round replays each graph once,
+    starting one later than the round before, so that the GPU's clock and temperature, which drift while it
+    works, weigh on every case alike rather than on whichever ran first."""
+    graphs = {name: _graph_of(fn, calls) for name, fn in fns.items()}
+    names, times = list(graphs), {name: [] for name in graphs}
+    for graph in graphs.values():
+        graph.replay()
+    for round_ in range(repeats):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) / calls)
+    return {name: statistics.median(ms) for name, ms in times.items()}
 
 
 def load_module(path, name: str):
