@@ -9,7 +9,7 @@
 For each (M, K, N) it times, with CUDA events (median of ``--repeats``, each ``--calls`` back-to-back
 calls replayed as one CUDA graph, as a graphed model runs them, every column of a row in turns so
 that clock drift weighs on all alike; ``--timing calls``: launched one by one, back to back, host
-included; ``--timing single``: one call at a time, as before 2026-12-01; both column by column):
+included; ``--timing single``: one call at a time, as before session 7; both column by column):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized
 beforehand: the ceiling of any FP8 path), and each quantized backend end to end as a model
 call runs it: activation quantization (one Triton kernel) + GEMM. Speedups are against bf16; the

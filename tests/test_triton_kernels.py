@@ -246,7 +246,7 @@ def test_fused_activation_quantizer_equals_the_reference_on_the_gpu():
 @pytest.mark.gpu
 def test_triton_repack_counts_the_inexact_rows_as_the_reference():
     """Whole activations and each row alone (a zero row, a row with a far block: the rows whose count differed when
-    the kernel compared its E4M3 values cast back with an atomic count, before 2026-12-01)."""
+    the kernel compared its E4M3 values cast back and counted by one atomic per program, before session 7)."""
     for x in (activation("cuda"), long_activation("cuda")):
         for element in ELEMENTS:
             for mode in formats.SCALE_MODES:

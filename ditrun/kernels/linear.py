@@ -214,7 +214,7 @@ MX_KERNEL_WHEN_COMPILED = True
 """Whether compiled regions call the MX repack's Triton kernel (``ditrun::mx_repack_fp8``, an opaque node) instead of
 tracing ``mx_repack_fp8`` for inductor to fuse with the activation's producer: inductor's code for the per-block
 exponents and grid rounding cost far more than writing and reading the activation once more
-(docs/PERFORMANCE.md 2026-12-01)."""
+(docs/PERFORMANCE.md, 2026-11-30, session 7)."""
 FP8_KERNEL_WHEN_COMPILED = False
 """The same choice for the row-wise FP8 quantizer (``ditrun::rowwise_fp8``)."""
 FUSED_ACTIVATION_QUANTIZER = False

@@ -63,13 +63,18 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
 
 
 def git_revision() -> str:
+    """The checkout's commit, with "+modified" where tracked files differ from it (the code that ran is not the
+    commit's), or "unknown" outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=5).stdout.strip()
+
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-            text=True, timeout=5,
-        ).stdout.strip() or "unknown"
+        commit = git("rev-parse", "--short", "HEAD")
+        modified = commit and git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return (commit + ("+modified" if modified else "")) or "unknown"
 
 
 def device_name(device: torch.device) -> str:
