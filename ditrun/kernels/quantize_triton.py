@@ -202,7 +202,7 @@ def _mx_codes(x, exponent, row_exp, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, 
               CLAMP: tl.constexpr, DTYPE: tl.constexpr):
     """A tile's E4M3 values [rows, blocks, BLOCK] and whether each row has one that E4M3 cannot hold [rows].
 
-    A grid value has at most 3 significant bits and the row scale keeps it at or below 448, so E4M3 holds it
+    A grid value has at most 3 mantissa bits and the row scale keeps it at or below 448, so E4M3 holds it
     exactly from its smallest normal 2^-6 up; below, only multiples of its subnormal step 2^-9 (zero included).
     Grid values are multiples of 2^(MIN_EXP - MBITS), so a block shifted by 2^d with d >= -9 - MIN_EXP + MBITS
     is exact whatever its values: only a tile with a block shifted further checks its elements."""
@@ -211,9 +211,9 @@ def _mx_codes(x, exponent, row_exp, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, 
     shifted = grid * _pow2(shift)[:, :, None]
     flags = tl.zeros(row_exp.shape, tl.int32)
     if tl.min(tl.min(shift, 1), 0) < -9 - MIN_EXP + MBITS:
-        steps = shifted * 512.0  # exact; below 2^-6 it is below 8 in magnitude
-        off_grid = (tl.abs(shifted) < 0.015625) & (((steps + ROUND_MAGIC) - ROUND_MAGIC) != steps)
-        flags = tl.max(tl.max(off_grid.to(tl.int32), 2), 1)
+        # shifted is E4M3-exact <=> shifted * 2^9 is an integer: from 2^-6 up, its last bit is worth 2^-9 or more
+        steps = shifted * 512.0  # exact, and below 448 * 2^9 < 2^22 in magnitude
+        flags = tl.max(tl.max((((steps + ROUND_MAGIC) - ROUND_MAGIC) != steps).to(tl.int32), 2), 1)
     return shifted.to(DTYPE), flags
 
 
