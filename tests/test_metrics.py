@@ -266,3 +266,26 @@ def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory)
     assert off.returncode == 0, off.stderr
     assert all(r["ssim"] is None for r in _records(tmp_path / "off"))
     assert not (tmp_path / "none").exists()  # no reference was made
+
+
+def test_records_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_path):
+    """``git_revision``: the short commit of a clean checkout, "+modified" once a tracked file changes (an untracked
+    one does not count), "unknown" outside a checkout."""
+    import subprocess
+
+    from ditrun.launch.worker import git_revision
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+
+    assert git_revision(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "one")
+    commit = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "untracked.txt").write_text("scratch\n")
+    assert git_revision(tmp_path) == commit
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_revision(tmp_path) == commit + "+modified"

@@ -62,12 +62,11 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
 
 
-def git_revision() -> str:
-    """The checkout's commit, with "+modified" where tracked files differ from it (the code that ran is not the
-    commit's), or "unknown" outside a git checkout."""
+def git_revision(where: Path = Path(__file__).parent) -> str:
+    """The commit of the checkout holding ``where`` (ditrun's own, by default), with "+modified" where tracked files
+    differ from it (the code that ran is not the commit's), or "unknown" outside a git checkout."""
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
-                              timeout=5).stdout.strip()
+        return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=5).stdout.strip()
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
