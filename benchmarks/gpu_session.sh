@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_session.sh fp8pv                    (one GPU: the FP8 P @ V's GPU tests, the compiled worker's
 #                                                            among them, then int8qk_fp8v end to end with it off and on;
 #                                                            ~5 min; it decided attention.GLUON_FP8_PV's default, on)
+#   bash benchmarks/gpu_session.sh quantizers               (one GPU: the activation quantizers' GPU tests, their tilings per
+#                                                            K beside BASELINE=<an older quantize_triton.py> if set, the
+#                                                            GEMM table; ~3 min)
 #   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
@@ -93,6 +96,13 @@ if [[ $what == kernels ]]; then
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
   python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py --configs --s 8704 --repeats 5 2>&1 | grep -v "^{" | tee "$OUT/attention_configs.txt"
+fi
+if [[ $what == quantizers ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "quantizer or repack" 2>&1 \
+    | tee "$OUT/tests_quantizers.log" | tail -3
+  timeout 250 python3 benchmarks/gemm.py --tilings ${BASELINE:+--baseline "$BASELINE"} 2>&1 | tee "$OUT/tilings.txt" \
+    | grep -E "default|\*|baseline"
+  timeout 200 python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp8 mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
 fi
 if [[ $what == gluon ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k gluon 2>&1 \
