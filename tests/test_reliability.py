@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -138,6 +139,24 @@ def test_a_held_directory_is_refused_before_any_work(tmp_path):
     assert not (out / "edits.jsonl").exists()
     again = run(ditrun_command(*FAST, f"hydra.run.dir={out}"), 90, tmp_path)
     assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_run_refused_before_the_holder_names_itself_still_names_it(tmp_path):
+    """The holder writes its name into the lock file just after taking the lock; a run refused in between waits
+    for the name instead of reporting an unknown holder (seen once with two jobs on two Slurm nodes)."""
+    lock_file = str(tmp_path / rundir.LOCK_FILE)
+    holder = (f"import fcntl, os, time; fd = os.open({lock_file!r}, os.O_RDWR | os.O_CREAT);"
+              "fcntl.lockf(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); print('locked', flush=True); time.sleep(0.3);"
+              "os.write(fd, b'host elsewhere pid 1'); time.sleep(30)")
+    other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        with pytest.raises(rundir.DirectoryBusy, match=r"in use by another ditrun run \(host elsewhere pid 1\)"):
+            rundir.RunLock(tmp_path).acquire()
+    finally:
+        other.kill()
+        other.wait(timeout=10)
 
 
 @pytest.mark.timeout(240)

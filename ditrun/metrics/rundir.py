@@ -80,7 +80,7 @@ class RunLock:
         except OSError as err:
             os.close(fd)
             if err.errno in (errno.EACCES, errno.EAGAIN):
-                raise self._busy((self.out_dir / LOCK_FILE).read_text().strip()) from None
+                raise self._busy(_written_holder(self.out_dir / LOCK_FILE)) from None
             if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 return self._take_lease()
             raise
@@ -127,6 +127,15 @@ class RunLock:
     def _refresh(path: Path, stop: threading.Event) -> None:
         while not stop.wait(LEASE_REFRESH_S):
             os.utime(path)
+
+
+def _written_holder(path: Path, wait_s: float = 2.0) -> str:
+    """The holder a locked file names. Its holder writes it just after taking the lock, so a run refused in between
+    reads it empty: read again for up to ``wait_s`` (a holder that died in between stays unknown)."""
+    deadline = time.monotonic() + wait_s
+    while not (holder := path.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return holder
 
 
 def _mtime(path: Path) -> float:
