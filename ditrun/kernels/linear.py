@@ -151,6 +151,12 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
+def triton_kernel_for(x: torch.Tensor, when_compiled: bool) -> bool:
+    """Whether a quantizer of GPU tensor ``x`` runs its Triton kernel: with Triton installed, outside compiled
+    regions, and inside them too where ``when_compiled`` (``MX_KERNEL_WHEN_COMPILED``, ``FP8_KERNEL_WHEN_COMPILED``)."""
+    return x.is_cuda and TRITON and (when_compiled or not torch.compiler.is_compiling())
+
+
 def eager_triton(device: torch.device) -> bool:
     """Whether an activation quantizer should be its Triton kernel: on GPUs, outside compiled regions.
 
@@ -345,7 +351,7 @@ class Fp8Rowwise:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if x.is_cuda and TRITON and (FP8_KERNEL_WHEN_COMPILED or not torch.compiler.is_compiling()):
+        if triton_kernel_for(x, FP8_KERNEL_WHEN_COMPILED):
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
@@ -400,7 +406,7 @@ class MxRepackFp8:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if x.is_cuda and TRITON and (MX_KERNEL_WHEN_COMPILED or not torch.compiler.is_compiling()):
+        if triton_kernel_for(x, MX_KERNEL_WHEN_COMPILED):
             return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 

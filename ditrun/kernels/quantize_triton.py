@@ -87,10 +87,11 @@ def candidate_tilings(k: int) -> list[Tiling]:
     return looped + held
 
 
-def _grid(rows: int, tiling: Tiling, k: int) -> tuple[tuple[int], Tiling]:
+def _grid(rows: int, tiling: Tiling, k: int) -> tuple[int]:
+    """The launch grid of ``tiling`` over ``rows`` rows of ``k`` elements."""
     if tiling.one_tile and tiling.tile < k:
         raise ValueError(f"a one-tile tiling needs tile >= K = {k}, got {tiling.tile}")
-    return (triton.cdiv(rows, tiling.rows),), tiling
+    return (triton.cdiv(rows, tiling.rows),)
 
 
 @triton.jit
@@ -160,9 +161,10 @@ def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | 
     rows, k = x.shape
     y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    grid, t = _grid(rows, tiling or default_tiling(k, "fp8"), k)
-    _rowwise_fp8_kernel[grid](x, y, scale, rows, k, x.stride(0), y.stride(0), FP8_MAX=torch.finfo(dtype).max,
-                              BLOCK_R=t.rows, BLOCK_K=t.tile, ONE_TILE=t.one_tile, num_warps=t.warps)
+    t = tiling or default_tiling(k, "fp8")
+    _rowwise_fp8_kernel[_grid(rows, t, k)](x, y, scale, rows, k, x.stride(0), y.stride(0),
+                                           FP8_MAX=torch.finfo(dtype).max, BLOCK_R=t.rows, BLOCK_K=t.tile,
+                                           ONE_TILE=t.one_tile, num_warps=t.warps)
     return y, scale
 
 
@@ -269,8 +271,8 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     y = torch.empty(rows, k, dtype=store_dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     count = torch.zeros((), dtype=torch.int64, device=x.device) if count is None else count
-    grid, t = _grid(rows, tiling or default_tiling(k, "mx"), k)
-    _mx_repack_kernel[grid](
+    t = tiling or default_tiling(k, "mx")
+    _mx_repack_kernel[_grid(rows, t, k)](
         x, y, scale, count, rows, k, x.stride(0), y.stride(0),
         EMAX=element.emax, TOP_MANTISSA=element.max_value / 2.0**element.emax, RCEIL=scale_mode == "rceil",
         MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,

@@ -34,21 +34,26 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if calls > 1:
                 fn()  # the GPU works on it while the host launches the timed calls
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / calls)
+            times.append(_events_ms(fn, calls) / calls)
         else:
             begin = time.perf_counter()
             for _ in range(calls):
                 fn()
             times.append((time.perf_counter() - begin) * 1e3 / calls)
     return statistics.median(times)
+
+
+def _events_ms(fn, calls: int = 1) -> float:
+    """Milliseconds between CUDA events around ``calls`` calls of ``fn`` on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def _graph_of(fn, calls: int) -> "torch.cuda.CUDAGraph":
@@ -82,12 +87,7 @@ def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> 
         graph.replay()
     for round_ in range(repeats):
         for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs[name].replay()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) / calls)
+            times[name].append(_events_ms(graphs[name].replay) / calls)
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
