@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_session.sh quantizers               (one GPU: the activation quantizers' GPU tests, their tilings per
 #                                                            K beside BASELINE=<an older quantize_triton.py> if set, the
 #                                                            GEMM table; ~3 min)
+#   bash benchmarks/gpu_session.sh epilogues [TOKENS]       (one GPU: the GEMM-epilogue GPU tests, then BF16 compiled
+#                                                            with and without them beside diffusers compiled; ~6 min)
 #   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
 #                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
 #                                                            5 of them torchao's compile; needs the diffusers and
@@ -88,6 +90,15 @@ if [[ $what == speed ]]; then
   # Issue 11: one shape per call (each command fits the 10-minute limit of a device call); MODES: a
   # space-separated subset of vs_diffusers.py's modes (default all).
   python3 benchmarks/vs_diffusers.py --tokens "${2:-8704}" ${3:+--modes $3} --out "$OUT" 2>&1 \
+    | tee "$OUT/vs_diffusers.log" | tail -40
+fi
+if [[ $what == epilogues ]]; then
+  # Issue 11: the GELU MLPs in their GEMMs' epilogues; the GPU tests, then BF16 compiled with and without them
+  # beside diffusers compiled in one process (TOKENS default 20992; ~6 min).
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile.py -k "epilogue or bf16" 2>&1 \
+    | tee "$OUT/tests_epilogues.log" | tail -3
+  python3 benchmarks/vs_diffusers.py --tokens ${2:-20992} --cuda-graphs --repeats 5 --out "$OUT" \
+    --modes diffusers ditrun-compiled ditrun-compiled-no-epilogues diffusers-compiled 2>&1 \
     | tee "$OUT/vs_diffusers.log" | tail -40
 fi
 if [[ $what == kernels ]]; then

@@ -14,6 +14,8 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
 * ``ditrun``               eager BF16, what ``model.compile=off`` runs
 * ``ditrun-compiled``      BF16, fused projections + compile (``model.compile=auto`` on GPUs); layout
                            ``single``, so each block is one graph with its attention inside
+* ``ditrun-compiled-no-epilogues`` the same without the GELU MLPs in their GEMMs' epilogues
+                           (``compile.GELU_EPILOGUES`` off: the code before 2026-12-01, for comparison)
 * ``ditrun-compiled-regions`` the same with the attention between the compiled halves, as a layout
                            that exchanges runs it (``ulysses``, ``cfg_*``): what leaving it out costs
 * ``ditrun-fp8``           ``precision=fp8`` compiled
@@ -72,6 +74,7 @@ from ditrun.kernels import attention as A  # noqa: E402
 from ditrun.kernels import linear as L  # noqa: E402
 from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
 from ditrun.model import dit  # noqa: E402
+from ditrun.model import compile as compile_module  # noqa: E402
 from ditrun.model.compile import CompilePlan  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
@@ -85,7 +88,7 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
     4608: (1024, 0),
 }
 PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names and values)
-    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-fp8": "fp8",
+    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-compiled-no-epilogues": "bf16", "ditrun-fp8": "fp8",
     "ditrun-fp8-fast": dict(name="fp8", mlp="fp8", qkv="fp8", out="fp8", backend="fp8_rowwise_fast"),
     "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
     "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
@@ -98,9 +101,9 @@ PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names 
     "ditrun-fp8-fast-int8qkfp8v": dict(name="fp8-int8qkfp8v", mlp="fp8", qkv="fp8", out="fp8",
                                        attention="int8qk_fp8v", backend="fp8_rowwise_fast"),
 }
-MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-regions", "ditrun-fp8", "ditrun-fp8-fast",
-         "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea", "ditrun-fp8-fast-int8qk",
-         "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v", "diffusers-compiled",
+MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-no-epilogues", "ditrun-compiled-regions",
+         "ditrun-fp8", "ditrun-fp8-fast", "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea",
+         "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v", "diffusers-compiled",
          "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
@@ -224,9 +227,13 @@ def ditrun_forward(mode: str, weights: dict) -> Callable:
     placement = Placement(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, "bf16")
     plan = plan_precision(precision_cfg, placement.device)
     compiled = mode != "ditrun"
-    built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
-                        speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING,
-                                          graphs=compiled and CUDA_GRAPHS))
+    compile_module.GELU_EPILOGUES = mode != "ditrun-compiled-no-epilogues"
+    try:
+        built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
+                            speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING,
+                                              graphs=compiled and CUDA_GRAPHS))
+    finally:
+        compile_module.GELU_EPILOGUES = True
     forward, attention = built.forward, built.attention
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
         return lambda inputs: forward(**inputs, attention=lambda q, k, v: attention(q, k, v))
@@ -411,7 +418,8 @@ def main() -> int:
     parser.add_argument("--compile-tuning", action="store_true",
                         help="ditrun's compiled modes with model.compile_tuning=true (inductor's coordinate descent)")
     parser.add_argument("--fused-quantizer", action="store_true",
-                        help="FP8 linears quantize [prefix | GELU(x)] with ditrun::act_rowwise_fp8, not as inductor fuses it")
+                        help="FP8 linears quantize [prefix | GELU(x)] with ditrun::act_rowwise_fp8, "
+                        "not as inductor fuses it")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="ditrun's compiled modes replay their forward from CUDA graphs (model.cuda_graphs=on)")
     parser.add_argument("--tanh-gelu", action="store_true",

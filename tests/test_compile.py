@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from ditrun.config import ModelConfig
 from ditrun.errors import UserError
 from ditrun.model.build import Placement, build_model, plan_precision
-from ditrun.model.compile import CompilePlan, fuse_projections, plan_compile
-from ditrun.model.dit import StackedLinear, gelu_activation, sdpa_attention
+from ditrun.kernels import epilogue
+from ditrun.model.compile import CompilePlan, fuse_epilogues, fuse_projections, plan_compile
+from ditrun.model.dit import GeluLinear, JoinedLinear, StackedLinear, gelu_activation, no_activation, sdpa_attention
 from ditrun.model.graphs import GraphedForward
 from launching import (MAX_QUANTIZED_RELATIVE_ERROR, MAX_RELATIVE_ERROR, assert_same_latents, ditrun_command, records,
                        relative_error, run, single_reference, tiny_config)
@@ -58,6 +59,64 @@ def test_fused_projections_compute_what_the_separate_linears_do(variant):
     assert relative_error(got, want) < MAX_RELATIVE_ERROR
 
 
+@pytest.mark.parametrize("variant", ["flux", "krea3"])
+def test_gelu_epilogues_compute_what_the_unfused_mlps_do(variant):
+    """GELU MLPs take their activation into the input projection (``GeluLinear``); a single block's output
+    projection reads the attention output and the MLP's hidden state apart (``JoinedLinear``), and its Q, K, V
+    are stacked without the MLP projection. SwiGLU MLPs (krea3) keep their activation and the stacked input."""
+    eager, fused = _built(variant=variant), _built(variant=variant)
+    changed = fuse_epilogues(fused.model)
+    stacked = fuse_projections(fused.model)
+    geo, single = fused.model.geometry, fused.model.single_transformer_blocks[0]
+    if variant == "krea3":
+        assert changed == 0 and isinstance(single.fused_in, StackedLinear)
+    else:
+        assert changed == geo.num_single_layers + 2 * geo.num_layers
+        assert stacked == (geo.num_single_layers + 2 * geo.num_layers) * 3  # q, k, v per stream
+        assert isinstance(single.proj_mlp, GeluLinear) and isinstance(single.proj_out, JoinedLinear)
+        assert single.fused_in is None and isinstance(single.attn.stacked["image"], StackedLinear)
+        assert single.activation is no_activation
+        ff = fused.model.transformer_blocks[0].ff_context
+        assert isinstance(ff.net[0].proj, GeluLinear) and ff.activation is no_activation
+    with torch.no_grad():
+        want, got = eager.model(**_inputs()), fused.model(**_inputs())
+    assert relative_error(got, want) < MAX_RELATIVE_ERROR
+
+
+def test_epilogue_ops_are_the_linears_they_replace():
+    """On the CPU ``linear_gelu`` is the torch reference itself; ``joined_linear`` is the linear of the joined input
+    up to fp32 rounding. Both ops' schemas, fake tensors and dynamic shapes pass ``opcheck``."""
+    g = torch.Generator().manual_seed(5)
+    x, w, b = torch.randn(2, 7, 24, generator=g), torch.randn(40, 24, generator=g), torch.randn(40, generator=g)
+    assert torch.equal(epilogue.linear_gelu(x, w, b), F.gelu(F.linear(x, w, b), approximate="tanh"))
+    hidden, w_out = torch.randn(2, 7, 40, generator=g), torch.randn(24, 64, generator=g)
+    want = F.linear(torch.cat([x, hidden], dim=-1), w_out, b[:24])
+    got = epilogue.joined_linear(x, hidden, w_out[:, :24].contiguous(), w_out[:, 24:].contiguous(), b[:24])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(epilogue.linear_gelu, (x, w, b))
+    torch.library.opcheck(epilogue.joined_linear, (x, hidden, w_out[:, :24].contiguous(),
+                                                   w_out[:, 24:].contiguous(), b[:24]))
+
+
+@pytest.mark.gpu
+def test_gpu_epilogue_ops_round_no_worse_than_the_unfused_gemms():
+    """BF16 at a Flux MLP's width on fresh random inputs, against the fp32 computation: the GELU applied to the
+    GEMM's fp32 accumulator (one rounding) is at least as close as the GEMM, rounded, then the GELU; the joined
+    projection's extra rounding of the partial sum stays within two BF16 roundings of the one-GEMM result."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(1, 1000, 3072, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(12288, 3072, device="cuda", generator=g) / 3072 ** 0.5).bfloat16()
+    b = (torch.randn(12288, device="cuda", generator=g) * 0.1).bfloat16()
+    exact = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh")
+    fused, unfused = epilogue.linear_gelu(x, w, b), F.gelu(F.linear(x, w, b), approximate="tanh")
+    assert relative_error(fused.float(), exact) <= relative_error(unfused.float(), exact)
+    w_out = (torch.randn(3072, 3072 + 12288, device="cuda", generator=g) / 15360 ** 0.5).bfloat16()
+    exact = F.linear(torch.cat([x, fused], -1).float(), w_out.float(), b[:3072].float())
+    one = F.linear(torch.cat([x, fused], -1), w_out, b[:3072])
+    two = epilogue.joined_linear(x, fused, w_out[:, :3072].contiguous(), w_out[:, 3072:].contiguous(), b[:3072])
+    assert relative_error(two.float(), exact) <= 2.5 * relative_error(one.float(), exact)
+
+
 def test_fusion_leaves_quantized_projections_to_their_own_stack():
     fused = _built("fp8")
     # Q, K, V are one quantized stack already and the MLP is FP8: nothing plain is left to fuse.
@@ -71,7 +130,10 @@ def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     runs between the compiled halves. Both equal the eager model."""
     eager = _built()
     compiled = _built(speed=CompilePlan(compile=True, fuse=True))
-    assert compiled.details["compile"] == {"mode": "compiled", "fused_linears": 20, "compiled_blocks": 4}
+    # The GELU MLPs (2 single blocks, 2 MLPs in each of 2 double blocks) in their GEMMs' epilogues; then each
+    # single block's q, k, v and each double block's streams' q, k, v stacked.
+    assert compiled.details["compile"] == {"mode": "compiled", "gelu_epilogues": 6, "fused_linears": 18,
+                                           "compiled_blocks": 4}
     inputs = _inputs()
     with torch.no_grad():
         want = eager.model(**inputs)
@@ -210,8 +272,8 @@ def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert_same_latents(out, reference, "ulysses", 2, MAX_QUANTIZED_RELATIVE_ERROR)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["precision_detail"]["compile"] == {"mode": "compiled (aot_eager)", "fused_linears": 0,
-                                                      "compiled_blocks": 4}
+    assert summary["precision_detail"]["compile"] == {"mode": "compiled (aot_eager)", "gelu_epilogues": 0,
+                                                      "fused_linears": 0, "compiled_blocks": 4}
     assert "warmup_excess_s" in summary and len(records(out)) == 1
 
 

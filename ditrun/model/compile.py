@@ -1,11 +1,17 @@
-"""Making the built model fast on GPUs: projection fusion, regional compilation (``model.compile``), CUDA graphs.
+"""Making the built model fast on GPUs: fusion, regional compilation (``model.compile``), CUDA graphs.
 
-Two transforms, applied after the weights are loaded and quantized (``model/build.py``):
+Three transforms, applied after the weights are loaded and quantized (``model/build.py``); the first two are
+``model.fuse``:
 
-* **fusion** (``fuse_projections``): linears that read the same input become one GEMM. Per
+* **GEMM epilogues** (``fuse_epilogues``, first): a GELU MLP of plain linears applies its
+  activation in its input projection's GEMM (``GeluLinear``, cuBLASLt's GELU epilogue), and a
+  single-stream block's output projection runs as two GEMMs into one output (``JoinedLinear``),
+  so neither the activation's input nor the joined [attention, MLP] tensor is written
+  (``kernels/epilogue.py``). Measured on a 20992-token Flux forward: docs/PERFORMANCE.md.
+* **stacking** (``fuse_projections``): linears that read the same input become one GEMM. Per
   attention stream, Q, K, V (and the gate) -> one ``StackedLinear`` (quantized models already
-  stack them, ``model/quantize.py``); in a single-stream block, Q, K, V and the MLP's input
-  projection -> one GEMM of N = 3 * 3072 + 12288 for Flux, reading the modulated input once.
+  stack them, ``model/quantize.py``); in a single-stream block whose MLP kept its activation
+  (SwiGLU), Q, K, V and the MLP's input projection -> one GEMM reading the modulated input once.
   Only unquantized linears are fused here: a quantized stack is quantized once already, and
   fusing an MLP of one format with projections of another would need one format for both.
 * **regional compilation** (``compile_regions``): every block's two halves around the attention
@@ -18,7 +24,7 @@ Two transforms, applied after the weights are loaded and quantized (``model/buil
   transport (their all-to-alls, copy engines and streams) runs unchanged inside a compiled
   model, and the custom attention kernels are ``torch.library.custom_op``s either way.
 
-A third, ``model.cuda_graphs``, is decided here too (``CompilePlan.graphs``) and applied where the model is
+``model.cuda_graphs`` is decided here too (``CompilePlan.graphs``) and applied where the model is
 called: ``model/graphs.py`` replays the forward from CUDA graphs (``BuiltModel.forward``).
 
 Compiled code is checked against the eager model in tests (CPU inductor) and in
@@ -38,7 +44,8 @@ import torch
 from torch import nn
 
 from ditrun.errors import UserError
-from ditrun.model.dit import DoubleStreamBlock, FluxDiT, Regions, SingleStreamBlock, StackedLinear
+from ditrun.model.dit import (DoubleStreamBlock, FluxDiT, GeluLinear, JoinedLinear, Regions, SingleStreamBlock,
+                               StackedLinear, gelu_activation, no_activation)
 
 COMPILE_MODES = {
     "auto": "on for GPUs, off on CPUs (where compiling costs more than it saves at test sizes)",
@@ -55,6 +62,8 @@ FUSE_MODES = {
     "on": "fuse (also in eager mode)",
     "off": "keep every linear separate (bitwise diffusers' eager computation)",
 }
+GELU_EPILOGUES = True
+"""Whether ``model.fuse`` moves GELU MLPs into their GEMMs' epilogues (``fuse_epilogues``); off only to measure."""
 RECOMPILE_LIMIT = 64
 """Compiled graphs kept per block class: one per distinct input shape (an edit's output and reference
 sizes), so a workload of many sizes never falls back to eager silently (PyTorch's default is 8)."""
@@ -112,7 +121,8 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
 def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] = None) -> dict[str, int]:
     """Fuse and compile ``model`` in place as ``plan`` says (``attention``: see ``compile_regions``);
     returns what was done, for the records."""
-    done = {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
+    done = {"gelu_epilogues": fuse_epilogues(model) if plan.fuse else 0}
+    done |= {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
     if plan.compile:
         done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning)
     return done
@@ -159,6 +169,26 @@ def _fuse_single(block: SingleStreamBlock) -> int:
         setattr(block.attn, name, None)
     block.proj_mlp = None
     return len(linears)
+
+
+def fuse_epilogues(model: FluxDiT) -> int:
+    """GELU MLPs of plain linears -> ``GeluLinear`` input projections, and ``JoinedLinear`` output projections in
+    single-stream blocks (see the module doc); returns the MLPs changed. SwiGLU MLPs are left as they are."""
+    count = 0
+    if not GELU_EPILOGUES:
+        return count
+    for block in model.single_transformer_blocks:
+        if block.activation is gelu_activation and block.fused_in is None and _plain([block.proj_mlp, block.proj_out]):
+            hidden = block.proj_mlp.out_features
+            block.proj_mlp = GeluLinear(block.proj_mlp)
+            block.proj_out = JoinedLinear(block.proj_out, block.proj_out.in_features - hidden)
+            block.activation, count = no_activation, count + 1
+    for block in model.transformer_blocks:
+        for ff in (block.ff, block.ff_context):
+            if ff.activation is gelu_activation and _plain([ff.net[0].proj, ff.net[2]]):
+                ff.net[0].proj = GeluLinear(ff.net[0].proj)
+                ff.activation, count = no_activation, count + 1
+    return count
 
 
 def fuse_projections(model: FluxDiT) -> int:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from ditrun.errors import UserError
+from ditrun.kernels import epilogue
 
 # q, k, v: [B, S, H, D] -> [B, S, H, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -321,6 +322,37 @@ class StackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # x: [..., K] -> one [..., N_i] view per stacked linear
         return F.linear(x, self.weight, self.bias).split(self.splits, dim=-1)
+
+
+def no_activation(h: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation once its input projection applies it (``GeluLinear``)."""
+    return h
+
+
+class GeluLinear(nn.Module):
+    """A linear and the GELU(tanh) after it as one GEMM (``kernels/epilogue.py``); made from an MLP's plain input
+    projection by ``model/compile.py``'s fusion, which sets the MLP's ``activation`` to ``no_activation``."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return epilogue.linear_gelu(x, self.weight, self.bias)
+
+
+class JoinedLinear(nn.Module):
+    """A single-stream block's output projection of [attention output, activation(hidden)] as two GEMMs into one
+    output (``kernels/epilogue.py``), never writing the joined input; called as a quantized ``proj_out`` is."""
+
+    def __init__(self, linear: nn.Linear, prefix_features: int):
+        super().__init__()
+        self.prefix_weight = nn.Parameter(linear.weight[:, :prefix_features].contiguous(), requires_grad=False)
+        self.weight = nn.Parameter(linear.weight[:, prefix_features:].contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, hidden: torch.Tensor, activation: Callable, prefix: torch.Tensor) -> torch.Tensor:
+        return epilogue.joined_linear(prefix, activation(hidden), self.prefix_weight, self.weight, self.bias)
 
 
 @dataclass(frozen=True)
