@@ -340,6 +340,31 @@ def test_gluon_v_codes_equal_their_torch_statement():
     check_v_codes("cuda")
 
 
+@pytest.mark.gpu
+def test_v_codes_of_a_view_whose_head_offsets_pass_2_31():
+    """V [B, S, H, D] as a view of [B, H, S, D] memory: the last head starts past 2^31 elements from the first
+    (750k tokens, 24 heads of 128, 4.6 GB). The kernels' head offset in 32 bits would wrap there and read another
+    head; the first and last heads' codes and scales equal the torch statement's on those heads alone."""
+    from ditrun.kernels.attention import fp8_v_codes
+    from ditrun.kernels.attention_triton import fp8_v_codes as triton_fp8_v_codes
+
+    heads, tokens, dim = 24, 750_000, 128
+    assert (heads - 1) * tokens * dim > 2**31
+    if torch.cuda.mem_get_info()[0] < 12 * 2**30:
+        pytest.skip("needs 12 GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    v = torch.empty(1, heads, tokens, dim, device="cuda", dtype=torch.bfloat16)
+    for h in range(heads):  # a different scale per head: a head read in another's place shows
+        v[:, h].normal_(0, 2.0 ** (h % 5 - 2), generator=g)
+    codes, scale = triton_fp8_v_codes(v.transpose(1, 2))
+    padded = codes.shape[1]
+    for h in (0, heads - 1):
+        want_codes, want_scale = fp8_v_codes(v[:, h:h + 1])
+        got = codes.view(heads, dim, padded)[h]
+        assert torch.equal(got.view(torch.uint8), want_codes.view(torch.uint8)), h
+        assert torch.equal(scale[h:h + 1], want_scale), h
+
+
 @pytest.mark.timeout(240)
 def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     """The Gluon INT8-QK kernel built for sm_90 by this machine's Triton and its ptxas (no GPU needed), with BF16
