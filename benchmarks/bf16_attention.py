@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.kernels.fp8_sdpa import _bhsd, cudnn_module  # noqa: E402
-from ditrun.kernels.tune import _events_ms  # noqa: E402
+from ditrun.kernels.tune import interleaved_ms  # noqa: E402
 from vs_diffusers import ClockSampler  # noqa: E402
 
 HEADS, HEAD_DIM = 24, 128
@@ -87,15 +86,6 @@ def cudnn_plan_cases(q, k, v) -> dict:
     return cases
 
 
-def in_turns(cases: dict, rounds: int, calls: int) -> dict:
-    names, times = list(cases), {name: [] for name in cases}
-    for round_ in range(rounds):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            cases[name]()  # the stream's untimed call
-            times[name].append(_events_ms(cases[name], calls) / calls)
-    return {name: statistics.median(ms) for name, ms in times.items()}
-
-
 def sustained(fn, seconds: float, calls: int) -> tuple[float, dict]:
     torch.cuda.synchronize()
     with ClockSampler() as clocks:
@@ -133,7 +123,7 @@ def main() -> int:
             except RuntimeError as error:  # a backend that does not take this shape here
                 print(f"{name}: {str(error)[:120]}")
                 del cases[name]
-        ms = in_turns(cases, args.rounds, args.calls)
+        ms = interleaved_ms(cases, args.rounds, args.calls)
         flops = 4 * tokens * tokens * HEADS * HEAD_DIM
         print(f"\nS = {tokens}\n| kernel | ms | TFLOP/s | x SDPA | error |\n|---|---|---|---|---|")
         first = ms[next(iter(ms))]

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from ditrun.kernels import attention_gluon as current  # noqa: E402
 from ditrun.kernels.attention import quantize_operands  # noqa: E402
-from ditrun.kernels.tune import load_module, time_ms  # noqa: E402
+from ditrun.kernels.tune import in_turns, load_module, time_ms  # noqa: E402
 
 CUDA = torch.device("cuda")
 HEADS, HEAD_DIM, ERROR_QUERIES = 24, 128, 1024
@@ -86,9 +86,8 @@ def main() -> None:
         exact = F.scaled_dot_product_attention(qt.float()[:, :, :ERROR_QUERIES], kt.float(), vt.float())
         times = {key: [] for key in made} | {"sdpa": []}
         calls = list(made.items()) + [("sdpa", lambda: F.scaled_dot_product_attention(qt, kt, vt))]
-        for r in range(args.rounds):  # each round starts one case later: a case's place in a round shows in its time
-            for key, fn in calls[r % len(calls):] + calls[:r % len(calls)]:
-                times[key].append(time_ms(fn, CUDA, 1, args.calls))  # one round: back to back, primed
+        for key, fn in in_turns(calls, args.rounds):  # a case's place in a round shows in its time
+            times[key].append(time_ms(fn, CUDA, 1, args.calls))  # one round: back to back, primed
         sdpa = statistics.median(times["sdpa"])
         print(f"S={s} sdpa {sdpa:.3f} ms (rounds {' '.join(f'{t:.3f}' for t in times['sdpa'])})", flush=True)
         for key, fn in made.items():

@@ -77,17 +77,34 @@ def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
     return time_ms(_graph_of(fn, calls).replay, torch.device("cuda"), repeats) / calls
 
 
+def in_turns(names: list, repeats: int):
+    """``repeats`` rounds of ``names`` (any items), each round every name once, starting one later than the round
+    before: the GPU's clock and temperature, which drift while it works, then weigh on every case alike rather than
+    on whichever ran first."""
+    for round_ in range(repeats):
+        yield from names[round_ % len(names):] + names[:round_ % len(names)]
+
+
 def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
-    """``graph_ms`` of each of ``fns`` (name -> function), timed in turns: every round replays each graph once,
-    starting one later than the round before, so that the GPU's clock and temperature, which drift while it
-    works, weigh on every case alike rather than on whichever ran first."""
+    """``graph_ms`` of each of ``fns`` (name -> function), timed in turns (``in_turns``): every round replays each
+    graph once."""
     graphs = {name: _graph_of(fn, calls) for name, fn in fns.items()}
-    names, times = list(graphs), {name: [] for name in graphs}
+    times = {name: [] for name in graphs}
     for graph in graphs.values():
         graph.replay()
-    for round_ in range(repeats):
-        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-            times[name].append(_events_ms(graphs[name].replay) / calls)
+    for name in in_turns(list(graphs), repeats):
+        times[name].append(_events_ms(graphs[name].replay) / calls)
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+def interleaved_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
+    """Median milliseconds per call of each of ``fns`` (name -> function) on the current GPU, timed in turns
+    (``in_turns``): every round gives each one untimed call, then times ``calls`` back-to-back calls (functions
+    that cannot be captured in a CUDA graph; else ``interleaved_graph_ms``)."""
+    times = {name: [] for name in fns}
+    for name in in_turns(list(fns), repeats):
+        fns[name]()  # the stream's untimed call
+        times[name].append(_events_ms(fns[name], calls) / calls)
     return {name: statistics.median(ms) for name, ms in times.items()}
 
 
