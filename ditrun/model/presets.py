@@ -18,6 +18,11 @@ PRESETS: dict[str, DiTGeometry] = {
         num_layers=4, num_single_layers=8, num_attention_heads=8, attention_head_dim=64,
         joint_attention_dim=512, pooled_projection_dim=256, guidance_embeds=True, axes_dims_rope=(16, 24, 24),
     ),
+    # ditrun's trained editor (docs/EDITOR.md): its text encoders give 64 channels per token and 64 pooled.
+    "editor": DiTGeometry(
+        num_layers=4, num_single_layers=8, num_attention_heads=4, attention_head_dim=32,
+        joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+    ),
     # FLUX.1-dev / FLUX.1-Kontext-dev (12B).
     "flux-dev": DiTGeometry(
         num_layers=19, num_single_layers=38, num_attention_heads=24, attention_head_dim=128,
