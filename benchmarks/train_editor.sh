@@ -17,5 +17,6 @@ fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv | tee "$OUT/gpu.txt"
 rm -rf /tmp/editor /tmp/editor.training
 python3 -m ditrun.editor.train --out /tmp/editor "$@" 2>&1 | grep -v -i warning | tee "$OUT/train.log"
-tar -C /tmp -cf "$OUT/editor.tar" editor
+tar -C /tmp -cf "$OUT/editor_vae.tar" editor/vae
+tar -C /tmp -cf "$OUT/editor_rest.tar" --exclude editor/vae editor
 cp /tmp/editor.training/eval.json /tmp/editor.training/train.json /tmp/editor.training/losses.jsonl "$OUT/"

@@ -60,6 +60,11 @@ class TrainConfig:
     dit_batch: int = 64
     dit_lr: float = 5e-4
     warmup: int = 500
+    pool: int = 4096
+    """Reference crops encoded once, with every edit of each (the DiT's training set)."""
+    dit_time_limit_s: float = 0.0
+    """Stop the DiT's training after this many seconds (0: never); the steps done are recorded, and rerunning with
+    ``--dit-steps`` set to them repeats the run."""
     prompt_dropout: float = 0.1
     ema: float = 0.999
     text_len: int = 32
@@ -237,30 +242,43 @@ def sample_sigmas(n: int, tokens: int, gen: torch.Generator, device: torch.devic
     return mu / (mu + (1 / u - 1))
 
 
-class Batches:
-    """Training edits: a reference crop, an instruction (one phrasing of one edit, sometimes the empty
-    prompt) and the correct output, as packed latents."""
+class Pool:
+    """Training edits, encoded once: ``size`` reference crops and every edit's correct output of each, as packed
+    latents (bf16), so that a training step spends its time in the DiT, not in the VAE."""
 
-    def __init__(self, cfg: TrainConfig, crops: Crops, codec: Codec, prompt_table: dict, gen: torch.Generator):
-        self.cfg, self.crops, self.codec, self.gen = cfg, crops, codec, gen
+    def __init__(self, cfg: TrainConfig, crops: Crops, codec: Codec, size: int, chunk: int = 64):
         self.names = transforms.EDITS.names()
-        self.prompt_index = prompt_table  # text -> row of the embedding table
+        refs, targets = [], [[] for _ in self.names]
+        for _ in range(0, size, chunk):
+            ref = crops.batch(chunk, cfg.size)
+            refs.append(pack(codec.encode(ref)).bfloat16())
+            for kind, name in enumerate(self.names):
+                targets[kind].append(pack(codec.encode(transforms.apply(name, ref))).bfloat16())
+        self.refs = torch.cat(refs)  # [N, S, 64]
+        self.targets = torch.stack([torch.cat(t) for t in targets])  # [edits, N, S, 64]
+
+
+class Batches:
+    """Training edits drawn from a ``Pool``: a reference, an instruction (one phrasing of one edit, sometimes the
+    empty prompt) and the correct output."""
+
+    def __init__(self, cfg: TrainConfig, pool: Pool, prompt_index: dict, gen: torch.Generator):
+        self.cfg, self.pool, self.gen = cfg, pool, gen
+        self.prompt_index = prompt_index  # text -> row of the embedding table
 
     def draw(self, n: int):
-        cfg = self.cfg
-        ref = self.crops.batch(n, cfg.size)
-        kinds = torch.randint(len(self.names), (n,), generator=self.gen)
-        target = torch.empty_like(ref)
-        for kind in kinds.unique().tolist():
-            chosen = (kinds == kind).to(ref.device)
-            target[chosen] = transforms.apply(self.names[kind], ref[chosen])
+        pool, cfg = self.pool, self.cfg
+        picks = torch.randint(pool.refs.shape[0], (n,), generator=self.gen)
+        kinds = torch.randint(len(pool.names), (n,), generator=self.gen)
         rows = []
         for kind in kinds.tolist():
-            phrasings = transforms.EDITS.get(self.names[kind], "edit").phrasings
+            phrasings = transforms.EDITS.get(pool.names[kind], "edit").phrasings
             text = phrasings[int(torch.randint(len(phrasings), (), generator=self.gen))]
             dropped = float(torch.rand((), generator=self.gen)) < cfg.prompt_dropout
             rows.append(self.prompt_index[EMPTY_PROMPT if dropped else text])
-        return pack(self.codec.encode(ref)), pack(self.codec.encode(target)), torch.tensor(rows)
+        device = pool.refs.device
+        picks, kinds = picks.to(device), kinds.to(device)
+        return pool.refs[picks].float(), pool.targets[kinds, picks].float(), torch.tensor(rows)
 
 
 def train_dit(cfg: TrainConfig, batches: Batches, table, device: torch.device, log):
@@ -274,7 +292,11 @@ def train_dit(cfg: TrainConfig, batches: Batches, table, device: torch.device, l
     ids = torch.cat([token_ids(latent, latent, 0, device), token_ids(latent, latent, 1, device)])
     txt_ids = torch.zeros(cfg.text_len, 3, device=device)
     n_img = (latent // 2) ** 2
+    start = time.perf_counter()
     for step in range(cfg.dit_steps):
+        if cfg.dit_time_limit_s and time.perf_counter() - start > cfg.dit_time_limit_s:
+            print(f"train: DiT stopped by --dit-time-limit-s after {step} steps", flush=True)
+            return ema, step
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg.dit_steps, cfg.dit_lr, cfg.warmup)
         ref, x0, rows = batches.draw(cfg.dit_batch)
@@ -297,7 +319,7 @@ def train_dit(cfg: TrainConfig, batches: Batches, table, device: torch.device, l
         if step % cfg.log_every == 0 or step == cfg.dit_steps - 1:
             log({"phase": "dit", "step": step, "dit/loss": loss.item(), "dit/grad_norm": grad.item(),
                  "dit/lr": opt.param_groups[0]["lr"]})
-    return ema
+    return ema, cfg.dit_steps
 
 
 def _attention_backend(device: torch.device):
@@ -441,8 +463,10 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device) -> d
     prompt_index = {text: i for i, text in enumerate(texts)}
     codec = Codec(vae)
     start = time.perf_counter()
-    dit = train_dit(cfg, Batches(cfg, crops, codec, prompt_index, gen), table, device, log)
-    times["dit_s"] = time.perf_counter() - start
+    pool = Pool(cfg, crops, codec, cfg.pool)
+    times["pool_s"] = time.perf_counter() - start
+    dit, times["dit_steps"] = train_dit(cfg, Batches(cfg, pool, prompt_index, gen), table, device, log)
+    times["dit_s"] = time.perf_counter() - start - times["pool_s"]
     start = time.perf_counter()
     result = evaluate(dit, codec, table, prompt_index, cfg, device)
     times["eval_s"] = time.perf_counter() - start
