@@ -57,16 +57,16 @@ class TrainConfig:
     vae_lr: float = 1e-3
     vae_kl: float = 1e-6
     dit_steps: int = 12000
-    dit_batch: int = 64
-    dit_lr: float = 5e-4
-    warmup: int = 500
-    pool: int = 4096
+    dit_batch: int = 256
+    dit_lr: float = 1e-3
+    warmup: int = 200
+    pool: int = 8192
     """Reference crops encoded once, with every edit of each (the DiT's training set)."""
     dit_time_limit_s: float = 0.0
     """Stop the DiT's training after this many seconds (0: never); the steps done are recorded, and rerunning with
     ``--dit-steps`` set to them repeats the run."""
     prompt_dropout: float = 0.1
-    ema: float = 0.999
+    ema: float = 0.995
     text_len: int = 32
     """T5 tokens per prompt (``workload.text_len`` of the runs that use the editor)."""
     eval_steps: int = 8
@@ -314,8 +314,7 @@ def train_dit(cfg: TrainConfig, batches: Batches, table, device: torch.device, l
         opt.step()
         decay = min(cfg.ema, (1 + step) / (10 + step))
         with torch.no_grad():
-            for p_ema, p in zip(ema.parameters(), model.parameters()):
-                p_ema.lerp_(p, 1 - decay)
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
         if step % cfg.log_every == 0 or step == cfg.dit_steps - 1:
             log({"phase": "dit", "step": step, "dit/loss": loss.item(), "dit/grad_norm": grad.item(),
                  "dit/lr": opt.param_groups[0]["lr"]})
@@ -444,8 +443,16 @@ def save_folder(out: Path, vae, dit: FluxDiT) -> None:
     save_pretrained(dit.to(torch.bfloat16), out / "transformer")
 
 
-def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device) -> dict:
-    """Train and write the folder; returns the evaluation (also in ``log_dir/eval.json``)."""
+def load_vae(path: Path, device: torch.device):
+    """A VAE this script trained before (its ``vae/`` folder), to train only the DiT."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL.from_pretrained(path).float().to(device).eval().requires_grad_(False)
+
+
+def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device, vae_from: Optional[Path] = None) -> dict:
+    """Train and write the folder; returns the evaluation (also in ``log_dir/eval.json``). ``vae_from`` takes the
+    VAE of an earlier run of this script instead of training one."""
     torch.manual_seed(cfg.seed)
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -456,7 +463,7 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device) -> d
     gen = torch.Generator().manual_seed(cfg.seed)
     crops = Crops(pictures.TRAIN, device, gen)
     start = time.perf_counter()
-    vae = train_vae(cfg, crops, device, log)
+    vae = load_vae(vae_from, device) if vae_from else train_vae(cfg, crops, device, log)
     times["vae_s"] = time.perf_counter() - start
     texts = [EMPTY_PROMPT] + transforms.prompts()
     table = encode_prompts(out, texts, cfg.text_len, device)
@@ -471,7 +478,7 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device) -> d
     result = evaluate(dit, codec, table, prompt_index, cfg, device)
     times["eval_s"] = time.perf_counter() - start
     save_folder(out, vae, dit)
-    record = {"config": dataclasses.asdict(cfg), "times": times, "device": _device_name(device),
+    record = {"config": dataclasses.asdict(cfg), "vae_from": str(vae_from) if vae_from else None, "times": times, "device": _device_name(device),
               "versions": _versions()}
     (log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
     print("train: seconds", {k: round(v, 1) for k, v in times.items()}, flush=True)
@@ -504,6 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="the pipeline folder to write")
     parser.add_argument("--log-dir", type=Path, help="losses, evaluation and W&B run (default: <out>.training)")
+    parser.add_argument("--vae-from", type=Path, help="a vae/ folder this script wrote: train only the DiT")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     for f in dataclasses.fields(TrainConfig):
         if f.type in ("int", "float"):
@@ -513,7 +521,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg = TrainConfig(**settings)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read at CUDA's start
     result = train(cfg, args.out, args.log_dir or args.out.with_name(args.out.name + ".training"),
-                   torch.device(args.device))
+                   torch.device(args.device), args.vae_from)
     for key, value in summarize(result).items():
         print(f"eval {key}: SSIM {value:.4f}")
     print("vae round trip: SSIM", {k: round(v, 4) for k, v in result["vae_roundtrip"].items()})

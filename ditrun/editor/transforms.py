@@ -2,8 +2,7 @@
 
 An edit's correct output is ``apply(name, picture)``: the transform applied to the reference at
 the output's size. Every transform maps RGB in [0, 1] to RGB in [0, 1] and keeps the picture's size,
-so the output of an edit has the reference's geometry (a quarter turn of a non-square picture is
-resized back to the picture's size).
+so the output of an edit has the reference's geometry.
 """
 
 from __future__ import annotations
@@ -37,12 +36,6 @@ class Edit:
     phrasings: tuple[str, ...]
 
 
-def _resize(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    if images.shape[-2:] == (height, width):
-        return images
-    return F.interpolate(images, size=(height, width), mode="bilinear", antialias=True, align_corners=False)
-
-
 def _mix(images: torch.Tensor, matrix) -> torch.Tensor:
     weights = torch.tensor(matrix, dtype=images.dtype, device=images.device)
     return torch.einsum("oc,bchw->bohw", weights, images).clamp(0, 1)
@@ -54,12 +47,6 @@ def mirror(images: torch.Tensor) -> torch.Tensor:
 
 def upside_down(images: torch.Tensor) -> torch.Tensor:
     return images.flip(-2)
-
-
-def quarter_turn(images: torch.Tensor) -> torch.Tensor:
-    """A quarter turn counter-clockwise, resized back to the picture's size when it is not square."""
-    height, width = images.shape[-2:]
-    return _resize(torch.rot90(images, 1, dims=(-2, -1)), height, width)
 
 
 def grayscale(images: torch.Tensor) -> torch.Tensor:
@@ -97,11 +84,17 @@ def blur(images: torch.Tensor) -> torch.Tensor:
     return F.conv2d(out, kernel[:, :, :, None], groups=3)
 
 
-def zoom(images: torch.Tensor) -> torch.Tensor:
-    """The centre half of each side, enlarged back to the picture's size (2x zoom)."""
+def brighten(images: torch.Tensor) -> torch.Tensor:
+    """Gamma 1/2: dark tones lifted most, black and white kept."""
+    return images.clamp(0, 1).sqrt()
+
+
+def pixelate(images: torch.Tensor) -> torch.Tensor:
+    """Blocks of 1/16 of the shorter side (16 pixels at 256) filled with their mean colour."""
+    block = max(1, min(images.shape[-2:]) // 16)
     height, width = images.shape[-2:]
-    top, left = height // 4, width // 4
-    return _resize(images[..., top:top + height // 2, left:left + width // 2], height, width)
+    pooled = F.avg_pool2d(images, block, ceil_mode=True)
+    return F.interpolate(pooled, scale_factor=block, mode="nearest")[..., :height, :width]
 
 
 EDITS: Registry[Edit] = Registry("edit target")
@@ -109,9 +102,6 @@ EDITS.register("mirror", Edit(mirror, (
     "mirror the picture", "flip it left to right", "make a mirror image", "flip horizontally")))
 EDITS.register("upside_down", Edit(upside_down, (
     "turn it upside down", "flip it vertically", "flip the picture upside down", "make it upside down")))
-EDITS.register("quarter_turn", Edit(quarter_turn, (
-    "rotate it a quarter turn to the left", "rotate 90 degrees counterclockwise", "turn the picture on its side",
-    "rotate left")))
 EDITS.register("grayscale", Edit(grayscale, (
     "make it black and white", "remove the colour", "convert to grayscale", "make it monochrome")))
 EDITS.register("invert", Edit(invert, (
@@ -122,10 +112,12 @@ EDITS.register("sepia", Edit(sepia, (
     "give it a sepia tone", "make it look like an old photograph", "apply a sepia filter", "make it vintage brown")))
 EDITS.register("posterize", Edit(posterize, (
     "posterize it", "reduce it to a few colours", "make it look like a poster", "flatten the colours")))
+EDITS.register("brighten", Edit(brighten, (
+    "make it brighter", "brighten it", "lift the shadows", "make it lighter")))
+EDITS.register("pixelate", Edit(pixelate, (
+    "pixelate it", "make it blocky", "turn it into big pixels", "make it look like a mosaic")))
 EDITS.register("blur", Edit(blur, (
     "blur it", "make it blurry", "soften the picture", "put it out of focus")))
-EDITS.register("zoom", Edit(zoom, (
-    "zoom into the centre", "zoom in two times", "crop to the middle and enlarge it", "enlarge the centre")))
 
 
 def apply(name: str, images: torch.Tensor) -> torch.Tensor:
