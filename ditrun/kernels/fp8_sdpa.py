@@ -228,8 +228,10 @@ def _(q8, k8, v8, scales, sm_scale):
     return torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=q8.device)
 
 
-def fp8_pv_attention(fast: bool):
-    """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype."""
+def fp8_pv_attention(implementation: str):
+    """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype. ``implementation``:
+    ``reference`` (the recipe in torch), else the vendor's kernel (``BACKEND``)."""
+    fast = implementation != "reference"
     quantize = CompiledOnGpu(fp8_pv_operands) if fast else fp8_pv_operands
 
     def attention(q, k, v):

@@ -62,8 +62,6 @@ FUSE_MODES = {
     "on": "fuse (also in eager mode)",
     "off": "keep every linear separate (bitwise diffusers' eager computation)",
 }
-GELU_EPILOGUES = True
-"""Whether ``model.fuse`` moves GELU MLPs into their GEMMs' epilogues (``fuse_epilogues``); off only to measure."""
 RECOMPILE_LIMIT = 64
 """Compiled graphs kept per block class: one per distinct input shape (an edit's output and reference
 sizes), so a workload of many sizes never falls back to eager silently (PyTorch's default is 8)."""
@@ -175,8 +173,6 @@ def fuse_epilogues(model: FluxDiT) -> int:
     """GELU MLPs of plain linears -> ``GeluLinear`` input projections, and ``JoinedLinear`` output projections in
     single-stream blocks (see the module doc); returns the MLPs changed. SwiGLU MLPs are left as they are."""
     count = 0
-    if not GELU_EPILOGUES:
-        return count
     for block in model.single_transformer_blocks:
         if block.activation is gelu_activation and block.fused_in is None and _plain([block.proj_mlp, block.proj_out]):
             hidden = block.proj_mlp.out_features
