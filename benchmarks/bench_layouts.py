@@ -14,7 +14,7 @@ process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GP
 every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
 ``single`` on the same inputs: the relative error of the guided velocity (bf16 tolerance),
 whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
-transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table (issue 10):
+transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table:
 ``ulysses`` with 2 head groups over ``copy_engine`` exposes <= 1.5% of its DiT time and is at
 least 5% faster than over ``collective``.
 

@@ -147,11 +147,20 @@ def _check_fast(plan: PrecisionPlan, device: torch.device) -> None:
                         "use precision.backend=auto or another kernel.")
 
 
-def _preset_formats(name: str) -> Optional[dict]:
+def precision_preset(name: str) -> Optional[dict]:
+    """The ``precision.*`` keys of preset ``conf/precision/<name>.yaml`` (None if there is none). A preset that sets
+    keys of other groups too is in the global package, its precision keys under ``precision:``."""
     file = PRESET_DIR / f"{name}.yaml"
     if not file.is_file():
         return None
     preset = yaml.safe_load(file.read_text())
+    return preset.get("precision", preset)
+
+
+def _preset_formats(name: str) -> Optional[dict]:
+    preset = precision_preset(name)
+    if preset is None:
+        return None
     return {k: preset.get(k, "bf16") for k in (*LINEAR_COMPONENTS, "attention")}
 
 

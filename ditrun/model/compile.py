@@ -108,7 +108,8 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
     if compiled and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
                         f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
-    tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor"
+    # Coordinate descent tunes inductor's Triton kernels: GPUs only.
+    tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor" and device.type == "cuda"
     graphs_key = _mode(model_cfg, "cuda_graphs", GRAPH_MODES)
     if graphs_key == "on" and device.type != "cuda":
         raise UserError(f"model.cuda_graphs=on needs a GPU, and device is {device.type}; allowed here: auto, off.")
