@@ -17,18 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.kernels.tune import REPEATS, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
-
-
-def events_ms(fn, calls: int = 1) -> float:
-    """Milliseconds between CUDA events around ``calls`` calls of ``fn`` on the current stream."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+from ditrun.kernels.tune import REPEATS, events_ms, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
 
 
 def cuda_time(fn, warmup: int, repeats: int) -> list[float]:

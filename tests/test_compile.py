@@ -177,6 +177,19 @@ def test_an_unknown_compile_backend_is_named():
         plan_compile(tiny_config("model.compile=on", "model.compile_backend=fastest").model, CPU.device)
 
 
+def test_fp8_all_is_the_fast_path_and_tunes_on_gpus_only():
+    """The preset names the whole fast configuration: FP8 linears on the fast-accumulation GEMM, cuDNN's FP8
+    attention, inductor's tuning and CUDA graphs on GPUs; CPUs compile untuned (nothing of inductor's to tune);
+    a key set on the command line still wins over the preset's."""
+    cfg = tiny_config("precision=fp8_all")
+    assert (cfg.precision.name, cfg.precision.backend, cfg.precision.attention) == ("fp8_all", "fp8_rowwise_fast",
+                                                                                   "fp8_pv")
+    assert plan_compile(cfg.model, torch.device("cuda")).label == "compiled, tuned, CUDA graphs"
+    assert not plan_compile(tiny_config("precision=fp8_all", "model.compile=on").model, torch.device("cpu")).tuning
+    assert not tiny_config("precision=fp8_all", "model.compile_tuning=false").model.compile_tuning
+    assert not tiny_config("precision=fp8").model.compile_tuning
+
+
 def test_auto_compiles_on_gpus_only():
     model = ModelConfig()
     assert plan_compile(model, torch.device("cpu")) == CompilePlan(compile=False, fuse=False)

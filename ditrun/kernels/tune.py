@@ -36,7 +36,7 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
         if device.type == "cuda":
             if calls > 1:
                 fn()  # the GPU works on it while the host launches the timed calls
-            times.append(_events_ms(fn, calls) / calls)
+            times.append(events_ms(fn, calls) / calls)
         else:
             begin = time.perf_counter()
             for _ in range(calls):
@@ -45,7 +45,7 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
     return statistics.median(times)
 
 
-def _events_ms(fn, calls: int = 1) -> float:
+def events_ms(fn, calls: int = 1) -> float:
     """Milliseconds between CUDA events around ``calls`` calls of ``fn`` on the current stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
