@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.kernels.tune import REPEATS, events_ms, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
+from ditrun.tune import REPEATS, events_ms, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
 
 
 def cuda_time(fn, warmup: int, repeats: int) -> list[float]:

@@ -33,10 +33,10 @@ def rank_main(payload: bytes, sender) -> None:
         signal.signal(signum, _note)
     args = pickle.loads(payload)  # (cfg, out_dir, rank, world, port, supervisor)
     sender.send(("ready", args[2]))  # the supervisor relays its stop signals from now on
-    from ditrun.launch.spawn import _rank_main
+    from ditrun.launch.rank import spawned_rank_main
     from ditrun.launch.stop import process_stop
 
     stop = process_stop().install()
     for signum in _noted:  # the notes of a signal that came before this line are not lost
         stop.request(signum)
-    _rank_main(*args, sender=sender)
+    spawned_rank_main(*args, sender=sender)

@@ -398,7 +398,7 @@ def test_dispatch_table_round_trip_and_untuned_shapes_say_so_once(tmp_path, caps
 
 
 def test_tune_saves_a_choice_per_real_shape_that_later_builds_load(tmp_path, capsys):
-    from ditrun.kernels.tune import tune
+    from ditrun.tune import tune
 
     cfg = tiny_config("precision=fp8", "model.variant=krea3", f"precision.tuning_file={tmp_path / 'dispatch.json'}")
     tune(cfg)

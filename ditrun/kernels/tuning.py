@@ -1,7 +1,7 @@
 """The dispatch table: which backend runs a quantized linear of a given shape on this device.
 
 Entries are keyed by (op, format, M bucket, K, N, device name, torch version) and saved as JSON
-by ``ditrun tune`` (``kernels/tune.py``), which times every candidate on the run's real shapes
+by ``ditrun tune`` (``ditrun/tune.py``), which times every candidate on the run's real shapes
 and data and keeps the fastest one that matches the emulation reference. A later process loads
 the file; a shape with no entry uses the default preference (``linear.DEFAULT_PREFERENCE``), and the
 model's build says so in one line for all of them.

@@ -60,9 +60,8 @@ def device_kind(device_key: str) -> torch.device:
         raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
     if device_key == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
-    from ditrun.launch import rendezvous  # here: ditrun.launch imports the worker, which imports this module
-
-    return torch.device("cuda" if rendezvous.uses_gpu(device_key) else "cpu")
+    # ``torch.cuda.is_available`` asks the driver without creating a context.
+    return torch.device("cuda" if device_key == "cuda" or torch.cuda.is_available() and device_key == "auto" else "cpu")
 
 
 def compute_dtype(device: torch.device, dtype_key: str) -> tuple[torch.dtype, str]:
