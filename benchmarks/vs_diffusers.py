@@ -116,8 +116,8 @@ def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
             continue
         name = event.key.lower()
         # Inductor's fused kernels (triton_poi_/triton_red_/triton_per_...) are named after every op they
-        # touch: the norm + RoPE kernel that writes SDPA's inputs says "scaled_dot_product_..." and was once
-        # counted as attention. They are the rest; ditrun's own Triton kernels have other names.
+        # touch: the norm + RoPE kernel that writes SDPA's inputs says "scaled_dot_product_...", which is not
+        # attention. They are the rest; ditrun's own Triton kernels have other names.
         fused = name.startswith(("triton_poi_", "triton_red_", "triton_per_"))
         kind = "rest" if fused else next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "rest")
         ms = event.self_device_time_total / 1e3

@@ -92,8 +92,8 @@ class PrecisionConfig:
     out: str = "bf16"
     """Attention output projections: same choices as ``mlp``."""
     attention: str = "bf16"
-    """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8``, ``fp8_pv`` (P in FP8 too: cuDNN's and
-    AITER's fused FP8 kernels), ``int8qk`` (INT8 Q/K, V in the compute dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
+    """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8_pv`` (Q, K, V and P in FP8: cuDNN's and AITER's
+    fused FP8 kernels), ``int8qk`` (INT8 Q/K, V in the compute dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
     backend: str = "auto"
     """``auto`` (the tuned or preferred fast backend where the device has one, else the exact emulation,
     said once), ``emulation`` (always), ``fast`` (fast backends only: an error before any GPU work if a

@@ -310,13 +310,15 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
 def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path):
     """``int8qk_fp8v`` on the Hopper Gluon kernel, whose P @ V is an FP8 product: V's codes written by the
     quantization inside the compiled blocks (fullgraph) and the op taking them, replayed from CUDA graphs, against
-    the same run eager. 128 x 128 images: enough tokens for the Hopper kernel."""
+    the same run eager. The FLUX.1-dev head (128 channels, the Gluon kernel's) in one block of each kind, 8 heads;
+    128 x 128 images: enough tokens for the Hopper kernel."""
     from launching import latents
     from ditrun.launch import worker
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 P @ V is the Hopper (sm_90) Gluon kernel's")
-    run = ["precision=bf16", "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
+    run = ["model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=bf16",
+           "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
     eager = worker.run(tiny_config(*run, "model.compile=off"), tmp_path / "eager")
     try:
         compiled = worker.run(tiny_config(*run), tmp_path / "compiled")

@@ -43,7 +43,7 @@ def test_config_docstrings_name_every_registered_choice():
 @pytest.mark.parametrize("override, message", [
     ("precision.mlp=fp7", "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, "
                           "mxfp6_e3m2, mxfp4."),
-    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, fp8, "
+    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, "
                                  "fp8_pv, int8qk, int8qk_fp8v, int8qk_mxfp6v."),
     ("precision.backend=cuda", "precision.backend='cuda' is not a known linear backend; allowed: auto, fast, "
                                "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, aiter_fp8."),
@@ -63,6 +63,7 @@ def test_precision_mistakes_are_one_sentence(override, message):
 
 def test_labels_name_what_ran():
     cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32", ("fp8_all",): "fp8_all+fp32",
+             ("fp8_int8qk",): "fp8_int8qk+fp32",
              ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32", ("fp8", "precision.attention=int8qk"):
              "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32"}
     for overrides, label in cases.items():
@@ -253,12 +254,12 @@ def _qkv(b=1, s=300, h=2, d=64, seed=10):
     return [torch.randn(b, s, h, d, generator=g) for _ in range(3)]
 
 
-@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8", "fp8_pv"])
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8_pv"])
 def test_quantized_attention_is_close_to_sdpa(name):
     q, k, v = _qkv()
     k = k + 3.0  # a large mean over tokens: smoothing removes it before quantizing
     got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
-    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8": 0.1, "fp8_pv": 0.1}.get(name, 0.05)
+    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8_pv": 0.1}.get(name, 0.05)
 
 
 def test_fp8_pv_rounds_p_and_scales_per_tensor():

@@ -1,4 +1,5 @@
-"""Attention kernels, by name: PyTorch SDPA, FP8 Q/K/V, and INT8-QK attention with V in BF16/FP8/MXFP6.
+"""Attention kernels, by name: PyTorch SDPA, FP8 Q/K/V/P (``fp8_pv``, ``fp8_sdpa.py``), and INT8-QK attention with V
+in BF16/FP8/MXFP6.
 
 INT8-QK attention (after SageAttention's recipe): K is smoothed by subtracting its mean over the
 tokens (softmax(q.k_j - q.m) = softmax(q.k_j): a constant per query row cancels), then Q and K are
@@ -13,15 +14,12 @@ sequence in another order (``parallel/ulysses.py``), and a scale shared by a blo
 would then change with the layout; per token, every layout gives the single process's result.
 The kernel pays one multiply per score for the key scales.
 
-FP8 attention (``fp8``) quantizes Q, smoothed K and V to E4M3 with one power-of-two scale per
-(batch, head), over the whole sequence (which every layout holds for the heads it computes):
-Q.K^T is then an FP8 tensor-core dot and one scalar scales the scores.
-
 ``int8qk_reference`` is the torch reference (runs anywhere, in query chunks so that memory
-stays O(S * chunk)); on a GPU with Triton the same quantized operands go to a flash-attention
-kernel (``ditrun::int8qk_attention``, a ``torch.library.custom_op`` with a fake implementation,
-so ``torch.compile`` traces through it), for both INT8 and FP8 operands. The op runs the reference
-math on other devices.
+stays O(S * chunk)); on GPUs the same quantized operands go to a flash-attention kernel behind
+``ditrun::int8qk_attention`` (a ``torch.library.custom_op`` with a fake implementation, so
+``torch.compile`` traces through it): the Hopper Gluon kernel (``attention_gluon.py``; with FP8 V its P @ V
+is an FP8 product) or the Triton kernel (``attention_triton.py``), the one chosen once when the model is
+built (``choose_implementation``). The op runs the reference math off GPUs.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ditrun.kernels import formats, fp8_sdpa
-from ditrun.kernels.linear import CompiledOnGpu, _has_rowwise_fp8, fp8_dtype, triton_available
+from ditrun.kernels.linear import CompiledOnGpu, triton_available
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
 from ditrun.registry import Registry
 
@@ -71,14 +69,6 @@ def fp8_head_exponents(x: torch.Tensor) -> torch.Tensor:
     head's amax lands at or below 448)."""
     amax = x.float().abs().amax(dim=(-2, -1))
     return formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
-
-
-def quantize_fp8_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, H, S, D] -> (E4M3 codes, fp32 power-of-two scale [B, H]): ``quantize_v(x, "fp8")`` as codes and
-    scale (codes * scale equals it exactly), the operands of the FP8 attention kernel."""
-    scale = formats.fp8_power_of_two_scale(x.float().abs().amax(dim=(-2, -1)))
-    codes = formats.round_to_grid(x.float() / scale[..., None, None], "fp8_e4m3").to(torch.float8_e4m3fn)
-    return codes, scale
 
 
 def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
@@ -249,7 +239,7 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, sm_scale: float, implementation: str = "triton",
                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
-    fp32 scales [B, H, S], or E4M3 q, k with one scale per head [B, H] (``fp8`` attention). ``implementation``
+    fp32 scales [B, H, S]. ``implementation``
     (chosen once, when the model is built): ``gluon`` (the Hopper kernel) or ``triton`` on GPUs; the torch
     reference runs off GPUs whatever it says.
 
@@ -265,20 +255,12 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
         from ditrun.kernels.attention_triton import flash_attention
 
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale)
-    if q.dtype != torch.int8:
-        return fp8_reference(q, q_scale, k, k_scale, v, sm_scale)
     return int8qk_reference(Int8QK(q, q_scale, k, k_scale, v), sm_scale)
 
 
 @int8qk_attention_op.register_fake
 def _(q, q_scale, k, k_scale, v, sm_scale, implementation="triton", v_scale=None):
     return torch.empty_like(v) if v_scale is None else q.new_empty(q.shape, dtype=torch.bfloat16)
-
-
-def fp8_reference(q8, q_scale, k8, k_scale, v, sm_scale: float) -> torch.Tensor:
-    """Attention of E4M3 q, k with per-head scales [B, H]: SDPA on the dequantized values, in V's dtype."""
-    q, k = (t.float() * s[..., None, None] for t, s in ((q8, q_scale), (k8, k_scale)))
-    return F.scaled_dot_product_attention(q.to(v.dtype), k.to(v.dtype), v, scale=sm_scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,12 +271,6 @@ def _triton_unavailable(device: torch.device) -> Optional[str]:
     if not triton_available(device):
         return "the flash-attention Triton kernel needs a GPU with Triton"
     return None
-
-
-def _fp8_triton_unavailable(device: torch.device) -> Optional[str]:
-    if not (_has_rowwise_fp8(device) and fp8_dtype() == torch.float8_e4m3fn):
-        return "FP8 Q.K^T needs OCP E4M3 tensor cores (NVIDIA sm_89+, AMD gfx950)"
-    return _triton_unavailable(device)
 
 
 REFERENCE = "reference"
@@ -336,35 +312,6 @@ def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
     return attention
 
 
-def fp8_operands(q, k, v) -> tuple[torch.Tensor, ...]:
-    """q, k, v [B, S, H, D] -> E4M3 q, k [B, H, S, D] with scales [B, H], and V (FP8-exact values) [B, H, S, D].
-    K is smoothed in fp32 (not rounded back to its dtype first): compiled and eager code then quantize
-    the same values (inductor would skip an intermediate BF16 rounding that eager code makes)."""
-    q8, q_scale = quantize_fp8_heads(q.transpose(1, 2))
-    k = k.float()
-    k8, k_scale = quantize_fp8_heads((k - k.mean(dim=1, keepdim=True)).transpose(1, 2))
-    return q8, q_scale, k8, k_scale, quantize_v(v.transpose(1, 2), "fp8").contiguous()
-
-
-def fp8_attention(implementation: str) -> AttentionFn:
-    """Q, smoothed K and V quantized to FP8 E4M3 with one power-of-two scale per head (exact in BF16); the
-    Triton kernel runs Q.K^T as an FP8 tensor-core dot, the reference SDPA on the dequantized values."""
-    reference = implementation == REFERENCE
-    quantize = fp8_operands if reference else CompiledOnGpu(fp8_operands)
-
-    def attention(q, k, v):
-        # q, k, v: [B, S, H, D] -> [B, S, H, D]
-        q8, q_scale, k8, k_scale, v8 = quantize(q, k, v)
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-        if reference:
-            out = fp8_reference(q8, q_scale, k8, k_scale, v8, sm_scale)
-        else:
-            out = int8qk_attention_op(q8, q_scale, k8, k_scale, v8, sm_scale, implementation)
-        return out.transpose(1, 2).to(v.dtype)
-
-    return attention
-
-
 def _int8qk_implementation(v_format: str) -> Callable[[torch.device, int], str]:
     """The Hopper Gluon kernel where it runs (head dim 128, its trial compile passed), else the Triton kernel;
     a Gluon kernel that does not compile is said once."""
@@ -385,9 +332,6 @@ ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel", "pre
 ATTENTION_KERNELS.register("bf16", AttentionKernel(
     "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda implementation: sdpa_attention,
     quantized=False, implementation=lambda device, head_dim: "sdpa"))
-ATTENTION_KERNELS.register("fp8", AttentionKernel(
-    "fp8", "Q, smoothed K and V in FP8 E4M3 (a power-of-two scale per head), FP8 Q.K^T, fp32 softmax",
-    fp8_attention, unavailable=_fp8_triton_unavailable))
 ATTENTION_KERNELS.register("fp8_pv", AttentionKernel(
     "fp8_pv", "Q, smoothed K, V and P in FP8 E4M3 (a power-of-two scale per tensor), FP8 Q.K^T and P.V, fp32 "
     "softmax: the vendors' fused FP8 attention (cuDNN, AITER)", fp8_sdpa.fp8_pv_attention,

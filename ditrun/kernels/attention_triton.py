@@ -1,14 +1,14 @@
-"""The Triton flash-attention kernel of quantized attention (GPU only; imported on first use).
+"""The Triton flash-attention kernel of INT8-QK attention (GPU only; imported on first use).
 
 One program per (block of BLOCK_M queries, batch x head): the Q tile stays in registers, K/V tiles
-of BLOCK_N tokens stream through. Q.K^T is a tensor-core dot of INT8 operands (int32, exact; per-token
-scales, ``int8qk*``) or of E4M3 operands (fp32; one scale per head, ``fp8``); the scales and
-sm_scale * log2(e) are folded so that the online softmax runs on exp2, in fp32. INT8 sums are
-converted to fp32 by adding them to the bits of 1.5 * 2^23 (two full-rate instructions, exact)
-rather than by I2F. P @ V runs in V's dtype (FP8-exact and MXFP6 values are exact in BF16).
+of BLOCK_N tokens stream through. Q.K^T is a tensor-core dot of INT8 operands (int32, exact) times
+per-token scales; the scales and sm_scale * log2(e) are folded so that the online softmax runs on exp2,
+in fp32. INT8 sums are converted to fp32 by adding them to the bits of 1.5 * 2^23 (two full-rate
+instructions, exact) rather than by I2F. P @ V runs in V's dtype (FP8-exact and MXFP6 values are exact
+in BF16).
 
-Tile sizes and pipelining are autotuned per (S, D, operand types) from a short list (see CONFIGS).
-When S is a multiple of BLOCK_N the key loop runs without masks.
+Tile sizes and pipelining are autotuned per (S, D) from a short list (see CONFIGS). When S is a
+multiple of BLOCK_N the key loop runs without masks.
 """
 
 from __future__ import annotations
@@ -31,19 +31,17 @@ def _config(m, n, w, s):
     return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
 
 
-# On one H200 (Triton 3.6, S = 20992, D = 128) 128 x 64 tiles on 4 warps, 3 stages, were fastest for every
-# operand variant with BF16 V (docs/PERFORMANCE.md, `benchmarks/attention.py --configs`). The list keeps that
-# one's neighbours, and smaller tiles for GPUs with less shared memory.
+# On one H200 (Triton 3.6, S = 20992, D = 128) 128 x 64 tiles on 4 warps, 3 stages, were fastest
+# (`benchmarks/attention.py --configs`). The list keeps that one's neighbours, and smaller tiles for GPUs
+# with less shared memory.
 CONFIGS = [_config(m, n, w, s) for m, n, w, s in [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 32, 4, 3),
                                                   (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3)]]
 
 
 @triton.jit
-def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s, scale_b, scale_h,
-                       D: tl.constexpr, QK_FP8: tl.constexpr, PER_TOKEN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
-    # Q, K: int8 (or E4M3 when QK_FP8) [B, H, S, D]; QS, KS: fp32 [B, H, S] per token (PER_TOKEN) or one per
-    # (batch, head) at b * scale_b + h * scale_h; V, O: [B, H, S, D] with Q's strides.
+def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    # Q, K: int8 [B, H, S, D]; QS, KS: fp32 [B, H, S], one scale per token; V, O: [B, H, S, D] with Q's strides.
     block_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -52,11 +50,8 @@ def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, D)
     q = tl.load(Q + base + rows[:, None] * stride_s + dims[None, :], mask=rows[:, None] < S, other=0.0)
-    scales = b * scale_b + h * scale_h
-    if PER_TOKEN:
-        q_scale = tl.load(QS + scales + rows, mask=rows < S, other=1.0) * sm_scale_log2  # > 0: see below
-    else:
-        qk_scale = tl.load(QS + scales) * tl.load(KS + scales) * sm_scale_log2
+    scales = bh.to(tl.int64) * S
+    q_scale = tl.load(QS + scales + rows, mask=rows < S, other=1.0) * sm_scale_log2  # > 0: see below
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
@@ -64,29 +59,18 @@ def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride
         keys = start + cols
         if EVEN_N:
             k = tl.load(K + base + keys[:, None] * stride_s + dims[None, :])
+            k_scale = tl.load(KS + scales + keys)
         else:
             k = tl.load(K + base + keys[:, None] * stride_s + dims[None, :], mask=keys[:, None] < S, other=0.0)
-        if QK_FP8:
-            raw = tl.dot(q, tl.trans(k))
-        else:
-            raw = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT_MAGIC).to(tl.float32, bitcast=True) - ROUND_MAGIC
-        if PER_TOKEN:
-            if EVEN_N:
-                raw = raw * tl.load(KS + scales + keys)[None, :]
-            else:
-                raw = raw * tl.load(KS + scales + keys, mask=keys < S, other=0.0)[None, :]
-            row_scale = q_scale
-        else:
-            row_scale = qk_scale
+            k_scale = tl.load(KS + scales + keys, mask=keys < S, other=0.0)
+        raw = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT_MAGIC).to(tl.float32, bitcast=True) - ROUND_MAGIC
+        raw = raw * k_scale[None, :]
         if not EVEN_N:
             raw = tl.where(keys[None, :] < S, raw, float("-inf"))
-        # The scores in log2 units are row_scale * raw; as row_scale > 0, the row max is row_scale * max(raw),
-        # and row_scale * raw - m is one FMA per score (the softmax, not the dots, bounds this loop).
-        m_new = tl.maximum(m_i, tl.max(raw, 1) * row_scale)
-        if PER_TOKEN:
-            p = tl.math.exp2(raw * row_scale[:, None] - m_new[:, None])
-        else:
-            p = tl.math.exp2(raw * row_scale - m_new[:, None])
+        # The scores in log2 units are q_scale * raw; as q_scale > 0, the row max is q_scale * max(raw),
+        # and q_scale * raw - m is one FMA per score (the softmax, not the dots, bounds this loop).
+        m_new = tl.maximum(m_i, tl.max(raw, 1) * q_scale)
+        p = tl.math.exp2(raw * q_scale[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if EVEN_N:
@@ -100,29 +84,26 @@ def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride
 
 
 _fixed = triton.heuristics({"EVEN_N": lambda args: args["S"] % args["BLOCK_N"] == 0})(_attention_forward)
-_tuned = triton.autotune(configs=CONFIGS, key=["S", "D", "QK_FP8", "PER_TOKEN"])(_fixed)
+_tuned = triton.autotune(configs=CONFIGS, key=["S", "D"])(_fixed)
 
 
 def flash_attention(q, q_scale, k, k_scale, v, sm_scale: float, config: dict | None = None) -> torch.Tensor:
-    """Quantized [B, H, S, D] q, k (INT8, or E4M3) with fp32 scales ([B, H, S] per token, or [B, H] per head)
-    and v -> [B, H, S, D] in v's dtype. ``config``: fixed kernel parameters (``BLOCK_M``, ``BLOCK_N``, optionally
-    ``num_warps``, ``num_stages``) instead of autotuning (Triton's CPU interpreter cannot time)."""
+    """INT8 [B, H, S, D] q, k with fp32 per-token scales [B, H, S], and v -> [B, H, S, D] in v's dtype.
+    ``config``: fixed kernel parameters (``BLOCK_M``, ``BLOCK_N``, optionally ``num_warps``, ``num_stages``)
+    instead of autotuning (Triton's CPU interpreter cannot time)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
     b, h, s, d = q.shape
-    per_token = q_scale.dim() == 3
     out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
 
     def grid(meta):
         return triton.cdiv(s, meta["BLOCK_M"]), b * h
 
-    args = (q, q_scale, k, k_scale, v, out, sm_scale * LOG2_E, s, h, q.stride(0), q.stride(1), q.stride(2),
-            q_scale.stride(0), q_scale.stride(1))
-    flags = dict(D=d, QK_FP8=q.dtype != torch.int8, PER_TOKEN=per_token)
+    args = (q, q_scale, k, k_scale, v, out, sm_scale * LOG2_E, s, h, q.stride(0), q.stride(1), q.stride(2))
     if config is None:
-        _tuned[grid](*args, **flags)
+        _tuned[grid](*args, D=d)
     else:
-        _fixed[grid](*args, **flags, **config)
+        _fixed[grid](*args, D=d, **config)
     return out
 
 

@@ -63,7 +63,7 @@ class Tiling:
 def default_tiling(k: int, kernel: str = "fp8") -> Tiling:
     """The tiling ``kernel`` ("fp8": ``rowwise_fp8``; "mx": ``mx_repack_fp8``) uses for rows of ``k`` elements: the
     fastest, or within 3% of it, at M = 4608 and 20992 for each K of the Flux linears on one H200
-    (``benchmarks/gemm.py --tilings``, docs/PERFORMANCE.md, 2026-11-30, session 7).
+    (``benchmarks/gemm.py --tilings``).
 
     FP8: rows of at most 4096 elements held in registers by 4 warps, longer ones read twice in tiles of 1024 on 8
     warps. MX: two rows per program read twice, in tiles of 1024 on 4 warps up to 4096 elements and of 2048 on 8
