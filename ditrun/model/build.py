@@ -239,7 +239,7 @@ def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device:
     quantize_model(model, plan.linear, plan.scale_mode, table.choose)
     table.say_untuned()
     implementation = choose_implementation(plan.attention, device, head_dim, fast=plan.backend != "emulation")
-    if announce and plan.attention.quantized and implementation == REFERENCE and device.type == "cuda":
+    if announce and plan.attention.quantized and implementation == REFERENCE:
         why = fast_attention_available(plan.attention, device) or "precision.backend=emulation"
         print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).",
               flush=True)
