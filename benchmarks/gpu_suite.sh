@@ -18,7 +18,8 @@
 #                                                            and torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min;
 #                                                            needs the diffusers and torchao wheels in .whl/)
 #   bash benchmarks/gpu_suite.sh fast-path [STEPS]        (one GPU: precision=fp8_all through the CLI at the published
-#                                                            shape, then its forward in vs_diffusers.py beside torchao's)
+#                                                            shape; its forward beside torchao's in one process:
+#                                                            vs-diffusers 20992 "diffusers ditrun-fp8_all diffusers-torchao-fp8")
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -87,12 +88,10 @@ if [[ $what == vs-diffusers ]]; then
     | tee "$OUT/vs_diffusers.log" | tail -40
 fi
 if [[ $what == fast-path ]]; then
-  # The fast preset through the CLI at the published shape (one edit after the warm-up one), then the same
-  # configuration's forward beside torchao's in vs_diffusers.py (its time x steps is the CLI's DiT time per edit).
+  # The fast preset through the CLI at the published shape (one edit after the warm-up one): its DiT time per
+  # step is vs_diffusers.py's ditrun-fp8_all forward (same configuration, composed the same way) at 20992 tokens.
   python3 benchmarks/bench_workload.py --limit 2 --steps "${2:-8}" --out "$OUT" -- precision=fp8_all 2>&1 \
     | tee "$OUT/bench_workload_fp8_all.log" | tail -8
-  python3 benchmarks/vs_diffusers.py --tokens 20992 --no-profile --out "$OUT" \
-    --modes diffusers ditrun-fp8_all diffusers-torchao-fp8 2>&1 | tee "$OUT/vs_diffusers_fp8_all.log" | tail -12
 fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \
