@@ -320,12 +320,18 @@ def _int8qk_implementation(v_format: str) -> Callable[[torch.device, int], str]:
             return "triton"
         why = gluon_unavailable(device, v_format == "fp8")
         if why is not None:
-            print(f"ditrun: the Hopper INT8-QK attention kernel {why}; INT8-QK attention runs on the Triton kernel.",
-                  flush=True)
+            _say_once(f"ditrun: the Hopper INT8-QK attention kernel {why}; INT8-QK attention runs on the Triton "
+                      "kernel.")
             return "triton"
         return "gluon"
 
     return choose
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    """Print ``line`` the first time it is asked for in this process (a process may build several models)."""
+    print(line, flush=True)
 
 
 ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel", "precision.attention")
