@@ -149,6 +149,21 @@ def test_stacked_projections_equal_separate_quantized_ones(variant):
     assert (stacked[3] is None) == (variant == "flux")
 
 
+def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_what_ran(capsys):
+    """fp8_all on the CPU: its named GEMM backend and cuDNN's FP8 attention cannot run, so each says so in one
+    line (three fp8 components, one line), and the record names the emulation and the reference."""
+    cfg = tiny_config("precision=fp8_all")
+    built = build_model(cfg.model, select_placement("cpu", "fp32"), plan_precision(cfg.precision, CPU))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "precision.backend=fp8_rowwise_fast" in line] == [
+        "ditrun: precision.backend=fp8_rowwise_fast needs torch._scaled_mm rowwise FP8 (sm89+, MI300+) here; fp8 runs "
+        "emulation."]
+    assert [line for line in lines if "precision.attention=fp8_pv" in line] == [
+        "ditrun: precision.attention=fp8_pv runs as the torch reference here (needs a GPU (cuDNN's FP8 SDPA on NVIDIA "
+        "sm_90+, AITER on AMD gfx950))."]
+    assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["reference"]
+
+
 def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close():
     built, cfg, placement = _quantized_model("bf16")
     assert not any(isinstance(m, L.QuantizedLinear) for m in built.model.modules())

@@ -67,9 +67,12 @@ GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false"]
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("precision", ["fp8", "fp8_all", "fp8_int8qk", "mxfp6", "mxfp4", "krea"])
-def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, precision):
-    """One GPU: the fast backends run the whole edit; two GPUs (when present): Ulysses equals one GPU."""
+def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, capsys, precision):
+    """One GPU: the fast backends run the whole edit, start-up says at most one line about untuned shapes; two GPUs
+    (when present): Ulysses equals one GPU."""
     summary = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "one")
+    printed = capsys.readouterr().out
+    assert printed.count("no tuned backend") <= 1, printed
     detail = summary["precision_detail"]
     # Hopper runs every quantized linear format fast (bf16 components have no backends); MI300 has no MX path.
     # (the details also hold "attention" and, compiled as GPUs are by default, "compile")
