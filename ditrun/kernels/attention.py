@@ -239,9 +239,8 @@ def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, sm_scale: float, implementation: str = "triton",
                         v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
-    fp32 scales [B, H, S]. ``implementation``
-    (chosen once, when the model is built): ``gluon`` (the Hopper kernel) or ``triton`` on GPUs; the torch
-    reference runs off GPUs whatever it says.
+    fp32 scales [B, H, S]. ``implementation`` (chosen once, when the model is built): ``gluon`` (the Hopper
+    kernel) or ``triton`` on GPUs; the torch reference runs off GPUs whatever it says.
 
     ``v_scale``: v holds ``fp8_v_codes``' codes, the Gluon kernel's FP8 P @ V operand (2^8 P rounded to E4M3 too);
     the output is then BF16, and the Triton kernel and the reference take ``fp8_v_values`` of them."""
