@@ -4,13 +4,15 @@
 * ``graph_ms``: back-to-back calls replayed as one CUDA graph, the GPU's time alone;
 * ``interleaved_ms`` / ``interleaved_graph_ms``: several cases timed in turns (``in_turns``), so that the GPU's
   clock and temperature, which drift while it works, weigh on every case alike;
-* ``cuda_time``: seconds per call of a long call (a whole forward), one CUDA-event pair each.
+* ``cuda_time``: seconds per call of a long call (a whole forward), one CUDA-event pair each;
+* ``gpu_and_backlog_s``: one call's GPU time and how long the GPU still worked once the host had issued it.
 """
 
 from __future__ import annotations
 
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +27,18 @@ def cuda_time(fn, warmup: int, repeats: int) -> list[float]:
     for _ in range(warmup):
         fn()
     return [events_ms(fn) / 1e3 for _ in range(repeats)]
+
+
+def gpu_and_backlog_s(fn) -> tuple[float, float]:
+    """(GPU seconds, backlog seconds) of one call: the backlog is how long the GPU still ran after the host had
+    issued everything (about 0: the GPU was waiting for the host)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    issued = time.perf_counter()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, time.perf_counter() - issued
 
 
 def graph_of(fn, calls: int) -> "torch.cuda.CUDAGraph":
