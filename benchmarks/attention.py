@@ -49,7 +49,7 @@ def fp32_reference(q, k, v):
 
 
 def failure_text(failure: Exception) -> str:
-    """A probe's failure in one short line: its type and the first line of its message."""
+    """A row's failure in one short line: its type and the first line of its message."""
     first = str(failure).splitlines()[0][:90] if str(failure) else ""
     return f"failed: {type(failure).__name__}: {first}"
 
@@ -71,14 +71,14 @@ class Inputs:
         """out [1, S, H, D] against the fp32 reference, over its first ERROR_QUERIES queries."""
         return relative_error(out[:, :ERROR_QUERIES], self.exact)
 
-    def row(self, kernel: str, fn, error: bool = True, probe: bool = False) -> dict[str, str]:
-        """``fn`` timed (and, with ``error``, its [1, S, H, D] output checked) as one table row. For a
-        ``probe`` a failure is a row that says why: one variant that cannot run must not end the table."""
+    def row(self, kernel: str, fn, error: bool = True, optional: bool = False) -> dict[str, str]:
+        """``fn`` timed (and, with ``error``, its [1, S, H, D] output checked) as one table row. For an
+        ``optional`` row a failure is a row that says why: one kernel that cannot run here must not end the table."""
         try:
             ms = time_ms(fn, CUDA, self.repeats, self.calls)
             err = f"{self.error(fn()):.1e}" if error else "-"
-        except Exception as failure:  # noqa: BLE001 - a probe says why it could not run and goes on
-            if not probe:
+        except Exception as failure:  # noqa: BLE001 - an optional row says why it could not run and goes on
+            if not optional:
                 raise
             return {"S": str(self.s), "kernel": kernel, "ms": "-", "TF/s": "-", "vs sdpa": "-",
                     "error": failure_text(failure)}
@@ -112,24 +112,24 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, calls: int = 1) -> li
     fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
     rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
                       lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, sm_scale), fp8_pv[3], torch.bfloat16),
-                      probe=True))
+                      optional=True))
     for name, kernel in ATTENTION_KERNELS.items():
         if not kernel.quantized:
             continue
         implementation = choose_implementation(kernel, CUDA, head_dim, fast=True)
         attention = kernel.make(implementation)
         rows.append(x.row(f"{name} ({implementation})", lambda attention=attention: attention(q, k, v),
-                          probe=implementation == "reference"))
+                          optional=implementation == "reference"))
     return rows
 
 
 # The Triton kernel's configurations --configs compares: (BLOCK_M, BLOCK_N, warps, stages).
-PROBE_CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+TILE_CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
                  (128, 128, 8, 3), (64, 64, 4, 3)]
 
 
 def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
-    """The Triton flash kernel on INT8 Q.K operands with BF16 and with FP8-exact V under every PROBE_CONFIGS entry,
+    """The Triton flash kernel on INT8 Q.K operands with BF16 and with FP8-exact V under every TILE_CONFIGS entry,
     on operands quantized beforehand: which tiles are fastest on this GPU (``attention_triton.CONFIGS`` lists the
     autotuner's), with each one's error."""
     from ditrun.kernels.attention_triton import flash_attention
@@ -142,11 +142,11 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
     variants = {"bf16 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_bf16),
                 "fp8 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_fp8)}
     for name, operands in variants.items():
-        for bm, bn, warps, stages in PROBE_CONFIGS:
+        for bm, bn, warps, stages in TILE_CONFIGS:
             config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
             rows.append(x.row(f"{name} [{bm}x{bn} w{warps} s{stages}]",
                               lambda operands=operands, config=config: flash_attention(
-                                  *operands, 1 / math.sqrt(head_dim), config).transpose(1, 2), probe=True))
+                                  *operands, 1 / math.sqrt(head_dim), config).transpose(1, 2), optional=True))
             print(rows[-1], flush=True)
     return rows
 
