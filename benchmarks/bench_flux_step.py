@@ -28,23 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ditrun.model import from_pretrained  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
+from timing import cuda_time  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
-
-
-def cuda_time(fn, warmup: int, repeats: int) -> list[float]:
-    """Seconds per call, measured with CUDA events after warm-up."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return times
 
 
 def matmul_ceiling_tflops(n: int = 8192) -> float:

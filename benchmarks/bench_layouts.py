@@ -14,7 +14,7 @@ process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GP
 every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
 ``single`` on the same inputs: the relative error of the guided velocity (bf16 tolerance),
 whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
-transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table (issue 10):
+transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table:
 ``ulysses`` with 2 head groups over ``copy_engine`` exposes <= 1.5% of its DiT time and is at
 least 5% faster than over ``collective``.
 
@@ -38,7 +38,6 @@ import os
 import socket
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -56,6 +55,7 @@ from ditrun.parallel.cfg import layout_velocity, prepare_transports  # noqa: E40
 from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
 from ditrun.config import TransportConfig  # noqa: E402
 from ditrun.transport.registry import make_transport  # noqa: E402
+from timing import gpu_and_backlog_s  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
@@ -102,22 +102,6 @@ def step_function(model, inputs: EditInputs, name: str, head_groups: int, world:
     return lambda: velocity(inputs.noise, 0.6)
 
 
-def time_once(fn) -> float:
-    return time_step(fn)[0]
-
-
-def time_step(fn) -> tuple[float, float]:
-    """(GPU seconds, backlog seconds) of one call: the backlog is how long the GPU still ran after the
-    host had issued everything (about 0: the GPU was waiting for the host)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    issued = time.perf_counter()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3, time.perf_counter() - issued
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=1024)
@@ -149,7 +133,7 @@ def main() -> int:
         outputs = {row: fn().float() for row, fn in steps.items()}  # warm-up, and the outputs to compare
         for _ in range(args.repeats):
             for row, fn in steps.items():
-                times[row].append(time_once(fn))
+                times[row].append(gpu_and_backlog_s(fn)[0])
     report = summarise(times, outputs, args)
     print_table(report)
     if args.out:
@@ -234,7 +218,7 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
         for _ in range(args.repeats):
             for row, fn in steps.items():
                 timers[row].take()
-                gpu_s, backlog_s = time_step(fn)
+                gpu_s, backlog_s = gpu_and_backlog_s(fn)
                 times[row].append(gpu_s)
                 backlog[row].append(backlog_s)
                 exposed[row].append(timers[row].take())

@@ -2,18 +2,16 @@
 
     python benchmarks/gemm.py                # M = 4608 and 20992, every Flux (K, N)
     python benchmarks/gemm.py --m 4608 --repeats 30
-    python benchmarks/gemm.py --fusion --m 4608 8704 20992   # BF16: separate linears against one stacked GEMM
-    python benchmarks/gemm.py --activation --m 4608 8704     # GELU + FP8 row quantization, compiled: tanh or sigmoid
     python benchmarks/gemm.py --tilings                      # the Triton activation quantizers' tilings, per K
 
 For each (M, K, N) it times, with CUDA events (median of ``--repeats``, each ``--calls`` back-to-back
 calls replayed as one CUDA graph, as a graphed model runs them, every column of a row in turns so
 that clock drift weighs on all alike; ``--timing calls``: launched one by one, back to back, host
-included; ``--timing single``: one call at a time, as before session 7; both column by column):
+included; ``--timing single``: one call at a time; both column by column):
 ``bf16`` (torch.nn.functional.linear), ``fp8 gemm`` (torch._scaled_mm on operands quantized
 beforehand: the ceiling of any FP8 path), and each quantized backend end to end as a model
 call runs it: activation quantization (one Triton kernel) + GEMM. Speedups are against bf16; the
-MX repack column is also given as a fraction of the fp8 path (the issue's target: within 10%).
+MX repack column is also given as a fraction of the fp8 path (the aim: within 10%).
 ``fp8 quant ms`` / ``mxfp6 quant ms``: the activation quantizer alone, with the bandwidth of one
 pass (bf16 read + fp8 write = 3 bytes per element; the H200 peaks near 4.8 TB/s).
 Every backend's output is compared with the emulation reference (relative error, max-norm).
@@ -22,7 +20,6 @@ Every backend's output is compared with the emulation reference (relative error,
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 
@@ -31,9 +28,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import timing  # noqa: E402
 from ditrun.kernels import linear as L  # noqa: E402
-from ditrun.kernels import tune  # noqa: E402
-from ditrun.kernels.tune import load_module, time_ms  # noqa: E402
+from timing import time_ms  # noqa: E402
 
 # Flux (FLUX.1-dev) linears: (name, K, N). Q/K/V(+gate) are one stacked GEMM; the single-stream
 # block's proj_out takes [attention, MLP] = 3072 + 12288 channels.
@@ -57,15 +54,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def timer(mode: str, calls: int):
     """fn, repeats -> median ms per call, timed as ``--timing`` says."""
     if mode == "graph":
-        return lambda fn, repeats: tune.graph_ms(fn, repeats, calls)
+        return lambda fn, repeats: timing.graph_ms(fn, repeats, calls)
     return lambda fn, repeats: time_ms(fn, CUDA, repeats, calls if mode == "calls" else 1)
 
 
 def timings(mode: str, calls: int):
     """{name: fn}, repeats -> {name: median ms per call}: with graphs, the cases of one row in turns
-    (``tune.interleaved_graph_ms``); otherwise one after another."""
+    (``timing.interleaved_graph_ms``); otherwise one after another."""
     if mode == "graph":
-        return lambda fns, repeats: tune.interleaved_graph_ms(fns, repeats, calls)
+        return lambda fns, repeats: timing.interleaved_graph_ms(fns, repeats, calls)
     single = timer(mode, calls)
     return lambda fns, repeats: {name: single(fn, repeats) for name, fn in fns.items()}
 
@@ -117,69 +114,10 @@ def bench_shape(m: int, k: int, n: int, repeats: int, formats: list[str], measur
     return row
 
 
-FUSION_SETS = [  # (block, [(K, N) of linears that read one input]): time separate against one stacked GEMM
-    ("double: q, k, v", [(3072, 3072)] * 3),
-    ("single: q, k, v, proj_mlp", [(3072, 3072)] * 3 + [(3072, 12288)]),
-    ("single: qkv, proj_mlp", [(3072, 9216), (3072, 12288)]),
-]
-
-
-def fusion_rows(m: int, repeats: int) -> list[dict[str, str]]:
-    """BF16 linears with bias (``model.fuse``): the separate GEMMs against the stacked one, with and
-    without the bias (inductor may move a bias into the next kernel), on this GPU's BLAS."""
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    rows = []
-    for block, shapes in FUSION_SETS:
-        k = shapes[0][0]
-        x = torch.randn(m, k, device=CUDA, generator=g).to(torch.bfloat16)
-        ws = [(torch.randn(n, k, device=CUDA, generator=g) / k**0.5).to(torch.bfloat16) for _, n in shapes]
-        bs = [torch.randn(n, device=CUDA, generator=g).to(torch.bfloat16) for _, n in shapes]
-        w, b = torch.cat(ws), torch.cat(bs)
-        flops = 2 * m * k * w.shape[0]
-        times = {
-            "separate": time_ms(lambda: [F.linear(x, wi, bi) for wi, bi in zip(ws, bs)], CUDA, repeats),
-            "stacked": time_ms(lambda: F.linear(x, w, b), CUDA, repeats),
-            "separate, no bias": time_ms(lambda: [x @ wi.t() for wi in ws], CUDA, repeats),
-            "stacked, no bias": time_ms(lambda: x @ w.t(), CUDA, repeats),
-        }
-        rows.append({"M": str(m), "linears": block, "N": "+".join(str(n) for _, n in shapes),
-                     **{f"{name} ms": f"{ms:.3f} ({flops / ms / 1e9:.0f} TF/s)" for name, ms in times.items()}})
-    return rows
-
-
-def activation_rows(m: int, repeats: int) -> list[dict[str, str]]:
-    """The single block's down-projection input, [attention (3072) | GELU(MLP hidden) (12288)], quantized to
-    row-wise FP8 in one compiled function, as a compiled block runs it: GELU written with tanh (``F.gelu``)
-    or as h * sigmoid(2u) (``dit.gelu_activation`` under compile), against no activation at all (the
-    memory-bound floor) and the BF16 model's GELU + concatenation (one pass, no quantization)."""
-    from ditrun.model import dit
-
-    g = torch.Generator(device=CUDA).manual_seed(0)
-    prefix = torch.randn(m, 3072, device=CUDA, generator=g).to(torch.bfloat16)
-    hidden = (2 * torch.randn(m, 12288, device=CUDA, generator=g)).to(torch.bfloat16)
-    dtype = L.fp8_dtype()
-    tanh = functools.partial(F.gelu, approximate="tanh")
-    forms = {"tanh": tanh, "sigmoid": dit.gelu_activation, "none": lambda h: h}
-    io_bytes = 2 * prefix.numel() + 2 * hidden.numel() + prefix.numel() + hidden.numel()  # bf16 in, fp8 out
-    row, codes = {"M": str(m)}, {}
-    for name, activation in forms.items():
-        fn = torch.compile(lambda p, h, a=activation: L.quantize_rowwise_fp8(L.joined(p, h, a), dtype), dynamic=False)
-        codes[name] = fn(prefix, hidden)
-        ms = time_ms(lambda: fn(prefix, hidden), CUDA, repeats)
-        row[f"fp8, {name} ms"] = f"{ms:.3f} ({io_bytes / ms / 1e9:.2f} TB/s)"
-    bf16 = torch.compile(lambda p, h: L.joined(p, h, tanh), dynamic=False)
-    ms = time_ms(lambda: bf16(prefix, hidden), CUDA, repeats)
-    row["bf16 gelu + cat, tanh ms"] = f"{ms:.3f} ({4 * (prefix.numel() + hidden.numel()) / ms / 1e9:.2f} TB/s)"
-    (a, sa), (b, sb) = codes["tanh"], codes["sigmoid"]
-    row["sigmoid vs tanh"] = (f"codes differ {(a.view(torch.uint8) != b.view(torch.uint8)).float().mean().item():.1e}, "
-                              f"scales {((sa - sb).abs() / sa).max().item():.1e}")
-    return row
-
-
-def tiling_rows(m: int, repeats: int, time_ms, baseline: Path | None) -> list[dict[str, str]]:
+def tiling_rows(m: int, repeats: int, time_ms) -> list[dict[str, str]]:
     """The Triton activation quantizers (row-wise FP8, MXFP6 repack) of an [m, K] BF16 activation for each K of the
     Flux linears, in every candidate tiling (``quantize_triton.candidate_tilings``), the default marked, the fastest
-    starred; ``baseline``: another copy of kernels/quantize_triton.py, timed with its own defaults beside them."""
+    starred."""
     from ditrun.kernels import formats
     from ditrun.kernels import quantize_triton as T
 
@@ -194,10 +132,6 @@ def tiling_rows(m: int, repeats: int, time_ms, baseline: Path | None) -> list[di
                  (lambda t=t: T.rowwise_fp8(x, dtype, tiling=t),
                   lambda t=t: T.mx_repack_fp8(x, element, 32, "rceil", headroom, tiling=t))
                  for t in T.candidate_tilings(k) + list(defaults.values())}
-        if baseline is not None:
-            old = load_module(baseline, "quantize_triton_baseline")
-            cases[f"baseline {baseline.name}"] = (lambda: old.rowwise_fp8(x, dtype),
-                                                  lambda: old.mx_repack_fp8(x, element, 32, "rceil", headroom))
         times = {name: [time_ms(fn, repeats) for fn in fns] for name, fns in cases.items()}
         best = [min(ms[i] for ms in times.values()) for i in range(2)]
         for name, ms in times.items():
@@ -221,13 +155,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--formats", nargs="*", default=["fp8", "fp8_fast", "mxfp8", "mxfp6", "mxfp4"],
                         help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists")
-    parser.add_argument("--fusion", action="store_true",
-                        help="only BF16: the linears that read one input, separate against stacked (model.fuse)")
-    parser.add_argument("--activation", action="store_true",
-                        help="only the down projection's GELU + row-wise FP8 input quantizer, tanh or sigmoid form")
     parser.add_argument("--tilings", action="store_true",
                         help="only the Triton activation quantizers, every candidate tiling, per K of the Flux linears")
-    parser.add_argument("--baseline", type=Path, help="with --tilings: another copy of kernels/quantize_triton.py")
     parser.add_argument("--timing", choices=("graph", "calls", "single"), default="graph",
                         help="graph: --calls calls replayed as one CUDA graph (the GPU's time); calls: launched back "
                              "to back (host included); single: one call at a time")
@@ -240,13 +169,7 @@ def main() -> None:
     print(f"timing: {args.timing}" + (f", {args.calls} calls" if args.timing != "single" else ""))
     timed = timer(args.timing, args.calls)
     if args.tilings:
-        print_table([row for m in args.m for row in tiling_rows(m, args.repeats, timed, args.baseline)])
-        return
-    if args.activation:
-        print_table([activation_rows(m, args.repeats) for m in args.m])
-        return
-    if args.fusion:
-        print_table([row for m in args.m for row in fusion_rows(m, args.repeats)])
+        print_table([row for m in args.m for row in tiling_rows(m, args.repeats, timed)])
         return
     rows = []
     for m in args.m:

@@ -762,7 +762,7 @@ def build(measured: Path = MEASURED_FILE, run_dirs: Optional[list[Path]] = None,
 # GPU runs that feed the model, each beside what the model predicted without it
 
 # (folder name, GPUs per edit, ditrun overrides): the published shape (true CFG off), run with every
-# configuration the visible GPUs allow; P = 4 and 8 only where 4 or 8 GPUs are lent (issue 14).
+# configuration the visible GPUs allow; P = 4 and 8 only where 4 or 8 GPUs are visible.
 MEASURE_RUNS = (
     ("single-bf16", 1, ()),
     ("single-fp8", 1, ("precision=fp8",)),

@@ -12,39 +12,24 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
 
 * ``diffusers``            eager BF16 (the reference output)
 * ``ditrun``               eager BF16, what ``model.compile=off`` runs
-* ``ditrun-compiled``      BF16, fused projections + compile (``model.compile=auto`` on GPUs); layout
-                           ``single``, so each block is one graph with its attention inside
-* ``ditrun-compiled-no-epilogues`` the same without the GELU MLPs in their GEMMs' epilogues
-                           (``compile.GELU_EPILOGUES`` off: the code before 2026-12-01, for comparison)
-* ``ditrun-compiled-regions`` the same with the attention between the compiled halves, as a layout
-                           that exchanges runs it (``ulysses``, ``cfg_*``): what leaving it out costs
-* ``ditrun-fp8``           ``precision=fp8`` compiled
-* ``ditrun-fp8-fast``      the same on ``precision.backend=fp8_rowwise_fast`` (fast FP8 accumulation,
-                           as torchao's inference default)
-* ``ditrun-fp8-int8qk``    FP8 linears + INT8-QK attention (BF16 V), compiled
-* ``ditrun-krea``          ``precision=krea`` (MXFP6 MLPs on the FP8 repack, FP8 projections, INT8-QK
-                           attention with MXFP6 V), compiled
-* ``ditrun-fp8-fast-int8qk`` FP8 linears with fast accumulation + INT8-QK attention, compiled
-* ``ditrun-fp8-fast-fp8attn`` FP8 linears with fast accumulation + FP8 attention (FP8 Q.K^T), compiled
-* ``ditrun-fp8-fast-fp8pv`` FP8 linears with fast accumulation + ``fp8_pv`` attention (cuDNN's fused FP8
-                           kernel: Q, K, V and P in E4M3), compiled
-* ``ditrun-fp8-fast-int8qkfp8v`` FP8 linears with fast accumulation + ``int8qk_fp8v`` attention (the Hopper
-                           Gluon kernel: INT8 Q.K^T, FP8 P @ V), compiled
+* ``ditrun-<preset>``      the model ``ditrun model=flux-dev precision=<preset>`` runs on this GPU, one mode per
+                           file in ``ditrun/conf/precision/`` (composed by Hydra, as the CLI composes it: the
+                           preset's keys, ``model.compile``, ``model.cuda_graphs`` and the rest at their values
+                           there); ``ditrun-fp8_all`` is the fast path
+* ``ditrun-<preset>-regions`` (bf16, fp8_all) the same with the attention between the compiled halves, as a
+                           layout that exchanges runs it (``ulysses``, ``cfg_*``): what leaving it out costs
 * ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
 * ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
+
+``--set KEY=VALUE ...``: Hydra overrides for every ditrun mode (``--set precision.attention=int8qk_fp8v``,
+``--set model.compile_tuning=false``). Each ditrun row prints what ran (linear backends, attention
+implementation, compile mode) as the run's summary records it.
 
 Shapes (``--tokens``; image + reference + text tokens): 8704 (Kontext 1 MP edit: 4096 out +
 4096 ref + 512 text), 20992 (4 MP out + 1 MP ref + 512 text), 4608 (1 MP generation).
 
-    python benchmarks/vs_diffusers.py --out results/vs                # everything (~15 min on an H200)
-    python benchmarks/vs_diffusers.py --modes diffusers ditrun-krea --tokens 20992
-
-Options: ``--compile-tuning`` compiles ditrun's modes with ``model.compile_tuning`` (inductor's coordinate-descent
-tuning; diffusers' rows keep their recipe); ``--fused-quantizer`` quantizes the FP8 down projections' inputs with
-``ditrun::act_rowwise_fp8`` instead of inductor's fusion (off by default: it measured slower); ``--cuda-graphs``
-replays ditrun's compiled forwards from CUDA graphs (``model.cuda_graphs``); ``--tanh-gelu`` keeps GELU's tanh
-form in compiled regions (``dit.GELU_AS_SIGMOID`` off: the code before 2026-11-30, for comparison);
-``--triton-int8qk`` runs INT8-QK attention on the Triton kernel on Hopper too (``attention.GLUON_INT8QK`` off).
+    python benchmarks/vs_diffusers.py --out results/vs                # everything
+    python benchmarks/vs_diffusers.py --modes diffusers ditrun-fp8_all diffusers-torchao-fp8 --tokens 20992
 
 Needs a GPU with ~90 GB free, diffusers (and torchao for its row); exits 0 with a message otherwise.
 Compile time per mode is the first call's wall time minus a steady call (printed apart).
@@ -60,25 +45,21 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.config import ModelConfig, PrecisionConfig  # noqa: E402
-from ditrun.kernels import attention as A  # noqa: E402
-from ditrun.kernels import linear as L  # noqa: E402
-from ditrun.model.build import PRESET_DIR, Placement, build_model, plan_precision  # noqa: E402
-from ditrun.model import dit  # noqa: E402
-from ditrun.model import compile as compile_module  # noqa: E402
-from ditrun.model.compile import CompilePlan  # noqa: E402
+from ditrun.config import register_configs  # noqa: E402
+from ditrun.model.build import PRESET_DIR, build_model, plan_precision, select_placement  # noqa: E402
+from ditrun.model.compile import plan_compile  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
-from bench_flux_step import cuda_time, forward_flops, nothing_to_measure  # noqa: E402  (the same timing and FLOP count)
+from bench_flux_step import forward_flops, nothing_to_measure  # noqa: E402  (the same FLOP count)
+from timing import cuda_time  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 TEXT = 512
@@ -87,24 +68,10 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
     20992: (2048, 1024),
     4608: (1024, 0),
 }
-PRECISIONS = {  # ditrun mode -> precision map (``conf/precision/*.yaml`` names and values)
-    "ditrun": "bf16", "ditrun-compiled": "bf16", "ditrun-compiled-no-epilogues": "bf16", "ditrun-fp8": "fp8",
-    "ditrun-fp8-fast": dict(name="fp8", mlp="fp8", qkv="fp8", out="fp8", backend="fp8_rowwise_fast"),
-    "ditrun-fp8-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk"),
-    "ditrun-krea": dict(name="krea", mlp="mxfp6", qkv="fp8", out="fp8", attention="int8qk_mxfp6v"),
-    "ditrun-fp8-fast-int8qk": dict(name="fp8-int8qk", mlp="fp8", qkv="fp8", out="fp8", attention="int8qk",
-                                   backend="fp8_rowwise_fast"),
-    "ditrun-fp8-fast-fp8attn": dict(name="fp8-fp8attn", mlp="fp8", qkv="fp8", out="fp8", attention="fp8",
-                                    backend="fp8_rowwise_fast"),
-    "ditrun-fp8-fast-fp8pv": dict(name="fp8-fp8pv", mlp="fp8", qkv="fp8", out="fp8", attention="fp8_pv",
-                                  backend="fp8_rowwise_fast"),
-    "ditrun-fp8-fast-int8qkfp8v": dict(name="fp8-int8qkfp8v", mlp="fp8", qkv="fp8", out="fp8",
-                                       attention="int8qk_fp8v", backend="fp8_rowwise_fast"),
-}
-MODES = ("diffusers", "ditrun", "ditrun-compiled", "ditrun-compiled-no-epilogues", "ditrun-compiled-regions",
-         "ditrun-fp8", "ditrun-fp8-fast", "ditrun-fp8-fast-regions", "ditrun-fp8-int8qk", "ditrun-krea",
-         "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn", "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v", "diffusers-compiled",
-         "diffusers-torchao-fp8")
+PRESETS_HERE = sorted((f.stem for f in PRESET_DIR.glob("*.yaml")), key=lambda name: (name != "bf16", name))
+"""The precision presets, bf16 first: one ditrun mode each."""
+MODES = ("diffusers", "ditrun", *(f"ditrun-{preset}" for preset in PRESETS_HERE), "ditrun-bf16-regions",
+         "ditrun-fp8_all-regions", "diffusers-compiled", "diffusers-torchao-fp8")
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -149,8 +116,8 @@ def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
             continue
         name = event.key.lower()
         # Inductor's fused kernels (triton_poi_/triton_red_/triton_per_...) are named after every op they
-        # touch: the norm + RoPE kernel that writes SDPA's inputs says "scaled_dot_product_..." and was once
-        # counted as attention. They are the rest; ditrun's own Triton kernels have other names.
+        # touch: the norm + RoPE kernel that writes SDPA's inputs says "scaled_dot_product_...", which is not
+        # attention. They are the rest; ditrun's own Triton kernels have other names.
         fused = name.startswith(("triton_poi_", "triton_red_", "triton_per_"))
         kind = "rest" if fused else next((k for k, keys in KERNEL_KINDS if any(s in name for s in keys)), "rest")
         ms = event.self_device_time_total / 1e3
@@ -209,35 +176,31 @@ def make_inputs(tokens: int) -> dict:
         txt_ids=torch.zeros(TEXT, 3, device="cuda"), guidance=torch.tensor([3.5], device="cuda"))
 
 
-COMPILE_TUNING = False
-"""``--compile-tuning``: ditrun's modes compile with ``model.compile_tuning`` (inductor's coordinate descent)."""
-CUDA_GRAPHS = False
-"""``--cuda-graphs``: ditrun's compiled modes replay their forward from CUDA graphs (``model.cuda_graphs``)."""
+def ditrun_config(mode: str, overrides: list[str]):
+    """The run config the CLI composes for ``mode`` (``ditrun``: eager BF16; ``ditrun-<preset>[-regions]``) on the
+    FLUX.1-dev geometry and this GPU, with ``overrides`` (``--set``) last."""
+    from hydra import compose, initialize_config_module
+
+    preset = mode.removeprefix("ditrun").removeprefix("-").removesuffix("-regions") or "bf16"
+    eager = ["model.compile=off"] if mode == "ditrun" else []
+    register_configs()
+    with initialize_config_module("ditrun.conf", version_base="1.3"):
+        return compose("config", overrides=["model=flux-dev", f"precision={preset}", "device=cuda", *eager,
+                                            *overrides])
 
 
-def ditrun_forward(mode: str, weights: dict) -> Callable:
-    """A forward of ditrun built as ``mode`` says, from diffusers' tensors (shared, not copied)."""
-    spec = PRECISIONS[mode.removesuffix("-regions")]
-    if isinstance(spec, dict):
-        precision_cfg = PrecisionConfig(**spec)
-    elif spec == "bf16":
-        precision_cfg = PrecisionConfig()
-    else:
-        precision_cfg = PrecisionConfig(**yaml.safe_load((PRESET_DIR / f"{spec}.yaml").read_text()))
-    placement = Placement(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16, "bf16")
-    plan = plan_precision(precision_cfg, placement.device)
-    compiled = mode != "ditrun"
-    compile_module.GELU_EPILOGUES = mode != "ditrun-compiled-no-epilogues"
-    try:
-        built = build_model(ModelConfig(preset="flux-dev"), placement, plan, announce=False, weights=weights,
-                            speed=CompilePlan(compile=compiled, fuse=compiled, tuning=compiled and COMPILE_TUNING,
-                                              graphs=compiled and CUDA_GRAPHS))
-    finally:
-        compile_module.GELU_EPILOGUES = True
+def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Callable, dict]:
+    """A forward of ditrun built as the CLI builds ``mode``'s config, from diffusers' tensors (shared, not copied),
+    and what it runs (the summary's ``precision_detail``)."""
+    cfg = ditrun_config(mode, overrides)
+    placement = select_placement(cfg.device, cfg.model.dtype)
+    plan = plan_precision(cfg.precision, placement.device)
+    built = build_model(cfg.model, placement, plan, weights=weights, speed=plan_compile(cfg.model, placement.device))
     forward, attention = built.forward, built.attention
+    ran = {"precision": cfg.precision.name, **built.details}
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
-        return lambda inputs: forward(**inputs, attention=lambda q, k, v: attention(q, k, v))
-    return lambda inputs: forward(**inputs, attention=attention)
+        return lambda inputs: forward(**inputs, attention=lambda q, k, v: attention(q, k, v)), ran
+    return lambda inputs: forward(**inputs, attention=attention), ran
 
 
 def diffusers_forward(model) -> Callable:
@@ -268,6 +231,8 @@ class Row:
     kernels: dict
     clocks: dict
     """Mean SM clock (MHz) and board power (W) while the timed forwards ran (``nvidia-smi``; empty without it)."""
+    ran: dict = field(default_factory=dict)
+    """ditrun's rows: what the model ran (format and backends per component, attention implementation, compile)."""
 
     @property
     def compile_s(self) -> float:
@@ -301,7 +266,7 @@ class ClockSampler:
 
 
 def measure(mode: str, forward: Callable, tokens_list: list[int], references: dict, repeats: int,
-            profile: bool) -> list[Row]:
+            profile: bool, ran: Optional[dict] = None) -> list[Row]:
     rows = []
     for tokens in tokens_list:
         inputs = make_inputs(tokens)
@@ -316,22 +281,26 @@ def measure(mode: str, forward: Callable, tokens_list: list[int], references: di
             with ClockSampler() as clocks:
                 seconds = statistics.median(cuda_time(lambda: forward(inputs), 2, repeats))
             kernels = kernel_breakdown(lambda: forward(inputs)) if profile else {}
-        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels, clocks.result))
+        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels, clocks.result,
+                        ran or {}))
         clock_text = f"  SM {clocks.result['sm_mhz']:.0f} MHz, {clocks.result['watts']:.0f} W" if clocks.result else ""
         print(f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
               f"first call {first:6.1f} s{clock_text}", flush=True)
     return rows
 
 
-def run_modes(modes: list[str], tokens_list: list[int], repeats: int, profile: bool) -> tuple[list[Row], dict]:
+def run_modes(modes: list[str], tokens_list: list[int], repeats: int, profile: bool,
+              overrides: list[str]) -> tuple[list[Row], dict]:
     theirs = diffusers_model()
     weights = dict(theirs.state_dict())
     rows, references, skipped = [], {}, {}
     for mode in MODES:
         if mode not in modes:
             continue
+        ran = None
         if mode.startswith("ditrun"):
-            forward = ditrun_forward(mode, weights)
+            forward, ran = ditrun_forward(mode, weights, overrides)
+            print(f"  {mode}: {json.dumps(ran)}", flush=True)
         elif mode == "diffusers":
             forward = diffusers_forward(theirs)
         else:
@@ -344,7 +313,7 @@ def run_modes(modes: list[str], tokens_list: list[int], repeats: int, profile: b
                 torch._dynamo.reset()
             theirs.compile_repeated_blocks(fullgraph=True)
             forward = diffusers_forward(theirs)
-        rows += measure(mode, forward, tokens_list, references, repeats, profile)
+        rows += measure(mode, forward, tokens_list, references, repeats, profile, ran)
         del forward
         if mode.startswith("ditrun"):
             torch._dynamo.reset()  # its compiled regions hold the model: free it before the next one
@@ -358,8 +327,8 @@ def ratio(rows: list[Row], row: Row, peer: str) -> Optional[float]:
     return other.seconds / row.seconds if other else None
 
 
-def print_tables(rows: list[Row], ceilings: dict) -> list[str]:
-    """The table per shape, then the issue's targets as measured; returns the target lines."""
+def print_tables(rows: list[Row], ceilings: dict) -> None:
+    """One table: every mode at every shape, against the GEMM ceilings and each peer."""
     print(f"\nGEMM ceilings (8192^3, random data): BF16 {ceilings['bf16']:.0f} TFLOP/s, "
           f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s")
     header = ("| tokens | mode | ms | TFLOP/s | % BF16 ceil. | error vs diffusers eager | x diffusers | "
@@ -374,38 +343,6 @@ def print_tables(rows: list[Row], ceilings: dict) -> list[str]:
                  *[f"{r:.2f}x" if r else "-" for r in ratios],
                  *[f"{k[kind]:.1f}" if k else "-" for kind in ("attention", "gemm", "rest")], f"{row.compile_s:.1f}"]
         print("| " + " | ".join(cells) + " |")
-    return check_targets(rows)
-
-
-def check_targets(rows: list[Row]) -> list[str]:
-    def get(mode, tokens):
-        return next((r for r in rows if r.mode == mode and r.tokens == tokens), None)
-
-    lines = []
-    torchao = {t: get("diffusers-torchao-fp8", t) for t in SHAPES}
-    for mode in ("ditrun-krea", "ditrun-fp8-int8qk", "ditrun-fp8-fast-int8qk", "ditrun-fp8-fast-fp8attn",
-                 "ditrun-fp8-fast-fp8pv", "ditrun-fp8-fast-int8qkfp8v"):
-        row, peer = get(mode, 20992), torchao[20992]
-        if row and peer:
-            x = peer.seconds / row.seconds
-            ok = x >= 1.25 and row.error <= peer.error
-            lines.append(f"20992 tokens: {mode} {x:.2f}x torchao-fp8-compiled (target >= 1.25x), error "
-                         f"{row.error:.2e} vs {peer.error:.2e}: {'met' if ok else 'missed'}")
-    row, peer = get("ditrun-compiled", 20992), get("diffusers-compiled", 20992)
-    if row and peer:
-        x = peer.seconds / row.seconds
-        lines.append(f"20992 tokens: ditrun BF16 compiled {x:.2f}x diffusers compiled (target >= 1.05x): "
-                     f"{'met' if x >= 1.05 else 'missed'}")
-    for tokens in (8704, 4608):
-        peer = torchao[tokens]
-        ours = [r for r in rows if r.tokens == tokens and r.mode.startswith("ditrun")]
-        if peer and ours:
-            best = min(ours, key=lambda r: r.seconds)
-            x = peer.seconds / best.seconds
-            lines.append(f"{tokens} tokens: fastest ditrun ({best.mode}) {x:.2f}x torchao-fp8-compiled "
-                         f"(target >= 1.12x): {'met' if x >= 1.12 else 'missed'}")
-    print("\nTargets:\n" + "\n".join("- " + line for line in lines))
-    return lines
 
 
 def main() -> int:
@@ -415,34 +352,18 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
     parser.add_argument("--out", type=Path, default=None, help="write vs_diffusers.json here")
-    parser.add_argument("--compile-tuning", action="store_true",
-                        help="ditrun's compiled modes with model.compile_tuning=true (inductor's coordinate descent)")
-    parser.add_argument("--fused-quantizer", action="store_true",
-                        help="FP8 linears quantize [prefix | GELU(x)] with ditrun::act_rowwise_fp8, "
-                        "not as inductor fuses it")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="ditrun's compiled modes replay their forward from CUDA graphs (model.cuda_graphs=on)")
-    parser.add_argument("--tanh-gelu", action="store_true",
-                        help="compiled regions keep GELU's tanh form (dit.GELU_AS_SIGMOID off), as before 2026-11-30")
-    parser.add_argument("--triton-int8qk", action="store_true",
-                        help="INT8-QK attention on the Triton kernel, not the Gluon one (attention.GLUON_INT8QK off)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="Hydra overrides for every ditrun mode (e.g. model.compile_tuning=false)")
     args = parser.parse_args()
-    global COMPILE_TUNING, CUDA_GRAPHS
-    COMPILE_TUNING, CUDA_GRAPHS = args.compile_tuning, args.cuda_graphs
-    dit.GELU_AS_SIGMOID = not args.tanh_gelu
-    L.FUSED_ACTIVATION_QUANTIZER = args.fused_quantizer
-    A.GLUON_INT8QK = not args.triton_int8qk
     if nothing_to_measure("vs_diffusers"):
         return 0
     if "diffusers" not in args.modes:
         args.modes.insert(0, "diffusers")  # the reference every error is measured against
     ceilings = gemm_ceilings()
     print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
-          f"tokens {args.tokens}, compile tuning {COMPILE_TUNING}, fused activation quantizer "
-          f"{L.FUSED_ACTIVATION_QUANTIZER}, CUDA graphs {CUDA_GRAPHS}, GELU as sigmoid {dit.GELU_AS_SIGMOID}, "
-          f"Gluon INT8-QK kernel {A.GLUON_INT8QK}", flush=True)
-    rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile)
-    targets = print_tables(rows, ceilings)
+          f"tokens {args.tokens}, overrides {args.set}", flush=True)
+    rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile, args.set)
+    print_tables(rows, ceilings)
     biggest = max(args.tokens)
     for title, key in (("Costliest kernels outside attention and GEMMs (ms)", "top_rest"),
                        ("Kernels counted as attention (name, ms, calls)", "attention_kernels"),
@@ -455,9 +376,7 @@ def main() -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(json.dumps({
             "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
-            "compile_tuning": COMPILE_TUNING, "fused_activation_quantizer": L.FUSED_ACTIVATION_QUANTIZER,
-            "cuda_graphs": CUDA_GRAPHS, "gelu_as_sigmoid": dit.GELU_AS_SIGMOID, "gluon_int8qk": A.GLUON_INT8QK,
-            "skipped": skipped, "targets": targets,
+            "overrides": args.set, "skipped": skipped,
             "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
     return 0
 

@@ -4,7 +4,7 @@
 and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
 in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
-the config itself and tunes the precision backends (``ditrun/kernels/tune.py``).
+the config itself and tunes the precision backends (``ditrun/tune.py``).
 """
 
 from __future__ import annotations
@@ -66,10 +66,6 @@ def _user_error(err: BaseException, sentence: str | None = None) -> None:
     sys.exit(2)
 
 
-def is_user_error(err: BaseException) -> bool:
-    return isinstance(err, UserError)
-
-
 def _compose_and_run() -> None:
     """Run Hydra's main; a mistake Hydra finds while composing the config becomes one sentence.
 
@@ -96,7 +92,7 @@ def main() -> None:
 
         sys.exit(report_main(sys.argv[2:]))
     if sys.argv[1:2] == ["tune"]:
-        from ditrun.kernels.tune import main as tune_main
+        from ditrun.tune import main as tune_main
 
         sys.exit(tune_main(sys.argv[2:]))
     _compose_and_run()

@@ -53,8 +53,8 @@ class ModelConfig:
     fuse: str = "auto"
     """Stack the linears that read one input into one GEMM: ``auto`` (when compiled), ``on``, ``off``."""
     compile_tuning: bool = False
-    """Let inductor tune its generated kernels' tile sizes (coordinate descent): a few % faster blocks, a much
-    longer first compile (86 s against 11 s at 8704 tokens on one H200), cached for later processes."""
+    """Let inductor tune its generated kernels' tile sizes (coordinate descent; GPUs only): a few % faster blocks,
+    a much longer first compile (docs/PERFORMANCE.md), cached for later processes. ``precision=fp8_all`` sets it."""
     cuda_graphs: str = "auto"
     """Replay the DiT's forward from CUDA graphs (``model/graphs.py``): ``auto`` (on for compiled GPU models),
     ``on``, ``off``. Only forwards that exchange nothing inside are graphed (layout ``single``, or CFG layouts
@@ -92,8 +92,8 @@ class PrecisionConfig:
     out: str = "bf16"
     """Attention output projections: same choices as ``mlp``."""
     attention: str = "bf16"
-    """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8``, ``fp8_pv`` (P in FP8 too: cuDNN's and
-    AITER's fused FP8 kernels), ``int8qk`` (INT8 Q/K, V in the compute dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
+    """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8_pv`` (Q, K, V and P in FP8: cuDNN's and AITER's
+    fused FP8 kernels), ``int8qk`` (INT8 Q/K, V in the compute dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
     backend: str = "auto"
     """``auto`` (the tuned or preferred fast backend where the device has one, else the exact emulation,
     said once), ``emulation`` (always), ``fast`` (fast backends only: an error before any GPU work if a

@@ -1,11 +1,11 @@
-"""The first code a spawned rank runs (``launch/spawn.py``): stop signals are caught before anything
+"""The first code a spawned rank runs (``launch/spawn.py`` starts it, ``launch/rank.py`` runs the rank): stop signals are caught before anything
 heavy is imported.
 
 A spawned interpreter spends its first seconds importing torch and the rest. A stop signal that
-arrived then used to raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
-outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank then failed
+arrived then would raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
+outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank would fail
 with whatever the half-done import left behind (a lazy loader's ``RecursionError``, say) instead
-of stopping. Now this module (standard library only: what the spawn unpickles first) notes stop
+of stopping. So this module (standard library only: what the spawn unpickles first) notes stop
 signals from its first instruction and then tells the supervisor it is ready, and only then does
 the supervisor relay its own stop signals to the rank (``spawn.Relay``); the notes go to the
 rank's stop request once that exists, and the rank stops at its first step boundary like any
@@ -33,10 +33,10 @@ def rank_main(payload: bytes, sender) -> None:
         signal.signal(signum, _note)
     args = pickle.loads(payload)  # (cfg, out_dir, rank, world, port, supervisor)
     sender.send(("ready", args[2]))  # the supervisor relays its stop signals from now on
-    from ditrun.launch.spawn import _rank_main
+    from ditrun.launch.rank import spawned_rank_main
     from ditrun.launch.stop import process_stop
 
     stop = process_stop().install()
     for signum in _noted:  # the notes of a signal that came before this line are not lost
         stop.request(signum)
-    _rank_main(*args, sender=sender)
+    spawned_rank_main(*args, sender=sender)

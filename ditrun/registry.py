@@ -1,11 +1,12 @@
-"""One registry per seam (linear formats, attention kernels, ...): name -> implementation.
+"""One registry per seam (layouts, transports, linear formats and backends, attention kernels): name -> implementation.
 
-Config checks, error messages and docs read the names from here, so no allow-list is written twice.
+Config checks, error messages and docs read the names from here, so no allow-list is written twice: a
+registry knows the config key that names its entries, and ``unknown`` is the one sentence a wrong name gets.
 """
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, TypeVar
+from typing import Generic, Iterator, Optional, TypeVar
 
 from ditrun.errors import UserError
 
@@ -13,10 +14,13 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """An ordered name -> implementation map that names the config key in its errors."""
+    """An ordered name -> implementation map that names its config key in its errors."""
 
-    def __init__(self, what: str):
+    def __init__(self, what: str, key: Optional[str] = None):
         self.what = what
+        """What an entry is, in words (``attention kernel``)."""
+        self.key = key
+        """The config key whose value names an entry (``precision.attention``)."""
         self._items: dict[str, T] = {}
 
     def register(self, name: str, item: T) -> T:
@@ -31,10 +35,16 @@ class Registry(Generic[T]):
     def allowed(self) -> str:
         return ", ".join(self._items)
 
-    def get(self, name: str, key: str) -> T:
-        """The implementation named by config key ``key`` (e.g. ``precision.mlp``); a UserError if unknown."""
+    def unknown(self, name: object, key: Optional[str] = None, extra: str = "") -> UserError:
+        """The one sentence for a value of ``key`` (default: the registry's) that names no entry; ``extra``: other
+        allowed values before the registry's names (``auto, emulation``)."""
+        allowed = f"{extra}, {self.allowed()}" if extra else self.allowed()
+        return UserError(f"{key or self.key}={name!r} is not a known {self.what}; allowed: {allowed}.")
+
+    def get(self, name: str, key: Optional[str] = None) -> T:
+        """The implementation named by config key ``key`` (default: the registry's); a UserError if unknown."""
         if name not in self._items:
-            raise UserError(f"{key}={name!r} is not a known {self.what}; allowed: {self.allowed()}.")
+            raise self.unknown(name, key)
         return self._items[name]
 
     def __contains__(self, name: str) -> bool:
@@ -42,6 +52,9 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def items(self):
         return self._items.items()

@@ -177,6 +177,19 @@ def test_an_unknown_compile_backend_is_named():
         plan_compile(tiny_config("model.compile=on", "model.compile_backend=fastest").model, CPU.device)
 
 
+def test_fp8_all_is_the_fast_path_and_tunes_on_gpus_only():
+    """The preset names the whole fast configuration: FP8 linears on the fast-accumulation GEMM, cuDNN's FP8
+    attention, inductor's tuning and CUDA graphs on GPUs; CPUs compile untuned (nothing of inductor's to tune);
+    a key set on the command line still wins over the preset's."""
+    cfg = tiny_config("precision=fp8_all")
+    assert (cfg.precision.name, cfg.precision.backend, cfg.precision.attention) == ("fp8_all", "fp8_rowwise_fast",
+                                                                                   "fp8_pv")
+    assert plan_compile(cfg.model, torch.device("cuda")).label == "compiled, tuned, CUDA graphs"
+    assert not plan_compile(tiny_config("precision=fp8_all", "model.compile=on").model, torch.device("cpu")).tuning
+    assert not tiny_config("precision=fp8_all", "model.compile_tuning=false").model.compile_tuning
+    assert not tiny_config("precision=fp8").model.compile_tuning
+
+
 def test_auto_compiles_on_gpus_only():
     model = ModelConfig()
     assert plan_compile(model, torch.device("cpu")) == CompilePlan(compile=False, fuse=False)
@@ -211,19 +224,9 @@ def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
     assert graphed.graphs == {}
 
 
-def test_the_fp8_product_switch_traces_as_a_constant_and_costs_no_dynamo_import():
-    """``attention.gluon_fp8_pv_runs`` is asked inside the compiled operand quantization: its device half is one
-    constant per graph (``fullgraph=True`` traces through it). Marking it so imports torch._dynamo (2.4 s); a
-    process that imports the worker and never compiles (every CPU rank) must not pay that."""
-    from ditrun.kernels import attention
-
-    attention.int8qk_attention("fp8", fast=True)  # makes the constant eagerly, as a model build does
-
-    def decide(q, v):
-        return q * 2 if attention.gluon_fp8_pv_runs(q, v) else q + 1
-
-    q = torch.randn(1, 4, 2, 128, dtype=torch.bfloat16)
-    assert torch.equal(torch.compile(decide, fullgraph=True, backend="eager")(q, q), q + 1)  # no Gluon on a CPU
+def test_importing_the_worker_costs_no_dynamo_import():
+    """Importing torch._dynamo takes 2.4 s; a process that imports the worker and never compiles (every CPU rank)
+    must not pay that, so nothing the kernels define at import time may reach it."""
     imported = subprocess.run([sys.executable, "-c", "import sys, ditrun.launch.worker; "
                                "print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120)
     assert imported.stdout.strip() == "False", imported.stderr
@@ -304,18 +307,18 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path, monkeypatch):
-    """``int8qk_fp8v`` with the Hopper kernel's FP8 P @ V (``attention.GLUON_FP8_PV``): V's codes written by the
+def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path):
+    """``int8qk_fp8v`` on the Hopper Gluon kernel, whose P @ V is an FP8 product: V's codes written by the
     quantization inside the compiled blocks (fullgraph) and the op taking them, replayed from CUDA graphs, against
-    the same run eager. 128 x 128 images: enough tokens for the Hopper kernel."""
+    the same run eager. The FLUX.1-dev head (128 channels, the Gluon kernel's) in one block of each kind, 8 heads;
+    128 x 128 images: enough tokens for the Hopper kernel."""
     from launching import latents
-    from ditrun.kernels import attention
     from ditrun.launch import worker
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 P @ V is the Hopper (sm_90) Gluon kernel's")
-    monkeypatch.setattr(attention, "GLUON_FP8_PV", True)
-    run = ["precision=bf16", "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
+    run = ["model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=bf16",
+           "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
     eager = worker.run(tiny_config(*run, "model.compile=off"), tmp_path / "eager")
     try:
         compiled = worker.run(tiny_config(*run), tmp_path / "compiled")
@@ -324,6 +327,7 @@ def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path, monk
 
         shutdown_compile_workers()
     assert compiled["precision_detail"]["compile"]["mode"] == "compiled, CUDA graphs"
+    assert compiled["precision_detail"]["attention"]["backends"] == ["gluon"]
     for record in records(tmp_path / "eager"):
         edit = record["edit"]
         assert relative_error(latents(tmp_path / "compiled", edit), latents(tmp_path / "eager", edit)) < 2e-2

@@ -200,7 +200,7 @@ def test_transport_mistakes_are_one_sentence():
     from ditrun.errors import UserError
     from ditrun.transport.registry import check_transport
 
-    with pytest.raises(UserError, match=r"^transport='nccl' is not available; allowed: collective, copy_engine\.$"):
+    with pytest.raises(UserError, match=r"^transport='nccl' is not a known transport; allowed: collective, copy_engine\.$"):
         check_transport(TransportConfig(name="nccl"))
     with pytest.raises(UserError, match=r"^transport.chaos_s=-1"):
         check_transport(TransportConfig(name="copy_engine", chaos_s=-1))

@@ -120,7 +120,7 @@ def test_cli_runs_a_layout_on_four_spawned_ranks(tmp_path, single_run, name):
                                                     "(model.num_attention_heads=8 / Ulysses degree 2); allowed: 1, 2, 4."),
     (["layout.head_groups=2"], 1, "layout.head_groups=2 overlaps exchanges that layout=single does not have; "
                                   "allowed with layout=single: 1."),
-    (["layout.name=ring"], 1, "layout='ring' is unknown; allowed: single, ulysses, cfg_batch, cfg_split."),
+    (["layout.name=ring"], 1, "layout='ring' is not a known layout; allowed: single, ulysses, cfg_batch, cfg_split."),
     (["layout.replicas=0"], 1, "layout.replicas=0 must be a positive integer."),
     (["layout=ulysses"], 0, "launcher.world=0 must be a positive integer."),
 ])

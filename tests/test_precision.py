@@ -43,11 +43,10 @@ def test_config_docstrings_name_every_registered_choice():
 @pytest.mark.parametrize("override, message", [
     ("precision.mlp=fp7", "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, "
                           "mxfp6_e3m2, mxfp4."),
-    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, fp8, "
+    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, "
                                  "fp8_pv, int8qk, int8qk_fp8v, int8qk_mxfp6v."),
-    ("precision.backend=cuda", "precision.backend='cuda' is unknown; allowed: auto, emulation, fast, or a linear "
-                               "backend's name (emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, "
-                               "aiter_fp8)."),
+    ("precision.backend=cuda", "precision.backend='cuda' is not a known linear backend; allowed: auto, fast, "
+                               "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, aiter_fp8."),
     ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
     ("precision.backend=fast", "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
                                "use precision.backend=auto (exact emulation) or another format."),
@@ -64,6 +63,7 @@ def test_precision_mistakes_are_one_sentence(override, message):
 
 def test_labels_name_what_ran():
     cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32", ("fp8_all",): "fp8_all+fp32",
+             ("fp8_int8qk",): "fp8_int8qk+fp32",
              ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32", ("fp8", "precision.attention=int8qk"):
              "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32"}
     for overrides, label in cases.items():
@@ -121,8 +121,7 @@ def test_the_down_projection_quantizes_the_activation_output_it_is_given(variant
 
 @pytest.mark.parametrize("fmt, backend", [("fp8", "emulation"), ("fp8", "fp8_rowwise"), ("mxfp6", "emulation")])
 def test_a_prefix_and_an_activation_join_inside_the_linear(fmt, backend):
-    """proj_out(hidden, activation, prefix) is proj_out([prefix | activation(hidden)]) on every backend; on the
-    CPU the fused quantizer's op is the torch reference of the joined input (the GPU test checks its kernel)."""
+    """proj_out(hidden, activation, prefix) is proj_out([prefix | activation(hidden)]) on every backend."""
     if backend != "emulation" and not hasattr(torch, "_scaled_mm"):
         pytest.skip("no torch._scaled_mm")
     f = L.LINEAR_FORMATS.get(fmt, "test")
@@ -130,13 +129,6 @@ def test_a_prefix_and_an_activation_join_inside_the_linear(fmt, backend):
     prefix, hidden = torch.randn(2, 5, 32, generator=gen(16)), torch.randn(2, 5, 64, generator=gen(17))
     want = layer(torch.cat([prefix, gelu_activation(hidden)], dim=-1))
     assert torch.equal(layer(hidden, activation=gelu_activation, prefix=prefix), want)
-    rows = hidden.reshape(-1, 64)
-    codes, scale = L.act_rowwise_fp8_op(prefix.reshape(-1, 32), rows, "gelu_tanh", torch.float8_e4m3fn)
-    ref_codes, ref_scale = L.quantize_rowwise_fp8(torch.cat([prefix.reshape(-1, 32), gelu_activation(rows)], -1),
-                                                  torch.float8_e4m3fn)
-    assert torch.equal(codes.float(), ref_codes.float()) and torch.equal(scale, ref_scale)
-    torch.library.opcheck(L.act_rowwise_fp8_op, (prefix.reshape(-1, 32), rows, "gelu_tanh", torch.float8_e4m3fn),
-                          test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("variant", ["flux", "krea3"])
@@ -155,6 +147,21 @@ def test_stacked_projections_equal_separate_quantized_ones(variant):
     want_v = F.linear(fmt.fake_quantize(x, "rceil"), fmt.fake_quantize(plain.to_v.weight, "rceil"), plain.to_v.bias)
     assert torch.allclose(stacked[2].flatten(2), want_v, rtol=1e-6, atol=1e-6)
     assert (stacked[3] is None) == (variant == "flux")
+
+
+def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_what_ran(capsys):
+    """fp8_all on the CPU: its named GEMM backend and cuDNN's FP8 attention cannot run, so each says so in one
+    line (three fp8 components, one line), and the record names the emulation and the reference."""
+    cfg = tiny_config("precision=fp8_all")
+    built = build_model(cfg.model, select_placement("cpu", "fp32"), plan_precision(cfg.precision, CPU))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line for line in lines if "precision.backend=fp8_rowwise_fast" in line] == [
+        "ditrun: precision.backend=fp8_rowwise_fast needs torch._scaled_mm rowwise FP8 (sm89+, MI300+) here; fp8 runs "
+        "emulation."]
+    assert [line for line in lines if "precision.attention=fp8_pv" in line] == [
+        "ditrun: precision.attention=fp8_pv runs as the torch reference here (needs a GPU (cuDNN's FP8 SDPA on NVIDIA "
+        "sm_90+, AITER on AMD gfx950))."]
+    assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["reference"]
 
 
 def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close():
@@ -262,12 +269,12 @@ def _qkv(b=1, s=300, h=2, d=64, seed=10):
     return [torch.randn(b, s, h, d, generator=g) for _ in range(3)]
 
 
-@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8", "fp8_pv"])
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8_pv"])
 def test_quantized_attention_is_close_to_sdpa(name):
     q, k, v = _qkv()
     k = k + 3.0  # a large mean over tokens: smoothing removes it before quantizing
-    got = ATTENTION_KERNELS.get(name, "test").make(False)(q, k, v)
-    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8": 0.1, "fp8_pv": 0.1}.get(name, 0.05)
+    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
+    assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8_pv": 0.1}.get(name, 0.05)
 
 
 def test_fp8_pv_rounds_p_and_scales_per_tensor():
@@ -309,7 +316,7 @@ def test_int8qk_is_independent_of_the_order_of_tokens():
     """Per-token scales: a layout that gathers the sequence in another order gets the same rows."""
     q, k, v = _qkv(s=70)
     perm = torch.randperm(70, generator=gen(11))
-    attention = ATTENTION_KERNELS.get("int8qk_mxfp6v", "test").make(False)
+    attention = ATTENTION_KERNELS.get("int8qk_mxfp6v").make("reference")
     out = attention(q, k, v)
     out_perm = attention(q[:, perm], k[:, perm], v[:, perm])
     assert torch.allclose(out_perm, out[:, perm], rtol=1e-5, atol=1e-6)
@@ -318,7 +325,7 @@ def test_int8qk_is_independent_of_the_order_of_tokens():
 def test_the_custom_op_equals_the_reference_and_compiles():
     q, k, v = _qkv(s=40)
     ops = quantize_operands(q, k, v, "bf16")
-    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125)
+    args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125, "triton")
     assert torch.equal(int8qk_attention_op(*args), int8qk_reference(ops, 0.125))
     torch.library.opcheck(int8qk_attention_op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -365,7 +372,7 @@ def test_fused_fp8_attention_matches_its_reference():
     # The kernel rounds P against the running maximum, the reference against the row's final one: a few
     # output codes land one or two E4M3 steps apart (seen: max 4.2e-2 of the largest output).
     assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5).float()) < 6e-2
-    fast, reference = (ATTENTION_KERNELS.get("fp8_pv", "test").make(f) for f in (True, False))
+    fast, reference = (ATTENTION_KERNELS.get("fp8_pv").make(f) for f in (fp8_sdpa.BACKEND, "reference"))
     want = reference(q, k, v).float()
     assert relative_error(fast(q, k, v).float(), want) < 6e-2
     assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 6e-2
@@ -407,7 +414,7 @@ def test_dispatch_table_round_trip_and_untuned_shapes_say_so_once(tmp_path, caps
 
 
 def test_tune_saves_a_choice_per_real_shape_that_later_builds_load(tmp_path, capsys):
-    from ditrun.kernels.tune import tune
+    from ditrun.tune import tune
 
     cfg = tiny_config("precision=fp8", "model.variant=krea3", f"precision.tuning_file={tmp_path / 'dispatch.json'}")
     tune(cfg)

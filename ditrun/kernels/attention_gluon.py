@@ -7,16 +7,13 @@ softmax. This one is built the way Hopper attention kernels are:
   shared-memory stages (4) with the tensor memory accelerator (TMA), signalling mbarriers. Two warpgroups of
   four warps each own 64 of the program's 128 query rows. A stage (one tile's K and V) is released once, after
   its P @ V: Triton puts a warpgroup barrier before each single-thread mbarrier arrive and between an arrive and
-  a later shared-memory read, so the kernel keeps arrives few and reads together (2 barriers per step, from 5).
-- **The groups issue freely** (``schedule="free"``). Two other schedules are kept, measured slower with both V
-  types (session 6): ``"pingpong"``, the groups taking turns at their matrix products (an mbarrier pair) so that
-  one group's products run while the other computes its softmax (FP8 P @ V: 19% slower at 20992 tokens; BF16:
-  1-2%, where it was 7% faster before the conversion below), and ``"stagger"``, group 1 starting once group 0
-  has computed its first softmax (5-6% slower).
+  a later shared-memory read, so the kernel keeps arrives few and reads together (2 barriers per step).
+- **The groups issue freely**: each warpgroup issues its products as soon as its operands are ready (taking
+  turns, or one group starting a softmax later, measured slower).
 - **Both products of a step issued together.** Tile j's Q.K^T (INT8 ``wgmma`` into int32) and tile j-1's
   P @ V (BF16, P from registers) go out back to back; the softmax of tile j needs only Q.K^T (but see
   below).
-- **Row sums on the tensor cores** (``rowsum_mma``): P @ ones, one more narrow product, instead of one fp32
+- **Row sums on the tensor cores**: P @ ones, one more narrow product, instead of one fp32
   add per score (sums of P as rounded for P @ V).
 
 Per score: the int32 sum to fp32 (an integer add and an fp32 subtraction through the bits of 1.5 * 2^23:
@@ -29,20 +26,13 @@ why), V is BF16 (or FP8/MXFP6-exact values in BF16).
   each tile's row sums start from zero and are added in fp32 (the FP8 products add at less than fp32
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
-Measured on one H200 (docs/PERFORMANCE.md, 2026-11-30, sessions 3-6), kernel only at 20992 tokens against
-cuDNN's BF16 SDPA in the same process: with FP8 P @ V 1.29-1.34x (session 6; 1.24-1.27x in session 5), with
-BF16 P @ V 1.01-1.10x. What holds it back (Nsight Compute: no pipe above 45% busy, 0.65 eligible warps per
-scheduler, so latency):
+Measured on one H200 against cuDNN's BF16 SDPA: docs/PERFORMANCE.md (attention kernels). What holds it back
+(Nsight Compute: no pipe above 45% busy, 0.65 eligible warps per scheduler, so latency):
 - the softmax is about 9 instructions per score, 600 per step and warp (the conversion, the key scale, the max,
   the exponent, the pack, the output's rescale), and the two groups' warps share each scheduler;
-- stalls at the 128-thread barriers Triton puts around mbarrier arrives and waits, 2 per step (a per-thread
-  ``cp.async`` arrive gets one too, and reading the key scales from global memory instead of shared memory
-  leaves the one before the next stage's wait);
-- the per-token key scale costs a multiply per score (folding it into one FMA with the conversion's constant
-  ran 4% slower).
-Tried and dropped in session 6: exponentials in FP16 pairs (``ex2.approx.f16x2`` is two ``MUFU.EX2.F16`` on
-sm_90, no fewer); half the conversions on ``I2FP`` (1% slower); row sums added in fp32 (7% slower).
-``attention.int8qk_attention_op`` runs it on Hopper (``attention.GLUON_INT8QK``, ``attention.GLUON_FP8_PV``).
+- stalls at the 128-thread barriers Triton puts around mbarrier arrives and waits, 2 per step;
+- the per-token key scale costs a multiply per score.
+``attention.int8qk_attention_op`` runs it on Hopper where the model's build chose it (``attention.gluon_unavailable``).
 """
 
 from __future__ import annotations
@@ -66,12 +56,6 @@ GROUP_M = gl.constexpr(64)
 """Query rows per warpgroup (the M of one ``wgmma``); a program holds two groups."""
 SUM_N = gl.constexpr(8)
 """Columns of the row-sum product P @ ones (the narrowest ``wgmma``)."""
-FREE, PINGPONG, STAGGER = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2)
-"""How the two warpgroups' steps are placed (``schedule``): each issues its products when ready; they take turns
-at every step (an mbarrier pair); or group 1 starts once group 0 has computed its first softmax, and each goes
-freely after that."""
-SCHEDULES = {"free": FREE.value, "pingpong": PINGPONG.value, "stagger": STAGGER.value}
-
 
 @gluon.jit
 def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready,
@@ -113,17 +97,11 @@ def _scores(acc_int, ks, start, S, q_scale, m_i, s_layout: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _row_sums(p, l_acc, alpha, ones, l_layout: gl.constexpr, lp_layout: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-              FRESH: gl.constexpr = False):
-    """The running row sums with tile P added: issued as P @ ones (async; ``lp_layout``: P as its A operand; FRESH:
-    tile P's sums alone) or added in fp32 at once."""
-    if ROWSUM_MMA:
-        l_new = warpgroup_mma(gl.convert_layout(p, lp_layout, assert_trivial=True), ones.permute((1, 0)), l_acc,
-                              use_acc=not FRESH, is_async=True)
-    else:
-        l_new = (l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-                 + gl.convert_layout(gl.sum(p, axis=1), gl.SliceLayout(1, l_layout))[:, None])
-    return l_new
+def _row_sums(p, l_acc, ones, lp_layout: gl.constexpr, FRESH: gl.constexpr = False):
+    """The running row sums with tile P added, issued as P @ ones (async; ``lp_layout``: P as its A operand; FRESH:
+    tile P's sums alone): sums of P as rounded for P @ V, on the tensor cores instead of one fp32 add per score."""
+    return warpgroup_mma(gl.convert_layout(p, lp_layout, assert_trivial=True), ones.permute((1, 0)), l_acc,
+                         use_acc=not FRESH, is_async=True)
 
 
 @gluon.jit
@@ -154,20 +132,18 @@ def _v_tile(v_smem, stage, V_FP8: gl.constexpr):
 
 
 @gluon.jit
-def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready, v_ready, my_turn, their_turn,
-           s_layout: gl.constexpr, p_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
-           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-           V_FP8: gl.constexpr, NEXT_QK: gl.constexpr, SCHEDULE: gl.constexpr):
-    """With NEXT_QK tile i+1's Q.K^T, then tile i's P @ V (and P @ ones) with tile i's P (fp32) made the operand,
+def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready, v_ready,
+           s_layout: gl.constexpr, p_layout: gl.constexpr, lp_layout: gl.constexpr,
+           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_FP8: gl.constexpr, NEXT_QK: gl.constexpr):
+    """With NEXT_QK tile i+1's Q.K^T, then tile i's P @ V and P @ ones with tile i's P (fp32) made the operand,
     all asynchronous; P @ V adds into the output. The orders measured fastest differ: FP8 makes P the operand
     and reads tile i+1's key scales before any product (so the multiply after Q.K^T does not wait on them); BF16
-    (measured with ping-pong, session 5) issues Q.K^T before making P the operand (it runs while the last
-    exponentials finish) and reads the key scales after the products. With ``PINGPONG`` a group waits for its
-    turn before its products and passes the turn after them. All reads come before the one mbarrier arrive
-    (Triton puts a warpgroup barrier between an arrive and a later shared-memory read). FP8 P @ ones starts from
-    zero, the tile's own sums (added in fp32 by ``_merge``): the FP8 products add at less than fp32 precision,
-    and the row sums, growing with every tile, lost 40% by 20992 keys. -> (Q.K^T (``zero`` without NEXT_QK), its
-    keys' scales, the output, the row sums (FP8: the tile's), P as the operand)."""
+    issues Q.K^T before making P the operand (it runs while the last exponentials finish) and reads the key
+    scales after the products. All reads come before the one mbarrier arrive (Triton puts a warpgroup barrier
+    between an arrive and a later shared-memory read). FP8 P @ ones starts from zero, the tile's own sums (added
+    in fp32 by ``_merge``): the FP8 products add at less than fp32 precision, and the row sums, growing with
+    every tile, lost 40% by 20992 keys. -> (Q.K^T (``zero`` without NEXT_QK), its keys' scales, the output, the
+    row sums (FP8: the tile's), P as the operand)."""
     if V_FP8:
         p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
     stage = i % STAGES
@@ -177,8 +153,6 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         mbarrier.wait(k_ready.index((i + 1) % STAGES), ((i + 1) // STAGES) & 1)
         if V_FP8:
             ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    if SCHEDULE == PINGPONG:  # group 0 goes first: its first wait passes at once
-        mbarrier.wait(my_turn, ((i + 1) & 1) ^ GROUP)
     if V_FP8:
         mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
     if NEXT_QK:
@@ -188,68 +162,55 @@ def _issue(i, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_read
         p = _p_operand(p, ones.dtype, p_layout, BLOCK_N, V_FP8)
         mbarrier.wait(v_ready.index(stage), (i // STAGES) & 1)
     acc = warpgroup_mma(p, _v_tile(v_smem, stage, V_FP8), acc, is_async=True)
-    if ROWSUM_MMA:
-        l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, None, ones, l_layout, lp_layout, True, V_FP8)
+    l_acc = _row_sums(p, gl.zeros_like(l_acc) if V_FP8 else l_acc, ones, lp_layout, V_FP8)
     if NEXT_QK and not V_FP8:
         ks = ks_smem.index((i + 1) % STAGES).load(gl.SliceLayout(0, s_layout))
-    if SCHEDULE == PINGPONG:
-        mbarrier.arrive(their_turn, count=1)
     return qk, ks, acc, l_acc, p
 
 
 @gluon.jit
-def _pv_wait(acc, l_acc, p, pending: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
+def _pv_wait(acc, l_acc, p, pending: gl.constexpr, V_FP8: gl.constexpr):
     """Wait until at most ``pending`` products are running, keeping P's registers (BF16 only: Triton 3.6 has no
     8-bit dependencies; ptxas keeps FP8 P's registers itself). -> (the output, the row sums)."""
     if V_FP8:
-        if ROWSUM_MMA:
-            acc, l_acc = warpgroup_mma_wait(pending, deps=[acc, l_acc])
-        else:
-            acc = warpgroup_mma_wait(pending, deps=[acc])
-    elif ROWSUM_MMA:
-        acc, l_acc, p = warpgroup_mma_wait(pending, deps=[acc, l_acc, p])
+        acc, l_acc = warpgroup_mma_wait(pending, deps=[acc, l_acc])
     else:
-        acc, p = warpgroup_mma_wait(pending, deps=[acc, p])
+        acc, l_acc, p = warpgroup_mma_wait(pending, deps=[acc, l_acc, p])
     return acc, l_acc
 
 
 @gluon.jit
-def _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr):
-    """Once tile i's P @ V (and P @ ones) are done: the output and row sums with tile i in (FP8: the tile's row
+def _merge(acc, l_acc, pv, l_tile, p_op, V_FP8: gl.constexpr):
+    """Once tile i's P @ V and P @ ones are done: the output and row sums with tile i in (FP8: the tile's row
     sums added in fp32)."""
-    pv, l_tile = _pv_wait(pv, l_tile, p_op, 0, ROWSUM_MMA, V_FP8)
-    if ROWSUM_MMA:
-        l_acc = l_acc + l_tile if V_FP8 else l_tile
+    pv, l_tile = _pv_wait(pv, l_tile, p_op, 0, V_FP8)
+    l_acc = l_acc + l_tile if V_FP8 else l_tile
     return pv, l_acc
 
 
 @gluon.jit
-def _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty, S,
-             s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr, lp_layout: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
+def _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, q_scale, empty, S,
+             s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr,
              V_FP8: gl.constexpr, P_LOG2: gl.constexpr, FIRST: gl.constexpr):
-    """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V ``pv`` (and P @ ones ``l_tile``), of operand
+    """Tile j's softmax once its Q.K^T is done (tile j-1's P @ V ``pv`` and P @ ones ``l_tile``, of operand
     ``p_op``, still running unless FIRST), then tile j-1 merged into the output and row sums once its products
     are done (its stage released), both rescaled to tile j's row max. ``ks``: tile j's key scales. -> (tile j's P
     in fp32, the output, the row sums, the row max)."""
-    qk = warpgroup_mma_wait(0 if FIRST else (2 if ROWSUM_MMA else 1), deps=[qk])
+    qk = warpgroup_mma_wait(0 if FIRST else 2, deps=[qk])
     p, m_i, alpha = _scores(qk, ks, j * BLOCK_N, S, q_scale, m_i, s_layout, BLOCK_N, EVEN, P_LOG2)
     if not FIRST:
-        acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
+        acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, V_FP8)
         mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    if ROWSUM_MMA:
-        l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-    else:
-        l_acc = _row_sums(p, l_acc, alpha, ones, l_layout, lp_layout, False)
+    l_acc = l_acc * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
     return p, acc, l_acc, m_i
 
 
 @gluon.jit
-def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty, my_turn, their_turn, QS,
+def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty, QS,
             VS, O, bh, S, row0, sm_scale_log2, n_tiles, D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            EVEN: gl.constexpr, GROUP: gl.constexpr, ROWSUM_MMA: gl.constexpr, V_FP8: gl.constexpr,
-            SCHEDULE: gl.constexpr):
+            EVEN: gl.constexpr, V_FP8: gl.constexpr):
     """One warpgroup: 64 query rows against every key tile; writes their output rows.
 
     Trip j of the key loop issues tile j's Q.K^T with tile j-1's P @ V, then computes tile j's softmax. P
@@ -264,7 +225,7 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, D, PV_K])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=P_WIDTH)
-    # Row sums as [64, SUM_N] (every column the same): the accumulators of P @ ones, or broadcast fp32 sums.
+    # Row sums as [64, SUM_N] (every column the same): the accumulators of P @ ones.
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, SUM_N, PV_K])
     lp_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=P_WIDTH)
@@ -276,30 +237,21 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
     l_acc = gl.zeros([GROUP_M, SUM_N], gl.float32, l_layout)
     m_i = gl.full([GROUP_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
 
-    if SCHEDULE == STAGGER:
-        if GROUP == 1:
-            mbarrier.wait(my_turn, 0)
     mbarrier.wait(q_bar, 0)
     mbarrier.wait(k_ready.index(0), 0)
     ks = ks_smem.index(0).load(gl.SliceLayout(0, s_layout))
     qk = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    p, acc, l_acc, m_i = _softmax(0, qk, ks, acc, l_acc, acc, l_acc, m_i, zero, ones, q_scale, empty, S, s_layout,
-                                  o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA, V_FP8, P_LOG2, True)
-    if SCHEDULE == STAGGER:
-        if GROUP == 0:
-            mbarrier.arrive(their_turn, count=1)
+    p, acc, l_acc, m_i = _softmax(0, qk, ks, acc, l_acc, acc, l_acc, m_i, zero, q_scale, empty, S, s_layout,
+                                  o_layout, l_layout, BLOCK_N, STAGES, EVEN, V_FP8, P_LOG2, True)
     for j in range(1, n_tiles):
         qk, ks, pv, l_tile, p_op = _issue(j - 1, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
-                                          v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout,
-                                          BLOCK_N, STAGES, GROUP, ROWSUM_MMA, V_FP8, True, SCHEDULE)
-        p, acc, l_acc, m_i = _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, ones, q_scale, empty, S,
-                                      s_layout, o_layout, l_layout, lp_layout, BLOCK_N, STAGES, EVEN, ROWSUM_MMA,
-                                      V_FP8, P_LOG2, False)
+                                          v_ready, s_layout, p_layout, lp_layout, BLOCK_N, STAGES, V_FP8, True)
+        p, acc, l_acc, m_i = _softmax(j, qk, ks, acc, l_acc, pv, l_tile, m_i, p_op, q_scale, empty, S,
+                                      s_layout, o_layout, l_layout, BLOCK_N, STAGES, EVEN, V_FP8, P_LOG2, False)
     last = n_tiles - 1
     qk, ks, pv, l_tile, p_op = _issue(last, p, acc, l_acc, ones, q_tile, zero, k_smem, ks_smem, v_smem, k_ready,
-                                      v_ready, my_turn, their_turn, s_layout, p_layout, l_layout, lp_layout, BLOCK_N,
-                                      STAGES, GROUP, ROWSUM_MMA, V_FP8, False, SCHEDULE)
-    acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, ROWSUM_MMA, V_FP8)
+                                      v_ready, s_layout, p_layout, lp_layout, BLOCK_N, STAGES, V_FP8, False)
+    acc, l_acc = _merge(acc, l_acc, pv, l_tile, p_op, V_FP8)
     mbarrier.arrive(empty.index(last % STAGES), count=1)
 
     l_i = gl.max(l_acc, axis=1)
@@ -314,8 +266,7 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
 
 @gluon.jit
 def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_scale_log2, D: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, ROWSUM_MMA: gl.constexpr,
-                   V_FP8: gl.constexpr, SCHEDULE: gl.constexpr):
+                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, V_FP8: gl.constexpr):
     # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS and the scales behind ks_desc: fp32
     # [B * H * S], one per token. Tiles past a head's S read the next head's rows: their scores are masked
     # (keys) or their rows not stored (queries); past the tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
@@ -339,10 +290,7 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -350,11 +298,9 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
 
     gl.warp_specialize([
         (_attend, (q_smem.index(0), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
-                   turns.index(0), turns.index(1), QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES,
-                   EVEN, 0, ROWSUM_MMA, V_FP8, SCHEDULE)),
+                   QS, VS, O, bh, S, row0, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES, EVEN, V_FP8)),
         (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
-                   turns.index(1), turns.index(0), QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D,
-                   BLOCK_N, STAGES, EVEN, 1, ROWSUM_MMA, V_FP8, SCHEDULE)),
+                   QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES, EVEN, V_FP8)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
                  v_ready, empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232 if V_FP8 else 240, 24])  # the second group's registers: none spilled with these (Triton 3.6)
@@ -388,15 +334,13 @@ def _ones(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> tor
 
 
 def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, v: torch.Tensor,
-                 sm_scale: float, block_n: int = 128, stages: int = 4, rowsum_mma: bool = True,
-                 v_fp8: bool = False, v_scale: torch.Tensor | None = None, schedule: str = "free") -> torch.Tensor:
+                 sm_scale: float, block_n: int = 128, stages: int = 4,
+                 v_fp8: bool = False, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
     in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
     ``v_fp8``: v holds FP8-exact values; P @ V runs as an FP8 product of 2^8 P rounded to E4M3 and V's codes
     (``fp8_v_operand``), the row sums add P as rounded. With ``v_scale``, v is ``fp8_v_operand``'s codes
-    already, and the output BF16. ``schedule``: one of ``SCHEDULES``."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+    already, and the output BF16."""
     b, h, s, d = q.shape
     rows = b * h * s
     q2, k2 = (t.contiguous().view(rows, d) for t in (q, k))
@@ -417,29 +361,7 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
     grid = (triton.cdiv(s, 2 * GROUP_M.value), b * h)
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s,
                          sm_scale * LOG2_E,
-                         D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0, ROWSUM_MMA=rowsum_mma,
-                         V_FP8=v_type == gl.float8e4nv, SCHEDULE=SCHEDULES[schedule],
+                         D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0,
+                         V_FP8=v_type == gl.float8e4nv,
                          num_warps=4)
     return out
-
-
-def compile_sm90(d: int = 128, block_n: int = 128, stages: int = 4, even: bool = True, rowsum_mma: bool = True,
-                 v_fp8: bool = False, schedule: str = "free"):
-    """The kernel compiled for sm_90 without a GPU (Triton's own ptxas): the ``CompiledKernel`` (its ``asm`` holds
-    the PTX and the cubin) for BF16 V, or FP8 V. For tests of a Triton version, and to read the SASS off any
-    machine."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    blocks = _blocks(d, block_n, gl.float8e4nv if v_fp8 else gl.bfloat16)
-    v_element = "fp8e4nv" if v_fp8 else "bf16"
-    element = {"q": "i8", "k": "i8", "ks": "fp32", "v": v_element, "ones": v_element}
-    signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
-                 for name, (shape, layout) in blocks.items()}
-    signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
-                  "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "ROWSUM_MMA": "constexpr",
-                  "V_FP8": "constexpr", "SCHEDULE": "constexpr"}
-    constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "ROWSUM_MMA": rowsum_mma,
-                 "V_FP8": v_fp8, "SCHEDULE": SCHEDULES[schedule]}
-    source = GluonASTSource(_int8qk_kernel, signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -1,18 +1,14 @@
-"""The Triton flash-attention kernel of quantized attention (GPU only; imported on first use).
+"""The Triton flash-attention kernel of INT8-QK attention (GPU only; imported on first use).
 
 One program per (block of BLOCK_M queries, batch x head): the Q tile stays in registers, K/V tiles
-of BLOCK_N tokens stream through. Q.K^T is a tensor-core dot of INT8 operands (int32, exact; per-token
-scales, ``int8qk*``) or of E4M3 operands (fp32; one scale per head, ``fp8``); the scales and
-sm_scale * log2(e) are folded so that the online softmax runs on exp2, in fp32. INT8 sums are
-converted to fp32 by adding them to the bits of 1.5 * 2^23 (two full-rate instructions, exact)
-rather than by I2F. P @ V runs in V's dtype (FP8-exact and MXFP6 values are exact in BF16); an FP8
-P @ V dot (E4M3 V with a power-of-two scale per head, stored token-contiguous, P scaled by 2^8 and
-cast to E4M3: P's 3-bit mantissa is then the only extra rounding) is kept behind ``V_FP8`` but
-measured slower on Hopper (``attention.FP8_PV_DOT``). TMA tile loads and warp specialisation are
-options of the kernel that the configuration list can turn on.
+of BLOCK_N tokens stream through. Q.K^T is a tensor-core dot of INT8 operands (int32, exact) times
+per-token scales; the scales and sm_scale * log2(e) are folded so that the online softmax runs on exp2,
+in fp32. INT8 sums are converted to fp32 by adding them to the bits of 1.5 * 2^23 (two full-rate
+instructions, exact) rather than by I2F. P @ V runs in V's dtype (FP8-exact and MXFP6 values are exact
+in BF16).
 
-Tile sizes and pipelining are autotuned per (S, D, operand types) from a short list (see CONFIGS).
-When S is a multiple of BLOCK_N the key loop runs without masks.
+Tile sizes and pipelining are autotuned per (S, D) from a short list (see CONFIGS). When S is a
+multiple of BLOCK_N the key loop runs without masks.
 """
 
 from __future__ import annotations
@@ -22,178 +18,93 @@ import triton
 import triton.language as tl
 
 from ditrun.kernels import formats
-from ditrun.kernels.attention import quantize_fp8_heads
 from ditrun.kernels.quantize_triton import ROUND_MAGIC
 
 LOG2_E = 1.4426950408889634
-P_FP8_LOG2 = tl.constexpr(8.0)
-"""With FP8 V, P is computed as 2^8 times the probabilities (<= 256 < 448, E4M3's max) and cast to E4M3 for
-the P @ V dot; the row sums carry the same factor, so it cancels in the final division."""
 INT_MAGIC = tl.constexpr(0x4B400000)
 """The bits of 1.5 * 2^23: adding an int32 n (|n| < 2^22) to them gives the fp32 1.5 * 2^23 + n exactly,
 so subtracting ROUND_MAGIC converts n to fp32 with two full-rate instructions instead of I2F, which runs
 at a sixteenth of the FMA rate on Hopper (INT8 Q.K sums stay below 127^2 * 256 < 2^22)."""
 
 
-def _config(m, n, w, s, tma=False, ws=False):
-    return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "TMA": tma, "WARP_SPEC": ws}, num_warps=w, num_stages=s)
+def _config(m, n, w, s):
+    return triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
 
 
-# On one H200 (Triton 3.6, S = 20992, D = 128) 128 x 64 tiles on 4 warps, 3 stages, were fastest for every
-# operand variant with BF16 V (9.2 ms INT8, 8.0 ms FP8 Q.K, against 10.1-12.4 ms on 8 warps); TMA loads and
-# warp specialisation changed nothing there (docs/PERFORMANCE.md, `benchmarks/attention.py --configs`).
-# The list keeps that one's neighbours, and smaller tiles for GPUs with less shared memory.
+# On one H200 (Triton 3.6, S = 20992, D = 128) 128 x 64 tiles on 4 warps, 3 stages, were fastest
+# (`benchmarks/attention.py --configs`). The list keeps that one's neighbours, and smaller tiles for GPUs
+# with less shared memory.
 CONFIGS = [_config(m, n, w, s) for m, n, w, s in [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 32, 4, 3),
                                                   (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3)]]
 
 
-def _keep(configs, named_args, **kwargs):
-    """TMA configs only where the tiles' rows are 16-byte aligned (FP8 V is read along S)."""
-    aligned = named_args["S"] % 16 == 0
-    return [c for c in configs if aligned or not c.kwargs["TMA"]] or [configs[0]]
-
-
 @triton.jit
-def _attention_forward(Q, QS, K, KS, V, VS, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s, scale_b, scale_h,
-                       stride_vb, stride_vh, stride_vs, stride_vd,
-                       D: tl.constexpr, QK_FP8: tl.constexpr, PER_TOKEN: tl.constexpr, V_FP8: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, TMA: tl.constexpr,
-                       WARP_SPEC: tl.constexpr):
-    # Q, K: int8 (or E4M3 when QK_FP8) [B, H, S, D]; QS, KS: fp32 [B, H, S] per token (PER_TOKEN) or one per
-    # (batch, head) at b * scale_b + h * scale_h; V: [B, H, S, D] with its own strides (FP8 V is stored
-    # token-contiguous, as FP8 tensor-core dots want their B operand); VS: fp32 [B * H]; O: [B, H, S, D].
+def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s,
+                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+    # Q, K: int8 [B, H, S, D]; QS, KS: fp32 [B, H, S], one scale per token; V, O: [B, H, S, D] with Q's strides.
     block_m = tl.program_id(0)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     base = b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
-    v_base = b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, D)
-    if TMA:  # Hopper's tensor memory accelerator: bounds-checked tile loads, zeros past S
-        q_desc = tl.make_tensor_descriptor(Q + base, shape=[S, D], strides=[stride_s, 1], block_shape=[BLOCK_M, D])
-        k_desc = tl.make_tensor_descriptor(K + base, shape=[S, D], strides=[stride_s, 1], block_shape=[BLOCK_N, D])
-        if V_FP8:
-            v_desc = tl.make_tensor_descriptor(V + v_base, shape=[D, S], strides=[stride_vd, 1],
-                                               block_shape=[D, BLOCK_N])
-        else:
-            v_desc = tl.make_tensor_descriptor(V + v_base, shape=[S, D], strides=[stride_vs, 1],
-                                               block_shape=[BLOCK_N, D])
-        q = q_desc.load([block_m * BLOCK_M, 0])
-    else:
-        q = tl.load(Q + base + rows[:, None] * stride_s + dims[None, :], mask=rows[:, None] < S, other=0.0)
-    scales = b * scale_b + h * scale_h
-    if PER_TOKEN:
-        q_scale = tl.load(QS + scales + rows, mask=rows < S, other=1.0) * sm_scale_log2  # > 0: see below
-    else:
-        qk_scale = tl.load(QS + scales) * tl.load(KS + scales) * sm_scale_log2
+    q = tl.load(Q + base + rows[:, None] * stride_s + dims[None, :], mask=rows[:, None] < S, other=0.0)
+    scales = bh.to(tl.int64) * S
+    q_scale = tl.load(QS + scales + rows, mask=rows < S, other=1.0) * sm_scale_log2  # > 0: see below
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    P_LOG2: tl.constexpr = P_FP8_LOG2 * V_FP8
-    for start in tl.range(0, S, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start in tl.range(0, S, BLOCK_N):
         keys = start + cols
-        if TMA:
-            k = k_desc.load([start, 0])
-        elif EVEN_N:
+        if EVEN_N:
             k = tl.load(K + base + keys[:, None] * stride_s + dims[None, :])
+            k_scale = tl.load(KS + scales + keys)
         else:
             k = tl.load(K + base + keys[:, None] * stride_s + dims[None, :], mask=keys[:, None] < S, other=0.0)
-        if QK_FP8:
-            raw = tl.dot(q, tl.trans(k))
-        else:
-            raw = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT_MAGIC).to(tl.float32, bitcast=True) - ROUND_MAGIC
-        if PER_TOKEN:
-            if EVEN_N:
-                raw = raw * tl.load(KS + scales + keys)[None, :]
-            else:
-                raw = raw * tl.load(KS + scales + keys, mask=keys < S, other=0.0)[None, :]
-            row_scale = q_scale
-        else:
-            row_scale = qk_scale
+            k_scale = tl.load(KS + scales + keys, mask=keys < S, other=0.0)
+        raw = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + INT_MAGIC).to(tl.float32, bitcast=True) - ROUND_MAGIC
+        raw = raw * k_scale[None, :]
         if not EVEN_N:
             raw = tl.where(keys[None, :] < S, raw, float("-inf"))
-        # The scores in log2 units are row_scale * raw; as row_scale > 0, the row max is row_scale * max(raw),
-        # and row_scale * raw - m is one FMA per score (the softmax, not the dots, bounds this loop).
-        m_new = tl.maximum(m_i, tl.max(raw, 1) * row_scale)
-        if PER_TOKEN:
-            p = tl.math.exp2(raw * row_scale[:, None] - (m_new - P_LOG2)[:, None])
-        else:
-            p = tl.math.exp2(raw * row_scale - (m_new - P_LOG2)[:, None])
+        # The scores in log2 units are q_scale * raw; as q_scale > 0, the row max is q_scale * max(raw),
+        # and q_scale * raw - m is one FMA per score (the softmax, not the dots, bounds this loop).
+        m_new = tl.maximum(m_i, tl.max(raw, 1) * q_scale)
+        p = tl.math.exp2(raw * q_scale[:, None] - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = tl.trans(v_desc.load([0, start])) if V_FP8 else v_desc.load([start, 0])
-        elif EVEN_N:
-            v = tl.load(V + v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd)
+        if EVEN_N:
+            v = tl.load(V + base + keys[:, None] * stride_s + dims[None, :])
         else:
-            v = tl.load(V + v_base + keys[:, None] * stride_vs + dims[None, :] * stride_vd, mask=keys[:, None] < S,
-                        other=0.0)
+            v = tl.load(V + base + keys[:, None] * stride_s + dims[None, :], mask=keys[:, None] < S, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if V_FP8:
-        acc = acc * tl.load(VS + bh)
     out = acc / l_i[:, None]
     tl.store(O + base + rows[:, None] * stride_s + dims[None, :], out.to(O.dtype.element_ty), mask=rows[:, None] < S)
 
 
 _fixed = triton.heuristics({"EVEN_N": lambda args: args["S"] % args["BLOCK_N"] == 0})(_attention_forward)
-_tuned = triton.autotune(configs=CONFIGS, key=["S", "D", "QK_FP8", "PER_TOKEN", "V_FP8"],
-                         prune_configs_by={"early_config_prune": _keep})(_fixed)
-_allocator_set = False
+_tuned = triton.autotune(configs=CONFIGS, key=["S", "D"])(_fixed)
 
 
-def _tma_allocator() -> None:
-    """Device-side tensor descriptors need scratch memory from the caller's allocator (set once)."""
-    global _allocator_set
-    if not _allocator_set:
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _allocator_set = True
-
-
-def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8-exact V [B, H, S, D] (``quantize_v(v, "fp8")``) -> (E4M3 codes stored [B, H, D, S] and viewed
-    [B, H, S, D], fp32 power-of-two scale per head [B * H]). Exact: dividing values of the E4M3 grid
-    times 2^e by a power of two that keeps the head's amax <= 448 lands on the grid again."""
-    codes, scale = quantize_fp8_heads(v)
-    return codes.transpose(-1, -2).contiguous().transpose(-1, -2), scale.flatten().contiguous()
-
-
-def flash_attention(q, q_scale, k, k_scale, v, sm_scale: float, v_fp8: bool = False,
-                    config: dict | None = None) -> torch.Tensor:
-    """Quantized [B, H, S, D] q, k (INT8, or E4M3) with fp32 scales ([B, H, S] per token, or [B, H] per head)
-    and v -> [B, H, S, D] in v's dtype. ``v_fp8``: V holds FP8-exact values (``int8qk_fp8v``): P @ V runs
-    as an FP8 dot. ``config``: fixed kernel parameters (``BLOCK_M``, ``BLOCK_N``, optionally ``TMA``,
-    ``WARP_SPEC``, ``num_warps``, ``num_stages``) instead of autotuning (Triton's CPU interpreter cannot
-    time; benchmarks compare configurations)."""
-    q, k = q.contiguous(), k.contiguous()
+def flash_attention(q, q_scale, k, k_scale, v, sm_scale: float, config: dict | None = None) -> torch.Tensor:
+    """INT8 [B, H, S, D] q, k with fp32 per-token scales [B, H, S], and v -> [B, H, S, D] in v's dtype.
+    ``config``: fixed kernel parameters (``BLOCK_M``, ``BLOCK_N``, optionally ``num_warps``, ``num_stages``)
+    instead of autotuning (Triton's CPU interpreter cannot time)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
     b, h, s, d = q.shape
-    per_token = q_scale.dim() == 3
     out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
-    v, v_scale = fp8_v_operand(v) if v_fp8 else (v.contiguous(), q_scale)  # q_scale: an unread stand-in
-    if q.device.type == "cuda":
-        _tma_allocator()
 
     def grid(meta):
         return triton.cdiv(s, meta["BLOCK_M"]), b * h
 
-    args = (q, q_scale, k, k_scale, v, v_scale, out, sm_scale * LOG2_E, s, h,
-            q.stride(0), q.stride(1), q.stride(2), q_scale.stride(0), q_scale.stride(1),
-            v.stride(0), v.stride(1), v.stride(2), v.stride(3))
-    flags = dict(D=d, QK_FP8=q.dtype != torch.int8, PER_TOKEN=per_token, V_FP8=v_fp8)
+    args = (q, q_scale, k, k_scale, v, out, sm_scale * LOG2_E, s, h, q.stride(0), q.stride(1), q.stride(2))
     if config is None:
-        _tuned[grid](*args, **flags)
+        _tuned[grid](*args, D=d)
     else:
-        _fixed[grid](*args, **flags, **{"TMA": False, "WARP_SPEC": False, **config})
+        _fixed[grid](*args, D=d, **config)
     return out
-
-
-def int8qk_flash(ops, sm_scale: float, v_fp8: bool = False, tiles: tuple[int, int] | None = None) -> torch.Tensor:
-    """ops: ``Int8QK`` with [B, H, S, D] q, k (int8), v -> [B, H, S, D] in v's dtype (``flash_attention``).
-    ``tiles``: (BLOCK_M, BLOCK_N) instead of autotuning."""
-    config = None if tiles is None else {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1]}
-    return flash_attention(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, v_fp8, config)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel on AMD GPUs):
 
-* Q, K smoothed by its mean over the tokens (in fp32, as ``attention.fp8_operands`` does), and V are
+* Q, K smoothed by its mean over the tokens (in fp32), and V are
   quantized to E4M3 with one power-of-two scale per tensor (``rceil``: the tensor's amax lands at or
   below 448);
 * the scores are an FP8 dot times both scales and the softmax scale; the softmax runs in fp32;
@@ -16,13 +16,13 @@ The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel 
   (cuDNN 9.13+); on Hopper it writes FP8, so the recipe does everywhere.
 
 Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is the rounding of
-P and of the output (3 mantissa bits each), which the ``fp8`` and ``int8qk*`` recipes, with P @ V in
-BF16, do not pay. (AITER's kernel writes BF16; its output is rounded to the recipe's E4M3 here.)
+P and of the output (3 mantissa bits each), which the ``int8qk*`` recipes do not pay (P in BF16; the Hopper
+kernel's FP8 P @ V of ``int8qk_fp8v`` rounds P, not its output). (AITER's kernel writes BF16; its output is rounded to the recipe's E4M3 here.)
 
 "Per tensor" means per call. In a parallel layout a call holds the heads of one rank (Ulysses) or
 one CFG branch, so the scales are those of what the call holds, and a layout's output is close to
-the single process's but not bitwise equal (the per-head and per-token scales of ``attention.py``
-give every layout the same operands).
+the single process's but not bitwise equal (the per-token scales of ``attention.py`` give every layout the same
+operands).
 
 Backends: cuDNN's FP8 SDPA (NVIDIA sm_90 and newer, through the ``nvidia-cudnn-frontend`` Python
 package: ``pip install ditrun[cudnn]``), AITER's ``flash_attn_fp8_pertensor_func`` (ROCm with OCP
@@ -53,7 +53,8 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     """q, k, v [B, S, H, D] -> their E4M3 codes [B, S, H, D] and the scales as one fp32 tensor [4]: Q's, K's,
     V's and the output's (1 / (2 * V's)), powers of two.
 
-    K is smoothed in fp32 (see ``attention.fp8_operands``). Its scale comes from amax|k| + amax|mean|,
+    K is smoothed in fp32, not rounded back to its dtype first: compiled and eager code then quantize the same values
+    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from amax|k| + amax|mean|,
     a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
     octave too large makes values below about 2^-14 of the largest (instead of 2^-15) subnormal, and
     saves a pass over K."""
@@ -228,8 +229,10 @@ def _(q8, k8, v8, scales, sm_scale):
     return torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=q8.device)
 
 
-def fp8_pv_attention(fast: bool):
-    """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype."""
+def fp8_pv_attention(implementation: str):
+    """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype. ``implementation``:
+    ``reference`` (the recipe in torch), else the vendor's kernel (``BACKEND``)."""
+    fast = implementation != "reference"
     quantize = CompiledOnGpu(fp8_pv_operands) if fast else fp8_pv_operands
 
     def attention(q, k, v):

@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditrun.kernels import formats
-from ditrun.model.dit import gelu_activation
 from ditrun.registry import Registry
 
 
@@ -62,7 +61,7 @@ class LinearFormat:
         return formats.fake_quantize(x, self.element, self.block, scale_mode)
 
 
-LINEAR_FORMATS: Registry[LinearFormat] = Registry("linear format")
+LINEAR_FORMATS: Registry[LinearFormat] = Registry("linear format", "precision.mlp")
 for _format in (
     LinearFormat("bf16", None, None, "not quantized: the model's compute dtype (bf16 on GPUs, fp32 on CPUs)"),
     LinearFormat("fp8", "fp8_e4m3", None, "FP8 E4M3, one fp32 scale per output channel and per token"),
@@ -151,10 +150,11 @@ def triton_available(device: torch.device) -> bool:
     return True
 
 
-def triton_kernel_for(x: torch.Tensor, when_compiled: bool) -> bool:
-    """Whether a quantizer of GPU tensor ``x`` runs its Triton kernel: with Triton installed, outside compiled
-    regions, and inside them too where ``when_compiled`` (``MX_KERNEL_WHEN_COMPILED``, ``FP8_KERNEL_WHEN_COMPILED``)."""
-    return x.is_cuda and TRITON and (when_compiled or not torch.compiler.is_compiling())
+def mx_kernel_for(x: torch.Tensor) -> bool:
+    """Whether the MX repack of GPU tensor ``x`` runs its Triton kernel (``ditrun::mx_repack_fp8``), in compiled
+    regions too, as an opaque node: inductor's code for the per-block exponents and grid rounding costs more than
+    writing the activation once and reading it back (docs/PERFORMANCE.md, GEMM tables)."""
+    return x.is_cuda and TRITON
 
 
 def eager_triton(device: torch.device) -> bool:
@@ -216,59 +216,12 @@ def _(x, element_name, block, scale_mode, count):
 
 TRITON = importlib.util.find_spec("triton") is not None
 """Whether Triton is installed (a constant, so compiled regions read it without tracing an import)."""
-MX_KERNEL_WHEN_COMPILED = True
-"""Whether compiled regions call the MX repack's Triton kernel (``ditrun::mx_repack_fp8``, an opaque node) instead of
-tracing ``mx_repack_fp8`` for inductor to fuse with the activation's producer: inductor's code for the per-block
-exponents and grid rounding cost far more than writing and reading the activation once more
-(docs/PERFORMANCE.md, 2026-11-30, session 7)."""
-FP8_KERNEL_WHEN_COMPILED = False
-"""The same choice for the row-wise FP8 quantizer (``ditrun::rowwise_fp8``)."""
-FUSED_ACTIVATION_QUANTIZER = False
-"""Whether FP8 row-wise linears quantize [prefix | activation(x)] with ``ditrun::act_rowwise_fp8`` on GPUs with
-Triton, in compiled regions too. Off: inductor fuses the same torch arithmetic into one kernel per linear,
-which measured faster on one H200 (205.2 against 208.1-209.7 ms per forward at 8704 tokens,
-docs/PERFORMANCE.md 2026-11-30, last); ``benchmarks/vs_diffusers.py --fused-quantizer`` compares the two."""
-
-
-@torch.library.custom_op("ditrun::act_rowwise_fp8", mutates_args=())
-def act_rowwise_fp8_op(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: str,
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[prefix | activation(x)] -> row-wise FP8 codes and scales (``quantize_rowwise_fp8`` of it) in two passes
-    over the whole GPU (``quantize_triton.act_rowwise_fp8``); the torch reference off GPUs."""
-    if not triton_available(x.device):
-        return quantize_rowwise_fp8(joined(prefix, x, ACTIVATION_FUNCTIONS[activation]), dtype)
-    from ditrun.kernels import quantize_triton
-
-    return quantize_triton.act_rowwise_fp8(None if prefix is None else prefix.contiguous(), x.contiguous(),
-                                           activation == "gelu_tanh", dtype)
-
-
-@act_rowwise_fp8_op.register_fake
-def _(prefix, x, activation, dtype):
-    width = x.shape[1] + (0 if prefix is None else prefix.shape[1])
-    return x.new_empty((x.shape[0], width), dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
-
-
-ACTIVATION_FUNCTIONS = {"none": None, gelu_activation.kernel_name: gelu_activation}
-"""The activations the fused quantizer applies itself, by the ``kernel_name`` their functions carry, with the
-model's functions (the op's reference off GPUs: run eagerly, so GELU's ``F.gelu`` form)."""
 
 
 def joined(prefix: Optional[torch.Tensor], x: torch.Tensor, activation: Optional[Callable]) -> torch.Tensor:
-    """A linear's input [prefix | activation(x)] along the last dim (what the fused quantizer never writes)."""
+    """A linear's input [prefix | activation(x)] along the last dim."""
     x = x if activation is None else activation(x)
     return x if prefix is None else torch.cat([prefix, x], dim=-1)
-
-
-def fused_activation_quantize(backend, activation: Optional[Callable], rows: torch.Tensor,
-                              prefix: Optional[torch.Tensor]) -> Optional[tuple[torch.Tensor, ...]]:
-    """The FP8 operand of [prefix | activation(rows)] from ``ditrun::act_rowwise_fp8`` where it applies (an FP8
-    row-wise backend, a fusable activation, a GPU with Triton); else None."""
-    name = getattr(activation, "kernel_name", None)  # None without an activation: nothing to fuse
-    if not (FUSED_ACTIVATION_QUANTIZER and getattr(backend, "fused_activation", False) and name in ACTIVATION_FUNCTIONS
-            and rows.is_cuda and TRITON):
-        return None
-    return act_rowwise_fp8_op(prefix, rows, name, fp8_dtype())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,12 +299,12 @@ class Fp8Rowwise:
 
     triton_quantizer = True
     """Its activation quantizer is one Triton kernel on GPUs with Triton (nothing to compile around it)."""
-    fused_activation = True
-    """An activation before it (and a prefix) runs in ``ditrun::act_rowwise_fp8`` (``fused_activation_quantize``)."""
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if triton_kernel_for(x, FP8_KERNEL_WHEN_COMPILED):
+        # Inside compiled regions the torch arithmetic is traced: inductor fuses it into the kernel that
+        # produces the activation (norm + modulation, GELU), which measured faster than the Triton kernel.
+        if x.is_cuda and TRITON and not torch.compiler.is_compiling():
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
@@ -406,7 +359,7 @@ class MxRepackFp8:
 
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        if triton_kernel_for(x, MX_KERNEL_WHEN_COMPILED):
+        if mx_kernel_for(x):
             return mx_repack_fp8_op(x, fmt.element, fmt.block, scale_mode)
         return mx_repack_fp8(x, fmt.element, fmt.block, scale_mode)
 
@@ -483,7 +436,7 @@ class AiterFp8:
         return {"w8": w8, "scale": scale}
 
     quantize = staticmethod(Fp8Rowwise.quantize)
-    triton_quantizer = fused_activation = True
+    triton_quantizer = True
 
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale = operand
@@ -492,7 +445,7 @@ class AiterFp8:
         return out.to(out_dtype)
 
 
-LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend")
+LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend", "precision.backend")
 for _backend in (Emulation, Fp8Rowwise, Fp8RowwiseFastAccum, MxRepackFp8, MxScaledMm, AiterFp8):
     LINEAR_BACKENDS.register(_backend.name, _backend)
 # Order of preference where nothing was tuned: the most specific hardware path first; AITER's API is
@@ -564,17 +517,14 @@ class QuantizedLinear(nn.Module):
                prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[prefix | activation(rows)] [M, K] through backend ``name`` -> [M, N], bias not included."""
         backend = self.backends[name]
-        operand = fused_activation_quantize(backend, activation, rows, prefix)
-        if operand is None:
-            if prefix is not None:
-                rows, activation = joined(prefix, rows, activation), None
-            if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
-                operand = backend.quantize(rows if activation is None else activation(rows), self.fmt,
-                                           self.scale_mode)
-            elif activation is None and hasattr(backend, "quantize_counted") and eager_triton(rows.device):
-                operand = backend.quantize_counted(rows, self.fmt, self.scale_mode)
-            else:
-                operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
+        if prefix is not None:
+            rows, activation = joined(prefix, rows, activation), None
+        if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
+            operand = backend.quantize(rows if activation is None else activation(rows), self.fmt, self.scale_mode)
+        elif activation is None and hasattr(backend, "quantize_counted") and eager_triton(rows.device):
+            operand = backend.quantize_counted(rows, self.fmt, self.scale_mode)
+        else:
+            operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
         return backend.gemm(operand, self.weights[name], self.fmt, rows.dtype)
 
     @classmethod

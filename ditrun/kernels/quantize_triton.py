@@ -63,7 +63,7 @@ class Tiling:
 def default_tiling(k: int, kernel: str = "fp8") -> Tiling:
     """The tiling ``kernel`` ("fp8": ``rowwise_fp8``; "mx": ``mx_repack_fp8``) uses for rows of ``k`` elements: the
     fastest, or within 3% of it, at M = 4608 and 20992 for each K of the Flux linears on one H200
-    (``benchmarks/gemm.py --tilings``, docs/PERFORMANCE.md, 2026-11-30, session 7).
+    (``benchmarks/gemm.py --tilings``).
 
     FP8: rows of at most 4096 elements held in registers by 4 warps, longer ones read twice in tiles of 1024 on 8
     warps. MX: two rows per program read twice, in tiles of 1024 on 4 warps up to 4096 elements and of 2048 on 8
@@ -278,76 +278,3 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
         MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,
         BLOCK=block, BLOCK_R=t.rows, NB=max(1, t.tile // block), ONE_TILE=t.one_tile, num_warps=t.warps)
     return y, scale, count
-
-
-# ---------------------------------------------------------------------------------------------
-# Activation + row-wise FP8 over the whole GPU (the MLPs' down-projection inputs)
-
-BLOCK_ELEMENTS = 1024
-"""Row elements per program of ``act_rowwise_fp8`` (4 warps; 4096 on 8 warps measured slower on one H200)."""
-
-
-@triton.jit
-def _gelu_tanh(x):
-    """GELU, tanh approximation, in fp32: 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)."""
-    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-    return x / (1.0 + tl.exp(-2.0 * u))
-
-
-@triton.jit
-def _act_chunk(A, B, row, chunk, KA, KB, stride_a, stride_b, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    """One chunk of the row [prefix A | act(B)] as fp32 values, the activation's rounded to B's dtype (as the
-    reference's activation output is), and the columns it covers. Masked lanes load nothing."""
-    cols = chunk * BLOCK + tl.arange(0, BLOCK)
-    in_a = cols < KA
-    a = tl.load(A + row * stride_a + cols, mask=in_a, other=0.0).to(tl.float32)
-    b = tl.load(B + row * stride_b + cols - KA, mask=(cols >= KA) & (cols < KA + KB), other=0.0).to(tl.float32)
-    if GELU:
-        b = _gelu_tanh(b).to(B.dtype.element_ty).to(tl.float32)
-    return tl.where(in_a, a, b), cols
-
-
-@triton.jit
-def _act_amax_kernel(A, B, PARTIAL, KA, KB, stride_a, stride_b, NCH, GELU: tl.constexpr, BLOCK: tl.constexpr):
-    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    x, _ = _act_chunk(A, B, row, chunk, KA, KB, stride_a, stride_b, GELU, BLOCK)
-    tl.store(PARTIAL + row * NCH + chunk, tl.max(tl.abs(x), 0))
-
-
-@triton.jit
-def _act_quantize_kernel(A, B, PARTIAL, Y, SCALE, KA, KB, stride_a, stride_b, stride_y, NCH,
-                         FP8_MAX: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr, NCH_P2: tl.constexpr):
-    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    parts = tl.arange(0, NCH_P2)
-    top = tl.max(tl.load(PARTIAL + row * NCH + parts, mask=parts < NCH, other=0.0), 0)
-    scale = tl.where(top > 0, tl.math.div_rn(top, FP8_MAX), 1.0)
-    if chunk == 0:
-        tl.store(SCALE + row, scale)
-    x, cols = _act_chunk(A, B, row, chunk, KA, KB, stride_a, stride_b, GELU, BLOCK)
-    lift, divisor, recip = _divisor(scale)
-    y = _fp8_codes(x, lift, divisor, recip, FP8_MAX)
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cols < KA + KB)
-
-
-def act_rowwise_fp8(prefix: torch.Tensor | None, x: torch.Tensor, gelu: bool, dtype: torch.dtype,
-                    store_dtype: torch.dtype | None = None, block: int = BLOCK_ELEMENTS):
-    """[prefix | act(x)] [R, KA + KB] -> (fp8 [R, KA + KB], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8``
-    of the activation's output (GELU-tanh rounded to x's dtype, or none) after the prefix, never written
-    in x's dtype; scales and codes equal the reference's. Two
-    passes over all of the GPU: per-chunk amaxes, then the codes (each a grid of rows x chunks, so that
-    enough memory traffic is in flight; one program per row leaves HBM idle).
-    ``prefix``: [R, KA] or None. ``store_dtype``: as in ``rowwise_fp8``."""
-    rows, kb = x.shape
-    ka = 0 if prefix is None else prefix.shape[1]
-    a = x if prefix is None else prefix
-    nch = triton.cdiv(ka + kb, block)
-    partial = torch.empty(rows, nch, dtype=torch.float32, device=x.device)
-    y = torch.empty(rows, ka + kb, dtype=store_dtype or dtype, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    grid, warps = (rows, nch), max(4, min(8, block // 512))
-    _act_amax_kernel[grid](a, x, partial, ka, kb, a.stride(0), x.stride(0), nch, GELU=gelu, BLOCK=block,
-                           num_warps=warps)
-    _act_quantize_kernel[grid](a, x, partial, y, scale, ka, kb, a.stride(0), x.stride(0), y.stride(0), nch,
-                               FP8_MAX=torch.finfo(dtype).max, GELU=gelu, BLOCK=block,
-                               NCH_P2=triton.next_power_of_2(nch), num_warps=warps)
-    return y, scale

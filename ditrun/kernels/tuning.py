@@ -1,10 +1,10 @@
 """The dispatch table: which backend runs a quantized linear of a given shape on this device.
 
 Entries are keyed by (op, format, M bucket, K, N, device name, torch version) and saved as JSON
-by ``ditrun tune`` (``kernels/tune.py``), which times every candidate on the run's real shapes
+by ``ditrun tune`` (``ditrun/tune.py``), which times every candidate on the run's real shapes
 and data and keeps the fastest one that matches the emulation reference. A later process loads
-the file; a shape with no entry uses the default preference (``linear.DEFAULT_PREFERENCE``) and
-says so once in the log.
+the file; a shape with no entry uses the default preference (``linear.DEFAULT_PREFERENCE``), and the
+model's build says so in one line for all of them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ class DispatchTable:
         self.prepare_all = prepare_all
         """Prepare weights for every candidate (``ditrun tune`` times them all on the same weights)."""
         self.entries: dict[str, str] = dict(entries or {})
+        self.untuned: list[str] = []
+        """Shapes ``choose`` found no entry for, as ``fmt K= N= -> backend`` (said once by ``say_untuned``)."""
         self._said: set[str] = set()
 
     @classmethod
@@ -95,17 +97,27 @@ class DispatchTable:
         default = allowed[0]
         if default == "emulation" and self.mode == "auto" and self.device.type == "cuda":
             self._say_once(fmt.name, f"{fmt.name} has no fast backend on this device; it runs as the exact emulation.")
+        if self.mode in LINEAR_BACKENDS and default != self.mode and fmt.quantized:
+            why = LINEAR_BACKENDS.get(self.mode)().unavailable(fmt, self.device)
+            self._say_once(f"{self.mode}|{fmt.name}", f"precision.backend={self.mode} {why} here; {fmt.name} runs "
+                           f"{default}.")
         names = allowed if self.prepare_all else sorted(set(tuned.values())) or [default]
-        backends = {name: LINEAR_BACKENDS.get(name, "precision.backend")() for name in names}
+        backends = {name: LINEAR_BACKENDS.get(name)() for name in names}
         first = names[0]
-        if len(allowed) > 1:
-            # Said here, once per shape, not per call: calls may run inside a compiled graph (no prints there).
-            missing = "has no tuned backend" if not tuned else f"is tuned for M~{sorted(tuned)} only"
-            self._say_once(f"{fmt.name}|{k}|{n}", f"linear {fmt.name} K={k} N={n} {missing}; other row counts use "
-                           f"{first} (ditrun tune saves a choice).")
+        if self.mode == "auto" and len(allowed) > 1 and len(tuned) < 1:
+            self.untuned.append(f"{fmt.name} K={k} N={n} -> {first}")
 
         def pick(m: int) -> str:
             # Pure (a dict lookup on a static row count): traced into compiled regions.
             return tuned.get(m_bucket(m), first)
 
         return backends, pick
+
+    def say_untuned(self) -> None:
+        """One line for every linear shape the table has no entry for (gathered by ``choose``), once: calls may run
+        inside a compiled graph, where nothing can be printed, so it is said when the model is built."""
+        if self.untuned:
+            shapes = sorted(set(self.untuned))
+            listed = ", ".join(shapes[:3]) + (f" and {len(shapes) - 3} more" if len(shapes) > 3 else "")
+            self._say_once("untuned", f"{len(shapes)} linear shape(s) have no tuned backend here ({listed}); "
+                           "`ditrun tune` saves a choice.")

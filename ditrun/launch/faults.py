@@ -24,6 +24,10 @@ from datetime import timedelta
 import torch.distributed as dist
 from ditrun.errors import UserError
 
+class WorkerFailed(RuntimeError):
+    """A rank of this job failed; the message names it. (User mistakes are ``UserError``s instead.)"""
+
+
 STOP = "ditrun/stop"
 DONE = "done"
 # The exit code of a rank stopped because another one failed (not 1, which its own errors use).

@@ -2,7 +2,7 @@
 
 Each rank is a fresh interpreter ("spawn", never "fork": a forked CUDA context is unusable)
 started exactly as torchrun would start it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT``), so it takes the same path through ``run_as_rank`` as a rank
+``MASTER_ADDR``, ``MASTER_PORT``), so it takes the same path through ``rank.run_as_rank`` as a rank
 of any other launcher. This process only supervises: it returns rank 0's summary, or, when a
 rank fails, stops the others and reports the rank that failed first.
 
@@ -18,10 +18,7 @@ import multiprocessing
 import os
 import pickle
 import signal
-import sys
-import threading
 import time
-import traceback
 from multiprocessing.connection import wait
 from pathlib import Path
 
@@ -29,7 +26,7 @@ import torch
 
 from ditrun import rank_entry
 from ditrun.launch import env, faults, rendezvous
-from ditrun.launch.stop import RunStopped, StopRequest, process_stop
+from ditrun.launch.stop import RunStopped, StopRequest
 from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -101,45 +98,6 @@ def check_local_devices(device_key: str, world: int) -> None:
         )
 
 
-def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, sender) -> None:
-    """The body of one spawned rank: tell the supervisor how it ended, then exit."""
-    # Watched from the very start: a supervisor killed while this rank still imports or waits at
-    # the rendezvous must not leave it behind.
-    process_stop().watch_parent(cfg.launcher.stop_timeout_s, f"rank {rank}", parent=supervisor)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from tqdm import tqdm
-
-    from ditrun.__main__ import is_user_error
-    from ditrun.launch import run_as_rank
-
-    # tqdm's default lock is a named semaphore, which a rank ended by its watchdog (os._exit)
-    # would leave behind; a rank's progress bars need no lock across processes.
-    tqdm.set_lock(threading.RLock())
-
-    try:
-        summary = run_as_rank(cfg, out_dir, env.discover())
-    except (RunStopped, KeyboardInterrupt) as err:
-        stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
-        sender.send(("stopped", rank, stopped.signum))
-        sys.exit(stopped.exit_code)
-    except BaseException as err:  # every way a rank ends must reach the supervisor
-        verdict = _is_verdict(err, is_user_error)
-        if not verdict:
-            traceback.print_exc()
-        sender.send(("failed", rank, err if verdict else faults.describe(err)))
-        sys.exit(2 if is_user_error(err) else 1)
-    sender.send(("done", rank, summary))
-
-
-def _is_verdict(err: BaseException, is_user_error) -> bool:
-    """Errors about the run rather than the rank (a config mistake, the SSIM gate): the
-    supervisor raises them again as they are, so the command treats them as in one process."""
-    from ditrun.metrics.quality import QualityGateError
-
-    return is_user_error(err) or isinstance(err, QualityGateError)
-
-
 def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay: Relay) -> dict:
     """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
     summary, reports, exits, stop_at = None, [], [], None
@@ -199,23 +157,21 @@ def _raise_first_failure(reports: list, exits: list) -> None:
     ranks that then lost their connections to it report errors of their own, but they are
     its victims. Ranks that a watchdog stopped are victims too.
     """
-    from ditrun.launch import WorkerFailed
-
     reported = {rank for rank, _ in reports}
     silent = [(rank, code) for rank, code in exits
               if code and code != faults.PEER_FAILED_EXIT and rank not in reported]
     if silent:
         rank, code = silent[0]
-        raise WorkerFailed(f"rank {rank} {_exit_description(code)} without reporting an error.")
+        raise faults.WorkerFailed(f"rank {rank} {_exit_description(code)} without reporting an error.")
     if reports:
         rank, error = reports[0]
         if isinstance(error, BaseException):
             raise error
-        raise WorkerFailed(f"rank {rank} failed: {error}")
+        raise faults.WorkerFailed(f"rank {rank} failed: {error}")
     failed = [(rank, code) for rank, code in exits if code]
     if failed:
         rank, code = failed[0]
-        raise WorkerFailed(f"rank {rank} {_exit_description(code)}.")
+        raise faults.WorkerFailed(f"rank {rank} {_exit_description(code)}.")
 
 
 def _exit_description(code: int) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ditrun.launch import faults, rendezvous
+from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
 from ditrun import metrics
@@ -36,10 +36,22 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import Edit, check_inputs, edit_inputs, resolve_edits
+from ditrun.workload import Edit, check_inputs, edit_inputs, edit_tokens, resolve_edits
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
+
+
+def _check_memory(edits: list[Edit], cfg, geometry, plan: LayoutPlan, placement) -> None:
+    """``model.memory.check_memory`` with this run's inputs: the edits' token counts, the widest dtype the model is
+    built in (its own, or the SSIM references'), and the ranks that share this machine."""
+    dtypes = [placement.dtype]
+    if cfg.metrics.ssim and cfg.metrics.reference_dtype:
+        dtypes.append(reference.REFERENCE_DTYPES[cfg.metrics.reference_dtype])
+    element = max(torch.empty(0, dtype=d).element_size() for d in dtypes)
+    info = env.discover()
+    tokens = {edit.id: edit_tokens(edit, cfg.workload.text_len) for edit in edits}
+    check_memory(edits, tokens, element, geometry, plan, placement, info.local_world if info is not None else 1)
 
 
 def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
@@ -102,7 +114,7 @@ class Run:
         self.precision_label = precision_label(self.precision, self.placement.dtype_name)
         self.speed = plan_compile(cfg.model, self.placement.device)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
-        check_memory(self.edits, cfg, self.geometry, plan, self.placement)
+        _check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
 
     def load(self) -> None:

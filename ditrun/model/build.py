@@ -21,13 +21,15 @@ import torch
 import yaml
 
 from ditrun.errors import UserError
-from ditrun.kernels.attention import ATTENTION_KERNELS, AttentionKernel, fast_attention_available
+from ditrun.kernels.attention import (ATTENTION_KERNELS, REFERENCE, AttentionKernel, choose_implementation,
+                                     fast_attention_available)
 from ditrun.kernels.formats import SCALE_MODES
 from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
 from ditrun.model.compile import CompilePlan, apply_plan
 from ditrun.model.components import LINEAR_COMPONENTS
-from ditrun.model.dit import AttentionFn, DiTGeometry, FluxDiT
+from ditrun.kernels.sdpa import AttentionFn
+from ditrun.model.dit import DiTGeometry, FluxDiT
 from ditrun.model.graphs import GraphedForward
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
 from ditrun.model.text import transformer_folder
@@ -58,9 +60,8 @@ def device_kind(device_key: str) -> torch.device:
         raise UserError(f"device={device_key!r} is unknown; allowed: auto, cuda, cpu.")
     if device_key == "cuda" and not torch.cuda.is_available():
         raise UserError("device=cuda but no CUDA/ROCm GPU is visible to PyTorch; use device=auto or cpu.")
-    from ditrun.launch import rendezvous  # here: ditrun.launch imports the worker, which imports this module
-
-    return torch.device("cuda" if rendezvous.uses_gpu(device_key) else "cpu")
+    # ``torch.cuda.is_available`` asks the driver without creating a context.
+    return torch.device("cuda" if device_key == "cuda" or torch.cuda.is_available() and device_key == "auto" else "cpu")
 
 
 def compute_dtype(device: torch.device, dtype_key: str) -> tuple[torch.dtype, str]:
@@ -121,8 +122,8 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
     linear = {c: LINEAR_FORMATS.get(getattr(precision_cfg, c), f"precision.{c}") for c in LINEAR_COMPONENTS}
     attention = ATTENTION_KERNELS.get(precision_cfg.attention, "precision.attention")
     if precision_cfg.backend not in BACKEND_MODES and precision_cfg.backend not in LINEAR_BACKENDS:
-        raise UserError(f"precision.backend={precision_cfg.backend!r} is unknown; allowed: {', '.join(BACKEND_MODES)}, "
-                        f"or a linear backend's name ({', '.join(LINEAR_BACKENDS)}).")
+        modes = ", ".join(mode for mode in BACKEND_MODES if mode not in LINEAR_BACKENDS)
+        raise LINEAR_BACKENDS.unknown(precision_cfg.backend, extra=modes)
     if precision_cfg.scale_mode not in SCALE_MODES:
         raise UserError(f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; "
                         f"allowed: {', '.join(SCALE_MODES)}.")
@@ -145,11 +146,20 @@ def _check_fast(plan: PrecisionPlan, device: torch.device) -> None:
                         "use precision.backend=auto or another kernel.")
 
 
-def _preset_formats(name: str) -> Optional[dict]:
+def precision_preset(name: str) -> Optional[dict]:
+    """The ``precision.*`` keys of preset ``conf/precision/<name>.yaml`` (None if there is none). A preset that sets
+    keys of other groups too is in the global package, its precision keys under ``precision:``."""
     file = PRESET_DIR / f"{name}.yaml"
     if not file.is_file():
         return None
     preset = yaml.safe_load(file.read_text())
+    return preset.get("precision", preset)
+
+
+def _preset_formats(name: str) -> Optional[dict]:
+    preset = precision_preset(name)
+    if preset is None:
+        return None
     return {k: preset.get(k, "bf16") for k in (*LINEAR_COMPONENTS, "attention")}
 
 
@@ -212,10 +222,10 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
         load_pretrained_weights(model, transformer_folder(model_cfg.path), placement.dtype, placement.device)
     else:
         draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
-    built = BuiltModel(model, ATTENTION_KERNELS.get("bf16", "precision.attention").make(False))
+    built = BuiltModel(model, ATTENTION_KERNELS.get("bf16").make("sdpa"))
     if precision is not None and precision.quantized:
         table = table or DispatchTable.load(precision.tuning_file, placement.device, precision.backend, announce)
-        built = _quantize(model, precision, table, placement.device, announce)
+        built = _quantize(model, precision, table, placement.device, geometry.attention_head_dim, announce)
     built.model.eval().requires_grad_(False)
     if speed is not None:
         built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
@@ -224,19 +234,18 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
     return built
 
 
-def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device,
+def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device, head_dim: int,
               announce: bool) -> BuiltModel:
     quantize_model(model, plan.linear, plan.scale_mode, table.choose)
-    fast_attention = plan.backend != "emulation" and fast_attention_available(plan.attention, device) is None
-    if announce and plan.attention.quantized and not fast_attention and device.type == "cuda":
-        print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference on this device.",
+    table.say_untuned()
+    implementation = choose_implementation(plan.attention, device, head_dim, fast=plan.backend != "emulation")
+    if announce and plan.attention.quantized and implementation == REFERENCE:
+        why = fast_attention_available(plan.attention, device) or "precision.backend=emulation"
+        print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).",
               flush=True)
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
-    attention_backend = "sdpa"
-    if plan.attention.quantized:
-        attention_backend = plan.attention.backend_on(device) if fast_attention else "reference"
-    details["attention"] = {"format": plan.attention.name, "backends": [attention_backend]}
-    return BuiltModel(model, plan.attention.make(fast_attention), plan, details)
+    details["attention"] = {"format": plan.attention.name, "backends": [implementation]}
+    return BuiltModel(model, plan.attention.make(implementation), plan, details)
 
 
 def _backends_of(model: FluxDiT, fmt: str) -> list[str]:

@@ -62,8 +62,6 @@ FUSE_MODES = {
     "on": "fuse (also in eager mode)",
     "off": "keep every linear separate (bitwise diffusers' eager computation)",
 }
-GELU_EPILOGUES = True
-"""Whether ``model.fuse`` moves GELU MLPs into their GEMMs' epilogues (``fuse_epilogues``); off only to measure."""
 RECOMPILE_LIMIT = 64
 """Compiled graphs kept per block class: one per distinct input shape (an edit's output and reference
 sizes), so a workload of many sizes never falls back to eager silently (PyTorch's default is 8)."""
@@ -110,7 +108,8 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
     if compiled and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
                         f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
-    tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor"
+    # Coordinate descent tunes inductor's Triton kernels: GPUs only.
+    tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor" and device.type == "cuda"
     graphs_key = _mode(model_cfg, "cuda_graphs", GRAPH_MODES)
     if graphs_key == "on" and device.type != "cuda":
         raise UserError(f"model.cuda_graphs=on needs a GPU, and device is {device.type}; allowed here: auto, off.")
@@ -175,8 +174,6 @@ def fuse_epilogues(model: FluxDiT) -> int:
     """GELU MLPs of plain linears -> ``GeluLinear`` input projections, and ``JoinedLinear`` output projections in
     single-stream blocks (see the module doc); returns the MLPs changed. SwiGLU MLPs are left as they are."""
     count = 0
-    if not GELU_EPILOGUES:
-        return count
     for block in model.single_transformer_blocks:
         if block.activation is gelu_activation and block.fused_in is None and _plain([block.proj_mlp, block.proj_out]):
             hidden = block.proj_mlp.out_features

@@ -21,16 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from ditrun.errors import UserError
 from ditrun.kernels import epilogue
-
-# q, k, v: [B, S, H, D] -> [B, S, H, D]
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Full (non-causal) attention with PyTorch's fused kernels."""
-    # [B, S, H, D] -> [B, H, S, D] and back
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
+from ditrun.kernels.sdpa import AttentionFn, sdpa_attention  # noqa: F401  (the model's attention signature)
 
 
 @dataclass(frozen=True)
@@ -271,8 +262,6 @@ class FeedForward(nn.Module):
         return down(hidden, activation=self.activation)
 
 
-GELU_AS_SIGMOID = True
-"""Whether compiled regions write GELU(tanh) as h * sigmoid(2u) (``gelu_activation``); eager code never does."""
 GELU_TANH_COEFF = 0.044715
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -285,13 +274,11 @@ def gelu_activation(h: torch.Tensor) -> torch.Tensor:
     routine, and the FP8 row quantizer of the down projection's input evaluates the activation twice
     (once for the row's amax, once for the codes), enough arithmetic to bound that kernel. The two
     forms differ by fp32 rounding only; eager code keeps ``F.gelu``, bitwise diffusers'."""
-    if GELU_AS_SIGMOID and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         x = h.float()  # as inductor computes the tanh form (and free inside its fused kernel)
         return (x * torch.sigmoid((2.0 * SQRT_2_OVER_PI) * (x + GELU_TANH_COEFF * x * x * x))).to(h.dtype)
     return F.gelu(h, approximate="tanh")
 
-
-gelu_activation.kernel_name = "gelu_tanh"  # what fused kernels that apply it themselves call it (kernels/linear.py)
 
 
 def swiglu_activation(h: torch.Tensor) -> torch.Tensor:

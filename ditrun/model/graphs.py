@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ditrun.model.compile import RECOMPILE_LIMIT
-from ditrun.model.dit import sdpa_attention
+from ditrun.kernels.sdpa import sdpa_attention
 
 WARMUP_FORWARDS = 2
 MAX_GRAPHS = RECOMPILE_LIMIT

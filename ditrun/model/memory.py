@@ -131,23 +131,17 @@ def check_fits(edit_id: str, size: str, tokens: int, need: MemoryEstimate, free:
     )
 
 
-def check_memory(edits, cfg, geometry: DiTGeometry, plan, placement) -> None:
-    """Refuse the run when its largest edit cannot fit on this rank's device (see the module docstring)."""
-    from ditrun.launch import env
-    from ditrun.metrics.reference import REFERENCE_DTYPES
-    from ditrun.workload import edit_tokens
+def check_memory(edits, tokens: dict[str, int], element_size: int, geometry: DiTGeometry, plan, placement,
+                 ranks_here: int = 1) -> None:
+    """Refuse the run when its largest edit cannot fit on this rank's device (see the module docstring).
 
-    tokens = {edit.id: edit_tokens(edit, cfg.workload.text_len) for edit in edits}
+    ``edits``: objects with ``id``, ``width`` and ``height``; ``tokens``: each edit's joint sequence length by id;
+    ``element_size``: bytes per element of the widest dtype the run builds the model in; ``plan``: the layout plan
+    (``sp_degree``, ``kind.batched_cfg``); ``ranks_here``: ranks sharing this machine's memory (counted on a CPU)."""
     largest = max(edits, key=lambda edit: tokens[edit.id])
-    dtypes = [placement.dtype]
-    if cfg.metrics.ssim and cfg.metrics.reference_dtype:
-        dtypes.append(REFERENCE_DTYPES[cfg.metrics.reference_dtype])
-    element = max(torch.empty(0, dtype=d).element_size() for d in dtypes)
     on_host = placement.device.type == "cpu"
-    need = estimate(geometry, tokens[largest.id], largest.width * largest.height, element, element,
+    need = estimate(geometry, tokens[largest.id], largest.width * largest.height, element_size, element_size,
                     parameter_count(geometry), ranks_per_sequence=plan.sp_degree,
                     batch=2 if plan.kind.batched_cfg else 1, on_host=on_host)
-    info = env.discover()
-    ranks_here = info.local_world if on_host and info is not None else 1
     check_fits(largest.id, f"{largest.width}x{largest.height}", tokens[largest.id], need,
-               free_bytes(placement.device), placement.device, ranks_here)
+               free_bytes(placement.device), placement.device, ranks_here if on_host else 1)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ditrun.model.dit import AttentionFn, sdpa_attention
+from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
 from ditrun.model.sampler import EditInputs
 from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows
 

@@ -1,5 +1,6 @@
 """The transport registry: name -> implementation. The config check, its error message and the
-docs' list of transports all derive from ``TRANSPORTS``, so no allow-list is written twice."""
+docs' list of transports all derive from ``TRANSPORTS`` (a ``ditrun.registry.Registry``), so no allow-list is
+written twice."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from ditrun.errors import UserError
+from ditrun.registry import Registry
 from ditrun.metrics.timing import ExposedTransfer
 from ditrun.transport.base import LocalTransport, Transport
 
@@ -35,17 +37,17 @@ class TransportEntry:
     """One line for the docs and ``--help``-style listings."""
 
 
-TRANSPORTS: dict[str, TransportEntry] = {
-    "collective": TransportEntry(_collective, "all_to_all_single of the process group's library (NCCL, RCCL, gloo)"),
-    "copy_engine": TransportEntry(_copy_engine, "per-peer one-sided copies into mapped receive slots: copy engines "
-                                                "(CUDA), SDMA (ROCm), shared memory and one thread per peer (CPU)"),
-}
+TRANSPORTS: Registry[TransportEntry] = Registry("transport", "transport")
+TRANSPORTS.register("collective", TransportEntry(
+    _collective, "all_to_all_single of the process group's library (NCCL, RCCL, gloo)"))
+TRANSPORTS.register("copy_engine", TransportEntry(
+    _copy_engine, "per-peer one-sided copies into mapped receive slots: copy engines (CUDA), SDMA (ROCm), shared "
+    "memory and one thread per peer (CPU)"))
 
 
 def check_transport(transport_cfg) -> None:
     """``transport.*`` mistakes, as one sentence each, before anything is built."""
-    if transport_cfg.name not in TRANSPORTS:
-        raise UserError(f"transport={transport_cfg.name!r} is not available; allowed: {', '.join(TRANSPORTS)}.")
+    TRANSPORTS.get(transport_cfg.name)
     if transport_cfg.chaos_s < 0:
         raise UserError(f"transport.chaos_s={transport_cfg.chaos_s} must be 0 (off) or a positive number of seconds.")
     if transport_cfg.timeout_s is not None and transport_cfg.timeout_s <= 0:
@@ -66,4 +68,4 @@ def make_transport(transport_cfg, group, timer: ExposedTransfer, device: torch.d
     check_transport(transport_cfg)
     if group is None:
         return LocalTransport(device)
-    return TRANSPORTS[transport_cfg.name].make(group, timer, device, transport_cfg, timeout_s, nodes)
+    return TRANSPORTS.get(transport_cfg.name).make(group, timer, device, transport_cfg, timeout_s, nodes)

@@ -36,7 +36,7 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
         if device.type == "cuda":
             if calls > 1:
                 fn()  # the GPU works on it while the host launches the timed calls
-            times.append(_events_ms(fn, calls) / calls)
+            times.append(events_ms(fn, calls) / calls)
         else:
             begin = time.perf_counter()
             for _ in range(calls):
@@ -45,7 +45,7 @@ def time_ms(fn, device: torch.device, repeats: int = REPEATS, calls: int = 1) ->
     return statistics.median(times)
 
 
-def _events_ms(fn, calls: int = 1) -> float:
+def events_ms(fn, calls: int = 1) -> float:
     """Milliseconds between CUDA events around ``calls`` calls of ``fn`` on the current stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -54,68 +54,6 @@ def _events_ms(fn, calls: int = 1) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
-
-
-def _graph_of(fn, calls: int) -> "torch.cuda.CUDAGraph":
-    """``calls`` back-to-back calls of ``fn`` captured as one CUDA graph, after warm-up calls outside it."""
-    fn()  # compilation, autotuning, the allocator
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
-    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph: the GPU's time
-    alone, as a graphed model (``model.cuda_graphs``) runs them, without the host's launch costs."""
-    return time_ms(_graph_of(fn, calls).replay, torch.device("cuda"), repeats) / calls
-
-
-def in_turns(names: list, repeats: int):
-    """``repeats`` rounds of ``names`` (any items), each round every name once, starting one later than the round
-    before: the GPU's clock and temperature, which drift while it works, then weigh on every case alike rather than
-    on whichever ran first."""
-    for round_ in range(repeats):
-        yield from names[round_ % len(names):] + names[:round_ % len(names)]
-
-
-def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
-    """``graph_ms`` of each of ``fns`` (name -> function), timed in turns (``in_turns``): every round replays each
-    graph once."""
-    graphs = {name: _graph_of(fn, calls) for name, fn in fns.items()}
-    times = {name: [] for name in graphs}
-    for graph in graphs.values():
-        graph.replay()
-    for name in in_turns(list(graphs), repeats):
-        times[name].append(_events_ms(graphs[name].replay) / calls)
-    return {name: statistics.median(ms) for name, ms in times.items()}
-
-
-def interleaved_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
-    """Median milliseconds per call of each of ``fns`` (name -> function) on the current GPU, timed in turns
-    (``in_turns``): every round gives each one untimed call, then times ``calls`` back-to-back calls (functions
-    that cannot be captured in a CUDA graph; else ``interleaved_graph_ms``)."""
-    times = {name: [] for name in fns}
-    for name in in_turns(list(fns), repeats):
-        fns[name]()  # the stream's untimed call
-        times[name].append(_events_ms(fns[name], calls) / calls)
-    return {name: statistics.median(ms) for name, ms in times.items()}
-
-
-def load_module(path, name: str):
-    """The Python file ``path`` imported as module ``name`` (a benchmark's baseline copy of a kernel file)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple[QuantizedLinear, torch.Tensor]]:

@@ -1,30 +1,27 @@
 #!/usr/bin/env bash
-# Everything one GPU session runs, in one command (the device machine has torch, triton,
+# The GPU test and benchmark suite, one mode per question (the device machine has torch, triton,
 # scikit-image and mpi4py but not hydra/omegaconf/submitit/diffusers: carry them as wheels in
-# .whl/). Writes logs and JSON under $OUT (default results/gpu).
-#   bash benchmarks/gpu_session.sh [tests|bench|cli|workload|all]   (one GPU)
-#   bash benchmarks/gpu_session.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
-#   bash benchmarks/gpu_session.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
-#   bash benchmarks/gpu_session.sh sweep                    (one GPU: ditrun tune, then the 1024x1024 flux-dev
-#                                                            precision sweep; each mode fits one 10-minute command)
-#   bash benchmarks/gpu_session.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
-#   bash benchmarks/gpu_session.sh kernels                  (one GPU: the Triton kernels' GPU tests, attention and GEMM
-#                                                            benchmarks, the attention kernel's configurations; ~4 min)
-#   bash benchmarks/gpu_session.sh gluon                    (one GPU: the Hopper Gluon INT8-QK kernel's GPU tests, its
-#                                                            options one process each beside the Triton kernel, and
-#                                                            Nsight Compute of it and SDPA; ~4 min)
-#   bash benchmarks/gpu_session.sh fp8pv                    (one GPU: the FP8 P @ V's GPU tests, the compiled worker's
-#                                                            among them, then int8qk_fp8v end to end with it off and on;
-#                                                            ~5 min; it decided attention.GLUON_FP8_PV's default, on)
-#   bash benchmarks/gpu_session.sh quantizers               (one GPU: the activation quantizers' GPU tests, their tilings per
-#                                                            K beside BASELINE=<an older quantize_triton.py> if set, the
-#                                                            GEMM table; ~3 min)
-#   bash benchmarks/gpu_session.sh epilogues [TOKENS]       (one GPU: the GEMM-epilogue GPU tests, then BF16 compiled
-#                                                            with and without them beside diffusers compiled; ~6 min)
-#   bash benchmarks/gpu_session.sh speed [TOKENS] [MODES]           (one GPU: ditrun against diffusers eager, compiled and
-#                                                            torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min,
-#                                                            5 of them torchao's compile; needs the diffusers and
-#                                                            torchao wheels in .whl/)
+# .whl/). Writes logs and JSON under $OUT (default results/gpu). Each mode fits one 10-minute command.
+#   bash benchmarks/gpu_suite.sh [tests|layouts|cli|workload|all]   (one GPU: GPU tests; layouts and the memory
+#                                                            estimate; the CLI on flux-dev; the published workload)
+#   bash benchmarks/gpu_suite.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
+#   bash benchmarks/gpu_suite.sh precision-sweep          (one GPU: ditrun tune, then the 1024x1024 flux-dev
+#                                                            precision sweep)
+#   bash benchmarks/gpu_suite.sh kernels                  (one GPU: the Triton kernels' GPU tests, attention and GEMM
+#                                                            benchmarks, the Triton attention kernel's tiles; ~4 min)
+#   bash benchmarks/gpu_suite.sh quantizers               (one GPU: the activation quantizers' GPU tests, their tilings
+#                                                            per K, the GEMM table; ~3 min)
+#   bash benchmarks/gpu_suite.sh attention                (one GPU: the Hopper Gluon kernel's and the FP8 attention
+#                                                            GPU tests, the compiled worker's among them, then every
+#                                                            attention kernel at 20992 and 8704 tokens; ~5 min)
+#   bash benchmarks/gpu_suite.sh vs-diffusers [TOKENS] [MODES]  (one GPU: ditrun against diffusers eager, compiled
+#                                                            and torchao FP8 at TOKENS = 8704, 20992 or 4608; ~9 min;
+#                                                            needs the diffusers and torchao wheels in .whl/)
+#   bash benchmarks/gpu_suite.sh fast-path [STEPS]        (one GPU: precision=fp8_all through the CLI at the published
+#                                                            shape; its forward beside torchao's in one process:
+#                                                            vs-diffusers 20992 "diffusers ditrun-fp8_all diffusers-torchao-fp8")
+#   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
+#   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
@@ -45,7 +42,7 @@ if [[ $what == tests || $what == all ]]; then
     tests/test_memory.py \
     2>&1 | tee "$OUT/tests.log" | tail -15
 fi
-if [[ $what == bench || $what == all ]]; then
+if [[ $what == layouts || $what == all ]]; then
   python3 benchmarks/bench_layouts.py --out "$OUT" 2>&1 | tee "$OUT/bench_layouts.log" | tail -20
   # The memory estimate that refuses too-large edits, beside the measured peak (flux-dev, bf16).
   python3 benchmarks/memory_estimate.py --sizes 512 1024 2048 4096 2>&1 | tee "$OUT/memory_estimate.log" | tail -6
@@ -64,42 +61,37 @@ if [[ $what == precision ]]; then
   python3 benchmarks/gemm.py 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
 fi
-if [[ $what == sweep ]]; then
+if [[ $what == precision-sweep ]]; then
   # The dispatch table for the krea mix on the sweep's real shapes (the sweep's runs load it).
   python3 -m ditrun tune model=flux-dev precision=krea workload.width=1024 workload.height=1024 \
     workload.text_len=512 precision.tuning_file="$OUT/dispatch.json" 2>&1 | tee "$OUT/tune.log" | tail -25
-  # Item 5: SSIM vs the BF16 output and a BF16 rerun, and DiT time per edit, per precision, in one sweep
+  # SSIM vs the BF16 output and a BF16 rerun, and DiT time per edit, per precision, in one sweep
   # (random weights: numerical drift, not image quality). The first job makes the cached references.
-  python3 -m ditrun -m model=flux-dev precision=bf16,fp8,mxfp6,mxfp4,krea workload.width=1024 workload.height=1024 \
-    workload.steps=8 workload.limit=3 workload.text_len=512 wandb.mode=disabled progress=false \
+  python3 -m ditrun -m model=flux-dev precision=bf16,fp8,fp8_all,mxfp6,mxfp4,krea workload.width=1024 \
+    workload.height=1024 workload.steps=8 workload.limit=3 workload.text_len=512 wandb.mode=disabled progress=false \
     precision.tuning_file="$OUT/dispatch.json" hydra.sweep.dir=/tmp/precision-sweep 2>&1 | tee "$OUT/precision_sweep.log" | tail -14
   for job in /tmp/precision-sweep/[0-9]*; do cp "$job/summary.json" "$OUT/precision_summary_$(basename "$job").json"; done
 fi
 if [[ $what == transport ]]; then
-  # Issue 10's performance run: the copy-engine GPU tests, then per exchange the time with and
-  # without the host's issuing and the host's cost, kernel slowdown beside a transfer that outlasts
-  # it, and ulysses / cfg_batch with 1, 2 and 4 head groups on both transports (GPU backlog, exposed
-  # transfer per kind, the issue's targets).
+  # The copy-engine GPU tests, then per exchange the time with and without the host's issuing and the host's cost,
+  # kernel slowdown beside a transfer that outlasts it, and ulysses / cfg_batch with 1, 2 and 4 head groups on both
+  # transports (GPU backlog, exposed transfer per kind).
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_copy_engine_schedule.py tests/test_copy_engine.py \
     2>&1 | tee "$OUT/tests_transport.log" | tail -4
   python3 benchmarks/alltoall.py --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -22
   python3 benchmarks/bench_layouts.py --world 2 --repeats 5 --layouts ulysses cfg_batch --head-groups 1 2 4 \
     --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -18
 fi
-if [[ $what == speed ]]; then
-  # Issue 11: one shape per call (each command fits the 10-minute limit of a device call); MODES: a
-  # space-separated subset of vs_diffusers.py's modes (default all).
+if [[ $what == vs-diffusers ]]; then
+  # One shape per command; MODES: a space-separated subset of vs_diffusers.py's modes (default all).
   python3 benchmarks/vs_diffusers.py --tokens "${2:-8704}" ${3:+--modes $3} --out "$OUT" 2>&1 \
     | tee "$OUT/vs_diffusers.log" | tail -40
 fi
-if [[ $what == epilogues ]]; then
-  # Issue 11: the GELU MLPs in their GEMMs' epilogues; the GPU tests, then BF16 compiled with and without them
-  # beside diffusers compiled in one process (TOKENS default 20992; ~6 min).
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile.py -k "epilogue or bf16" 2>&1 \
-    | tee "$OUT/tests_epilogues.log" | tail -3
-  python3 benchmarks/vs_diffusers.py --tokens ${2:-20992} --cuda-graphs --repeats 5 --out "$OUT" \
-    --modes diffusers ditrun-compiled ditrun-compiled-no-epilogues diffusers-compiled 2>&1 \
-    | tee "$OUT/vs_diffusers.log" | tail -40
+if [[ $what == fast-path ]]; then
+  # The fast preset through the CLI at the published shape (one edit after the warm-up one): its DiT time per
+  # step is vs_diffusers.py's ditrun-fp8_all forward (same configuration, composed the same way) at 20992 tokens.
+  python3 benchmarks/bench_workload.py --limit 2 --steps "${2:-8}" --out "$OUT" -- precision=fp8_all 2>&1 \
+    | tee "$OUT/bench_workload_fp8_all.log" | tail -8
 fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \
@@ -111,42 +103,26 @@ fi
 if [[ $what == quantizers ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "quantizer or repack" 2>&1 \
     | tee "$OUT/tests_quantizers.log" | tail -3
-  timeout 250 python3 benchmarks/gemm.py --tilings ${BASELINE:+--baseline "$BASELINE"} 2>&1 | tee "$OUT/tilings.txt" \
-    | grep -E "default|\*|baseline"
+  timeout 250 python3 benchmarks/gemm.py --tilings 2>&1 | tee "$OUT/tilings.txt" | grep -E "default|\*"
   timeout 200 python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp8 mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
 fi
-if [[ $what == gluon ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k gluon 2>&1 \
-    | tee "$OUT/tests_gluon.log" | tail -5
-  for change in block_n=128 block_n=128,rowsum_mma=0 block_n=64; do  # a faulting variant cannot poison the next
-    timeout 150 python3 benchmarks/attention.py --gluon --gluon-only "$change" --s 20992 8704 4608 --repeats 5 2>&1 \
-      | grep -v "^{" | tee -a "$OUT/attention_gluon.txt"
-  done
-  timeout 200 ncu --clock-control none -k regex:"sdpa|_int8qk" --set full --import-source no \
-    python3 benchmarks/attention.py --ncu --s 20992 > "$OUT/ncu_attention.txt" 2>&1
-  grep -E "_int8qk|sdpa|Duration|Issued Instructions  |Issue Slots Busy|Local Memory Spilling Requests " \
-    "$OUT/ncu_attention.txt"
-fi
-if [[ $what == fp8pv ]]; then
+if [[ $what == attention ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "gluon or v_codes or fp8" \
-    2>&1 | tee "$OUT/tests_fp8pv.log" | tail -5
+    2>&1 | tee "$OUT/tests_attention.log" | tail -5
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile.py -k fp8_product 2>&1 \
-    | tee -a "$OUT/tests_fp8pv.log" | tail -5
-  for fp8pv in off on; do  # one process each: the autotuned and compiled kernels stay apart
-    timeout 200 python3 benchmarks/attention.py --fp8-pv "$fp8pv" --s 20992 8704 --repeats 10 2>&1 | grep -v "^{" \
-      | tee -a "$OUT/attention_fp8pv.txt"
-  done
+    | tee -a "$OUT/tests_attention.log" | tail -5
+  timeout 200 python3 benchmarks/attention.py --s 20992 8704 --repeats 10 2>&1 | tee "$OUT/attention.txt"
 fi
 if [[ $what == workload || $what == all ]]; then
-  # Issue 12: the published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
+  # The published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
   python3 benchmarks/bench_workload.py --limit 2 --steps 28 --out "$OUT" 2>&1 | tee "$OUT/bench_workload.log" | tail -8
 fi
 if [[ $what == multi ]]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_layouts.py tests/test_launchers.py tests/test_copy_engine.py \
     tests/test_copy_engine_schedule.py \
     2>&1 | tee "$OUT/tests_multi.log" | tail -8
-  # Issue 10: collective vs copy_engine per message, kernel slowdown beside transfers, profile; then every
-  # layout x transport x head groups {1, 2} against single. With one GPU both ranks share it (CUDA IPC).
+  # collective vs copy_engine per message, kernel slowdown beside transfers, profile; then every layout x transport x
+  # head groups {1, 2} against single. With one GPU both ranks share it (CUDA IPC).
   share=""; [[ $(python3 -c "import torch; print(torch.cuda.device_count())") -lt 2 ]] && share="--share-gpu"
   python3 benchmarks/alltoall.py $share --out "$OUT" 2>&1 | tee "$OUT/alltoall.log" | tail -25
   python3 benchmarks/bench_layouts.py --world 2 $share --out "$OUT" 2>&1 | tee "$OUT/bench_layouts_multi.log" | tail -20

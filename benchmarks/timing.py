@@ -1,0 +1,93 @@
+"""How every benchmark here times GPU work: one module, so that every table is measured the same way.
+
+* ``time_ms``: median ms per call after a warm-up call (CUDA events on GPUs; what ``ditrun tune`` times with);
+* ``graph_ms``: back-to-back calls replayed as one CUDA graph, the GPU's time alone;
+* ``interleaved_ms`` / ``interleaved_graph_ms``: several cases timed in turns (``in_turns``), so that the GPU's
+  clock and temperature, which drift while it works, weigh on every case alike;
+* ``cuda_time``: seconds per call of a long call (a whole forward), one CUDA-event pair each;
+* ``gpu_and_backlog_s``: one call's GPU time and how long the GPU still worked once the host had issued it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ditrun.tune import REPEATS, events_ms, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
+
+
+def cuda_time(fn, warmup: int, repeats: int) -> list[float]:
+    """Seconds per call, one CUDA-event pair per call, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    return [events_ms(fn) / 1e3 for _ in range(repeats)]
+
+
+def gpu_and_backlog_s(fn) -> tuple[float, float]:
+    """(GPU seconds, backlog seconds) of one call: the backlog is how long the GPU still ran after the host had
+    issued everything (about 0: the GPU was waiting for the host)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    issued = time.perf_counter()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, time.perf_counter() - issued
+
+
+def graph_of(fn, calls: int) -> "torch.cuda.CUDAGraph":
+    """``calls`` back-to-back calls of ``fn`` captured as one CUDA graph, after warm-up calls outside it."""
+    fn()  # compilation, autotuning, the allocator
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_ms(fn, repeats: int = REPEATS, calls: int = 10) -> float:
+    """Median milliseconds per call of ``calls`` back-to-back calls replayed as one CUDA graph: the GPU's time
+    alone, as a graphed model (``model.cuda_graphs``) runs them, without the host's launch costs."""
+    return time_ms(graph_of(fn, calls).replay, torch.device("cuda"), repeats) / calls
+
+
+def in_turns(names: list, repeats: int):
+    """``repeats`` rounds of ``names`` (any items), each round every name once, starting one later than the round
+    before: the GPU's clock and temperature, which drift while it works, then weigh on every case alike rather than
+    on whichever ran first."""
+    for round_ in range(repeats):
+        yield from names[round_ % len(names):] + names[:round_ % len(names)]
+
+
+def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
+    """``graph_ms`` of each of ``fns`` (name -> function), timed in turns (``in_turns``): every round replays each
+    graph once."""
+    graphs = {name: graph_of(fn, calls) for name, fn in fns.items()}
+    times = {name: [] for name in graphs}
+    for graph in graphs.values():
+        graph.replay()
+    for name in in_turns(list(graphs), repeats):
+        times[name].append(events_ms(graphs[name].replay) / calls)
+    return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+def interleaved_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
+    """Median milliseconds per call of each of ``fns`` (name -> function) on the current GPU, timed in turns
+    (``in_turns``): every round gives each one untimed call, then times ``calls`` back-to-back calls (functions
+    that cannot be captured in a CUDA graph; else ``interleaved_graph_ms``)."""
+    times = {name: [] for name in fns}
+    for name in in_turns(list(fns), repeats):
+        fns[name]()  # the stream's untimed call
+        times[name].append(events_ms(fns[name], calls) / calls)
+    return {name: statistics.median(ms) for name, ms in times.items()}
