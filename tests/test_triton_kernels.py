@@ -245,8 +245,8 @@ def test_fused_activation_quantizer_equals_the_reference_on_the_gpu():
 
 @pytest.mark.gpu
 def test_triton_repack_counts_the_inexact_rows_as_the_reference():
-    """Whole activations and each row alone (a zero row, a row with a far block: the rows whose count differed when
-    the kernel compared its E4M3 values cast back and counted by one atomic per program, before session 7)."""
+    """Whole activations and each row alone (a zero row, and a row with a far block: the rows a count by one atomic
+    per program, from E4M3 values cast back, gets wrong)."""
     for x in (activation("cuda"), long_activation("cuda")):
         for element in ELEMENTS:
             for mode in formats.SCALE_MODES:
