@@ -10,7 +10,7 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
-# Seconds each file's tests took on 2 cores (`make test`, 2026-11-30; files under 30 s left out). `make
+# Seconds each file's tests take on 2 cores (`make test`; files under 30 s left out). `make
 # test` runs two xdist workers with `--dist loadfile --no-loadscope-reorder`: workers take whole files in
 # collection order, so the collection puts the longest files first and the short ones fill in at the
 # end (longest first). xdist's own order, by number of tests, could leave a long file for last.

@@ -51,7 +51,7 @@ def _model_folder(folder: Path, index_text=None, config_change=None) -> str:
 
 
 def _number_cases(tmp: Path) -> list[tuple[list[str], str]]:
-    """Item 6 of issue 8: numbers, each blamed on its own key."""
+    """README's "numbers" row: each number blamed on its own key."""
     return [
         (["workload.limit=-1"], "workload.limit=-1 must be a positive number of edits, or unset for all of them."),
         (["workload.steps=0"], "workload.steps=0 must be at least 1."),
@@ -68,7 +68,7 @@ def _number_cases(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 def _image_cases(files: Path) -> list[tuple[list[str], str]]:
-    """Item 8 (and the ones below): pictures and their size, refused before any model is built."""
+    """README's "pictures" row (and the rows below it): pictures and their size, refused before any model is built."""
     (files / "text.png").write_text("not a picture")
     Image.new("CMYK", (16, 16)).save(files / "cmyk.tiff")
     frames = [Image.new("RGB", (16, 16), c) for c in ("red", "blue")]

@@ -62,7 +62,7 @@ def test_bad_reference_sizes_name_the_edit(entry, message):
         resolve_edits(_workload(edits=[{"id": "x", "image": "skimage:coffee", **entry}]))
 
 
-def test_old_names_and_bad_rules_are_one_sentence():
+def test_retired_keys_and_bad_rules_are_one_sentence():
     with pytest.raises(WorkloadError) as err:
         check_config(_workload(distilled_guidance=3.5))
     assert str(err.value) == ("workload.distilled_guidance was renamed to diffusers' names: the distilled guidance "

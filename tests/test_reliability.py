@@ -224,7 +224,7 @@ def test_a_rank_stuck_at_the_end_fails_the_job_naming_it(tmp_path):
 def test_a_stop_signal_while_the_ranks_still_import_stops_the_run(tmp_path, delay_s=0.5):
     """Ctrl-C half a second after the ranks exist: they are still importing torch, so the supervisor
     holds the signal until each rank has its handlers (``rank_entry``), and the run ends stopped, not
-    failed (it used to interrupt an import: a traceback, exit 1; a Ctrl-C at 0 s or 1 s did too)."""
+    failed (a signal that interrupted an import would end the rank with a traceback and exit 1)."""
     out = tmp_path / "run"
     process = start(tmp_path, *SPAWNED, "launcher.stop_timeout_s=60", f"hydra.run.dir={out}")
     deadline = time.monotonic() + 60
