@@ -245,7 +245,7 @@ def output_problem(out_dir: Path, record: dict) -> Optional[str]:
 def _refuse_older_layout(out_dir: Path) -> None:
     """Refuse a directory whose records put outputs beside the run's own files (and carry no checksums)."""
     for path in [out_dir / EDITS_FILE, *sorted(out_dir.glob(REPLICA_FILE.format("*")))]:
-        older = next((r for r in _lines_in(path) if "/" not in str(r.get("image", "/"))), None)
+        older = next((r for r in _lines_in(path) if "edit" in r and "/" not in str(r.get("image", "/"))), None)
         if older is not None:
             raise OlderLayout(
                 f"{path} records edit {older.get('edit')!r} with its image at {older['image']}, as an older ditrun did "
