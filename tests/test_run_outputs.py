@@ -249,8 +249,7 @@ def test_a_read_only_results_directory_is_one_sentence(tmp_path, key):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("key", ["hydra.run.dir", "output_dir"])
-@pytest.mark.parametrize("below", [False, True])
+@pytest.mark.parametrize("key, below", [("hydra.run.dir", False), ("hydra.run.dir", True), ("output_dir", False)])
 def test_a_file_given_as_the_results_directory_is_one_sentence(tmp_path, key, below):
     file = tmp_path / "results.txt"
     file.write_text("a file")
