@@ -31,6 +31,7 @@ from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.metrics import rundir
 from ditrun.metrics.timing import STARTUP
 from ditrun.model.build import model_geometry
 from ditrun.parallel.layout import LayoutPlan
@@ -49,6 +50,7 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
     check_config(cfg, cfg.launcher.world)
+    rundir.make_run_dir(out_dir)  # a file in its place is one sentence before any rank starts
     if cfg.launcher.world > 1:
         from ditrun.launch import spawn
 

@@ -110,6 +110,9 @@ def write_file(path: Path, data: bytes) -> str:
     try:
         write_all(fd, data, path)
         os.fsync(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: give its space back now (a crash leaves it to recovery)
+        raise
     finally:
         os.close(fd)
     os.replace(tmp, path)
