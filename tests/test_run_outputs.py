@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import zlib
@@ -166,22 +167,24 @@ def test_outputs_and_their_folders_are_flushed_before_their_record(tmp_path):
             assert renamed < record, f"{name} was renamed into place after its record was written"
 
 
-@pytest.mark.skipif(not Path("/usr/bin/prlimit").exists() and not Path("/bin/prlimit").exists(),
-                    reason="needs prlimit (util-linux)")
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
 def test_a_record_cut_short_by_a_full_disk_fails_naming_the_file_and_is_redone(tmp_path):
     """A file size limit makes the second record's ``write`` short (then refused): what a full disk does."""
     out = tmp_path / "run"
-    no_hydra_files = "hydra.output_subdir=null"  # Hydra's own files would meet the limit first
-    assert ditrun(*QUICK, "workload.limit=1", no_hydra_files, f"hydra.run.dir={out}", cwd=tmp_path).returncode == 0
+    # Long prompts (in each record's settings) make a record several times the size of a 32x32 PNG.
+    edits = tmp_path / "edits.yaml"
+    edits.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}", "prompt": f"{name} " * 1000}
+                                     for name in ("astronaut", "coffee")]))
+    args = [*QUICK, f"workload.manifest={edits}", "hydra.output_subdir=null", f"hydra.run.dir={out}"]
+    assert ditrun(*args, "workload.limit=1", cwd=tmp_path).returncode == 0  # (Hydra's own files are above the limit)
     limit = (out / "edits.jsonl").stat().st_size + 100
     largest_output = max(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.parent != out)
-    assert largest_output < limit, "the test's limit must let the PNG and latents through"
-    full = ditrun(*QUICK, "workload.limit=2", no_hydra_files, f"hydra.run.dir={out}", cwd=tmp_path,
-                  prefix=("prlimit", f"--fsize={limit}"))
+    assert 2 * largest_output < limit, "the test's limit must let the PNG and latents through"
+    full = ditrun(*args, cwd=tmp_path, prefix=("prlimit", f"--fsize={limit}"))
     assert full.returncode == 1
     assert re.search(rf"File too large: wrote 100 of \d+ bytes to {re.escape(str(out / 'edits.jsonl'))}", full.stderr)
     assert (out / "edits.jsonl").stat().st_size == limit  # the torn record
-    rerun = ditrun(*QUICK, "workload.limit=2", no_hydra_files, f"hydra.run.dir={out}", cwd=tmp_path)
+    rerun = ditrun(*args, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     assert "1 line(s) of" in rerun.stderr and "resuming, 1 edits" in rerun.stdout
     assert [r["edit"] for r in records(out)] == ["astronaut", "coffee"]

@@ -131,6 +131,9 @@ def fsync_folder(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems that cannot flush a directory say so
+            raise
     finally:
         os.close(fd)
 
