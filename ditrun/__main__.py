@@ -25,6 +25,8 @@ register_configs()
 
 # Runs of a multirun that failed the SSIM gate: the sweep goes on, and the command exits 1 at its end.
 _gate_failures: list[str] = []
+# Set when Hydra hands the job over: an OSError before that is Hydra's, making or writing the run directory.
+_job_started = False
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -34,6 +36,8 @@ def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
 
+    global _job_started
+    _job_started = True
     hydra_cfg = HydraConfig.get()
     try:
         hydra_errors.check_composed(cfg)
@@ -77,13 +81,25 @@ def _compose_and_run() -> None:
     try:
         _hydra_main()
     except Exception as err:
-        sentence = None if users_setting else hydra_errors.sentence(err)
+        sentence = None if users_setting else _hydra_error_sentence(err)
         if sentence is None:
             raise
         _user_error(err, sentence)
     finally:
         if users_setting is None:
             os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def _hydra_error_sentence(err: Exception) -> str | None:
+    """A mistake Hydra found composing the config, or a run directory it could not make or write."""
+    cause = err
+    while cause is not None and not isinstance(cause, OSError):  # logging wraps its file's error in a ValueError
+        cause = cause.__cause__
+    if cause is not None and not _job_started:
+        from ditrun.metrics.rundir import unusable_dir_sentence
+
+        return unusable_dir_sentence(cause) or hydra_errors.sentence(err)
+    return hydra_errors.sentence(err)
 
 
 def main() -> None:

@@ -234,8 +234,8 @@ def check_sources(edits: list[Edit]) -> None:
             _check_pixels(edit, _skimage_pixels(edit))
         else:
             _check_image_file(edit)
-        if edit.prompt_embeds and not Path(edit.prompt_embeds).is_file():
-            raise WorkloadError(f"edit {edit.id!r}: prompt_embeds file {edit.prompt_embeds!r} does not exist.")
+        if edit.prompt_embeds:
+            _check_regular_file(edit, "prompt_embeds", edit.prompt_embeds)
 
 
 def check_inputs(edits: list[Edit], geometry) -> None:
@@ -252,11 +252,13 @@ def _check_image_file(edit: Edit) -> None:
     """Reads the file's header only: format, mode and number of frames."""
     from PIL import Image, UnidentifiedImageError
 
-    if not Path(edit.image).is_file():
-        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} does not exist.")
+    _check_regular_file(edit, "image", edit.image)
     try:
         with Image.open(edit.image) as picture:
             mode, frames = picture.mode, getattr(picture, "n_frames", 1)
+    except Image.DecompressionBombError as err:
+        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} is too large to decode safely ({err}); "
+                            "give a smaller picture.")
     except (UnidentifiedImageError, OSError) as err:
         raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} is not a picture PIL can read ({err}).")
     if mode not in IMAGE_MODES:
@@ -264,6 +266,17 @@ def _check_image_file(edit: Edit) -> None:
                             f"{', '.join(IMAGE_MODES)} (convert it to RGB).")
     if frames != 1:
         raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} holds {frames} frames; give one picture.")
+
+
+def _check_regular_file(edit: Edit, what: str, path: str) -> None:
+    """A file to read must be a regular file: a directory or a device (``/dev/zero`` never ends) is refused."""
+    file = Path(path)
+    if file.is_file():
+        return
+    if not file.exists():
+        raise WorkloadError(f"edit {edit.id!r}: {what} file {path!r} does not exist.")
+    kind = "a directory" if file.is_dir() else "not a regular file (a device, pipe or socket)"
+    raise WorkloadError(f"edit {edit.id!r}: {what} file {path!r} is {kind}; give a file.")
 
 
 def _skimage_shape(edit: Edit) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from ditrun.config import register_configs
 from ditrun.launch import worker
+from ditrun.metrics.results import edit_outputs
 
 VENV_BIN = Path(sys.executable).parent
 TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
@@ -81,7 +82,7 @@ def relative_error(got, expected) -> float:
 
 
 def latents(out_dir: Path, edit: str):
-    return load_file(str(out_dir / f"{edit}.latents.safetensors"))["latents"]
+    return load_file(str(out_dir / edit_outputs(edit)["latents"]))["latents"]
 
 
 def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int,

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from ditrun.metrics import rundir
+from ditrun.metrics.results import TEMPORARY_PREFIX
 from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
 
 FAST = ["metrics.ssim=false", "metrics.report=false", "launcher.stop_timeout_s=10"]
@@ -109,7 +110,7 @@ def test_sigterm_to_the_parent_stops_every_rank_and_a_rerun_completes(tmp_path, 
     wait_until_gone(first.pid, 15)  # no rank outlives the parent
     summary = json.loads((out / "summary.json").read_text())
     assert summary["stopped"].startswith("stopped by SIGTERM") and summary["complete"] is False
-    assert not list(out.glob("*.tmp.*"))
+    assert not list(out.rglob(f"{TEMPORARY_PREFIX}*"))
     second = run(ditrun_command(*FAST, *args), 180, tmp_path)
     assert second.returncode == 0, second.stderr
     assert_same_latents(out, six_reference, "ulysses", 2)

@@ -28,6 +28,7 @@ from ditrun.launch.job import LocalJob
 from ditrun.launch.rank import (check_config, check_launcher_config, check_placement, run_as_rank,  # noqa: F401
                                 with_world)
 from ditrun.launch.stop import process_stop
+from ditrun.metrics import rundir
 from ditrun.metrics.timing import STARTUP
 
 
@@ -38,6 +39,7 @@ def launch(cfg, out_dir: Path) -> Optional[dict]:
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info)
     check_config(cfg, cfg.launcher.world)
+    rundir.make_run_dir(out_dir)  # a file in its place is one sentence before any rank starts
     if cfg.launcher.world > 1:
         from ditrun.launch import spawn
 

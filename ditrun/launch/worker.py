@@ -199,25 +199,28 @@ class Run:
         h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE  # the output's latent size (not the reference's)
         with Interval(placement.device) as decode:
             image = results.to_rgb8(self.codec.decode(unpack(latents, h, w)))
-        png = f"{edit.id}.png"
-        results.save_png(image, results.output_path(self.out_dir, png))
-        results.save_latents(latents, results.output_path(self.out_dir, f"{edit.id}.latents.safetensors"))
+        outputs = results.edit_outputs(edit.id)
+        # Both files are on disk (and their checksums known) before the record that names them is written.
+        sha256 = {"image": results.save_png(image, results.output_path(self.out_dir, outputs["image"])),
+                  "latents": results.save_latents(latents, results.output_path(self.out_dir, outputs["latents"]))}
         ref = self.references.get(edit.id) if self.references is not None else None
-        return self._record(edit, step_s, exposed, png, {
+        return self._record(edit, step_s, exposed, sha256, {
             **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds})
 
-    def _record(self, edit: Edit, step_s: list[float], exposed: dict, png: str,
+    def _record(self, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str],
                 measured: Optional[dict] = None) -> dict:
         """One line of edits.jsonl: DESIGN.md's fields in its order, then the extras."""
         cfg, plan, measured = self.cfg, self.layout.plan, dict(measured or {})
         quality_fields = {key: measured.pop(key, None) for key in quality.QUALITY_FIELDS}
+        outputs = results.edit_outputs(edit.id)
         return {
             "edit": edit.id, "seed": edit.seed, "width": edit.width, "height": edit.height,
             "steps": cfg.workload.steps, "layout": plan.name, "precision": self.precision_label,
             "transport": cfg.transport.name, "world": plan.world,
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
-            **quality_fields, "image": png, "replica": self.layout.replica, "head_groups": plan.head_groups,
-            "latents": f"{edit.id}.latents.safetensors", "precision_map": self.precision.formats(), **measured,
+            **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
+            "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
+            "precision_map": self.precision.formats(), **measured,
             "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 
@@ -256,7 +259,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     rendezvous found them (empty: all on one node).
     """
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    rundir.make_run_dir(out_dir)
     start = time.perf_counter()
     state = Run(cfg, out_dir, nodes)
     layout = state.layout

@@ -15,6 +15,11 @@ whole, and a rerun resumes only what the same settings produced.
   parse, lacks the record's fields or repeats an edit (a torn write, a foreign line, a raced
   run) is moved to ``edits.rejected.jsonl`` with a warning when the next run starts, and its edit
   runs again.
+- **Outputs checked.** Each record carries the ``sha256`` of its PNG and latents, written (and
+  flushed, with their directory) before the record. When a run starts, a record whose files are
+  missing or differ from their checksums (deleted, truncated, lost to a power cut) is moved to
+  ``edits.rejected.jsonl`` with a warning naming the edit and the file, and its edit runs again.
+  Only files named with ``results.TEMPORARY_PREFIX`` are removed as leftovers of interrupted writes.
 - **Resume only what matches.** Each record carries ``settings`` (everything that changes the
   edit's result: model and weights, dtype, precision, sampling settings, the edit's size, seed
   and inputs; not the layout, transport or world size, which change only how it is computed) and
@@ -37,6 +42,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ditrun.errors import UserError
+from ditrun.metrics import results
 from ditrun.metrics.results import EDITS_FILE, append_line
 
 LOCK_FILE = ".ditrun.lock"
@@ -46,7 +52,7 @@ REPLICA_FILE = "edits.replica{}.jsonl"
 LEASE_REFRESH_S = 5.0
 LEASE_STALE_S = 60.0
 # Every record has these; a line without them is not one of ours.
-RECORD_KEYS = ("edit", "seed", "width", "height", "steps", "dit_s", "image", "fingerprint", "settings")
+RECORD_KEYS = ("edit", "seed", "width", "height", "steps", "dit_s", "image", "sha256", "fingerprint", "settings")
 
 
 class DirectoryBusy(UserError):
@@ -55,6 +61,38 @@ class DirectoryBusy(UserError):
 
 class SettingsChanged(UserError):
     """The directory's records were made with other settings than this run's."""
+
+
+class OlderLayout(UserError):
+    """The directory holds outputs of an older ditrun, kept beside the run's own files and without checksums."""
+
+
+# What a user fixes by choosing another results directory: unwritable, read-only, or a file in its place.
+_UNUSABLE_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST, errno.ENOTDIR)
+
+
+def unusable_dir_sentence(err: OSError) -> Optional[str]:
+    """The sentence for an error making or writing the results directory; None for any other error."""
+    if err.errno not in _UNUSABLE_DIR_ERRNOS:
+        return None
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):
+        return (f"the results directory {err.filename} cannot be made: it, or a folder above it, is a file; set "
+                "hydra.run.dir (or output_dir) to a directory.")
+    return (f"the results directory cannot be written ({err.strerror}: {err.filename}); set hydra.run.dir (or "
+            "output_dir) to a directory this user can write.")
+
+
+def _as_user_error(err: OSError) -> Exception:
+    sentence = unusable_dir_sentence(err)
+    return UserError(sentence) if sentence else err
+
+
+def make_run_dir(out_dir: Path) -> None:
+    """The results directory, made if needed; a path that cannot be one is the user's mistake."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise _as_user_error(err) from None
 
 
 def records_file(out_dir: Path, replica: int) -> Path:
@@ -74,7 +112,10 @@ class RunLock:
         self._lease_stop: Optional[threading.Event] = None
 
     def acquire(self) -> "RunLock":
-        fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:  # the first file a run writes: a read-only directory shows here
+            raise _as_user_error(err) from None
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
@@ -154,26 +195,87 @@ def _holder() -> str:
 def recover(out_dir: Path) -> list[dict]:
     """The directory's good records (rank 0, holding the lock, before any rank runs an edit).
 
-    Replica files left by an interrupted run are merged into ``edits.jsonl`` first; bad lines are
-    moved aside; temporary files of interrupted writes are removed.
+    A directory of an older ditrun's layout is refused before anything in it changes. Replica files
+    left by an interrupted run are merged into ``edits.jsonl`` first; bad lines, and records whose
+    outputs are damaged, are moved aside; temporary files of interrupted writes are removed.
     """
+    _refuse_older_layout(out_dir)
     merge_replica_files(out_dir)
     path = out_dir / EDITS_FILE
     text = path.read_bytes() if path.exists() else b""
     lines = text.decode(errors="replace").splitlines()
-    good, rejected, seen = [], [], set()
+    good, rejected, damaged, seen = [], [], [], set()
     for line in lines:
         record = _parse(line)
         if record is None or record["edit"] in seen:
             rejected.append(line)
             continue
         seen.add(record["edit"])
-        good.append(record)
-    if rejected or (text and not text.endswith(b"\n")):
-        _set_aside(out_dir, rejected, good)
-    for tmp in out_dir.glob("*.tmp.*"):
-        tmp.unlink(missing_ok=True)
+        problem = output_problem(out_dir, record)
+        if problem:
+            damaged.append(line)
+            _warn(f"edit {record['edit']!r}: {problem}; its record is moved to {REJECTED_FILE} and the edit runs again")
+        else:
+            good.append(record)
+    if rejected or damaged or (text and not text.endswith(b"\n")):
+        _set_aside(out_dir, rejected + damaged, good)
+    if rejected:
+        _warn(f"{len(rejected)} line(s) of {out_dir / EDITS_FILE} were torn, foreign or repeated; moved to "
+              f"{REJECTED_FILE}, and their edits run again")
+    _remove_temporaries(out_dir)
     return good
+
+
+def output_problem(out_dir: Path, record: dict) -> Optional[str]:
+    """What is wrong with a record's output files (missing, not a file, not what was written), or None."""
+    checksums = record["sha256"] if isinstance(record["sha256"], dict) else {}
+    for field, name in results.edit_outputs(str(record["edit"])).items():
+        path = out_dir / name
+        if record.get(field) != name or not isinstance(checksums.get(field), str):
+            return f"its record names no checked {field} file at {name}"
+        if not path.exists():
+            return f"{name} is missing"
+        if not path.is_file():
+            return f"{name} is not a file"
+        if results.file_sha256(path) != checksums[field]:
+            return f"{name} is damaged (its sha256 differs from the record's)"
+    return None
+
+
+def _refuse_older_layout(out_dir: Path) -> None:
+    """Refuse a directory whose records put outputs beside the run's own files (and carry no checksums)."""
+    for path in [out_dir / EDITS_FILE, *sorted(out_dir.glob(REPLICA_FILE.format("*")))]:
+        older = next((r for r in _lines_in(path) if "edit" in r and "/" not in str(r.get("image", "/"))), None)
+        if older is not None:
+            raise OlderLayout(
+                f"{path} records edit {older.get('edit')!r} with its image at {older['image']}, as an older ditrun did "
+                f"(outputs beside the run's own files, without checksums to check them by); give this run another "
+                "directory (hydra.run.dir=... or output_dir=...): ditrun report still reads that one.")
+
+
+def _lines_in(path: Path) -> Iterable[dict]:
+    """Every JSON object line of ``path``, record or not."""
+    if not path.exists():
+        return []
+    parsed = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            parsed.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return [p for p in parsed if isinstance(p, dict)]
+
+
+def _remove_temporaries(out_dir: Path) -> None:
+    """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce."""
+    for folder in (out_dir, out_dir / results.IMAGES_DIR, out_dir / results.LATENTS_DIR):
+        for tmp in folder.glob(results.TEMPORARY_PREFIX + "*"):
+            if tmp.is_file():
+                tmp.unlink(missing_ok=True)
+
+
+def _warn(message: str) -> None:
+    print(f"ditrun: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _parse(line: str) -> Optional[dict]:
@@ -190,15 +292,7 @@ def _set_aside(out_dir: Path, rejected: list[str], good: list[dict]) -> None:
     """Move ``rejected`` lines to edits.rejected.jsonl and rewrite edits.jsonl with ``good`` only."""
     for line in rejected:
         append_line(out_dir / REJECTED_FILE, line)
-    tmp = out_dir / (EDITS_FILE + ".rewrite")
-    with open(tmp, "w") as file:
-        file.writelines(json.dumps(record) + "\n" for record in good)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, out_dir / EDITS_FILE)
-    if rejected:
-        print(f"ditrun: warning: {len(rejected)} line(s) of {out_dir / EDITS_FILE} were torn, foreign or "
-              f"repeated; moved to {REJECTED_FILE}, and their edits run again", file=sys.stderr, flush=True)
+    results.write_file(out_dir / EDITS_FILE, "".join(json.dumps(record) + "\n" for record in good).encode())
 
 
 def merge_replica_files(out_dir: Path) -> int:

@@ -121,8 +121,10 @@ def median_of(records: list[dict], key: str) -> Optional[float]:
 
 
 def timing_summary(records: list[dict], warmup: int, replicas: int) -> dict:
-    """Medians over the edits after warm-up; images/s counts every replica's DiT running in parallel."""
+    """Medians over the edits after warm-up; images/s counts the replicas that ran an edit, in parallel
+    (a replica with no edit of its own adds nothing)."""
     kept = after_warmup(records, warmup)
+    busy = min(replicas, len({r.get("replica", 0) for r in records}))
     dit = median_of(kept, "dit_s")
     steps = [s for r in kept for s in r.get("step_s", [])]
     step = float(statistics.median(steps)) if steps else None
@@ -130,7 +132,7 @@ def timing_summary(records: list[dict], warmup: int, replicas: int) -> dict:
         "dit_s_median": dit,
         "step_s_median": step,
         "warmup_excess_s": warmup_excess([r for r in records if not any(r is k for k in kept)], step),
-        "images_per_s": replicas / dit if dit else float("nan"),
+        "images_per_s": busy / dit if dit else float("nan"),
         "exposed_transfer_s_median": median_of(kept, "exposed_transfer_s"),
         "exposed_transfer_pct_median": median_of(kept, "exposed_transfer_pct"),
         "encode_s_median": median_of(kept, "encode_s"),
