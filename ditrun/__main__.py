@@ -16,6 +16,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from ditrun import hydra_errors
 from ditrun.config import RunConfig, register_configs
@@ -41,6 +42,7 @@ def _hydra_main(cfg: RunConfig) -> None:
     hydra_cfg = HydraConfig.get()
     try:
         hydra_errors.check_composed(cfg)
+        OmegaConf.resolve(cfg)  # ranks and Slurm jobs get literal values (conf/model/editor.yaml's folder)
         out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from ditrun.editor import FOLDER as EDITOR_FOLDER
 
 
 @dataclass
@@ -148,6 +151,11 @@ class EditConfig:
     ``workload.ref_width``, and when both are unset ``ref_resize`` decides."""
     ref_height: Optional[int] = None
     """Reference height in pixels (multiple of 16, set together with ``ref_width``)."""
+    target: Optional[str] = None
+    """The edit's correct result, when it is known: an edit of ``ditrun.editor.transforms.EDITS`` (``mirror``,
+    ``grayscale``, ...: that transform of the reference at the output's size) or an image file (resized to the
+    output's size). Records then carry ``ssim_target`` (the output against it) and ``ssim_target_bf16`` (the BF16
+    reference's output against it)."""
 
 
 @dataclass
@@ -301,3 +309,5 @@ def register_configs() -> None:
     """Register the schema so that ``conf/config.yaml`` and every group file are type-checked."""
     cs = ConfigStore.instance()
     cs.store(name="ditrun_schema", node=RunConfig)
+    # conf/model/editor.yaml's model.path: the trained editor's folder inside the installed package.
+    OmegaConf.register_new_resolver("ditrun.editor_folder", lambda: str(EDITOR_FOLDER), replace=True)

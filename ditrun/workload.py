@@ -27,7 +27,8 @@ from ditrun.errors import UserError
 from ditrun.model.latents import LATENT_CHANNELS, VAE_SCALE, pack, token_ids
 from ditrun.model.sampler import EditInputs
 
-_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height")
+_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height",
+              "target")
 # Pixel sizes are multiples of one packed latent token (2x2 latents of 8x8 pixels).
 PATCH_PIXELS = 2 * VAE_SCALE
 # The (width, height) FLUX.1 Kontext was trained at; diffusers snaps a reference to the one of the
@@ -70,6 +71,8 @@ class Edit:
     ref_width: int
     ref_height: int
     prompt_embeds: Optional[str] = None
+    target: Optional[str] = None
+    """The correct result: an edit name of ``ditrun.editor.transforms.EDITS`` or an image file."""
 
 
 def _read_manifest(path: str) -> list[dict]:
@@ -169,12 +172,48 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
         raise WorkloadError(f"edit {name!r} sets only one of ref_width and ref_height; set both, or neither to let "
                             f"workload.ref_resize={workload_cfg.ref_resize!r} decide.")
     edit = Edit(index=index, id=str(name), image=str(entry["image"]), prompt=str(entry.get("prompt") or ""),
-                prompt_embeds=entry.get("prompt_embeds"), **numbers)
+                prompt_embeds=entry.get("prompt_embeds"), target=_target(name, entry.get("target")), **numbers)
     _check_seed(f"edit {edit.id!r}: seed", edit.seed)
     if edit.ref_width is None:
         ref_width, ref_height = REF_RESIZE[workload_cfg.ref_resize](edit)
         edit = dataclasses.replace(edit, ref_width=ref_width, ref_height=ref_height)
     return edit
+
+
+def _names_an_edit(target: str) -> bool:
+    from ditrun.editor.transforms import EDITS
+
+    return target in EDITS
+
+
+def _target(name: str, target) -> Optional[str]:
+    """An edit's ``target``: a known edit's name, or an image file (checked from its header later)."""
+    from ditrun.editor.transforms import EDITS
+
+    if target is None or str(target) in EDITS:
+        return None if target is None else str(target)
+    if not isinstance(target, str) or not Path(target).exists():
+        raise WorkloadError(f"edit {name!r} has target={target!r}; allowed: an edit name ({EDITS.allowed()}) or an "
+                            "image file of the correct result.")
+    return target
+
+
+def target_image(edit: Edit) -> Optional[np.ndarray]:
+    """The edit's correct result at its output size, as 8-bit RGB [H, W, 3] (None when no target is named): a
+    named edit applied to the reference resized to the output size, or the target file resized to it."""
+    if edit.target is None:
+        return None
+    from PIL import Image
+
+    from ditrun.editor.transforms import EDITS, apply
+
+    if edit.target in EDITS:
+        source = dataclasses.replace(edit, ref_width=edit.width, ref_height=edit.height)
+        rgb = apply(edit.target, load_image(source))[0].permute(1, 2, 0).numpy()
+        return np.round(rgb * 255).astype(np.uint8)
+    picture = dataclasses.replace(edit, image=edit.target, ref_width=edit.width, ref_height=edit.height)
+    _check_image_file(picture)
+    return np.round(load_image(picture)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
 
 
 def _snap_down(size: int) -> int:

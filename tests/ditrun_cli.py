@@ -9,7 +9,7 @@ import torch
 # What the default precision is called in records: the compute dtype (bf16 on a GPU, fp32 on a CPU).
 PLAIN = "bf16" if torch.cuda.is_available() else "fp32"
 # A run small enough for a busy 2-core machine: 2 edits of 32x32, 2 denoising steps.
-TINY = ["workload.width=32", "workload.height=32", "workload.steps=2", "workload.limit=2"]
+TINY = ["model=tiny", "workload.width=32", "workload.height=32", "workload.steps=2", "workload.limit=2"]
 
 
 def ditrun(*args, cwd, env=None, timeout=200, prefix=(), unset=()):

@@ -23,7 +23,7 @@ from ditrun.launch import worker
 from ditrun.metrics.results import edit_outputs
 
 VENV_BIN = Path(sys.executable).parent
-TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
+TINY = ["model=tiny", "model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
         "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false", "device=cpu"]
 MAX_RELATIVE_ERROR = 1e-5
 # Quantized runs: layouts run the same rows in batches of other shapes (cfg_batch stacks both CFG

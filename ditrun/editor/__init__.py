@@ -6,3 +6,8 @@ the photographs it was trained and judged on (all shipped inside installed packa
 the pipeline folder's parts (text encoders, tokenizers, VAE, scheduler) and ``train`` the script
 that trains the VAE and the DiT (docs/EDITOR.md).
 """
+
+from pathlib import Path
+
+# The trained pipeline folder shipped with the package (``model=editor``, the default model).
+FOLDER = Path(__file__).resolve().parent / "pipeline"

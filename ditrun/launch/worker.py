@@ -36,7 +36,7 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import Edit, check_inputs, edit_inputs, edit_tokens, resolve_edits
+from ditrun.workload import Edit, check_inputs, edit_inputs, edit_tokens, resolve_edits, target_image
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -124,6 +124,7 @@ class Run:
                                        self.placement.dtype)
         # References next: their model is freed before the measured one is built.
         self.references = self._references() if cfg.metrics.ssim else None
+        self.targets = {e.id: target_image(e) for e in self.edits if e.target is not None}
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
@@ -205,7 +206,8 @@ class Run:
                   "latents": results.save_latents(latents, results.output_path(self.out_dir, outputs["latents"]))}
         ref = self.references.get(edit.id) if self.references is not None else None
         return self._record(edit, step_s, exposed, sha256, {
-            **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds})
+            **quality.quality_fields(image, ref, self.targets.get(edit.id)), "encode_s": encode.seconds,
+            "decode_s": decode.seconds})
 
     def _record(self, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str],
                 measured: Optional[dict] = None) -> dict:
@@ -370,11 +372,13 @@ def _cell(value, spec: str) -> str:
 
 
 def print_table(records: list[dict], summary: dict) -> None:
-    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "image")]
+    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "SSIM target",
+             "(BF16)", "image")]
     for r in records:
         rows.append((r["edit"], f"{r['width']}x{r['height']}", str(r["steps"]), f"{r['dit_s']:.3f}",
                      f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
-                     _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"), r["image"]))
+                     _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"),
+                     _cell(r.get("ssim_target"), ".4f"), _cell(r.get("ssim_target_bf16"), ".4f"), r["image"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -382,6 +386,7 @@ def print_table(records: list[dict], summary: dict) -> None:
           f"images/s: {summary['images_per_s']:.3f}   "
           f"exposed transfer: {_cell(summary['exposed_transfer_pct_median'], '.1f')}%   "
           f"SSIM: {_cell(summary['ssim_median'], '.4f')} ({_cell(summary['ssim_pct_of_rerun_median'], '.2f')}% of rerun)   "
+          f"SSIM against the correct edit: {_cell(summary.get('ssim_target_median'), '.4f')}   "
           f"device: {summary['device']} ({summary['dtype']})")
 
 

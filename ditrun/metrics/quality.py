@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-QUALITY_FIELDS = ("ssim", "ssim_rerun", "ssim_pct_of_rerun")
+QUALITY_FIELDS = ("ssim", "ssim_rerun", "ssim_pct_of_rerun", "ssim_target", "ssim_target_bf16")
 
 
 class QualityGateError(RuntimeError):
@@ -42,13 +42,19 @@ def ssim_map(image: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return full.mean(axis=-1)
 
 
-def quality_fields(image: np.ndarray, reference) -> dict:
-    """The SSIM fields of one edit's record; all None when SSIM is off (``reference`` is None)."""
+def quality_fields(image: np.ndarray, reference, target: Optional[np.ndarray] = None) -> dict:
+    """The SSIM fields of one edit's record; those against the BF16 reference are None when SSIM is off
+    (``reference`` is None), those against the correct result None when the edit names none (``target``)."""
+    fields = dict.fromkeys(QUALITY_FIELDS)
+    if target is not None:
+        fields["ssim_target"] = ssim(image, target)
+        fields["ssim_target_bf16"] = None if reference is None else ssim(reference.image, target)
     if reference is None:
-        return dict.fromkeys(QUALITY_FIELDS)
+        return fields
     value = ssim(image, reference.image)
     rerun = ssim(reference.rerun, reference.image)
-    return {"ssim": value, "ssim_rerun": rerun, "ssim_pct_of_rerun": 100.0 * value / rerun if rerun > 0 else None}
+    fields.update(ssim=value, ssim_rerun=rerun, ssim_pct_of_rerun=100.0 * value / rerun if rerun > 0 else None)
+    return fields
 
 
 def quality_summary(records: list[dict]) -> dict:

@@ -108,7 +108,8 @@ def encode(cache: PromptCache, prompts: list[str], device: torch.device, dtype: 
     from diffusers import FluxPipeline
     from safetensors.torch import save
 
-    pipe = FluxPipeline.from_pretrained(cache.folder, transformer=None, vae=None, torch_dtype=dtype).to(device)
+    pipe = FluxPipeline.from_pretrained(cache.folder, transformer=None, vae=None, torch_dtype=dtype,
+                                        low_cpu_mem_usage=False).to(device)
     with torch.no_grad():
         for prompt in prompts:
             embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,

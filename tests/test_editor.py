@@ -1,0 +1,129 @@
+"""ditrun's trained editor: the committed pipeline folder edits held-out pictures as its training measured,
+diffusers' FluxKontextPipeline and ditrun give the same image from it, its training script runs (and learns)
+on the CPU, and a precision the editor cannot keep fails the run's quality gate with one sentence."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from skimage import io
+
+diffusers = pytest.importorskip("diffusers")
+
+from ditrun.editor import FOLDER, transforms  # noqa: E402
+from ditrun_cli import ditrun  # noqa: E402
+from launching import relative_error  # noqa: E402
+
+EVAL = json.loads((Path(__file__).resolve().parents[1] / "docs" / "editor" / "eval.json").read_text())
+QUIET = ["wandb.mode=disabled", "progress=false", "metrics.report=false"]
+
+
+def _manifest(path: Path, edits: list[dict]) -> Path:
+    path.write_text("\n".join(json.dumps(e) for e in edits) + "\n")
+    return path
+
+
+def _records(out: Path) -> dict:
+    return {r["edit"]: r for r in map(json.loads, (out / "edits.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.timeout(400)
+def test_the_folder_reproduces_its_held_out_results(tmp_path):
+    """Two held-out pictures through the ``ditrun`` command on the CPU (fp32): SSIM against the correct edit
+    within 0.03 of what the training's evaluation measured on its GPU (bf16) for the same picture, instruction,
+    seed, steps and CFG scale."""
+    cases = [("skimage:camera", "pixelate"), ("skimage:chelsea", "sepia")]
+    manifest = _manifest(tmp_path / "m.jsonl", [
+        {"id": edit, "image": picture, "prompt": transforms.EDITS.get(edit, "edit").phrasings[0], "target": edit,
+         "seed": EVAL["pictures"].index(picture)} for picture, edit in cases])
+    out = tmp_path / "run"
+    proc = ditrun("model=editor", f"workload.manifest={manifest}", f"workload.steps={EVAL['steps']}",
+                  "metrics.ssim=false", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path, timeout=380)
+    assert proc.returncode == 0, proc.stderr
+    records = _records(out)
+    for picture, edit in cases:
+        measured = EVAL["edits"]["true_cfg_scale=2.5"][edit][picture]
+        assert abs(records[edit]["ssim_target"] - measured) <= 0.03, (edit, records[edit]["ssim_target"], measured)
+        assert records[edit]["ssim_target"] >= 0.6
+
+
+def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int, height: int, steps: int, seed: int):
+    pipe = diffusers.FluxKontextPipeline.from_pretrained(FOLDER, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    negative = {"negative_prompt": ""} if true_cfg_scale > 1 else {}
+    with torch.no_grad():
+        common = dict(image=Image.open(image), prompt=prompt, height=height, width=width, max_area=width * height,
+                      num_inference_steps=steps, true_cfg_scale=true_cfg_scale, max_sequence_length=32,
+                      _auto_resize=False, **negative)
+        latents = pipe(**common, generator=torch.Generator().manual_seed(seed), output_type="latent").images
+        picture = pipe(**common, generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    return latents, np.round(picture * 255).astype(np.uint8)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("true_cfg_scale", [2.5, 1.0], ids=["true-cfg", "no-true-cfg"])
+def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
+    """Prompt text in, image out: ``ditrun model=editor`` and ``FluxKontextPipeline.from_pretrained`` of the same
+    folder, same seed, a 96x64 output from a 64x48 reference. diffusers runs true CFG only with a negative prompt:
+    ditrun's is the empty prompt, so the diffusers user passes ``negative_prompt=""``."""
+    width, height, steps, seed, prompt = 96, 64, 3, 7, "make it black and white"
+    rgb = (np.random.default_rng(1).random((48, 64, 3)) * 255).astype(np.uint8)
+    Image.fromarray(rgb).save(tmp_path / "ref.png")
+    expected_latents, expected_image = _diffusers_edit(tmp_path / "ref.png", prompt, true_cfg_scale, width, height,
+                                                       steps, seed)
+    out = tmp_path / "run"
+    edit = {"id": "e", "image": str(tmp_path / "ref.png"), "prompt": prompt, "seed": seed}
+    proc = ditrun("model=editor", f"workload.manifest={_manifest(tmp_path / 'm.jsonl', [edit])}",
+                  f"workload.width={width}", f"workload.height={height}", f"workload.steps={steps}",
+                  "workload.ref_resize=none", f"workload.true_cfg_scale={true_cfg_scale}",
+                  f"workload.prompt_cache_dir={tmp_path / 'prompts'}", "metrics.ssim=false", *QUIET,
+                  f"hydra.run.dir={out}", cwd=tmp_path, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    record = _records(out)["e"]
+    got = load_file(out / record["latents"])
+    latents = next(iter(got.values()))
+    assert relative_error(latents.reshape(expected_latents.shape), expected_latents) <= 1e-4
+    image = io.imread(out / record["image"])
+    assert image.shape == expected_image.shape == (height, width, 3)
+    assert np.abs(image.astype(int) - expected_image.astype(int)).max() <= 1
+
+
+@pytest.mark.timeout(400)
+def test_training_runs_on_the_cpu_and_its_losses_fall(tmp_path):
+    """A few steps of both phases at 32x32 pixels: each loss ends below where it started, the folder loads in
+    diffusers and in ditrun, and the losses went to losses.jsonl and an offline W&B run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "editor"
+    args = ["--out", str(out), "--device", "cpu", "--size", "32", "--vae-crop", "32", "--vae-steps", "40",
+            "--vae-batch", "4", "--vae-lr", "0.003", "--dit-steps", "40", "--dit-batch", "8", "--dit-lr", "0.003",
+            "--warmup", "5", "--pool", "16", "--eval-steps", "1", "--log-every", "1"]
+    proc = subprocess.run([sys.executable, "-m", "ditrun.editor.train", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=380)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "editor.training" / "losses.jsonl").read_text().splitlines()]
+    for phase, key in (("vae", "vae/l1"), ("dit", "dit/loss")):
+        losses = [r[key] for r in rows if r["phase"] == phase]
+        assert len(losses) == 40 and np.mean(losses[-5:]) < np.mean(losses[:5]), (phase, losses)
+    assert list((tmp_path / "editor.training" / "wandb").glob("offline-run-*"))
+    assert json.loads((tmp_path / "editor.training" / "eval.json").read_text())["edits"]
+    assert diffusers.FluxKontextPipeline.from_pretrained(out).transformer.config.num_layers == 4
+
+
+@pytest.mark.timeout(300)
+def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
+    """On the trained weights MXFP4 moves the image: with ``metrics.min_ssim_pct`` above what it keeps, the run
+    exits 1 with the sentence naming the key."""
+    out = tmp_path / "run"
+    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=128", "workload.height=128",
+                  "workload.steps=4", "metrics.min_ssim_pct=99.9", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
+                  timeout=280)
+    assert proc.returncode == 1, proc.stderr
+    assert "metrics.min_ssim_pct=99.9" in proc.stderr and "SSIM gate failed" in proc.stderr
+    record = next(iter(_records(out).values()))
+    assert record["ssim_pct_of_rerun"] < 99.9 and record["ssim_target"] is not None
