@@ -222,7 +222,7 @@ class Run:
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
             **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
             "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
-            "precision_map": self.precision.formats(), **measured,
+            "precision_map": self.precision.formats(), "target": edit.target, **measured,
             "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 

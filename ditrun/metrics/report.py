@@ -19,6 +19,7 @@ import yaml
 from hydra.experimental.callback import Callback
 
 from ditrun.metrics.results import EDITS_FILE, SUMMARY_FILE, finished_edits
+from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
 
 # Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
@@ -217,8 +218,12 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_dit_time(runs, out_dir / DIT_CHART)
     has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
+    strip = write_strip(runs[0].path, out_dir / STRIP_CHART) if len(runs) == 1 else None
+    text = markdown_report(runs, rows, chosen, has_ssim)
+    if strip is not None:
+        text += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"
     report = out_dir / REPORT_FILE
-    report.write_text(markdown_report(runs, rows, chosen, has_ssim))
+    report.write_text(text)
     return format_text(rows), report
 
 

@@ -1,0 +1,70 @@
+"""The quality table of a precision sweep: per run, SSIM against the BF16 output, the BF16 rerun, % of the rerun,
+and SSIM against the correct edit (medians over the edits), beside the published MI355X study's figures.
+
+    ditrun -m precision=bf16,fp8,fp8_all,mxfp8,mxfp6,mxfp4,krea hydra.sweep.dir=SWEEP
+    python benchmarks/quality_table.py SWEEP [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+# The published study (FLUX.1-Kontext-dev on MI355X): % of the BF16 rerun's SSIM (rerun SSIM 0.962).
+STUDY_PCT_OF_RERUN = {"fp8": 99.2, "mxfp6": 98.3, "mxfp4": 89.2}
+TARGET_PCT = 98.0  # the study's target: within 2% of the BF16 rerun
+
+
+def _median(records: list[dict], key: str):
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def rows(sweep: Path) -> list[dict]:
+    out = []
+    for summary_file in sorted(sweep.glob("*/summary.json"), key=lambda p: int(p.parent.name)):
+        summary = json.loads(summary_file.read_text())
+        records = [json.loads(line) for line in (summary_file.parent / "edits.jsonl").read_text().splitlines() if line]
+        name = summary["config"]["precision"]["name"]
+        target, target_bf16 = _median(records, "ssim_target"), _median(records, "ssim_target_bf16")
+        out.append({
+            "precision": name, "ran": records[0]["precision"], "dit_s_median": summary.get("dit_s_median"),
+            "ssim": _median(records, "ssim"), "ssim_rerun": _median(records, "ssim_rerun"),
+            "ssim_pct_of_rerun": _median(records, "ssim_pct_of_rerun"), "ssim_target": target,
+            "ssim_target_bf16": target_bf16,
+            "target_pct_of_bf16": 100 * target / target_bf16 if target and target_bf16 else None,
+            "study_pct_of_rerun": STUDY_PCT_OF_RERUN.get(name), "device": summary.get("device"),
+        })
+    return out
+
+
+def markdown(table: list[dict]) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    lines = ["| precision | SSIM vs BF16 | BF16 rerun | % of rerun | meets 2% | SSIM vs correct edit "
+             "| % of BF16's | study's % of rerun |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in table:
+        meets = "-" if r["ssim_pct_of_rerun"] is None else ("yes" if r["ssim_pct_of_rerun"] >= TARGET_PCT else "no")
+        lines.append(f"| {r['precision']} | {fmt(r['ssim'], '.4f')} | {fmt(r['ssim_rerun'], '.4f')} | "
+                     f"{fmt(r['ssim_pct_of_rerun'], '.2f')} | {meets} | {fmt(r['ssim_target'], '.4f')} | "
+                     f"{fmt(r['target_pct_of_bf16'], '.1f')} | {fmt(r['study_pct_of_rerun'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweep", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    table = rows(args.sweep)
+    print(markdown(table))
+    if table:
+        print(f"device: {table[0]['device']}")
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
