@@ -63,8 +63,10 @@ class TrainConfig:
     pool: int = 8192
     """Reference crops encoded once, with every edit of each (the DiT's training set)."""
     dit_time_limit_s: float = 0.0
-    """Stop the DiT's training after this many seconds (0: never); the steps done are recorded, and rerunning with
-    ``--dit-steps`` set to them repeats the run."""
+    """Stop the DiT's training after this many seconds (0: never), the learning-rate schedule still that of
+    ``dit_steps``; the steps done are recorded, and ``--dit-stop-after`` with them repeats the run."""
+    dit_stop_after: int = 0
+    """Stop the DiT's training after this many steps (0: at ``dit_steps``), the schedule still that of ``dit_steps``."""
     prompt_dropout: float = 0.1
     ema: float = 0.995
     text_len: int = 32
@@ -220,7 +222,8 @@ def encode_prompts(folder: Path, texts: list[str], text_len: int, device: torch.
     ``encode_prompt``). -> ([N, text_len, joint_dim], [N, pooled_dim]) fp32 on ``device``"""
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(folder, transformer=None, vae=None, torch_dtype=torch.float32)
+    pipe = FluxPipeline.from_pretrained(folder, transformer=None, vae=None, torch_dtype=torch.float32,
+                                        low_cpu_mem_usage=False)
     pipe.set_progress_bar_config(disable=True)
     embeds, pooled = [], []
     for text in texts:
@@ -296,6 +299,8 @@ def train_dit(cfg: TrainConfig, batches: Batches, table, device: torch.device, l
     for step in range(cfg.dit_steps):
         if cfg.dit_time_limit_s and time.perf_counter() - start > cfg.dit_time_limit_s:
             print(f"train: DiT stopped by --dit-time-limit-s after {step} steps", flush=True)
+            return ema, step
+        if step == cfg.dit_stop_after > 0:
             return ema, step
         for group in opt.param_groups:
             group["lr"] = _lr(step, cfg.dit_steps, cfg.dit_lr, cfg.warmup)
@@ -447,7 +452,7 @@ def load_vae(path: Path, device: torch.device):
     """A VAE this script trained before (its ``vae/`` folder), to train only the DiT."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(path).float().to(device).eval().requires_grad_(False)
+    return AutoencoderKL.from_pretrained(path, low_cpu_mem_usage=False).float().to(device).eval().requires_grad_(False)
 
 
 def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device, vae_from: Optional[Path] = None) -> dict:
