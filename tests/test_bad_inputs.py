@@ -20,7 +20,8 @@ from ditrun.workload import Edit, load_image
 
 HERE = Path(__file__).parent
 TINY = PRESETS["tiny"]  # joint_attention_dim 64, pooled_projection_dim 32
-QUICK = ["workload.width=32", "workload.height=32", "workload.steps=1", "workload.limit=1", "metrics.ssim=false",
+QUICK = ["model=tiny",
+         "workload.width=32", "workload.height=32", "workload.steps=1", "workload.limit=1", "metrics.ssim=false",
          "wandb.mode=disabled", "metrics.report=false"]
 
 

@@ -31,7 +31,8 @@ def test_default_run_writes_images_records_and_summary(tmp_path):
         image = io.imread(out / r["image"])
         assert image.shape == (48, 64, 3) and np.ptp(image) > 0 and image.std() > 1.0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["model"]["preset"] == "tiny"
+    assert summary["config"]["model"]["preset"] == "editor"  # the trained editor, with each edit's correct result
+    assert all(r["ssim_target"] is not None and r["target"] for r in records)
     assert summary["dit_s_median"] > 0 and summary["images_per_s"] > 0
     assert summary["torch"] and summary["device"]
 

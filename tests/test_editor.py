@@ -127,3 +127,25 @@ def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
     assert "metrics.min_ssim_pct=99.9" in proc.stderr and "SSIM gate failed" in proc.stderr
     record = next(iter(_records(out).values()))
     assert record["ssim_pct_of_rerun"] < 99.9 and record["ssim_target"] is not None
+
+
+def test_a_target_is_a_known_edit_or_an_image_file(tmp_path):
+    """``target`` names an edit of the registry (that transform of the reference at the output's size) or a picture
+    file (resized to the output's size); anything else is one sentence naming the allowed values."""
+    from omegaconf import OmegaConf
+
+    from ditrun.config import WorkloadConfig
+    from ditrun.workload import WorkloadError, load_image, resolve_edits, target_image
+
+    def edit(target):
+        workload = OmegaConf.merge(OmegaConf.structured(WorkloadConfig), {
+            "edits": [{"id": "e", "image": "skimage:coffee", "target": target}], "width": 64, "height": 32})
+        return resolve_edits(workload)[0]
+
+    inverted = target_image(edit("invert"))
+    reference = load_image(edit("invert"))[0].permute(1, 2, 0).numpy()
+    assert inverted.shape == (32, 64, 3) and np.abs(inverted / 255 - (1 - reference)).max() <= 0.5 / 255 + 1e-6
+    Image.fromarray(np.full((10, 20, 3), 200, np.uint8)).save(tmp_path / "t.png")
+    assert (target_image(edit(str(tmp_path / "t.png"))) == 200).all()
+    with pytest.raises(WorkloadError, match=r"target='rotate'; allowed: an edit name \(mirror, upside_down"):
+        edit("rotate")

@@ -19,7 +19,8 @@ from ditrun.workload import WorkloadError, check_config, check_sources, edit_inp
 from launching import assert_same_latents, ditrun_command, run, tiny_config
 from ranks import run_ranks
 
-UNEVEN = ["model.num_attention_heads=6", "model.attention_head_dim=32", "workload.width=80", "workload.height=32",
+UNEVEN = ["model=tiny",
+          "model.num_attention_heads=6", "model.attention_head_dim=32", "workload.width=80", "workload.height=32",
           "workload.ref_width=64", "workload.ref_height=32", "metrics.report=false"]
 
 

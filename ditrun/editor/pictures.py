@@ -27,7 +27,8 @@ EXCLUDED = ("skimage:stereo_motorcycle (right view)", "skimage:microaneurysms", 
 SOURCES = {
     "skimage": "scikit-image's skimage.data (public domain or CC0/CC-BY pictures; see skimage/data/README.txt)",
     "matplotlib": "matplotlib's sample_data (grace_hopper.jpg: public domain, US Navy; the rest matplotlib's own)",
-    "sklearn": "scikit-learn's sample images (china.jpg, flower.jpg: CC-BY 2.0, see sklearn/datasets/images/README.txt)",
+    "sklearn": "scikit-learn's sample images (china.jpg, flower.jpg: CC-BY 2.0, "
+               "see sklearn/datasets/images/README.txt)",
 }
 
 

@@ -483,7 +483,8 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device, vae_
     result = evaluate(dit, codec, table, prompt_index, cfg, device)
     times["eval_s"] = time.perf_counter() - start
     save_folder(out, vae, dit)
-    record = {"config": dataclasses.asdict(cfg), "vae_from": str(vae_from) if vae_from else None, "times": times, "device": _device_name(device),
+    record = {"config": dataclasses.asdict(cfg), "vae_from": str(vae_from) if vae_from else None, "times": times,
+              "device": _device_name(device),
               "versions": _versions()}
     (log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
     print("train: seconds", {k: round(v, 1) for k, v in times.items()}, flush=True)
