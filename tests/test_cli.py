@@ -46,7 +46,7 @@ def test_config_typo_fails_in_hydra_before_work(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("workload.width=100", "edit 'astronaut' has width=100 (workload.width); it must be a positive multiple of 16."),
-    ("model.preset=huge", "model.preset='huge' is unknown; allowed: tiny, small, flux-dev."),
+    ("model.preset=huge", "model.preset='huge' is unknown; allowed: tiny, small, editor, flux-dev."),
     ("model.path=/nonexistent", "model.path='/nonexistent' is not a folder"),
 ])
 def test_user_mistakes_are_one_sentence(tmp_path, override, message):

@@ -218,7 +218,7 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_dit_time(runs, out_dir / DIT_CHART)
     has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
-    strip = write_strip(runs[0].path, out_dir / STRIP_CHART) if len(runs) == 1 else None
+    strip = write_strip(runs[0].path, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
     text = markdown_report(runs, rows, chosen, has_ssim)
     if strip is not None:
         text += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"

@@ -31,17 +31,15 @@ def _target(record: dict, settings: dict) -> Optional[np.ndarray]:
     return target_image(edit)
 
 
-def write_strip(run_dir: Path, path: Path) -> Optional[Path]:
-    """``edits.png`` for the run in ``run_dir``; None when its records do not say what each edit was."""
+def write_strip(run_dir: Path, path: Path, plt) -> Optional[Path]:
+    """``edits.png`` for the run in ``run_dir``, drawn with ``plt`` (matplotlib's pyplot, set up by the report);
+    None when its records do not say what each edit was."""
     from skimage import io
-
-    from ditrun.metrics.report import _pyplot
 
     lines = (run_dir / "edits.jsonl").read_text().splitlines() if (run_dir / "edits.jsonl").is_file() else []
     records = [r for r in map(json.loads, filter(None, lines)) if r.get("settings", {}).get("edit")]
     if not records:
         return None
-    plt = _pyplot()
     columns = 3 if any(r.get("target") for r in records) else 2
     fig, axes = plt.subplots(len(records), columns, figsize=(2.6 * columns, 2.6 * len(records)), squeeze=False)
     for row, record in zip(axes, records):

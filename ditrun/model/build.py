@@ -33,7 +33,7 @@ from ditrun.model.dit import DiTGeometry, FluxDiT
 from ditrun.model.graphs import GraphedForward
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
 from ditrun.model.text import transformer_folder
-from ditrun.model.presets import geometry_from_config
+from ditrun.model.presets import check_preset_name, geometry_from_config
 from ditrun.model.quantize import quantize_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -87,8 +87,10 @@ def select_placement(device_key: str, dtype_key: str) -> Placement:
 
 
 def model_geometry(model_cfg) -> DiTGeometry:
-    """The geometry without building the model (for early checks)."""
+    """The geometry without building the model (for early checks). A folder's ``config.json`` gives it, but
+    the preset's name is checked all the same: a mistyped preset is a mistake whatever path is set."""
     if model_cfg.path:
+        check_preset_name(model_cfg.preset)
         return checkpoint_geometry(transformer_folder(model_cfg.path))
     return geometry_from_config(model_cfg)
 

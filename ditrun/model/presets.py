@@ -42,10 +42,14 @@ _OVERRIDABLE = (
 )
 
 
+def check_preset_name(preset: str) -> None:
+    if preset not in PRESETS:
+        raise UserError(f"model.preset={preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
+
+
 def geometry_from_config(model_cfg) -> DiTGeometry:
     """The preset named by ``model.preset`` with every ``model.*`` geometry key that is set applied."""
-    if model_cfg.preset not in PRESETS:
-        raise UserError(f"model.preset={model_cfg.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
+    check_preset_name(model_cfg.preset)
     overrides = {k: getattr(model_cfg, k) for k in _OVERRIDABLE if getattr(model_cfg, k) is not None}
     check_geometry_numbers(overrides, "model.")
     if not 0 <= model_cfg.weights_seed < 2**64:
