@@ -16,7 +16,7 @@ Backends, by device:
   GEMM runs. It is exact unless a row's block exponents spread further than E4M3's range allows;
   such rows are counted (``inexact_rows``) and reported;
 * ``mx_scaled_mm`` — MXFP8/MXFP4 on ``torch._scaled_mm`` with E8M0 block scales, on gfx950
-  (MI355X) and Blackwell. Not yet run on either: see docs/PERFORMANCE.md#not-measured-yet. MXFP6 has no library
+  (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md#not-run-yet. MXFP6 has no library
   GEMM there; a kernel for it plugs in as one more backend;
 * ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
 """
