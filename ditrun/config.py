@@ -66,7 +66,7 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
-    """How the workers of one model replica share a denoising step (see README, "Layouts")."""
+    """How the workers of one model replica share a denoising step (README.md#parallel-layouts, docs/LAYOUTS.md)."""
 
     name: str = "single"
     """``single``, ``ulysses``, ``cfg_batch`` or ``cfg_split`` (``ditrun.parallel.layout.LAYOUTS``)."""
