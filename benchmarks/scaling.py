@@ -8,9 +8,9 @@
 Inputs, all files (nothing here is a number typed into code except the stated fallbacks):
 
 - ``benchmarks/results/measured.json``: points that exist only in docs/PERFORMANCE.md, each with
-  its source (date, device, command), the FLUX.1-dev geometry, the all-to-all times per message
-  size, the GEMM and attention kernel times per precision, the first-edit warm-up per precision and
-  the weights' load time.
+  its source (device, command and the PERFORMANCE.md section that tables it), the FLUX.1-dev
+  geometry, the all-to-all times per message size, the GEMM and attention kernel times per
+  precision, the first-edit warm-up per precision and the weights' load time.
 - ditrun run directories (``summary.json`` + ``edits.jsonl``) named on the command line or found
   under ``benchmarks/results/runs/``: each gives one point (device, edit shape, layout, GPUs per
   edit, head groups, precision, DiT s per step, exposed transfer s per step). A run directory's

@@ -26,7 +26,7 @@ polls one counter. So the store serves O(ranks) requests, one at a time, and the
 ``a + b * ranks``. A second table measures ditrun's rendezvous alone with threads of this process
 as ranks (each its own connection), up to 512 ranks, which no machine here can start processes for.
 
-Measured on this 2-core machine (2026-11-29, ``benchmarks/results/startup.json``; 2 ranks per
+Measured on the 2-core development machine (``benchmarks/results/startup.json``; 2 ranks per
 emulated node, median of 2 runs):
 
     nodes  ranks  imports s med/max  rendezvous s min/med/max  load s med  start-up s med/max

@@ -57,7 +57,8 @@ class ModelConfig:
     """Stack the linears that read one input into one GEMM: ``auto`` (when compiled), ``on``, ``off``."""
     compile_tuning: bool = False
     """Let inductor tune its generated kernels' tile sizes (coordinate descent; GPUs only): a few % faster blocks,
-    a much longer first compile (docs/PERFORMANCE.md), cached for later processes. ``precision=fp8_all`` sets it."""
+    a much longer first compile (docs/PERFORMANCE.md#start-up), cached for later processes.
+    ``precision=fp8_all`` sets it."""
     cuda_graphs: str = "auto"
     """Replay the DiT's forward from CUDA graphs (``model/graphs.py``): ``auto`` (on for compiled GPU models),
     ``on``, ``off``. Only forwards that exchange nothing inside are graphed (layout ``single``, or CFG layouts
@@ -66,7 +67,7 @@ class ModelConfig:
 
 @dataclass
 class LayoutConfig:
-    """How the workers of one model replica share a denoising step (see README, "Layouts")."""
+    """How the workers of one model replica share a denoising step (README.md#parallel-layouts, docs/LAYOUTS.md)."""
 
     name: str = "single"
     """``single``, ``ulysses``, ``cfg_batch`` or ``cfg_split`` (``ditrun.parallel.layout.LAYOUTS``)."""

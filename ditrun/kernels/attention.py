@@ -131,7 +131,7 @@ def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def fp8_v_codes_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``fp8_v_codes`` of V [B, S, H, D] (the model's layout) by two Triton passes (``attention_triton.fp8_v_codes``:
     the heads' amax, then the codes). On one H200 at 20992 tokens, 24 heads, the torch statement compiled by
-    inductor took 1.2 ms per call (docs/PERFORMANCE.md)."""
+    inductor took 1.2 ms per call."""
     from ditrun.kernels.attention_triton import fp8_v_codes as triton_fp8_v_codes
 
     return triton_fp8_v_codes(v)

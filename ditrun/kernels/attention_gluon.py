@@ -26,7 +26,7 @@ why), V is BF16 (or FP8/MXFP6-exact values in BF16).
   each tile's row sums start from zero and are added in fp32 (the FP8 products add at less than fp32
   precision). P is made the operand just before its product, so it never crosses the key loop as bytes.
 
-Measured on one H200 against cuDNN's BF16 SDPA: docs/PERFORMANCE.md (attention kernels). What holds it back
+Measured on one H200 against cuDNN's BF16 SDPA: docs/PERFORMANCE.md#attention-kernels. What holds it back
 (Nsight Compute: no pipe above 45% busy, 0.65 eligible warps per scheduler, so latency):
 - the softmax is about 9 instructions per score, 600 per step and warp (the conversion, the key scale, the max,
   the exponent, the pack, the output's rescale), and the two groups' warps share each scheduler;

@@ -16,7 +16,7 @@ Backends, by device:
   GEMM runs. It is exact unless a row's block exponents spread further than E4M3's range allows;
   such rows are counted (``inexact_rows``) and reported;
 * ``mx_scaled_mm`` — MXFP8/MXFP4 on ``torch._scaled_mm`` with E8M0 block scales, on gfx950
-  (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md. MXFP6 has no library
+  (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md#not-run-yet. MXFP6 has no library
   GEMM there; a kernel for it plugs in as one more backend;
 * ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
 """
@@ -153,7 +153,8 @@ def triton_available(device: torch.device) -> bool:
 def mx_kernel_for(x: torch.Tensor) -> bool:
     """Whether the MX repack of GPU tensor ``x`` runs its Triton kernel (``ditrun::mx_repack_fp8``), in compiled
     regions too, as an opaque node: inductor's code for the per-block exponents and grid rounding costs more than
-    writing the activation once and reading it back (docs/PERFORMANCE.md, GEMM tables)."""
+    writing the activation once and reading it back (measured on the H200; the kernel's GEMM times:
+    docs/PERFORMANCE.md#gemms-per-format)."""
     return x.is_cuda and TRITON
 
 

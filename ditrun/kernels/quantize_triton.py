@@ -3,8 +3,9 @@
 Quantizing an activation for ``torch._scaled_mm`` costs a row amax, a scale and a cast. Run as
 separate PyTorch ops (or as a torch.compile graph with dynamic shapes) that is several passes over
 an activation as large as the GEMM's input, and it ate most of FP8's gain on the H200
-(docs/PERFORMANCE.md). Here a program owns whole rows (``Tiling``): it finds each row's (or its
-MX blocks') amax, then writes the FP8 codes, holding the rows in registers or reading them again.
+(docs/PERFORMANCE.md#gemms-per-format: GEMM against end to end). Here a program owns whole rows
+(``Tiling``): it finds each row's (or its MX blocks') amax, then writes the FP8 codes, holding the
+rows in registers or reading them again.
 
 The arithmetic is exactly ``linear.quantize_rowwise_fp8`` and ``linear.mx_repack_fp8`` (tested
 equal, in Triton's CPU interpreter and on the GPU) at a few instructions per element: powers of

@@ -7,7 +7,8 @@ Three transforms, applied after the weights are loaded and quantized (``model/bu
   activation in its input projection's GEMM (``GeluLinear``, cuBLASLt's GELU epilogue), and a
   single-stream block's output projection runs as two GEMMs into one output (``JoinedLinear``),
   so neither the activation's input nor the joined [attention, MLP] tensor is written
-  (``kernels/epilogue.py``). Measured on a 20992-token Flux forward: docs/PERFORMANCE.md.
+  (``kernels/epilogue.py``). Measured on a 20992-token Flux forward:
+  docs/PERFORMANCE.md#ditrun-against-diffusers-one-forward.
 * **stacking** (``fuse_projections``): linears that read the same input become one GEMM. Per
   attention stream, Q, K, V (and the gate) -> one ``StackedLinear`` (quantized models already
   stack them, ``model/quantize.py``); in a single-stream block whose MLP kept its activation

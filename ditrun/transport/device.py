@@ -303,7 +303,7 @@ class DeviceRegion:
 
 class SymmetricMemoryFabric:
     def __init__(self, device: torch.device, timeout_s: float):
-        # Multicast (NVLS) objects are neither needed nor safe on every machine; see docs/LAYOUTS.md.
+        # Multicast (NVLS) objects are neither needed nor safe on every machine; see docs/TRANSPORT.md#copy_engine.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         if HIP and (os.environ.get("HSA_ENABLE_SDMA") == "0" or os.environ.get("ROC_P2P_SDMA_SIZE") != "0"):
             warnings.warn("copy_engine on ROCm: set HSA_ENABLE_SDMA=1 and ROC_P2P_SDMA_SIZE=0, else small peer "
