@@ -38,9 +38,10 @@ def _hydra_main(cfg: RunConfig) -> None:
     try:
         hydra_errors.check_composed(cfg)
         out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
+        hydra_files = _hydra_files(cfg)  # the config as composed, before the sweep's W&B defaults
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
-        launch(cfg, out_dir)
+        launch(cfg, out_dir, hydra_files)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         if hydra_cfg.mode != RunMode.MULTIRUN:
@@ -57,6 +58,20 @@ def _hydra_main(cfg: RunConfig) -> None:
     except UserError as err:
         # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
         _user_error(err)
+
+
+def _hydra_files(cfg):
+    """Hydra's files of this run (what Hydra writes into ``.hydra/``), for rank 0 to write once the directory is
+    this run's; None when a user's ``hydra.output_subdir`` has Hydra write them itself."""
+    from omegaconf import OmegaConf
+
+    from ditrun.metrics.rundir import HydraFiles
+
+    hydra = HydraConfig.instance().cfg  # {"hydra": ...}, as Hydra saves it
+    if hydra.hydra.output_subdir is not None:
+        return None
+    return HydraFiles(".hydra", {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra),
+                                 "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task)})
 
 
 def _user_error(err: BaseException, sentence: str | None = None) -> None:

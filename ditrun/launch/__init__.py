@@ -20,6 +20,7 @@ a failing rank tells a lost node (named) from its own error. ``STARTUP`` times t
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from ditrun import workload
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import LocalJob, StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.metrics.rundir import HydraFiles
 from ditrun.metrics.timing import STARTUP
 from ditrun.model.build import model_geometry
 from ditrun.parallel.layout import LayoutPlan
@@ -42,20 +44,22 @@ class WorkerFailed(RuntimeError):
     """A rank of this job failed; the message names it. (User mistakes are ``UserError``s instead.)"""
 
 
-def launch(cfg, out_dir: Path) -> Optional[dict]:
-    """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0."""
+def launch(cfg, out_dir: Path, hydra_files: Optional[HydraFiles] = None) -> Optional[dict]:
+    """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0.
+
+    ``hydra_files`` reach global rank 0, which writes them once the directory is this run's."""
     STARTUP.at_age("imports_s")
     info = env.discover()
     if info is not None and info.world > 1:
-        return run_as_rank(cfg, out_dir, info)
+        return run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)
     check_config(cfg, cfg.launcher.world)
     if cfg.launcher.world > 1:
         from ditrun.launch import spawn
 
-        return spawn.spawn_local(cfg, out_dir)
+        return spawn.spawn_local(cfg, out_dir, hydra_files)
     stop = process_stop().install()
     try:
-        return worker.run(cfg, out_dir, LocalJob(stop))
+        return worker.run(cfg, out_dir, LocalJob(stop), hydra_files=hydra_files)
     finally:
         stop.restore()
 
@@ -81,9 +85,10 @@ def check_launcher_config(cfg, world: int) -> None:
     faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
 
 
-def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[dict]:
+def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
+                hydra_files: Optional[HydraFiles] = None) -> Optional[dict]:
     """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
-    work = work or worker.run
+    work = work or functools.partial(worker.run, hydra_files=hydra_files)
     cfg = with_world(cfg, info)
     plan = check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)

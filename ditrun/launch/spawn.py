@@ -37,7 +37,7 @@ from ditrun.errors import UserError
 STOP_GRACE_S = 10.0
 
 
-def spawn_local(cfg, out_dir: Path) -> dict:
+def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     """Run ``launcher.world`` ranks here and wait for all of them."""
     world = cfg.launcher.world
     check_local_devices(cfg.device, world)
@@ -48,7 +48,8 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
     # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
     ranks = [context.Process(target=rank_entry.rank_main,
-                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid())), pipes[rank][1]),
+                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)),
+                                   pipes[rank][1]),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
     relay = Relay(ranks)
     stop = StopRequest().install(relay=relay)
@@ -101,7 +102,7 @@ def check_local_devices(device_key: str, world: int) -> None:
         )
 
 
-def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, sender) -> None:
+def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, hydra_files, sender) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit."""
     # Watched from the very start: a supervisor killed while this rank still imports or waits at
     # the rendezvous must not leave it behind.
@@ -118,7 +119,7 @@ def _rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor:
     tqdm.set_lock(threading.RLock())
 
     try:
-        summary = run_as_rank(cfg, out_dir, env.discover())
+        summary = run_as_rank(cfg, out_dir, env.discover(), hydra_files=hydra_files)
     except (RunStopped, KeyboardInterrupt) as err:
         stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
         sender.send(("stopped", rank, stopped.signum))

@@ -105,3 +105,13 @@ def write_json(path: Path, data: dict) -> None:
     tmp = _temporary(path)
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """``data`` as the whole of ``path``, on disk before the name points at it (temporary file, fsync, rename)."""
+    tmp = _temporary(path)
+    with open(tmp, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
