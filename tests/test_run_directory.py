@@ -196,3 +196,18 @@ def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_director
     assert whole.returncode == 0, whole.stderr
     assert [r["edit"] for r in records(out)] == ["astronaut", "coffee", "chelsea", "rocket"]
     assert (summary(out)["edits"], summary(out)["complete"]) == (4, True)
+
+
+@pytest.mark.timeout(300)
+def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_checked(tmp_path):
+    """A results directory from before ``run.json`` (or one whose file was deleted) keeps the per-record check."""
+    out, refs = tmp_path / "run", tmp_path / "refs"
+    assert run_in(out, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0
+    (out / rundir.RUN_FILE).unlink()
+    changed = run_in(out, refs, "metrics.ssim=false", "workload.steps=3", cwd=tmp_path)
+    assert changed.returncode == 2
+    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now)" in changed.stderr
+    assert not (out / rundir.RUN_FILE).exists()
+    adopted = run_in(out, refs, "metrics.ssim=false", cwd=tmp_path)
+    assert adopted.returncode == 0 and "resuming, 2 edits already in edits.jsonl are skipped" in adopted.stdout
+    assert json.loads((out / rundir.RUN_FILE).read_text())["edits"] == ["astronaut", "coffee"]

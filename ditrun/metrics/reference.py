@@ -223,7 +223,7 @@ def _fsync(path: Path) -> None:
 
 
 class References:
-    """The references of a run's edits, by edit id; read from the cache (and checked) when first asked for."""
+    """The references of a run's edits, by edit id: read from the cache (and checked) or made, then kept."""
 
     def __init__(self, cache: ReferenceCache, keys: dict[str, str], descriptions: dict[str, dict], dtype: torch.dtype):
         self.cache, self.keys, self.descriptions, self.dtype = cache, keys, descriptions, dtype
@@ -234,8 +234,16 @@ class References:
         return edit["height"], edit["width"]
 
     def missing(self, edits: list[Edit]) -> list[Edit]:
-        """Edits without a cached reference, or whose entry failed its check (and was discarded)."""
-        return [e for e in edits if self.cache.load(self.keys[e.id], self._size(e.id)) is None]
+        """Edits without a cached reference, or whose entry failed its check (and was discarded). The others are
+        kept from here on: another run repairing the cache meanwhile cannot take them away."""
+        missing = []
+        for edit in edits:
+            reference = self.cache.load(self.keys[edit.id], self._size(edit.id))
+            if reference is None:
+                missing.append(edit)
+            else:
+                self._loaded[edit.id] = reference
+        return missing
 
     def get(self, edit_id: str) -> Optional[Reference]:
         if edit_id not in self._loaded and edit_id in self.keys:
@@ -275,7 +283,8 @@ class References:
         for edit in missing:
             runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label)
                     for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
-            self.cache.save(self.keys[edit.id], Reference(*runs), self.descriptions[edit.id])
+            self._loaded[edit.id] = Reference(*runs)
+            self.cache.save(self.keys[edit.id], self._loaded[edit.id], self.descriptions[edit.id])
             if progress is not None:
                 progress.advance()
         del model, codec
