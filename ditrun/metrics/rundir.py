@@ -248,28 +248,23 @@ def run_settings(config: dict, resolved: dict, declared_edits: list) -> dict:
     """What every run of a directory shares: ``config`` (the resolved config as plain data) less ``MAY_DIFFER``,
     ``resolved`` (dotted key -> value: what ``auto`` settings and file paths stand for here) set into it, and the
     workload's declared edits by id under ``workload.edits``."""
-    settings = json.loads(json.dumps(config, default=str))
+    settings = json.loads(json.dumps(config, default=str))  # a copy, as it reads back from run.json
     for key in MAY_DIFFER:
-        _pop(settings, key)
-    for key, value in resolved.items():
         *parents, leaf = key.split(".")
-        node = settings
-        for parent in parents:
-            node = node.setdefault(parent, {})
-        node[leaf] = value
-    settings.setdefault("workload", {})["edits"] = {
-        str(entry.get("id") or f"edit{i:04d}"): {k: v for k, v in entry.items() if v is not None}
-        for i, entry in enumerate(declared_edits) if isinstance(entry, dict)}
+        _node(settings, parents).pop(leaf, None)
+    edits = {str(entry.get("id") or f"edit{i:04d}"): {k: v for k, v in entry.items() if v is not None}
+             for i, entry in enumerate(declared_edits) if isinstance(entry, dict)}
+    for key, value in {**resolved, "workload.edits": edits}.items():
+        *parents, leaf = key.split(".")
+        _node(settings, parents)[leaf] = json.loads(json.dumps(value, default=str))
     return settings
 
 
-def _pop(settings: dict, key: str) -> None:
-    *parents, leaf = key.split(".")
+def _node(settings: dict, parents: list[str]) -> dict:
+    """The mapping at ``parents`` (made where missing)."""
     for parent in parents:
-        settings = settings.get(parent)
-        if not isinstance(settings, dict):
-            return
-    settings.pop(leaf, None)
+        settings = settings.setdefault(parent, {})
+    return settings
 
 
 def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list[str]:
