@@ -10,6 +10,11 @@ geometry and weights, the edit's image, prompt and seed, the steps, output and r
 both guidance settings (true CFG and the distilled value), the
 VAE, the dtype and the device type. Any run of any layout, precision or transport with the
 same key reuses them, so a sweep pays for its references once.
+
+A cache is shared, long-lived and easy to damage by hand, so an entry is trusted only after a
+check against what it says it is (``ReferenceCache``), and the measurement checks the rest: an
+edit more similar to the reference than the BF16 rerun is, by more than nondeterminism allows,
+has a broken reference (``BrokenReference``), never a good score.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ from ditrun.workload import Edit, edit_inputs
 # Bump when the sampler or model changes what a reference image of the same key is.
 REFERENCE_FORMAT = 2
 REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMAGE_FILES = ("reference.png", "rerun.png")
+KEY_FILE = "key.json"
+# A run's SSIM can exceed the rerun's only by the rerun's own nondeterministic drift (two BF16 runs: 1.0 on a CPU
+# and, measured, on an H200); beyond one percentage point the rerun is not a rerun of this reference.
+BROKEN_REFERENCE_PCT = 101.0
 
 
 @dataclass
@@ -144,7 +154,8 @@ class ReferenceCache:
         _fsync(self.root)
 
     def discard(self, key: str) -> None:
-        """Take the entry out of use at once (a rename), then delete it."""
+        """Take the entry out of use at once (a rename), then delete it. An entry that another process replaced
+        in between goes too: that costs a recomputation, never a run its references (``References`` keep theirs)."""
         aside = self.root / f".{key}.discarded.{os.getpid()}"
         try:
             os.rename(self.root / key, aside)
@@ -153,14 +164,9 @@ class ReferenceCache:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-IMAGE_FILES = ("reference.png", "rerun.png")
-KEY_FILE = "key.json"
-# A run's SSIM can exceed the rerun's only by the rerun's own nondeterministic drift (two BF16 runs: 1.0 on a CPU
-# and, measured, on an H200); beyond one percentage point the rerun is not a rerun of this reference.
-BROKEN_REFERENCE_PCT = 101.0
-
-
 class BrokenEntry(Exception):
+    """A cache entry that is not what its ``key.json`` says: ``path`` is the file that shows it."""
+
     def __init__(self, path: Path, reason: str):
         super().__init__(f"{path} {reason}")
         self.path, self.reason = path, reason
