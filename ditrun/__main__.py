@@ -4,7 +4,9 @@
 and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
 in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
-the config itself and tunes the precision backends (``ditrun/kernels/tune.py``).
+the config itself and tunes the precision backends (``ditrun/kernels/tune.py``). Hydra's
+``.hydra/`` files are rendered here and written by global rank 0 once the results directory is
+this run's (``ditrun/metrics/rundir.py``), never by a run that is refused it.
 """
 
 from __future__ import annotations
