@@ -18,7 +18,8 @@ QUALITY_FIELDS = ("ssim", "ssim_rerun", "ssim_pct_of_rerun")
 
 
 class QualityGateError(RuntimeError):
-    """The run finished but its SSIM is below ``metrics.min_ssim_pct``; the message says by how much."""
+    """A verdict on the run's quality, in one sentence: its SSIM is below ``metrics.min_ssim_pct`` (the message
+    says by how much), or an edit's reference is broken (``reference.BrokenReference``). Exit status 1."""
 
 
 def _unit(rgb8: np.ndarray) -> np.ndarray:
