@@ -123,6 +123,37 @@ class TransportConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Step caching (docs/CACHE.md): on the steps it caches, only the first ``blocks`` blocks run and the rest's
+    last residual is reused. The names are ``ditrun.cache.CACHE_POLICIES``."""
+
+    name: str = "none"
+    """``none`` (every step runs every block), ``first_block`` (the first blocks' residual decides, per step and
+    CFG branch) or ``static`` (the steps given below compute, whatever the weights)."""
+    blocks: int = 1
+    """Blocks run on every step (double-stream blocks first, then single-stream ones); ``first_block``: their
+    residual decides. ``static`` allows 0 (a cached step then runs no block)."""
+    threshold: float = 0.08
+    """``first_block``: the rest runs when the first blocks' residual changed by at least this much (relative L1,
+    summed over the SP group's tokens) since the last computed step; 0 computes every step."""
+    warmup_steps: int = 1
+    """``first_block``: the first steps always compute."""
+    max_cached: Optional[int] = None
+    """``first_block``: at most this many cached steps in a row; unset means no cap."""
+    extrapolate: bool = False
+    """Reuse the rest's residual extrapolated linearly from the last two computed steps (TaylorSeer's first
+    order) instead of as it was."""
+    compute_first: int = 1
+    """``static``: the first steps that compute (step 0 always does)."""
+    compute_last: int = 1
+    """``static``: the last steps that compute."""
+    compute_every: int = 2
+    """``static``: between them, every this-many-th step computes, counted from ``compute_first``."""
+    compute_steps: Optional[list[int]] = None
+    """``static``: the steps that compute (0-based, with 0), instead of the three keys above."""
+
+
+@dataclass
 class EditConfig:
     """One edit of a workload: a reference image, a prompt and a seed."""
 
@@ -285,6 +316,7 @@ class RunConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

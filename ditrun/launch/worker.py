@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from ditrun.launch import faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
-from ditrun import metrics
+from ditrun import cache, metrics
 from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
@@ -58,6 +58,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
 
@@ -131,7 +132,10 @@ class Run:
                                                self.placement.device.type)
         described.pop("format")
         # The backend is left out, like the layout: fast kernels match the exact emulation.
-        return {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        if self.cfg.cache.name != "none":  # absent without a cache, so results written before caching existed resume
+            settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
+        return settings
 
     def _references(self) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
@@ -159,8 +163,9 @@ class Run:
         with Interval(placement.device) as encode:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
+        step_cache = cache.make_step_cache(cfg.cache, cfg.workload.steps, self.built, self.layout.sp_sum)
         velocity = layout_velocity(
-            self.layout, self.transports, self.built.forward, inputs, cfg.workload.true_cfg_scale, guidance,
+            self.layout, self.transports, step_cache, inputs, cfg.workload.true_cfg_scale, guidance,
             placement.dtype, inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
@@ -192,7 +197,8 @@ class Run:
         results.save_latents(latents, results.output_path(self.out_dir, f"{edit.id}.latents.safetensors"))
         ref = self.references.get(edit.id) if self.references is not None else None
         return self._record(edit, step_s, exposed, png, {
-            **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds})
+            **quality.quality_fields(image, ref), "encode_s": encode.seconds, "decode_s": decode.seconds,
+            **step_cache.record_fields()})
 
     def _record(self, edit: Edit, step_s: list[float], exposed: dict, png: str,
                 measured: Optional[dict] = None) -> dict:
@@ -219,6 +225,7 @@ class Run:
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
+            **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
