@@ -281,7 +281,12 @@ class MetricsConfig:
     """Cache of reference images, shared by runs; unset means ``$XDG_CACHE_HOME/ditrun/references``
     (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
-    """Fail the run (exit status 1) when the median ``ssim_pct_of_rerun`` is below this percentage."""
+    """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
+    own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
+    quality: str = "rerun"
+    """Which SSIM judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``rerun`` (``ssim_pct_of_rerun``),
+    ``bf16`` (SSIM against the BF16 output) or ``target`` (SSIM against each edit's correct result, as a share of
+    the BF16 run's own; docs/METRICS.md)."""
     report: bool = True
     """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
     directory when a multirun ends)."""

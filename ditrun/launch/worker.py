@@ -325,7 +325,7 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
     done = results.finished_edits(out_dir)
     records = [done[e.id] for e in state.edits if e.id in done]
     summary = state.summary(records, wall_s, stopped, startup)
-    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct) if stopped is None else None
+    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct, cfg.metrics.quality) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
                    failure=gate)
     results.write_json(out_dir / results.SUMMARY_FILE, summary)
