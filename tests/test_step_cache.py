@@ -204,3 +204,41 @@ def test_split_cfg_groups_decide_apart():
     summed = [decision for decision, _, _ in results]
     assert summed == [True, True, False, False]
     assert results[0][2] == results[1][2] and results[2][2] == results[3][2] != results[0][2]
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the parts replayed from CUDA graphs
+
+
+GPU = ["device=cuda", "model.compile=on", "model.cuda_graphs=on", "workload.width=128", "workload.height=128"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_graphed_parts_equal_the_graphed_forward_at_threshold_zero(tmp_path):
+    """Head and tail each replayed from their own CUDA graphs: bitwise the whole forward's graph."""
+    try:
+        run_single(tmp_path / "none", *GPU)
+        record = run_single(tmp_path / "zero", *GPU, "cache=first_block", "cache.threshold=0")
+    finally:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    assert record["steps_computed"] == STEPS
+    assert torch.equal(latents(tmp_path / "zero", "astronaut"), latents(tmp_path / "none", "astronaut"))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_graphed_static_cache_equals_the_eager_one(tmp_path):
+    """Cached steps replay the head's graph and finish eagerly; the same mask eager ends on the same latents."""
+    mask = ["cache=static", "cache.compute_steps=[0,2]", "cache.extrapolate=true", "model.dtype=fp32"]
+    try:
+        graphed = run_single(tmp_path / "graphed", *GPU, *mask)
+        eager = run_single(tmp_path / "eager", *GPU[:1], "model.compile=off", *GPU[3:], *mask)
+    finally:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    assert graphed["cache_computed"] == eager["cache_computed"] == {"cond": [0, 2], "uncond": [0, 2]}
+    assert relative_error(latents(tmp_path / "graphed", "astronaut"), latents(tmp_path / "eager", "astronaut")) < 1e-3
