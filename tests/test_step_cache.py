@@ -17,7 +17,7 @@ from ditrun.cache.policies import FirstBlock, static_mask
 from ditrun.config import CacheConfig
 from ditrun.launch import worker
 from ditrun.parallel.layout import build_layout, plan_layout
-from launching import MAX_RELATIVE_ERROR, latents, records, relative_error, tiny_config
+from launching import MAX_RELATIVE_ERROR, ditrun_command, latents, records, relative_error, run, tiny_config
 from ranks import run_ranks
 
 STEPS = 5
@@ -127,6 +127,20 @@ def test_cache_mistakes_are_one_sentence(overrides, message):
     with pytest.raises(ValueError) as err:
         worker.check_config(tiny_config(*BASE, *overrides))
     assert str(err.value) == message
+
+
+@pytest.mark.timeout(300)
+def test_cli_runs_a_static_cache_and_refuses_a_bad_mask_in_one_line(tmp_path):
+    bad = run(ditrun_command(*BASE, "cache=static", "cache.compute_steps=[1,2]", f"hydra.run.dir={tmp_path / 'bad'}"),
+              120, tmp_path)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "ditrun: error: cache.compute_steps=[1, 2] must hold step 0" in bad.stderr
+    good = run(ditrun_command(*BASE, "cache=static", "cache.compute_every=3", f"hydra.run.dir={tmp_path / 'good'}"),
+               200, tmp_path)
+    assert good.returncode == 0, good.stderr
+    row = next(line.split() for line in good.stdout.splitlines() if line.startswith("astronaut"))
+    # The first step, every third from it (1, 4) and the last (4): 3 of 5.
+    assert row[2] == "3/5" and records(tmp_path / "good")[0]["cache_computed"]["cond"] == [0, 1, 4]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -318,4 +318,7 @@ def log_choice(config, sweep: Path) -> None:
 
     runs = load_runs(sweep)
     choice = choosing.choose(runs)
-    wandb_log.log_sweep_table(config, sweep, "choice", choosing.COLUMNS, choosing.wandb_rows(runs, choice))
+    try:
+        wandb_log.log_sweep_table(config, sweep, "choice", choosing.COLUMNS, choosing.wandb_rows(runs, choice))
+    except Exception as err:  # noqa: BLE001 - the report is written; a W&B failure must not fail the sweep
+        print(f"ditrun: the sweep's choice table did not reach W&B ({type(err).__name__}: {err}).", file=sys.stderr)
