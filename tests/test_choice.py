@@ -48,9 +48,9 @@ SWEEP = [
 
 def make_sweep(root, **settings):
     for job, precision, cache, dit_s, ssim, target, computed in SWEEP:
-        fake_run(root / job, precision, cache, dit_s, ssim, target, computed=computed,
-                 overrides=[f"precision={precision}", f"cache={cache}", "cache.compute_steps=[0,2,4]"][:2 + (cache == "static")],
-                 **settings)
+        overrides = [f"precision={precision}", f"cache={cache}"] + (["cache.compute_steps=[0,2,4]"] if cache == "static"
+                                                                    else [])
+        fake_run(root / job, precision, cache, dit_s, ssim, target, computed=computed, overrides=overrides, **settings)
     return root
 
 
@@ -104,8 +104,8 @@ def test_target_quality_without_correct_edits_says_so_in_one_sentence(tmp_path):
     for job, precision, cache, dit_s, ssim, _, computed in SWEEP[:2]:
         fake_run(tmp_path / job, precision, cache, dit_s, ssim, quality_key="target")
     text, report = write_report(tmp_path)
-    sentence = ("No run can be judged: metrics.quality=target and no edit has an SSIM against its correct result (ssim_target): the "
-                "workload's manifest names no correct edits; use metrics.quality=rerun or bf16.")
+    sentence = ("No run can be judged: metrics.quality=target and no edit has an SSIM against its correct result "
+                "(ssim_target): the workload's manifest names no correct edits; use metrics.quality=rerun or bf16.")
     assert sentence in text and sentence in report.read_text()
     assert "Fastest" not in text and all(row[-2:] == ["-", "-"] for row in rows_of(text).values())
 

@@ -91,7 +91,8 @@ class StepCache:
             attention = {key: inputs[key] for key in ("attention",) if key in inputs}
             out, tail_residual = self.parts.tail(stream=stream, blocks=self.blocks, **attention)
             state.head_residual = residual if self.policy.needs_change else None
-            state.tail = [*state.tail[-1:], (state.step, tail_residual)] if self.extrapolate else [(state.step, tail_residual)]
+            kept = state.tail[-1:] if self.extrapolate else []  # extrapolation needs the last two
+            state.tail = [*kept, (state.step, tail_residual)]
             state.computed.append(state.step)
             state.cached_in_a_row = 0
             return out

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from ditrun.metrics.quality import DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure
