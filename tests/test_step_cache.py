@@ -7,14 +7,18 @@ computes others, and no change lies within 0.01 of it: layouts, which round diff
 take the same decisions.
 """
 
+import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from ditrun import config
 from ditrun.cache.forward import relative_l1
-from ditrun.cache.policies import FirstBlock, static_mask
+from ditrun.cache.policies import CACHE_POLICIES, FirstBlock, static_mask
 from ditrun.config import CacheConfig
+from ditrun.metrics.quality import QUALITY_MEASURES
 from ditrun.launch import worker
 from ditrun.parallel.layout import build_layout, plan_layout
 from launching import MAX_RELATIVE_ERROR, ditrun_command, latents, records, relative_error, run, tiny_config
@@ -110,6 +114,14 @@ def test_static_run_computes_exactly_the_listed_steps(tmp_path):
     record = run_single(tmp_path, "cache=static", "cache.compute_steps=[0,2,3]")
     assert record["cache_computed"] == {"cond": [0, 2, 3], "uncond": [0, 2, 3]}
     assert (record["steps_computed"], record["steps_cached"]) == (3, 2)
+
+
+def test_config_names_every_registered_policy_and_measure():
+    source = inspect.getsource(config.CacheConfig)
+    assert all(f"``{name}``" in source for name in CACHE_POLICIES)
+    presets = Path(config.__file__).parent / "conf" / "cache"
+    assert sorted(p.stem for p in presets.glob("*.yaml")) == sorted(CACHE_POLICIES)
+    assert all(f"``{name}``" in inspect.getsource(config.MetricsConfig) for name in QUALITY_MEASURES)
 
 
 MASK_RULE = f"must hold step 0 (nothing is cached before it) and only steps 0 to {STEPS - 1} (workload.steps={STEPS})."

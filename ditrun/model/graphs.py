@@ -80,6 +80,7 @@ class GraphedForward:
         self.failed = False
 
     def __call__(self, **inputs) -> torch.Tensor:
+        inputs = dict(sorted(inputs.items()))  # one order of the leaves, whatever the caller's order of keywords
         if not self._graphable(inputs):
             return self.model(**inputs)
         key = signature(inputs)
