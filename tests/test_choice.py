@@ -63,7 +63,7 @@ def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
     rows = rows_of(text)
     assert rows["2"][-2:] == ["93.00", "no"] and rows["4"][-2:] == ["90.00", "no"]
     assert rows["3"][-2:] == ["98.50", "fastest"] and rows["1"][-2:] == ["99.50", "yes"]
-    assert rows["3"][-4:-2] == ["first_block", "19/28"] and rows["0"][-4:-2] == ["none", "28/28"]
+    assert rows["3"][-5:-2] == ["first_block", "19/28", "0.7900"] and rows["0"][-5:-2] == ["none", "28/28", "0.8000"]
     assert "Quality target: SSIM against the BF16 output, as a share of a second BF16 run's at least 98% of the " \
            "BF16 run's own (metrics.quality=rerun); 3 of 5 runs meet it." in text
     assert "Fastest run that meets it: `3: precision=fp8_all cache=first_block` (4.0000 s/edit, 98.50%)." in text

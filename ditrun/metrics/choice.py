@@ -17,8 +17,8 @@ from ditrun.metrics.quality import DEFAULT_TARGET_PCT, QUALITY_MEASURES, Quality
 PARETO_CHART = "pareto.png"
 # Precision labels of runs that quantized nothing (the compute dtype's name).
 UNQUANTIZED = ("bf16", "fp16", "fp32")
-COLUMNS = ("run", "layout", "precision", "cache", "world", "dit_s", "steps_computed", "quality_pct", "meets_target",
-           "pareto", "overrides")
+COLUMNS = ("run", "layout", "precision", "cache", "world", "dit_s", "steps_computed", "ssim", "ssim_pct_of_rerun",
+           "ssim_target", "quality_pct", "meets_target", "pareto", "overrides")
 
 
 @dataclass
@@ -115,8 +115,9 @@ def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
 
 def wandb_rows(runs, choice: Choice) -> list[list]:
     """``COLUMNS`` for every run: what the sweep's W&B table holds."""
+    medians = ("steps_computed_median", "ssim_median", "ssim_pct_of_rerun_median", "ssim_target_median")
     return [[r.label, r.setting("layout"), r.setting("precision"), cache_name(r), r.setting("world"), r.dit_s,
-             r.summary.get("steps_computed_median"), choice.pcts[i], choice.meets[i], choice.front[i],
+             *(r.summary.get(key) for key in medians), choice.pcts[i], choice.meets[i], choice.front[i],
              " ".join(r.overrides)] for i, r in enumerate(runs)]
 
 
