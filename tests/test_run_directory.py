@@ -211,3 +211,24 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
     adopted = run_in(out, refs, "metrics.ssim=false", cwd=tmp_path)
     assert adopted.returncode == 0 and "resuming, 2 edits already in edits.jsonl are skipped" in adopted.stdout
     assert json.loads((out / rundir.RUN_FILE).read_text())["edits"] == ["astronaut", "coffee"]
+
+
+@pytest.mark.timeout(400)
+def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is_not(tmp_path):
+    """A cache key changes the run's results, so another value is a foreign run; ``metrics.quality`` only judges them.
+    Under ``cache=none`` the other cache keys change nothing, so they are not the directory's."""
+    out, refs = tmp_path / "cached", tmp_path / "refs"
+    assert run_in(out, refs, "cache=first_block", "metrics.ssim=false", cwd=tmp_path).returncode == 0
+    assert json.loads((out / rundir.RUN_FILE).read_text())["settings"]["cache"]["name"] == "first_block"
+    other = run_in(out, refs, "cache=first_block", "cache.threshold=0.2", "metrics.ssim=false", cwd=tmp_path)
+    assert other.returncode == 2
+    assert "belongs to a run with other settings (cache.threshold: 0.08 recorded, 0.2 now)" in other.stderr
+    judged = run_in(out, refs, "cache=first_block", "metrics.quality=bf16", "metrics.ssim=false", cwd=tmp_path)
+    assert judged.returncode == 0, judged.stderr
+    assert "resuming, 2 edits already in edits.jsonl are skipped" in judged.stdout
+
+    plain = tmp_path / "plain"
+    assert run_in(plain, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0
+    unused = run_in(plain, refs, "cache.threshold=0.2", "metrics.ssim=false", cwd=tmp_path)
+    assert unused.returncode == 0, unused.stderr
+    assert "resuming, 2 edits already in edits.jsonl are skipped" in unused.stdout

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
-from ditrun import metrics
+from ditrun import cache, metrics
 from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
@@ -70,6 +70,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
 
@@ -144,7 +145,10 @@ class Run:
                                                self.placement.device.type)
         described.pop("format")
         # The backend is left out, like the layout: fast kernels match the exact emulation.
-        return {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        if self.cfg.cache.name != "none":  # absent without a cache, so results written before caching existed resume
+            settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
+        return settings
 
     def run_settings(self) -> dict:
         """What every run of the results directory must share (``rundir.run_settings``)."""
@@ -152,8 +156,10 @@ class Run:
         resolved = {"device": described["device"], "model.dtype": described["dtype"], "workload.vae": described["vae"]}
         if self.cfg.model.path:  # the weights' files (seeded weights are model.weights_seed)
             resolved["model.weights"] = described["weights"]
-        return rundir.run_settings(OmegaConf.to_container(self.cfg, resolve=True), resolved,
-                                   declared_edits(self.cfg.workload))
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        if self.cfg.cache.name == "none":  # a run that caches nothing: no other cache key changes it (as per edit)
+            config["cache"] = {"name": "none"}
+        return rundir.run_settings(config, resolved, declared_edits(self.cfg.workload))
 
     def _references(self) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
@@ -181,8 +187,9 @@ class Run:
         with Interval(placement.device) as encode:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
+        step_cache = cache.make_step_cache(cfg.cache, cfg.workload.steps, self.built, self.layout.sp_sum)
         velocity = layout_velocity(
-            self.layout, self.transports, self.built.forward, inputs, cfg.workload.true_cfg_scale, guidance,
+            self.layout, self.transports, step_cache, inputs, cfg.workload.true_cfg_scale, guidance,
             placement.dtype, inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
@@ -218,7 +225,7 @@ class Run:
         if ref is not None:
             self.references.check_measured(edit.id, measured)
         return self._record(edit, step_s, exposed, sha256, {
-            **measured, "encode_s": encode.seconds, "decode_s": decode.seconds})
+            **measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields()})
 
     def _record(self, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str],
                 measured: Optional[dict] = None) -> dict:
@@ -247,6 +254,7 @@ class Run:
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
+            **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
@@ -353,7 +361,7 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
     done = results.finished_edits(out_dir)
     records = [done[edit] for edit in state.directory_edits if edit in done]  # the directory's, not only this run's
     summary = state.summary(records, wall_s, stopped, startup)
-    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct) if stopped is None else None
+    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct, cfg.metrics.quality) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
                    failure=gate)
     results.write_json(out_dir / results.SUMMARY_FILE, summary)
@@ -392,7 +400,8 @@ def _cell(value, spec: str) -> str:
 def print_table(records: list[dict], summary: dict) -> None:
     rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "image")]
     for r in records:
-        rows.append((r["edit"], f"{r['width']}x{r['height']}", str(r["steps"]), f"{r['dit_s']:.3f}",
+        steps = f"{r['steps_computed']}/{r['steps']}" if r.get("steps_cached") else str(r["steps"])  # computed/all
+        rows.append((r["edit"], f"{r['width']}x{r['height']}", steps, f"{r['dit_s']:.3f}",
                      f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
                      _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"), r["image"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

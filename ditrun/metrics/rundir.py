@@ -67,7 +67,7 @@ MAY_DIFFER = (
     "workload.limit", "workload.manifest", "workload.prompt_cache_dir", "wandb", "progress", "output_dir",
     "launcher.name", "launcher.rendezvous_timeout_s", "launcher.collective_timeout_s", "launcher.stop_timeout_s",
     "launcher.master_port", "launcher.fault", "transport.timeout_s", "transport.chaos_s",
-    "metrics.report", "metrics.min_ssim_pct", "metrics.warmup_edits", "metrics.reference_dir",
+    "metrics.report", "metrics.min_ssim_pct", "metrics.quality", "metrics.warmup_edits", "metrics.reference_dir",
     "precision.name", "precision.tuning_file", "layout.allow_cross_node_sp",
 )
 _ABSENT = object()
