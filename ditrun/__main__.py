@@ -4,7 +4,9 @@
 and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
 in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
-the config itself and tunes the precision backends (``ditrun/tune.py``).
+the config itself and tunes the precision backends (``ditrun/tune.py``). Hydra's
+``.hydra/`` files are rendered here and written by global rank 0 once the results directory is
+this run's (``ditrun/metrics/rundir.py``), never by a run that is refused it.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ def _hydra_main(cfg: RunConfig) -> None:
         hydra_errors.check_composed(cfg)
         OmegaConf.resolve(cfg)  # ranks and Slurm jobs get literal values (conf/model/editor.yaml's folder)
         out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
+        hydra_files = _hydra_files(cfg)  # the config as composed, before the sweep's W&B defaults
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
-        launch(cfg, out_dir)
+        launch(cfg, out_dir, hydra_files)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         if hydra_cfg.mode != RunMode.MULTIRUN:
@@ -63,6 +66,20 @@ def _hydra_main(cfg: RunConfig) -> None:
     except UserError as err:
         # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
         _user_error(err)
+
+
+def _hydra_files(cfg):
+    """Hydra's files of this run (what Hydra writes into ``.hydra/``), for rank 0 to write once the directory is
+    this run's; None when a user's ``hydra.output_subdir`` has Hydra write them itself."""
+    from omegaconf import OmegaConf
+
+    from ditrun.metrics.rundir import HYDRA_DIR, HydraFiles
+
+    hydra = HydraConfig.instance().cfg  # {"hydra": ...}, as Hydra saves it
+    if hydra.hydra.output_subdir is not None:
+        return None
+    return HydraFiles(HYDRA_DIR, {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra),
+                                 "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task)})
 
 
 def _user_error(err: BaseException, sentence: str | None = None) -> None:

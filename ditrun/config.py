@@ -127,6 +127,37 @@ class TransportConfig:
 
 
 @dataclass
+class CacheConfig:
+    """Step caching (docs/CACHE.md): on the steps it caches, only the first ``blocks`` blocks run and the rest's
+    last residual is reused. The names are ``ditrun.cache.CACHE_POLICIES``."""
+
+    name: str = "none"
+    """``none`` (every step runs every block), ``first_block`` (the first blocks' residual decides, per step and
+    CFG branch) or ``static`` (the steps given below compute, whatever the weights)."""
+    blocks: int = 1
+    """Blocks run on every step (double-stream blocks first, then single-stream ones); ``first_block``: their
+    residual decides. ``static`` allows 0 (a cached step then runs no block)."""
+    threshold: float = 0.08
+    """``first_block``: the rest runs when the first blocks' residual changed by at least this much (relative L1,
+    summed over the SP group's tokens) since the last computed step; 0 computes every step."""
+    warmup_steps: int = 1
+    """``first_block``: the first steps always compute."""
+    max_cached: Optional[int] = None
+    """``first_block``: at most this many cached steps in a row; unset means no cap."""
+    extrapolate: bool = False
+    """Reuse the rest's residual extrapolated linearly from the last two computed steps (TaylorSeer's first
+    order) instead of as it was."""
+    compute_first: int = 1
+    """``static``: the first steps that compute (step 0 always does)."""
+    compute_last: int = 1
+    """``static``: the last steps that compute."""
+    compute_every: int = 2
+    """``static``: between them, every this-many-th step computes, counted from ``compute_first``."""
+    compute_steps: Optional[list[int]] = None
+    """``static``: the steps that compute (0-based, with 0), instead of the three keys above."""
+
+
+@dataclass
 class EditConfig:
     """One edit of a workload: a reference image, a prompt and a seed."""
 
@@ -259,7 +290,12 @@ class MetricsConfig:
     """Cache of reference images, shared by runs; unset means ``$XDG_CACHE_HOME/ditrun/references``
     (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
-    """Fail the run (exit status 1) when the median ``ssim_pct_of_rerun`` is below this percentage."""
+    """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
+    own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
+    quality: str = "rerun"
+    """Which SSIM judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``rerun`` (``ssim_pct_of_rerun``),
+    ``bf16`` (SSIM against the BF16 output) or ``target`` (SSIM against each edit's correct result, as a share of
+    the BF16 run's own; docs/METRICS.md)."""
     report: bool = True
     """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
     directory when a multirun ends)."""
@@ -294,6 +330,7 @@ class RunConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -128,12 +128,16 @@ def _check_seed(where: str, seed: int) -> None:
         raise WorkloadError(f"{where}={seed} is not a noise seed; allowed: 0 to 2**64 - 1.")
 
 
+def declared_edits(workload_cfg) -> list:
+    """The workload's edits as written (the manifest's entries, or ``workload.edits``), before ``workload.limit``."""
+    if workload_cfg.manifest:
+        return _read_manifest(workload_cfg.manifest)
+    return [dict(e) for e in workload_cfg.edits]
+
+
 def resolve_edits(workload_cfg) -> list[Edit]:
     """The run's edits in order, with defaults filled in and every field checked."""
-    if workload_cfg.manifest:
-        raw = _read_manifest(workload_cfg.manifest)
-    else:
-        raw = [dict(e) for e in workload_cfg.edits]
+    raw = declared_edits(workload_cfg)
     if workload_cfg.limit is not None:
         raw = raw[: workload_cfg.limit]
     if not raw:

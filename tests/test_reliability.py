@@ -16,8 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
+from skimage import io as iio
 
 from ditrun.metrics import rundir
 from ditrun.metrics.results import TEMPORARY_PREFIX
@@ -193,12 +195,23 @@ def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path):
     changed = run(ditrun_command(*FAST, f"hydra.run.dir={out}", "workload.steps=3", "workload.seed=5"), 90,
                   tmp_path)
     assert changed.returncode == 2
-    assert "made with other settings (edit.seed: 0 recorded, 5 now; steps: 2 recorded, 3 now)" in changed.stderr
+    assert ("belongs to a run with other settings (workload.seed: 0 recorded, 5 now; workload.steps: 2 recorded, "
+            "3 now)") in changed.stderr
     assert "Traceback" not in changed.stderr
-    # The layout is not a setting of the result: a ulysses rerun resumes the single run's edit.
-    other_layout = run(ditrun_command(*FAST, f"hydra.run.dir={out}", "launcher.world=2", "layout=ulysses"), 120,
-                       tmp_path)
-    assert other_layout.returncode == 0 and "resuming, 1 edits" in other_layout.stdout
+
+
+def test_an_image_file_changed_under_its_recorded_path_is_refused_naming_it(tmp_path):
+    """The directory's settings name an image file by its path; each record holds its content's hash."""
+    image, out = tmp_path / "photo.png", tmp_path / "run"
+    iio.imsave(image, np.zeros((32, 32, 3), np.uint8), check_contrast=False)
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(yaml.safe_dump([{"id": "photo", "image": str(image)}]))
+    args = [*FAST, f"workload.manifest={manifest}", f"hydra.run.dir={out}"]
+    assert run(ditrun_command(*args), 120, tmp_path).returncode == 0
+    iio.imsave(image, np.full((32, 32, 3), 200, np.uint8), check_contrast=False)
+    changed = run(ditrun_command(*args), 90, tmp_path)
+    assert changed.returncode == 2
+    assert "edits.jsonl holds edit 'photo' made with other settings (edit.image: " in changed.stderr
 
 
 @pytest.mark.parametrize("edit_id", ["../../escape", "sub/x", ".hidden"])

@@ -177,12 +177,16 @@ def test_a_record_cut_short_by_a_full_disk_fails_naming_the_file_and_is_redone(t
                                      for name in ("astronaut", "coffee")]))
     args = [*QUICK, f"workload.manifest={edits}", "hydra.output_subdir=null", f"hydra.run.dir={out}"]
     assert ditrun(*args, "workload.limit=1", cwd=tmp_path).returncode == 0  # (Hydra's own files are above the limit)
-    limit = (out / "edits.jsonl").stat().st_size + 100
+    recorded = (out / "edits.jsonl").stat().st_size
+    # run.json (every declared edit's prompt) is rewritten by the rerun with one more edit in its list: let it through.
+    limit = max(recorded + 100, (out / "run.json").stat().st_size + 100)
     largest_output = max(p.stat().st_size for p in out.rglob("*") if p.is_file() and p.parent != out)
     assert 2 * largest_output < limit, "the test's limit must let the PNG and latents through"
+    assert limit - recorded < recorded, "the test's limit must cut the second record short"
     full = ditrun(*args, cwd=tmp_path, prefix=("prlimit", f"--fsize={limit}"))
     assert full.returncode == 1
-    assert re.search(rf"File too large: wrote 100 of \d+ bytes to {re.escape(str(out / 'edits.jsonl'))}", full.stderr)
+    cut = rf"File too large: wrote {limit - recorded} of \d+ bytes to {re.escape(str(out / 'edits.jsonl'))}"
+    assert re.search(cut, full.stderr), full.stderr
     assert (out / "edits.jsonl").stat().st_size == limit  # the torn record
     rerun = ditrun(*args, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr

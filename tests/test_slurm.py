@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ditrun.launch.env import expand_hostlist
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
@@ -111,7 +112,10 @@ def test_sbatch_template_runs_every_task_as_a_rank(sbatch_runs, reference, tasks
     log = (folder / f"slurm-{job}.out").read_text()
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log
     assert f"layout {layout} (1 replica(s) x {tasks} worker(s))" in log
-    assert_same_latents(folder / f"{layout}-{tasks}", reference, layout, tasks)
+    out = folder / f"{layout}-{tasks}"
+    assert_same_latents(out, reference, layout, tasks)
+    # Hydra's files, written by global rank 0 once the directory is the run's.
+    assert f"layout={layout}" in yaml.safe_load((out / ".hydra" / "overrides.yaml").read_text())
 
 
 @pytest.mark.timeout(300)
@@ -128,6 +132,7 @@ def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, refere
         assert (job_dir / "summary.json").exists(), proc.stderr
         assert [(r["layout"], r["world"]) for r in records(job_dir)] == [(layout, 2)]
         assert_same_latents(job_dir, reference, layout, 2)
+        assert f"layout={layout}" in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())
 
 
 @pytest.mark.timeout(300)

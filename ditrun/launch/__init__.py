@@ -32,20 +32,22 @@ from ditrun.metrics import rundir
 from ditrun.metrics.timing import STARTUP
 
 
-def launch(cfg, out_dir: Path) -> Optional[dict]:
-    """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0."""
+def launch(cfg, out_dir: Path, hydra_files: Optional[rundir.HydraFiles] = None) -> Optional[dict]:
+    """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0.
+
+    ``hydra_files`` reach global rank 0, which writes them once the directory is this run's."""
     STARTUP.at_age("imports_s")
     info = env.discover()
     if info is not None and info.world > 1:
-        return run_as_rank(cfg, out_dir, info)
+        return run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)
     check_config(cfg, cfg.launcher.world)
     rundir.make_run_dir(out_dir)  # a file in its place is one sentence before any rank starts
     if cfg.launcher.world > 1:
         from ditrun.launch import spawn
 
-        return spawn.spawn_local(cfg, out_dir)
+        return spawn.spawn_local(cfg, out_dir, hydra_files)
     stop = process_stop().install()
     try:
-        return worker.run(cfg, out_dir, LocalJob(stop))
+        return worker.run(cfg, out_dir, LocalJob(stop), hydra_files=hydra_files)
     finally:
         stop.restore()

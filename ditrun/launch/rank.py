@@ -8,6 +8,7 @@ get wrong, checked on the ranks that will run before any process starts (``launc
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import signal
@@ -25,6 +26,7 @@ from ditrun.errors import UserError
 from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.job import StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.metrics.rundir import HydraFiles
 from ditrun.metrics.timing import STARTUP
 from ditrun.model.build import model_geometry
 from ditrun.parallel.layout import LayoutPlan
@@ -52,9 +54,12 @@ def check_launcher_config(cfg, world: int) -> None:
     faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
 
 
-def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None) -> Optional[dict]:
-    """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out."""
-    work = work or worker.run
+def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
+                hydra_files: Optional[HydraFiles] = None) -> Optional[dict]:
+    """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out.
+
+    ``hydra_files`` reach the worker, whose global rank 0 writes them once the directory is this run's."""
+    work = work or functools.partial(worker.run, hydra_files=hydra_files)
     cfg = with_world(cfg, info)
     plan = check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
@@ -125,7 +130,8 @@ def with_world(cfg, info: env.RankInfo):
     return cfg
 
 
-def spawned_rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, sender) -> None:
+def spawned_rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, hydra_files,
+                      sender) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit."""
     # Watched from the very start: a supervisor killed while this rank still imports or waits at
     # the rendezvous must not leave it behind.
@@ -139,7 +145,7 @@ def spawned_rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supe
     tqdm.set_lock(threading.RLock())
 
     try:
-        summary = run_as_rank(cfg, out_dir, env.discover())
+        summary = run_as_rank(cfg, out_dir, env.discover(), hydra_files=hydra_files)
     except (RunStopped, KeyboardInterrupt) as err:
         stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
         sender.send(("stopped", rank, stopped.signum))

@@ -34,7 +34,7 @@ from ditrun.errors import UserError
 STOP_GRACE_S = 10.0
 
 
-def spawn_local(cfg, out_dir: Path) -> dict:
+def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     """Run ``launcher.world`` ranks here and wait for all of them."""
     world = cfg.launcher.world
     check_local_devices(cfg.device, world)
@@ -45,7 +45,8 @@ def spawn_local(cfg, out_dir: Path) -> dict:
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
     # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
     ranks = [context.Process(target=rank_entry.rank_main,
-                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid())), pipes[rank][1]),
+                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)),
+                                   pipes[rank][1]),
                              name=f"ditrun-rank-{rank}") for rank in range(world)]
     relay = Relay(ranks)
     stop = StopRequest().install(relay=relay)

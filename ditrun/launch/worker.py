@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
-from ditrun import metrics
+from ditrun import cache, metrics
 from ditrun.metrics import quality, reference, results, rundir, timing
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
@@ -36,7 +36,8 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import Edit, check_inputs, edit_inputs, edit_tokens, resolve_edits, target_image
+from ditrun.workload import (Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits,
+                             target_image)
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -70,6 +71,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
 
@@ -114,6 +116,7 @@ class Run:
         self.precision_label = precision_label(self.precision, self.placement.dtype_name)
         self.speed = plan_compile(cfg.model, self.placement.device)
         self.settings = {edit.id: self._result_settings(edit) for edit in self.edits}
+        self.directory_edits = [edit.id for edit in self.edits]  # global rank 0 learns the directory's in ``_claim``
         _check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
 
@@ -144,7 +147,21 @@ class Run:
                                                self.placement.device.type)
         described.pop("format")
         # The backend is left out, like the layout: fast kernels match the exact emulation.
-        return {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        if self.cfg.cache.name != "none":  # absent without a cache, so results written before caching existed resume
+            settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
+        return settings
+
+    def run_settings(self) -> dict:
+        """What every run of the results directory must share (``rundir.run_settings``)."""
+        described = self.settings[self.edits[0].id]
+        resolved = {"device": described["device"], "model.dtype": described["dtype"], "workload.vae": described["vae"]}
+        if self.cfg.model.path:  # the weights' files (seeded weights are model.weights_seed)
+            resolved["model.weights"] = described["weights"]
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        if self.cfg.cache.name == "none":  # a run that caches nothing: no other cache key changes it (as per edit)
+            config["cache"] = {"name": "none"}
+        return rundir.run_settings(config, resolved, declared_edits(self.cfg.workload))
 
     def _references(self) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
@@ -172,8 +189,9 @@ class Run:
         with Interval(placement.device) as encode:
             inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, placement.device, placement.dtype)
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
+        step_cache = cache.make_step_cache(cfg.cache, cfg.workload.steps, self.built, self.layout.sp_sum)
         velocity = layout_velocity(
-            self.layout, self.transports, self.built.forward, inputs, cfg.workload.true_cfg_scale, guidance,
+            self.layout, self.transports, step_cache, inputs, cfg.workload.true_cfg_scale, guidance,
             placement.dtype, inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
@@ -205,9 +223,11 @@ class Run:
         sha256 = {"image": results.save_png(image, results.output_path(self.out_dir, outputs["image"])),
                   "latents": results.save_latents(latents, results.output_path(self.out_dir, outputs["latents"]))}
         ref = self.references.get(edit.id) if self.references is not None else None
+        measured = quality.quality_fields(image, ref, self.targets.get(edit.id))
+        if ref is not None:
+            self.references.check_measured(edit.id, measured)
         return self._record(edit, step_s, exposed, sha256, {
-            **quality.quality_fields(image, ref, self.targets.get(edit.id)), "encode_s": encode.seconds,
-            "decode_s": decode.seconds})
+            **measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields()})
 
     def _record(self, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str],
                 measured: Optional[dict] = None) -> dict:
@@ -231,11 +251,12 @@ class Run:
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "edits": len(records),
-            "complete": len(records) == len(self.edits),
+            "complete": len(records) == len(self.directory_edits),
             "stopped": str(stopped) if stopped else None,
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
+            **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
@@ -249,7 +270,8 @@ class Run:
         }
 
 
-def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str] = ()) -> Optional[dict]:
+def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str] = (),
+        hydra_files: Optional[rundir.HydraFiles] = None) -> Optional[dict]:
     """Run this rank's part of the workload; returns the summary on global rank 0, None elsewhere.
 
     Global rank 0 claims the results directory (``rundir``: lock, recovery, which edits are
@@ -258,7 +280,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
     and applies the SSIM gate. A stop signal ends the edit loop at a step boundary; the run
     then ends the same way and raises ``RunStopped``. ``nodes`` is every rank's node, as the
-    rendezvous found them (empty: all on one node).
+    rendezvous found them (empty: all on one node). ``hydra_files`` are written once the directory is claimed.
     """
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     rundir.make_run_dir(out_dir)
@@ -267,7 +289,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     layout = state.layout
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:
-        done = set(job.share("done", lambda: _claim(lock, state, out_dir)))
+        done = set(job.share("done", lambda: _claim(lock, state, out_dir, hydra_files)))
         timing.STARTUP.begin("load_s")
         state.load()
         timing.STARTUP.end("load_s")
@@ -287,10 +309,16 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     return summary if layout.rank == 0 else None
 
 
-def _claim(lock: rundir.RunLock, state: Run, out_dir: Path) -> list[str]:
-    """Global rank 0: lock the directory, recover its records, and say which edits are done."""
+def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optional[rundir.HydraFiles]) -> list[str]:
+    """Global rank 0: lock the directory and check that it is this run's (a refused run writes nothing there),
+    then recover its records, say which edits are done and record the run's settings and Hydra's files."""
     lock.acquire()
+    settings = state.run_settings()
+    state.directory_edits = rundir.claim(out_dir, settings, state.settings)
     done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
+    rundir.record_run(out_dir, settings, state.directory_edits)
+    if hydra_files is not None:
+        hydra_files.write(out_dir)
     _print_start(state, out_dir, len(done))
     return done
 
@@ -333,15 +361,15 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
     """
     cfg = state.cfg
     done = results.finished_edits(out_dir)
-    records = [done[e.id] for e in state.edits if e.id in done]
+    records = [done[edit] for edit in state.directory_edits if edit in done]  # the directory's, not only this run's
     summary = state.summary(records, wall_s, stopped, startup)
-    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct) if stopped is None else None
+    gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct, cfg.metrics.quality) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
                    failure=gate)
     results.write_json(out_dir / results.SUMMARY_FILE, summary)
     logger.finish(records, summary, out_dir, state.references, failed=gate is not None or stopped is not None)
     if stopped is not None:
-        print(f"ditrun: {stopped}; {len(records)} of {len(state.edits)} edits are in "
+        print(f"ditrun: {stopped}; {len(records)} of {len(state.directory_edits)} edits are in "
               f"{out_dir / results.EDITS_FILE}; rerun the same command to resume", flush=True)
         return summary
     report_file = _write_report(out_dir) if cfg.metrics.report else None
@@ -375,7 +403,8 @@ def print_table(records: list[dict], summary: dict) -> None:
     rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "SSIM target",
              "(BF16)", "image")]
     for r in records:
-        rows.append((r["edit"], f"{r['width']}x{r['height']}", str(r["steps"]), f"{r['dit_s']:.3f}",
+        steps = f"{r['steps_computed']}/{r['steps']}" if r.get("steps_cached") else str(r["steps"])  # computed/all
+        rows.append((r["edit"], f"{r['width']}x{r['height']}", steps, f"{r['dit_s']:.3f}",
                      f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
                      _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"),
                      _cell(r.get("ssim_target"), ".4f"), _cell(r.get("ssim_target_bf16"), ".4f"), r["image"]))

@@ -10,15 +10,21 @@ ssim_rerun says how much of the attainable similarity a precision keeps.
 from __future__ import annotations
 
 import statistics
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
+from ditrun.registry import Registry
+
 QUALITY_FIELDS = ("ssim", "ssim_rerun", "ssim_pct_of_rerun", "ssim_target", "ssim_target_bf16")
+DEFAULT_TARGET_PCT = 98.0
+"""The quality target when ``metrics.min_ssim_pct`` is unset: within 2% of the BF16 run's own score."""
 
 
 class QualityGateError(RuntimeError):
-    """The run finished but its SSIM is below ``metrics.min_ssim_pct``; the message says by how much."""
+    """A verdict on the run's quality, in one sentence: its SSIM is below ``metrics.min_ssim_pct`` (the message
+    says by how much), or an edit's reference is broken (``reference.BrokenReference``). Exit status 1."""
 
 
 def _unit(rgb8: np.ndarray) -> np.ndarray:
@@ -66,14 +72,67 @@ def quality_summary(records: list[dict]) -> dict:
     return summary
 
 
-def gate_failure(summary: dict, min_pct: Optional[float]) -> Optional[str]:
-    """Why the run fails ``metrics.min_ssim_pct``, or None when it passes (or no gate is set)."""
+@dataclass(frozen=True)
+class QualityMeasure:
+    """One ``metrics.quality``: which SSIM judges a run, as a percentage of the BF16 run's own score on it."""
+
+    name: str
+    doc: str
+    pct: Callable[[dict, Optional[float]], Optional[float]]
+    """(the run's summary, the BF16 run's own score where the summary lacks it) -> percentage, or None."""
+    missing: Callable[[dict], str]
+    """(the run's summary) -> why it has no percentage, said when one is asked for."""
+
+    def describe(self, summary: dict, pct: float) -> str:
+        """The sentence of a failed gate: the run's score and what it is a percentage of."""
+        if self.name == "rerun":
+            return (f"median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the BF16 rerun SSIM "
+                    f"{summary['ssim_rerun_median']:.4f}")
+        return f"median {self.doc} is {pct:.2f}% of the BF16 run's own"
+
+
+def _pct_of(value: Optional[float], whole: Optional[float]) -> Optional[float]:
+    return 100.0 * value / whole if value is not None and whole else None
+
+
+def target_pct(summary: dict, bf16_own: Optional[float]) -> Optional[float]:
+    """``ssim_target_median`` as a percentage of the BF16 reference's SSIM against the correct edits (the summary's
+    ``ssim_target_bf16_median`` where the run measured it, else ``bf16_own``: the sweep's BF16 run's score)."""
+    own = summary.get("ssim_target_bf16_median") or bf16_own
+    return _pct_of(summary.get("ssim_target_median"), own)
+
+
+def _no_ssim(summary: dict) -> str:
+    return "no edit has an SSIM (metrics.ssim=false?)"
+
+
+def _no_target(summary: dict) -> str:
+    if summary.get("ssim_target_median") is None:
+        return ("metrics.quality=target and no edit has an SSIM against its correct result (ssim_target): the "
+                "workload's manifest names no correct edits; use metrics.quality=rerun or bf16")
+    return ("metrics.quality=target and the BF16 run's own SSIM against the correct edits (ssim_target_bf16) is "
+            "unknown: run the BF16 configuration in the same sweep")
+
+
+QUALITY_MEASURES: Registry[QualityMeasure] = Registry("quality measure")
+for _measure in (
+    QualityMeasure("rerun", "SSIM against the BF16 output, as a share of a second BF16 run's",
+                   lambda s, _: s.get("ssim_pct_of_rerun_median"), _no_ssim),
+    QualityMeasure("bf16", "SSIM against the BF16 output (the BF16 run's own is 1)",
+                   lambda s, _: _pct_of(s.get("ssim_median"), 1.0), _no_ssim),
+    QualityMeasure("target", "SSIM against the correct edit", target_pct, _no_target),
+):
+    QUALITY_MEASURES.register(_measure.name, _measure)
+
+
+def gate_failure(summary: dict, min_pct: Optional[float], measure: str = "rerun") -> Optional[str]:
+    """Why the run fails ``metrics.min_ssim_pct`` on ``metrics.quality``, or None when it passes (or no gate is set)."""
     if min_pct is None:
         return None
-    pct = summary.get("ssim_pct_of_rerun_median")
+    quality = QUALITY_MEASURES.get(measure, "metrics.quality")
+    pct = quality.pct(summary, None)
     if pct is None:
-        return f"metrics.min_ssim_pct={min_pct:g} is set but no edit has an SSIM (metrics.ssim=false?)."
+        return f"metrics.min_ssim_pct={min_pct:g} is set but {quality.missing(summary)}."
     if pct >= min_pct:
         return None
-    return (f"SSIM gate failed: median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the BF16 rerun SSIM "
-            f"{summary['ssim_rerun_median']:.4f}, below metrics.min_ssim_pct={min_pct:g}.")
+    return f"SSIM gate failed: {quality.describe(summary, pct)}, below metrics.min_ssim_pct={min_pct:g}."

@@ -10,6 +10,11 @@ geometry and weights, the edit's image, prompt and seed, the steps, output and r
 both guidance settings (true CFG and the distilled value), the
 VAE, the dtype and the device type. Any run of any layout, precision or transport with the
 same key reuses them, so a sweep pays for its references once.
+
+A cache is shared, long-lived and easy to damage by hand, so an entry is trusted only after a
+check against what it says it is (``ReferenceCache``), and the measurement checks the rest: an
+edit more similar to the reference than the BF16 rerun is, by more than nondeterminism allows,
+has a broken reference (``BrokenReference``), never a good score.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +33,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ditrun.metrics.results import save_png, to_rgb8
+from ditrun.metrics.quality import QualityGateError
+from ditrun.metrics.results import fsync_folder, save_png, to_rgb8, write_file
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
 from ditrun.model.text import vae_folder
@@ -36,6 +43,11 @@ from ditrun.workload import Edit, edit_inputs
 # Bump when the sampler or model changes what a reference image of the same key is.
 REFERENCE_FORMAT = 2
 REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+IMAGE_FILES = ("reference.png", "rerun.png")
+KEY_FILE = "key.json"
+# A run's SSIM can exceed the rerun's only by the rerun's own nondeterministic drift (two BF16 runs: 1.0 on a CPU
+# and, measured, on an H200); beyond one percentage point the rerun is not a rerun of this reference.
+BROKEN_REFERENCE_PCT = 101.0
 
 
 @dataclass
@@ -92,48 +104,165 @@ def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: st
     return hashlib.sha256(text.encode()).hexdigest()[:32], description
 
 
+class BrokenReference(QualityGateError):
+    """A cached reference that only the measurement can tell is not this edit's: the run's image is more similar
+    to the first BF16 run than the second BF16 run is, beyond what nondeterminism allows."""
+
+
 class ReferenceCache:
-    """``<root>/<key>/{reference.png, rerun.png, key.json}``; entries appear atomically (one rename)."""
+    """``<root>/<key>/{reference.png, rerun.png, key.json}``; entries appear atomically (one rename).
+
+    ``key.json`` says what the entry is: its key, the images' size and a SHA-256 of each image's pixels, and the
+    description the key hashes. An entry is checked whenever it is read; one that does not match (another key,
+    another size, other pixels, a file that is missing, truncated or not a PNG) is discarded with a one-line
+    warning naming the file, and the caller makes it again.
+    """
 
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def load(self, key: str) -> Optional[Reference]:
-        from skimage import io
-
+    def load(self, key: str, size: tuple[int, int]) -> Optional[Reference]:
+        """The entry of ``key`` if it holds two [height, width] = ``size`` images as written, else None."""
         entry = self.root / key
-        if not (entry / "rerun.png").is_file():
+        if not entry.exists():
             return None
-        return Reference(io.imread(entry / "reference.png")[..., :3], io.imread(entry / "rerun.png")[..., :3])
+        try:
+            return _checked_entry(entry, key, size)
+        except BrokenEntry as err:
+            print(f"ditrun: warning: reference cache entry {err.path} {err.reason}; discarded, it is made again",
+                  file=sys.stderr, flush=True)
+            self.discard(key)
+            return None
 
     def save(self, key: str, reference: Reference, description: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
-        save_png(reference.image, tmp / "reference.png")
-        save_png(reference.rerun, tmp / "rerun.png")
-        (tmp / "key.json").write_text(json.dumps(description, indent=2, default=str))
+        height, width = reference.image.shape[:2]
+        sidecar = {"key": key, "width": width, "height": height, "pixels_sha256": {}, "description": description}
+        for name, pixels in zip(IMAGE_FILES, (reference.image, reference.rerun)):
+            save_png(pixels, tmp / name)
+            sidecar["pixels_sha256"][name] = pixel_checksum(pixels)
+        # Each file and the folder are flushed (write_file): the rename below must never publish a name whose data
+        # is not on disk yet.
+        write_file(tmp / KEY_FILE, json.dumps(sidecar, indent=2, default=str).encode())
         try:
             os.rename(tmp, self.root / key)
         except OSError:  # another process stored the same key first; its images are as good
             shutil.rmtree(tmp, ignore_errors=True)
+            return
+        fsync_folder(self.root)
+
+    def discard(self, key: str) -> None:
+        """Take the entry out of use at once (a rename), then delete it. An entry that another process replaced
+        in between goes too: that costs a recomputation, never a run its references (``References`` keep theirs)."""
+        aside = self.root / f".{key}.discarded.{os.getpid()}"
+        try:
+            os.rename(self.root / key, aside)
+        except OSError:  # already gone: another process discarded or replaced it
+            return
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+class BrokenEntry(Exception):
+    """A cache entry that is not what its ``key.json`` says: ``path`` is the file that shows it."""
+
+    def __init__(self, path: Path, reason: str):
+        super().__init__(f"{path} {reason}")
+        self.path, self.reason = path, reason
+
+
+def pixel_checksum(pixels: np.ndarray) -> str:
+    """SHA-256 of an [H, W, 3] uint8 image's shape and pixels."""
+    digest = hashlib.sha256(f"{pixels.shape}".encode())
+    digest.update(np.ascontiguousarray(pixels, dtype=np.uint8).tobytes())
+    return digest.hexdigest()
+
+
+def _checked_entry(entry: Path, key: str, size: tuple[int, int]) -> Reference:
+    sidecar = _read_sidecar(entry / KEY_FILE)
+    if sidecar.get("key") != key:
+        raise BrokenEntry(entry / KEY_FILE, f"names key {sidecar.get('key')!r}, not its folder's")
+    checksums = sidecar.get("pixels_sha256")
+    if not isinstance(checksums, dict):
+        raise BrokenEntry(entry / KEY_FILE, "has no pixel checksums (written by an older ditrun)")
+    images = [_checked_image(entry / name, size, checksums.get(name)) for name in IMAGE_FILES]
+    return Reference(*images)
+
+
+def _read_sidecar(path: Path) -> dict:
+    try:
+        sidecar = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BrokenEntry(path, "is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise BrokenEntry(path, "is unreadable or not JSON") from None
+    if not isinstance(sidecar, dict):
+        raise BrokenEntry(path, "is not a JSON object")
+    return sidecar
+
+
+def _checked_image(path: Path, size: tuple[int, int], checksum: Optional[str]) -> np.ndarray:
+    """The [H, W, 3] pixels of ``path``, if they are ``size`` and match ``checksum``."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            if (image.height, image.width) != size:  # before decoding: a wrong header costs nothing
+                raise BrokenEntry(path, f"is {image.width}x{image.height}, not the edit's {size[1]}x{size[0]}")
+            pixels = np.asarray(image.convert("RGB"))
+    except FileNotFoundError:
+        raise BrokenEntry(path, "is missing") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        raise BrokenEntry(path, "is truncated or not a PNG") from None
+    if pixel_checksum(pixels) != checksum:
+        raise BrokenEntry(path, f"does not match the pixel checksum in its {KEY_FILE}")
+    return pixels
 
 
 class References:
-    """The references of a run's edits, by edit id; read from the cache when first asked for."""
+    """The references of a run's edits, by edit id: read from the cache (and checked) or made, then kept."""
 
     def __init__(self, cache: ReferenceCache, keys: dict[str, str], descriptions: dict[str, dict], dtype: torch.dtype):
         self.cache, self.keys, self.descriptions, self.dtype = cache, keys, descriptions, dtype
         self._loaded: dict[str, Reference] = {}
 
+    def _size(self, edit_id: str) -> tuple[int, int]:
+        edit = self.descriptions[edit_id]["edit"]
+        return edit["height"], edit["width"]
+
     def missing(self, edits: list[Edit]) -> list[Edit]:
-        return [e for e in edits if not (self.cache.root / self.keys[e.id] / "rerun.png").is_file()]
+        """Edits without a cached reference, or whose entry failed its check (and was discarded). The others are
+        kept from here on: another run repairing the cache meanwhile cannot take them away."""
+        missing = []
+        for edit in edits:
+            reference = self.cache.load(self.keys[edit.id], self._size(edit.id))
+            if reference is None:
+                missing.append(edit)
+            else:
+                self._loaded[edit.id] = reference
+        return missing
 
     def get(self, edit_id: str) -> Optional[Reference]:
         if edit_id not in self._loaded and edit_id in self.keys:
-            reference = self.cache.load(self.keys[edit_id])
+            reference = self.cache.load(self.keys[edit_id], self._size(edit_id))
             if reference is not None:
                 self._loaded[edit_id] = reference
         return self._loaded.get(edit_id)
+
+    def check_measured(self, edit_id: str, fields: dict) -> None:
+        """Raise ``BrokenReference`` (and discard the entry) when an edit's SSIM is above its rerun's by more than
+        nondeterminism explains: a pixel checksum vouches that the files are what was written, not that the two
+        images are two runs of this edit."""
+        pct = fields.get("ssim_pct_of_rerun")
+        if pct is None or pct <= BROKEN_REFERENCE_PCT:
+            return
+        entry = self.cache.root / self.keys[edit_id]
+        self.cache.discard(self.keys[edit_id])
+        self._loaded.pop(edit_id, None)
+        raise BrokenReference(
+            f"edit {edit_id!r} scores {pct:.2f}% of its BF16 rerun's SSIM, above the {BROKEN_REFERENCE_PCT:g}% that "
+            f"two BF16 runs allow, so its cached reference {entry} is broken; the entry was discarded: rerun the same "
+            "command to make it again and resume.")
 
     def make_missing(self, edits: list[Edit], cfg, geometry, device: torch.device,
                      build_model: Callable[[torch.dtype], torch.nn.Module], progress=None, announce: bool = True) -> None:
@@ -151,7 +280,8 @@ class References:
         for edit in missing:
             runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label)
                     for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
-            self.cache.save(self.keys[edit.id], Reference(*runs), self.descriptions[edit.id])
+            self._loaded[edit.id] = Reference(*runs)
+            self.cache.save(self.keys[edit.id], self._loaded[edit.id], self.descriptions[edit.id])
             if progress is not None:
                 progress.advance()
         del model, codec

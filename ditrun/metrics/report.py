@@ -3,7 +3,9 @@
 Reads only ditrun's own files (``summary.json``, ``edits.jsonl`` and Hydra's
 ``.hydra/overrides.yaml`` of each run), so it needs no W&B at all. Prints one row per run and
 writes ``report.md`` with two charts next to it: ``dit_time.png`` (median DiT seconds per
-edit, split into compute and exposed transfer) and ``ssim.png`` (SSIM per precision).
+edit, split into compute and exposed transfer) and ``ssim.png`` (SSIM per precision). Of several
+runs it also makes the choice (``metrics/choice.py``): which meet the quality target, the
+speed/quality Pareto front (``pareto.png``), and the fastest that meets it with its command.
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ from typing import Optional
 import yaml
 from hydra.experimental.callback import Callback
 
+from ditrun.metrics import choice as choosing
 from ditrun.metrics.results import EDITS_FILE, SUMMARY_FILE, finished_edits
 from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
 
 # Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
-UNQUANTIZED = ("bf16", "fp16", "fp32")
+UNQUANTIZED = choosing.UNQUANTIZED
 REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
 HEADER = ("run", "layout", "precision", "transport", "world", "DiT s/edit", "speedup", "exposed %", "SSIM",
-          "rerun SSIM", "% of rerun", "start-up s")
+          "rerun SSIM", "% of rerun", "start-up s", "cache", "steps", "target SSIM", "quality %",
+          "meets target")
 
 
 @dataclass
@@ -86,7 +90,7 @@ def label_with_overrides(runs: list[RunResult]) -> None:
 
 
 def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[RunResult]:
-    """``--baseline`` (a run's label), else the slowest single-process BF16 run, else the slowest run."""
+    """``--baseline`` (a run's label), else the slowest single-process uncached BF16 run, else the slowest run."""
     if baseline is not None:
         match = [r for r in runs if baseline in (r.label, r.label.split(":")[0])]
         if not match:
@@ -94,7 +98,7 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[
         return match[0]
     timed = [r for r in runs if r.dit_s]
     plain = [r for r in timed if (r.setting("layout"), r.setting("world")) == ("single", 1)
-             and r.setting("precision") in UNQUANTIZED]
+             and r.setting("precision") in UNQUANTIZED and choosing.cache_name(r) == "none"]
     return max(plain or timed, key=lambda r: r.dit_s, default=None)
 
 
@@ -102,9 +106,11 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table_rows(runs: list[RunResult], baseline: Optional[RunResult]) -> list[tuple[str, ...]]:
+def table_rows(runs: list[RunResult], baseline: Optional[RunResult],
+               choice: Optional[choosing.Choice] = None) -> list[tuple[str, ...]]:
+    choice = choice or choosing.choose(runs)
     rows = [HEADER]
-    for r in runs:
+    for i, r in enumerate(runs):
         speedup = baseline.dit_s / r.dit_s if baseline is not None and baseline.dit_s and r.dit_s else None
         s = r.summary
         marks = (" (baseline)" if r is baseline else "") + (" FAILED" if s.get("failure") else "")
@@ -113,7 +119,8 @@ def table_rows(runs: list[RunResult], baseline: Optional[RunResult]) -> list[tup
                      _fmt(r.dit_s, ".4f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
                      _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),
                      _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f"),
-                     _fmt(s.get("startup_s_max"), ".1f")))
+                     _fmt(s.get("startup_s_max"), ".1f"), choosing.cache_name(r), choosing.steps_cell(r),
+                     _fmt(s.get("ssim_target_median"), ".4f"), *choosing.table_cells(choice, i)))
     return rows
 
 
@@ -141,6 +148,12 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_dit_time(runs: list[RunResult], path: Path) -> None:
     """Stacked bars: median DiT seconds per edit = compute + exposed transfer."""
     plt = _pyplot()
@@ -157,9 +170,7 @@ def plot_dit_time(runs: list[RunResult], path: Path) -> None:
     ax.set_title("DiT time per edit")
     ax.legend()
     ax.tick_params(axis="x", labelrotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def plot_ssim(runs: list[RunResult], path: Path) -> bool:
@@ -182,14 +193,42 @@ def plot_ssim(runs: list[RunResult], path: Path) -> bool:
     ax.set_ylabel("SSIM vs BF16 reference")
     ax.set_title("SSIM per precision")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
     return True
 
 
-def markdown_report(runs: list[RunResult], rows, baseline: Optional[RunResult], has_ssim: bool) -> str:
+def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
+    """Quality against DiT time per run, the Pareto front as a line, the target as a dashed line, the chosen run
+    ringed; False (no chart) when no run has both."""
+    points = [(r.dit_s, p, r.label, i) for i, (r, p) in enumerate(zip(runs, choice.pcts)) if r.dit_s and p is not None]
+    if not points:
+        return False
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.0, 4.5))
+    for s, p, label, i in points:
+        ax.scatter([s], [p], color="tab:green" if choice.meets[i] else "tab:red", zorder=3)
+        ax.annotate(label.split(":")[0], (s, p), textcoords="offset points", xytext=(4, 4), fontsize="small")
+    front = sorted((s, p) for s, p, _, i in points if choice.front[i])
+    ax.plot([s for s, _ in front], [p for _, p in front], color="tab:blue", label="Pareto front")
+    ax.axhline(choice.target_pct, linestyle="--", color="gray", label=f"target {choice.target_pct:g}%")
+    if choice.fastest is not None:
+        best = runs[choice.fastest]
+        ax.scatter([best.dit_s], [choice.pcts[choice.fastest]], s=200, facecolors="none", edgecolors="black",
+                   label="fastest meeting the target", zorder=4)
+    ax.set_xlabel("median DiT seconds per edit")
+    ax.set_ylabel(f"quality: % of the BF16 run's own ({choice.measure.name})")
+    ax.set_title("Speed and quality")
+    ax.legend(fontsize="small")
+    _save(plt, fig, path)
+    return True
+
+
+def markdown_report(runs: list[RunResult], rows, baseline: Optional[RunResult], has_ssim: bool,
+                    choice_lines: list[str] = (), has_pareto: bool = False) -> str:
     parts = ["# ditrun report", "", format_markdown(rows), ""]
+    if choice_lines:
+        parts += ["## The choice", "", *choice_lines, ""]
+        parts += [f"![Speed and quality]({choosing.PARETO_CHART})", ""] if has_pareto else []
     if baseline is not None:
         parts += [f"Speedup is relative to `{baseline.label}`. DiT time is the median over the edits after "
                   "warm-up; exposed transfer is the time the compute stream waited on the transport.", ""]
@@ -203,8 +242,8 @@ def markdown_report(runs: list[RunResult], rows, baseline: Optional[RunResult], 
     return "\n".join(parts) + "\n"
 
 
-def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[str] = None) -> tuple[str, Path]:
-    """Write ``report.md`` and the charts for the runs under ``root``; returns (text table, report path)."""
+def load_runs(root: Path) -> list[RunResult]:
+    """Every run under ``root``, labelled by the overrides that tell them apart; one sentence if there is none."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} is not a directory; give a ditrun run or multirun directory.")
@@ -212,19 +251,33 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
     if not runs:
         raise UserError(f"{root} holds no ditrun run (no {SUMMARY_FILE} in it or below it).")
     label_with_overrides(runs)
+    return runs
+
+
+def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[str] = None,
+                 quality: Optional[str] = None, target_pct: Optional[float] = None) -> tuple[str, Path]:
+    """Write ``report.md`` and the charts for the runs under ``root``; returns (text table, report path).
+
+    ``quality`` and ``target_pct`` override the runs' own ``metrics.quality`` and ``metrics.min_ssim_pct``."""
+    runs = load_runs(root)
     chosen = choose_baseline(runs, baseline)
-    rows = table_rows(runs, chosen)
-    out_dir = Path(out_dir) if out_dir else root
+    choice = choosing.choose(runs, quality, target_pct)
+    rows = table_rows(runs, chosen, choice)
+    out_dir = Path(out_dir) if out_dir else Path(root)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_dit_time(runs, out_dir / DIT_CHART)
     has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
+    # One run has nothing to choose from: its own report keeps to its table and charts, and draws its edits.
+    choice_lines = choosing.summary_lines(runs, choice) if len(runs) > 1 else []
+    has_pareto = bool(choice_lines) and plot_pareto(runs, choice, out_dir / choosing.PARETO_CHART)
     strip = write_strip(runs[0].path, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
-    text = markdown_report(runs, rows, chosen, has_ssim)
+    markdown = markdown_report(runs, rows, chosen, has_ssim, choice_lines, has_pareto)
     if strip is not None:
-        text += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"
+        markdown += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"
     report = out_dir / REPORT_FILE
-    report.write_text(text)
-    return format_text(rows), report
+    report.write_text(markdown)
+    text = format_text(rows)
+    return "\n".join([text, *(line for line in choice_lines if line)]), report
 
 
 def main(argv: list[str]) -> int:
@@ -232,9 +285,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="a ditrun run directory or a multirun (sweep) directory")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and the charts go (default: PATH)")
     parser.add_argument("--baseline", default=None, help="the run the speedup is relative to (its label)")
+    parser.add_argument("--quality", default=None, help="the SSIM that judges quality: rerun, bf16 or target "
+                                                        "(default: the runs' metrics.quality)")
+    parser.add_argument("--target-pct", type=float, default=None,
+                        help="the quality target, percent of the BF16 run's own (default: the runs' "
+                             f"metrics.min_ssim_pct, else {choosing.DEFAULT_TARGET_PCT:g})")
     args = parser.parse_args(argv)
     try:
-        text, report = write_report(args.path, args.out, args.baseline)
+        text, report = write_report(args.path, args.out, args.baseline, args.quality, args.target_pct)
     except UserError as err:
         print(f"ditrun: error: {err}", file=sys.stderr)
         return 2
@@ -249,10 +307,24 @@ class SweepReport(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         if not config.metrics.report:
             return
+        sweep = Path(config.hydra.sweep.dir)
         try:
-            text, report = write_report(Path(config.hydra.sweep.dir))
+            text, report = write_report(sweep)
         except UserError as err:  # every job failed before writing a summary
             print(f"ditrun: no sweep report: {err}", file=sys.stderr)
             return
         print(text)
         print(f"sweep report: {report}", flush=True)
+        log_choice(config, sweep)
+
+
+def log_choice(config, sweep: Path) -> None:
+    """The sweep's choice table as one W&B table in the sweep's group (``wandb.mode`` of the sweep)."""
+    from ditrun.metrics import wandb as wandb_log
+
+    runs = load_runs(sweep)
+    choice = choosing.choose(runs)
+    try:
+        wandb_log.log_sweep_table(config, sweep, "choice", choosing.COLUMNS, choosing.wandb_rows(runs, choice))
+    except Exception as err:  # noqa: BLE001 - the report is written; a W&B failure must not fail the sweep
+        print(f"ditrun: the sweep's choice table did not reach W&B ({type(err).__name__}: {err}).", file=sys.stderr)

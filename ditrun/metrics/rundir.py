@@ -20,11 +20,19 @@ whole, and a rerun resumes only what the same settings produced.
   missing or differ from their checksums (deleted, truncated, lost to a power cut) is moved to
   ``edits.rejected.jsonl`` with a warning naming the edit and the file, and its edit runs again.
   Only files named with ``results.TEMPORARY_PREFIX`` are removed as leftovers of interrupted writes.
+- **One run per directory.** A directory belongs to the settings of the first run that recorded an
+  edit in it, kept in ``run.json``: the whole resolved config (model, precision, layout, transport,
+  world, sampling settings, metrics) with the resolved device and dtype, the weights' and VAE's
+  fingerprints, and every edit the workload declares, less ``MAY_DIFFER`` (where and how a run
+  reports, how long it waits, which prefix of the workload it runs). Another run is refused
+  naming the differences, before anything in the directory is written (Hydra's ``.hydra/``
+  included: ``HydraFiles``). The directory's edits are those its runs asked for; a rerun of a
+  prefix appends and its summary still covers them all.
 - **Resume only what matches.** Each record carries ``settings`` (everything that changes the
   edit's result: model and weights, dtype, precision, sampling settings, the edit's size, seed
-  and inputs; not the layout, transport or world size, which change only how it is computed) and
-  their ``fingerprint``. A rerun whose settings differ for an edit already recorded fails before
-  any model is built, naming what differs.
+  and inputs, an image file's content hash included) and their ``fingerprint``. A rerun whose
+  settings differ for an edit already recorded fails before any model is built, naming what
+  differs.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -49,6 +58,19 @@ LOCK_FILE = ".ditrun.lock"
 LEASE_FILE = ".ditrun.lease"
 REJECTED_FILE = "edits.rejected.jsonl"
 REPLICA_FILE = "edits.replica{}.jsonl"
+RUN_FILE = "run.json"
+HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
+# Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
+# long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
+# not by the manifest's path), labels, and test-only fault injection.
+MAY_DIFFER = (
+    "workload.limit", "workload.manifest", "workload.prompt_cache_dir", "wandb", "progress", "output_dir",
+    "launcher.name", "launcher.rendezvous_timeout_s", "launcher.collective_timeout_s", "launcher.stop_timeout_s",
+    "launcher.master_port", "launcher.fault", "transport.timeout_s", "transport.chaos_s",
+    "metrics.report", "metrics.min_ssim_pct", "metrics.quality", "metrics.warmup_edits", "metrics.reference_dir",
+    "precision.name", "precision.tuning_file", "layout.allow_cross_node_sp",
+)
+_ABSENT = object()
 LEASE_REFRESH_S = 5.0
 LEASE_STALE_S = 60.0
 # Every record has these; a line without them is not one of ours.
@@ -268,7 +290,7 @@ def _lines_in(path: Path) -> Iterable[dict]:
 
 def _remove_temporaries(out_dir: Path) -> None:
     """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce."""
-    for folder in (out_dir, out_dir / results.IMAGES_DIR, out_dir / results.LATENTS_DIR):
+    for folder in (out_dir, out_dir / results.IMAGES_DIR, out_dir / results.LATENTS_DIR, out_dir / HYDRA_DIR):
         for tmp in folder.glob(results.TEMPORARY_PREFIX + "*"):
             if tmp.is_file():
                 tmp.unlink(missing_ok=True)
@@ -317,6 +339,95 @@ def _records_in(path: Path) -> Iterable[dict]:
     return [r for r in map(_parse, path.read_text(errors="replace").splitlines()) if r is not None]
 
 
+def run_settings(config: dict, resolved: dict, declared_edits: list) -> dict:
+    """What every run of a directory shares: ``config`` (the resolved config as plain data) less ``MAY_DIFFER``,
+    ``resolved`` (dotted key -> value: what ``auto`` settings and file paths stand for here) set into it, and the
+    workload's declared edits by id under ``workload.edits``."""
+    settings = json.loads(json.dumps(config, default=str))  # a copy, as it reads back from run.json
+    for key in MAY_DIFFER:
+        *parents, leaf = key.split(".")
+        _node(settings, parents).pop(leaf, None)
+    edits = {str(entry.get("id") or f"edit{i:04d}"): {k: v for k, v in entry.items() if v is not None}
+             for i, entry in enumerate(declared_edits) if isinstance(entry, dict)}
+    for key, value in {**resolved, "workload.edits": edits}.items():
+        *parents, leaf = key.split(".")
+        _node(settings, parents)[leaf] = json.loads(json.dumps(value, default=str))
+    return settings
+
+
+def _node(settings: dict, parents: list[str]) -> dict:
+    """The mapping at ``parents`` (made where missing)."""
+    for parent in parents:
+        settings = settings.setdefault(parent, {})
+    return settings
+
+
+def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list[str]:
+    """The directory's edits, once this run is known to be its own (global rank 0, holding the lock; nothing in the
+    directory is written here).
+
+    A directory whose records were made by a run with other ``settings`` (``run_settings``) is refused naming the
+    differences, as is one holding an edit of this run made with other ``edit_settings``. A directory without
+    records is anyone's; one with records but no ``run.json`` (an older ditrun's) is adopted. This run's edits join
+    the directory's, so a rerun of a prefix of the workload keeps the others.
+    """
+    found = found_records(out_dir)
+    recorded = _read_run_file(out_dir) if found else None
+    if recorded is not None:
+        changes = differences(recorded["settings"], settings)
+        if changes:
+            raise SettingsChanged(_foreign_message(out_dir, changes))
+    resumable(found, edit_settings, out_dir)
+    known = list(recorded["edits"]) if recorded is not None else list(dict.fromkeys(r["edit"] for r in found))
+    return known + [edit for edit in edit_settings if edit not in known]
+
+
+def record_run(out_dir: Path, settings: dict, edits: list[str]) -> None:
+    """``run.json``: the settings the directory belongs to and its edits (after ``claim``)."""
+    run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits}
+    results.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
+
+
+def found_records(out_dir: Path) -> list[dict]:
+    """Every parseable record of ``edits.jsonl`` and the replica files, read without writing anything."""
+    paths = [out_dir / EDITS_FILE, *sorted(out_dir.glob(REPLICA_FILE.format("*")))]
+    return [record for path in paths for record in _records_in(path)]
+
+
+def _read_run_file(out_dir: Path) -> Optional[dict]:
+    path = out_dir / RUN_FILE
+    try:
+        run = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        run = None
+    if not (isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("edits"), list)):
+        print(f"ditrun: warning: {path} is unreadable; the directory's records are adopted by this run's settings",
+              file=sys.stderr, flush=True)
+        return None
+    return run
+
+
+def _foreign_message(out_dir: Path, changes: list[tuple[str, object, object]]) -> str:
+    changes = sorted(changes, key=lambda change: (change[0].count("."), change[0]))  # broad keys first
+    return (f"results directory {out_dir} belongs to a run with other settings ({_listed(changes)}); rerun with "
+            f"the settings in its {RUN_FILE} to resume it, or give this run another directory (hydra.run.dir=... "
+            "or output_dir=...).")
+
+
+def _listed(changes: list[tuple[str, object, object]], shown: int = 4) -> str:
+    listed = "; ".join(f"{key}: {_shown(old)} recorded, {_shown(new)} now" for key, old, new in changes[:shown])
+    return listed + (f" (and {len(changes) - shown} more)" if len(changes) > shown else "")
+
+
+def _shown(value: object, width: int = 60) -> str:
+    if value is _ABSENT:
+        return "absent"
+    text = json.dumps(value, sort_keys=True, default=str) if isinstance(value, (dict, list)) else str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> list[str]:
     """Ids of this run's edits that ``records`` already hold with the same settings.
 
@@ -336,20 +447,34 @@ def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> 
 
 def _changed_message(record: dict, wanted: dict, out_dir: Path) -> str:
     changes = differences(record["settings"], wanted)
-    shown = "; ".join(f"{key}: {old} recorded, {new} now" for key, old, new in changes[:3])
-    more = f" (and {len(changes) - 3} more)" if len(changes) > 3 else ""
-    return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({shown}{more}); "
+    return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({_listed(changes, 3)}); "
             "rerun with the recorded settings to resume, or give this run another directory "
             "(hydra.run.dir=... or output_dir=...).")
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, old value, new value) of every leaf that differs."""
+    """(dotted key, old value, new value) of every leaf that differs; a key one side lacks has ``_ABSENT`` there."""
     found = []
     for key in sorted(set(old) | set(new), key=str):
-        a, b = old.get(key), new.get(key)
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
         if isinstance(a, dict) and isinstance(b, dict):
             found += differences(a, b, f"{prefix}{key}.")
         elif json.dumps(a, sort_keys=True, default=str) != json.dumps(b, sort_keys=True, default=str):
             found.append((f"{prefix}{key}", a, b))
     return found
+
+
+@dataclass(frozen=True)
+class HydraFiles:
+    """Hydra's record of a run (``config.yaml``, ``hydra.yaml``, ``overrides.yaml`` under ``subdir``), as text.
+
+    Hydra would write them into the directory before ditrun's lock and checks, so a refused run would rewrite
+    another run's; ditrun's config turns that off (``hydra.output_subdir: null``) and global rank 0 writes them
+    once the directory is this run's (``claim``)."""
+
+    subdir: str
+    texts: dict
+
+    def write(self, out_dir: Path) -> None:
+        for name, text in self.texts.items():  # write_file makes the folder
+            results.write_file(out_dir / self.subdir / name, text.encode())

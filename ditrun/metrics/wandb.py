@@ -40,9 +40,10 @@ OFFLINE_ENVIRONMENT = {
 }
 # Record fields logged as history, one row per edit (numbers only; the table has the rest).
 HISTORY_FIELDS = ("dit_s", "encode_s", "decode_s", "exposed_transfer_s", "exposed_transfer_pct",
-                  "ssim", "ssim_rerun", "ssim_pct_of_rerun")
+                  "ssim", "ssim_rerun", "ssim_pct_of_rerun", "ssim_target", "ssim_target_bf16", "steps_computed",
+                  "steps_cached")
 TABLE_COLUMNS = ("edit", "layout", "precision", "transport", "world", "dit_s", "exposed_transfer_pct", "ssim",
-                 "ssim_pct_of_rerun", "image")
+                 "ssim_pct_of_rerun", "ssim_target", "target", "cache", "steps_computed", "steps_cached", "image")
 
 
 def check_config(wandb_cfg) -> None:
@@ -66,10 +67,14 @@ def default_name(cfg) -> str:
     return f"{cfg.layout.name}-{precision_label(cfg)}-{cfg.transport.name}-w{cfg.launcher.world}"
 
 
+def sweep_group(cfg, sweep_dir) -> str:
+    """The W&B group of a sweep's runs: ``wandb.group``, else the sweep directory's last two parts."""
+    return cfg.wandb.group if cfg.wandb.group is not None else "/".join(Path(sweep_dir).parts[-2:])
+
+
 def apply_sweep_defaults(cfg, sweep_dir: str, job_num: int) -> None:
     """In a Hydra multirun: group by the sweep directory, and number the run within it."""
-    if cfg.wandb.group is None:
-        cfg.wandb.group = "/".join(Path(sweep_dir).parts[-2:])
+    cfg.wandb.group = sweep_group(cfg, sweep_dir)
     if cfg.wandb.name is None:
         cfg.wandb.name = f"{default_name(cfg)}-job{job_num}"
 
@@ -143,21 +148,38 @@ def _loggable(value) -> bool:
     return value is None or isinstance(value, (str, bool)) or _is_number(value)
 
 
-def start(cfg, out_dir: Path, is_global_rank0: bool = True):
-    """The run's logger: a W&B run under ``out_dir/wandb`` on global rank 0, else one that does nothing."""
-    if cfg.wandb.mode == "disabled" or not is_global_rank0:
-        return NullLogger()
-    begin = time.perf_counter()
+def _init(cfg, out_dir: Path, **run_fields):
+    """``wandb.init`` under ``out_dir/wandb`` in ``wandb.mode`` (offline: nothing leaves the machine)."""
     if cfg.wandb.mode == "offline":
         os.environ.update(OFFLINE_ENVIRONMENT)
     import wandb
 
     settings = wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
                               x_disable_stats=True, x_disable_machine_info=True)
-    run = wandb.init(
-        mode=cfg.wandb.mode, dir=str(out_dir), project=cfg.wandb.project, entity=cfg.wandb.entity,
-        group=cfg.wandb.group, name=cfg.wandb.name or default_name(cfg), job_type=cfg.layout.name,
+    return wandb.init(mode=cfg.wandb.mode, dir=str(out_dir), project=cfg.wandb.project, entity=cfg.wandb.entity,
+                      settings=settings, reinit="finish_previous", **run_fields)
+
+
+def start(cfg, out_dir: Path, is_global_rank0: bool = True):
+    """The run's logger: a W&B run under ``out_dir/wandb`` on global rank 0, else one that does nothing."""
+    if cfg.wandb.mode == "disabled" or not is_global_rank0:
+        return NullLogger()
+    begin = time.perf_counter()
+    run = _init(
+        cfg, out_dir, group=cfg.wandb.group, name=cfg.wandb.name or default_name(cfg), job_type=cfg.layout.name,
         tags=[f"precision:{precision_label(cfg)}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
-        config=OmegaConf.to_container(cfg, resolve=True), settings=settings, reinit="finish_previous",
+        config=OmegaConf.to_container(cfg, resolve=True),
     )
     return WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images)
+
+
+def log_sweep_table(cfg, sweep_dir: Path, key: str, columns, rows: list[list]) -> None:
+    """One W&B run in the sweep's group (``job_type`` ``report``, under ``sweep_dir/wandb``) holding one table."""
+    if cfg.wandb.mode == "disabled":
+        return
+    import wandb
+
+    group = sweep_group(cfg, sweep_dir)
+    run = _init(cfg, sweep_dir, group=group, name=f"{group}-{key}", job_type="report", tags=list(cfg.wandb.tags))
+    run.log({key: wandb.Table(columns=list(columns), data=rows)})
+    run.finish()

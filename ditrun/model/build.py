@@ -190,6 +190,16 @@ def run_precision_label(cfg) -> str:
 
 
 @dataclass
+class ModelParts:
+    """The forward in the parts a step cache calls (``FluxDiT.head``, ``tail``, ``finish``; ``ditrun/cache``),
+    replayed from CUDA graphs where the whole forward is."""
+
+    head: Callable
+    tail: Callable
+    finish: Callable
+
+
+@dataclass
 class BuiltModel:
     """The model and what was decided while building it, for records and reports."""
 
@@ -200,9 +210,12 @@ class BuiltModel:
     """Per component: the format and the backends its weights were prepared for; the attention kernel."""
     forward: Optional[Callable] = None
     """What a layout calls: the model, or its forward replayed from CUDA graphs (``model.cuda_graphs``)."""
+    parts: Optional[ModelParts] = None
+    """The same, in the parts a step cache calls."""
 
     def __post_init__(self):
         self.forward = self.model if self.forward is None else self.forward
+        self.parts = self.parts or ModelParts(self.model.head, self.model.tail, self.model.finish)
 
 
 def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
@@ -233,6 +246,8 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
         built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
         if speed.graphs:
             built.forward = GraphedForward(built.model, built.attention)
+            built.parts = ModelParts(GraphedForward(built.model.head, built.attention),
+                                     GraphedForward(built.model.tail, built.attention), built.model.finish)
     return built
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -503,6 +503,11 @@ class FluxDiT(nn.Module):
         out_channels = geo.out_channels or geo.in_channels
         self.proj_out = nn.Linear(dim, geo.patch_size**2 * out_channels)
 
+    @property
+    def num_blocks(self) -> int:
+        """Double-stream then single-stream blocks, counted as one sequence (what ``run_blocks`` indexes)."""
+        return len(self.transformer_blocks) + len(self.single_transformer_blocks)
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -516,6 +521,14 @@ class FluxDiT(nn.Module):
     ) -> torch.Tensor:
         # hidden_states: [B, S_img, in_channels], encoder_hidden_states: [B, S_txt, joint_dim]
         # img_ids: [S_img, 3], txt_ids: [S_txt, 3]; timestep, guidance: [B] in [0, 1]
+        stream = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+                            guidance)
+        stream = self.run_blocks(stream, 0, self.num_blocks, attention)
+        return self.finish(stream.img, stream.temb)
+
+    def embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
+              guidance=None) -> "Stream":
+        """The blocks' inputs: embedded image and text tokens, the conditioning vector and the RoPE tables."""
         img = self.x_embedder(hidden_states)
         dtype = img.dtype
         guidance = None if guidance is None else guidance.to(dtype) * 1000
@@ -524,11 +537,47 @@ class FluxDiT(nn.Module):
         temb = self.time_text_embed(timestep.to(dtype) * 1000, guidance, pooled_projections)
         txt = self.context_embedder(encoder_hidden_states)
         rope = rope_tables(torch.cat([txt_ids, img_ids], dim=0), self.geometry.axes_dims_rope)
+        return Stream(img, txt, temb, rope)
 
-        for block in self.transformer_blocks:
+    def run_blocks(self, stream: "Stream", start: int, stop: int, attention: AttentionFn) -> "Stream":
+        """Blocks ``start`` to ``stop`` (exclusive) of ``num_blocks``: double-stream ones on the two streams, then
+        single-stream ones on the joint sequence [txt, img], joined once and split back once."""
+        img, txt, temb, rope = stream
+        doubles = len(self.transformer_blocks)
+        for block in self.transformer_blocks[start:min(stop, doubles)]:
             img, txt = block(img, txt, temb, rope, attention)
-        x = torch.cat([txt, img], dim=1)
-        for block in self.single_transformer_blocks:
-            x = block(x, temb, rope, attention)
-        img = x[:, txt.shape[1]:]
+        singles = self.single_transformer_blocks[max(start - doubles, 0):max(stop - doubles, 0)]
+        if len(singles):
+            x = torch.cat([txt, img], dim=1)
+            for block in singles:
+                x = block(x, temb, rope, attention)
+            txt, img = x[:, :txt.shape[1]], x[:, txt.shape[1]:]
+        return Stream(img, txt, temb, rope)
+
+    def finish(self, img: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """The output projection of the image tokens. img: [B, S_img, C] -> [B, S_img, out_channels]."""
         return self.proj_out(self.norm_out(img, temb))
+
+    # A step cache (``ditrun/cache``) runs the forward in two parts: ``head`` every step, ``tail`` only on the
+    # steps it computes; on the others it adds the tail's last residual to the head's output and ``finish``es.
+
+    def head(self, *, blocks: int, attention: AttentionFn = sdpa_attention, **inputs):
+        """``embed`` and the first ``blocks`` blocks -> (stream, their residual on the image tokens)."""
+        embedded = self.embed(**inputs)
+        stream = self.run_blocks(embedded, 0, blocks, attention)
+        return stream, stream.img - embedded.img
+
+    def tail(self, *, stream: "Stream", blocks: int, attention: AttentionFn = sdpa_attention):
+        """The blocks after the first ``blocks`` and ``finish`` -> (output, their residual on the image tokens)."""
+        done = self.run_blocks(stream, blocks, self.num_blocks, attention)
+        return self.finish(done.img, done.temb), done.img - stream.img
+
+
+class Stream(NamedTuple):
+    """What flows between blocks: image and text tokens ([B, S_img, C], [B, S_txt, C]), the conditioning
+    vector [B, C] and the RoPE tables (cos, sin: [S_txt + S_img, D])."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+    temb: torch.Tensor
+    rope: tuple

@@ -25,10 +25,10 @@ The graph's results are those of the forward it recorded: the same kernels on th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
-from torch import nn
+from torch.utils import _pytree as pytree
 
 from ditrun.model.compile import RECOMPILE_LIMIT
 from ditrun.kernels.sdpa import sdpa_attention
@@ -42,31 +42,45 @@ rest without graphs."""
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: dict[str, torch.Tensor]
-    output: torch.Tensor
+    inputs: list[torch.Tensor]
+    """The static tensors of the inputs, in ``pytree`` order."""
+    output: Any
+    """The static output: a tensor, or tuples of tensors (a step cache's model parts, ``FluxDiT.head``)."""
+
+
+def _tensors(inputs: dict) -> list[torch.Tensor]:
+    return [leaf for leaf in pytree.tree_leaves(inputs) if isinstance(leaf, torch.Tensor)]
 
 
 def signature(inputs: dict) -> tuple:
-    """What a graph is recorded for: each tensor's name, shape, dtype and device; other values as they are."""
-    key = []
-    for name, value in sorted(inputs.items()):
+    """What a graph is recorded for: each tensor's place in ``inputs`` (tuples included), shape, dtype and device;
+    other values as they are."""
+    leaves, spec = pytree.tree_flatten(inputs)
+    key = [str(spec)]
+    for value in leaves:
         if isinstance(value, torch.Tensor):
-            key.append((name, tuple(value.shape), value.dtype, value.device))
+            key.append((tuple(value.shape), value.dtype, value.device))
         else:
-            key.append((name, value if isinstance(value, Hashable) else id(value)))
+            key.append(value if isinstance(value, Hashable) else id(value))
     return tuple(key)
 
 
-class GraphedForward:
-    """``model(**inputs)``, replayed from one CUDA graph per input signature (see the module doc)."""
+def _clone_tensors(tree):
+    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, tree)
 
-    def __init__(self, model: nn.Module, attention: Callable):
+
+class GraphedForward:
+    """``model(**inputs)``, replayed from one CUDA graph per input signature (see the module doc). ``model`` is the
+    DiT, or one of the parts a step cache runs (``FluxDiT.head``, ``tail``, ``finish``)."""
+
+    def __init__(self, model: Callable, attention: Callable):
         self.model, self.attention = model, attention
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         self.failed = False
 
     def __call__(self, **inputs) -> torch.Tensor:
+        inputs = dict(sorted(inputs.items()))  # one order of the leaves, whatever the caller's order of keywords
         if not self._graphable(inputs):
             return self.model(**inputs)
         key = signature(inputs)
@@ -81,20 +95,19 @@ class GraphedForward:
                 print(f"ditrun: capturing the DiT forward in a CUDA graph failed ({type(err).__name__}: {err}); "
                       "running it without CUDA graphs.", flush=True)
                 return self.model(**inputs)
-        for name, static in entry.inputs.items():
-            static.copy_(inputs[name])
+        for static, value in zip(entry.inputs, _tensors(inputs)):
+            static.copy_(value)
         entry.graph.replay()
-        return entry.output.clone()
+        return _clone_tensors(entry.output)
 
     def _graphable(self, inputs: dict) -> bool:
-        tensors = [value for value in inputs.values() if isinstance(value, torch.Tensor)]
+        tensors = _tensors(inputs)
         return (not self.failed and bool(tensors) and all(t.is_cuda for t in tensors)
                 and inputs.get("attention", sdpa_attention) is self.attention
                 and not torch.cuda.is_current_stream_capturing())
 
     def _capture(self, inputs: dict) -> _Graph:
-        static = {name: value.clone() for name, value in inputs.items() if isinstance(value, torch.Tensor)}
-        call = {**inputs, **static}
+        call = _clone_tensors(inputs)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -107,4 +120,4 @@ class GraphedForward:
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # the heartbeat thread runs on
             output = self.model(**call)
         torch.cuda.empty_cache()  # the warm-ups' blocks: the graph's pool holds what replays need
-        return _Graph(graph, static, output)
+        return _Graph(graph, _tensors(call), output)

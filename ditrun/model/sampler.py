@@ -93,6 +93,13 @@ def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
     return uncond + scale * (cond - uncond)
 
 
+def call_branch(model, branch: str, **inputs) -> torch.Tensor:
+    """``model(**inputs)`` for one CFG branch: ``cond``, ``uncond``, or ``both`` stacked in one batch. A step cache
+    (``ditrun/cache``) keeps one state per branch, so it is told which one runs."""
+    for_branch = getattr(model, "for_branch", None)
+    return (model if for_branch is None else for_branch(branch))(**inputs)
+
+
 def sequential_cfg_velocity(model, inputs: EditInputs, true_cfg_scale: float, guidance: Optional[float],
                             dtype: torch.dtype, attention=None) -> VelocityFn:
     """Velocity on one process: the conditional, then (true CFG on) the unconditional branch (layout ``single``)."""
@@ -100,10 +107,12 @@ def sequential_cfg_velocity(model, inputs: EditInputs, true_cfg_scale: float, gu
     extra = {} if attention is None else {"attention": attention}
 
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-        cond = model(**branch_inputs(inputs, x, sigma, True, dtype, guidance), **extra)[:, :n_img].float()
+        cond = call_branch(model, "cond", **branch_inputs(inputs, x, sigma, True, dtype, guidance), **extra)
+        cond = cond[:, :n_img].float()
         if not inputs.true_cfg:
             return cond
-        uncond = model(**branch_inputs(inputs, x, sigma, False, dtype, guidance), **extra)[:, :n_img].float()
+        uncond = call_branch(model, "uncond", **branch_inputs(inputs, x, sigma, False, dtype, guidance), **extra)
+        uncond = uncond[:, :n_img].float()
         return combine_cfg(cond, uncond, true_cfg_scale)
 
     return velocity

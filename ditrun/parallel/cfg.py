@@ -21,7 +21,8 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
-from ditrun.model.sampler import EditInputs, VelocityFn, branch_inputs, combine_cfg, sequential_cfg_velocity
+from ditrun.model.sampler import (EditInputs, VelocityFn, branch_inputs, call_branch, combine_cfg,
+                                  sequential_cfg_velocity)
 from ditrun.parallel.layout import Layout, layout_kind
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
 from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
@@ -54,14 +55,15 @@ class LocalBranches:
 
     def one(self, x: torch.Tensor, sigma: float, conditional: bool) -> torch.Tensor:
         # x: [1, O, C] full latent -> [1, O_r, C] fp32
-        out = self.model(**self._inputs(x, sigma, conditional), attention=self.attention)
+        branch = "cond" if conditional else "uncond"
+        out = call_branch(self.model, branch, **self._inputs(x, sigma, conditional), attention=self.attention)
         return out[:, :self.n_out].float()
 
     def both_batched(self, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [1, O, C] -> (cond, uncond), each [1, O_r, C] fp32, from one pass with batch 2
         cond, uncond = self._inputs(x, sigma, True), self._inputs(x, sigma, False)
         stacked = {k: v if k in _SHARED_INPUTS or v is None else torch.cat([v, uncond[k]]) for k, v in cond.items()}
-        out = self.model(**stacked, attention=self.attention)[:, :self.n_out].float()
+        out = call_branch(self.model, "both", **stacked, attention=self.attention)[:, :self.n_out].float()
         return out[:1], out[1:]
 
 

@@ -229,6 +229,13 @@ class Layout:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_control)
         return int(tensor.item())
 
+    def sp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over this rank's SP group, in place (itself when the group is one rank). Under
+        ``cfg_split`` each branch's group sums apart: its decisions are its own."""
+        if self.groups.get("sp") is not None:
+            dist.all_reduce(tensor, group=self.groups["sp"])
+        return tensor
+
     def barrier(self) -> None:
         """Wait for every rank of the run (a no-op in a one-process run)."""
         if self.control is not None:

@@ -1,0 +1,174 @@
+"""The choice (``metrics/choice.py``, ``ditrun report``): runs that meet the quality target, the Pareto front,
+and the fastest run that meets it with its command; the quality gate's measures (``metrics.quality``).
+
+Most tests build sweep directories whose numbers they choose, so which run should be chosen is known; one
+runs a real two-job sweep in which only one run can meet the target, and reads its W&B table back.
+"""
+
+import json
+
+import pytest
+import yaml
+from skimage import io
+
+from ditrun.metrics import quality
+from ditrun.metrics.choice import pareto_front
+from ditrun.metrics.report import main as report_main
+from ditrun.metrics.report import write_report
+from ditrun_cli import TINY, ditrun, reference_dir
+from test_wandb import run_contents
+
+
+def fake_run(path, precision, cache, dit_s, ssim, ssim_target=None, steps=28, computed=None, quality_key="rerun",
+             min_pct=None, overrides=()):
+    """A sweep job's directory as ditrun and Hydra write it: summary.json, edits.jsonl, .hydra/overrides.yaml."""
+    (path / ".hydra").mkdir(parents=True)
+    config = {"layout": {"name": "single"}, "precision": {"name": precision}, "transport": {"name": "collective"},
+              "cache": {"name": cache}, "launcher": {"world": 1}, "workload": {"steps": steps},
+              "metrics": {"quality": quality_key, "min_ssim_pct": min_pct}}
+    summary = {"config": config, "precision": precision, "dit_s_median": dit_s, "ssim_median": ssim,
+               "ssim_rerun_median": 1.0, "ssim_pct_of_rerun_median": 100 * ssim,
+               "steps_computed_median": steps if computed is None else computed, "complete": True}
+    if ssim_target is not None:
+        summary["ssim_target_median"] = ssim_target
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "edits.jsonl").write_text(json.dumps({"edit": "a", "dit_s": dit_s, "ssim": ssim}) + "\n")
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+
+
+# (job, precision, cache, DiT s, SSIM vs BF16, SSIM vs the correct edit, steps computed)
+SWEEP = [
+    ("0", "bf16", "none", 10.0, 1.000, 0.800, 28),
+    ("1", "fp8_all", "none", 6.0, 0.995, 0.798, 28),
+    ("2", "fp8_all", "static", 3.0, 0.930, 0.770, 14),       # fastest, but below the target on every measure
+    ("3", "fp8_all", "first_block", 4.0, 0.985, 0.790, 19),  # the fastest that meets 98%
+    ("4", "mxfp4", "none", 5.0, 0.900, 0.700, 28),
+]
+
+
+def make_sweep(root, **settings):
+    for job, precision, cache, dit_s, ssim, target, computed in SWEEP:
+        overrides = [f"precision={precision}", f"cache={cache}"] + (["cache.compute_steps=[0,2,4]"] if cache == "static"
+                                                                    else [])
+        fake_run(root / job, precision, cache, dit_s, ssim, target, computed=computed, overrides=overrides, **settings)
+    return root
+
+
+def rows_of(text: str) -> dict[str, list[str]]:
+    return {line.split(":")[0]: line.split() for line in text.splitlines()[1:] if line[:1].isdigit()}
+
+
+def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
+    text, report = write_report(make_sweep(tmp_path))
+    rows = rows_of(text)
+    assert rows["2"][-2:] == ["93.00", "no"] and rows["4"][-2:] == ["90.00", "no"]
+    assert rows["3"][-2:] == ["98.50", "fastest"] and rows["1"][-2:] == ["99.50", "yes"]
+    assert rows["3"][-5:-2] == ["first_block", "19/28", "0.7900"] and rows["0"][-5:-2] == ["none", "28/28", "0.8000"]
+    assert "Quality target: SSIM against the BF16 output, as a share of a second BF16 run's at least 98% of the " \
+           "BF16 run's own (metrics.quality=rerun); 3 of 5 runs meet it." in text
+    assert "Fastest run that meets it: `3: precision=fp8_all cache=first_block` (4.0000 s/edit, 98.50%)." in text
+    assert "    ditrun precision=fp8_all cache=first_block" in text.splitlines()
+    markdown = report.read_text()
+    assert "## The choice" in markdown and "![Speed and quality](pareto.png)" in markdown
+    assert "| 98.50 | fastest |" in markdown
+    image = io.imread(tmp_path / "pareto.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.std() > 0
+
+
+def test_the_target_and_the_measure_come_from_the_runs_or_the_command_line(tmp_path, capsys):
+    make_sweep(tmp_path, min_pct=99.0)
+    text, _ = write_report(tmp_path)  # the runs' metrics.min_ssim_pct: only the uncached fp8_all run is fast enough
+    assert "Fastest run that meets it: `1: precision=fp8_all cache=none`" in text
+    assert report_main([str(tmp_path), "--target-pct", "90"]) == 0  # 90%: the static run's 93% meets it
+    assert "Fastest run that meets it: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`" \
+           in capsys.readouterr().out
+    text, _ = write_report(tmp_path, target_pct=100.5)
+    assert "No run meets the target." in text
+    # The command quotes what a shell would expand.
+    text, _ = write_report(tmp_path, target_pct=90)
+    assert "    ditrun precision=fp8_all cache=static 'cache.compute_steps=[0,2,4]'" in text.splitlines()
+
+
+def test_target_quality_is_a_share_of_the_bf16_runs_own_score_against_the_correct_edit(tmp_path):
+    make_sweep(tmp_path, quality_key="target")
+    text, _ = write_report(tmp_path)
+    rows = rows_of(text)
+    # The BF16 run's 0.800 against the correct edits is 100%; first_block's 0.790 is 98.75%, static's 0.770 96.25%.
+    assert [rows[j][-2] for j in "01234"] == ["100.00", "99.75", "96.25", "98.75", "87.50"]
+    assert "Fastest run that meets it: `3: precision=fp8_all cache=first_block`" in text
+    text, _ = write_report(tmp_path, target_pct=96)
+    assert "Fastest run that meets it: `2: precision=fp8_all cache=static" in text
+
+
+def test_target_quality_without_correct_edits_says_so_in_one_sentence(tmp_path):
+    for job, precision, cache, dit_s, ssim, _, computed in SWEEP[:2]:
+        fake_run(tmp_path / job, precision, cache, dit_s, ssim, quality_key="target")
+    text, report = write_report(tmp_path)
+    sentence = ("No run can be judged: metrics.quality=target and no edit has an SSIM against its correct result "
+                "(ssim_target): the workload's manifest names no correct edits; use metrics.quality=rerun or bf16.")
+    assert sentence in text and sentence in report.read_text()
+    assert "Fastest" not in text and all(row[-2:] == ["-", "-"] for row in rows_of(text).values())
+
+
+def test_pareto_front_keeps_the_runs_nothing_beats():
+    points = [(10.0, 100.0), (6.0, 99.5), (3.0, 93.0), (4.0, 98.5), (5.0, 90.0), (4.0, 98.5), (None, 99.0)]
+    assert pareto_front(points) == [True, True, True, True, False, True, False]
+
+
+def test_gate_measures():
+    summary = {"ssim_median": 0.97, "ssim_rerun_median": 0.99, "ssim_pct_of_rerun_median": 97.0 / 0.99,
+               "ssim_target_median": 0.78, "ssim_target_bf16_median": 0.80}
+    assert quality.gate_failure(summary, 97.0, "bf16") is None
+    assert quality.gate_failure(summary, 97.5, "bf16") == ("SSIM gate failed: median SSIM against the BF16 output (the "
+                                                           "BF16 run's own is 1) is 97.00% of the BF16 run's own, "
+                                                           "below metrics.min_ssim_pct=97.5.")
+    assert quality.gate_failure(summary, 97.5, "target") is None  # 0.78 / 0.80 = 97.5%
+    assert "is 97.50% of the BF16 run's own, below metrics.min_ssim_pct=98." in \
+           quality.gate_failure(summary, 98.0, "target")
+    assert quality.gate_failure({"ssim_median": 0.9}, 98.0, "target") == (
+        "metrics.min_ssim_pct=98 is set but metrics.quality=target and no edit has an SSIM against its correct result "
+        "(ssim_target): the workload's manifest names no correct edits; use metrics.quality=rerun or bf16.")
+
+
+def test_an_unknown_quality_measure_is_one_sentence():
+    from ditrun.launch import worker
+    from launching import tiny_config
+
+    with pytest.raises(ValueError) as err:
+        worker.check_config(tiny_config("metrics.quality=lpips"))
+    assert str(err.value) == "metrics.quality='lpips' is not a known quality measure; allowed: rerun, bf16, target."
+
+
+@pytest.mark.timeout(400)
+def test_a_real_sweep_chooses_the_run_that_keeps_quality_and_logs_the_table(tmp_path, tmp_path_factory):
+    """On a CPU the uncached run is the BF16 output itself (SSIM 1, 100%); a run that computes only the first
+    of 4 steps, and no block on the others, is not. Its own report judges both against 98%; asked for 100%, the
+    report can choose the uncached run only, whichever was faster."""
+    sweep = tmp_path / "sweep"
+    proc = ditrun("-m", *TINY, "workload.steps=4", "metrics.quality=bf16", "wandb.mode=offline",
+                  "cache=none,static", "cache.blocks=0", "cache.compute_steps=[0]",
+                  f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.sweep.dir={sweep}",
+                  cwd=tmp_path, timeout=360)
+    assert proc.returncode == 0, proc.stderr
+    assert "metrics.quality=bf16); 2 of 2 runs meet it." in proc.stdout  # the sweep's end-of-run report
+    summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in "01"]
+    assert [s["steps_computed_median"] for s in summaries] == [4, 1]
+    assert summaries[0]["ssim_median"] == 1.0 > summaries[1]["ssim_median"]
+
+    report = ditrun("report", str(sweep), "--target-pct", "100", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert "1 of 2 runs meet it." in report.stdout
+    assert "Fastest run that meets it: `0: cache=none`" in report.stdout
+    command = next(line.strip() for line in report.stdout.splitlines() if line.startswith("    ditrun "))
+    overrides = yaml.safe_load((sweep / "0" / ".hydra" / "overrides.yaml").read_text())
+    assert command.split()[1:] == [o if "[" not in o else f"'{o}'" for o in overrides]
+    assert "cache=none" in overrides and "cache.compute_steps=[0]" in overrides
+
+    # The sweep's W&B table: one run of the sweep's group, beside the jobs' runs.
+    choice_run = run_contents(sweep)[0]
+    assert choice_run.run_group == f"{tmp_path.name}/sweep" and choice_run.job_type == "report"
+    table = json.loads(next(sweep.glob("wandb/offline-run-*/files/media/table/choice_*.table.json")).read_text())
+    by_run = {row[0]: dict(zip(table["columns"], row)) for row in table["data"]}
+    assert set(by_run) == {"0: cache=none", "1: cache=static"}
+    assert by_run["0: cache=none"]["quality_pct"] == 100.0 and by_run["1: cache=static"]["steps_computed"] == 1
+    assert all(row["meets_target"] for row in by_run.values())
