@@ -208,6 +208,11 @@ class FaultConfig:
     """Denoising step (of the first edit it runs) at which ``crash_rank`` fails."""
     hang_rank: Optional[int] = None
     """Global rank that hangs (sleeps, forever) once its edits are done, as a stuck rank would."""
+    pause_in: Optional[str] = None
+    """A phase a rank works through alone (``prompts``, ``references``, ``build``, ``compile``) in which
+    ``pause_rank`` says ``paused in <phase>`` and then sleeps, as a phase of hours would compute; a stop ends it."""
+    pause_rank: Optional[int] = None
+    """Global rank that ``pause_in`` holds; unset: every rank that enters the phase."""
 
 
 @dataclass

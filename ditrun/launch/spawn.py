@@ -30,6 +30,7 @@ import torch
 from ditrun import rank_entry
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.stop import RunStopped, StopRequest, process_stop
+from ditrun.parallel.placement import format_ranks
 from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -142,7 +143,7 @@ def _is_verdict(err: BaseException, is_user_error) -> bool:
 
 def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay: Relay) -> dict:
     """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
-    summary, reports, exits, stop_at = None, [], [], None
+    summary, reports, exits, stop_at, killed = None, [], [], None, []
     alive, open_pipes = list(ranks), list(receivers)
     while alive or open_pipes:
         ready = wait([p.sentinel for p in alive] + open_pipes, timeout=0.5)
@@ -155,6 +156,7 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         if stop_at is None and stop.signum is not None:
             stop_at = time.monotonic() + stop_timeout_s
         if alive and stop_at is not None and time.monotonic() > stop_at:
+            killed = [ranks.index(p) for p in alive]
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
     stopped = {payload for _, payload, kind in reports if kind == "stopped"}
@@ -162,6 +164,13 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         stopped.add(stop.signum)  # ranks the relayed signal reached before their handlers did die of it
     _raise_first_failure([(rank, payload) for rank, payload, kind in reports if kind == "failed"],
                          [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)])
+    if killed:  # the run's end (its summary) may be missing: never a success
+        if stopped:
+            raise RunStopped(min(stopped), f" ({format_ranks(killed)} killed after {stop_timeout_s:g} s, "
+                                           f"launcher.stop_timeout_s)")
+        from ditrun.launch import WorkerFailed
+
+        raise WorkerFailed(f"{format_ranks(killed)} killed {STOP_GRACE_S:g} s after another rank exited.")
     if any(kind == "stopped" for _, _, kind in reports) or any(_stopped_by(code, stopped) for _, code in exits):
         raise RunStopped(min(stopped))
     return summary

@@ -37,7 +37,8 @@ and the summary reports it apart (``compile_s``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -81,6 +82,9 @@ class CompilePlan:
     """Inductor's coordinate-descent tuning of its kernels (``model.compile_tuning``)."""
     graphs: bool = False
     """The forward replayed from CUDA graphs (``model.cuda_graphs``, ``model/graphs.py``)."""
+    guard: Optional[Callable[[str], AbstractContextManager]] = field(default=None, compare=False, repr=False)
+    """What each compilation runs inside: the run's ``solo("compile")`` (``launch/worker.py``), in which a stop
+    signal raises ``RunStopped``; None compiles unguarded."""
 
     @property
     def label(self) -> str:
@@ -124,7 +128,7 @@ def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] 
     done = {"gelu_epilogues": fuse_epilogues(model) if plan.fuse else 0}
     done |= {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
     if plan.compile:
-        done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning)
+        done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning, plan.guard)
     return done
 
 
@@ -206,13 +210,14 @@ def fuse_projections(model: FluxDiT) -> int:
 
 
 def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor",
-                    tuning: bool = False) -> int:
+                    tuning: bool = False, guard: Optional[Callable[[str], AbstractContextManager]] = None) -> int:
     """Compile every block's halves (see the module doc); returns the number of blocks.
 
     ``attention``: the run's own attention function (SDPA or a custom-op kernel: no exchange in it).
     A call that passes it runs the whole block as one graph, attention included, so that the
     layout changes around it ([B, S, H, D] <-> [B, H, S, D]) fuse into the projections and norms;
     a layout's attention, which exchanges, keeps running between the compiled halves.
+    ``guard``: see ``CompilePlan.guard`` and ``_guarded``.
     """
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, RECOMPILE_LIMIT)
@@ -223,8 +228,31 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
         # Bound methods of one class share their code object, so all blocks of a class share a graph.
         options = {"coordinate_descent_tuning": True} if tuning else None
         compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+        if guard is not None:
+            compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
+                                         backend=_guarded(backend, options, guard))
         regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
                           compiled(block.joint) if attention is not None else None, attention)
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
     return len(blocks)
 
+
+def _guarded(backend: str, options: Optional[dict], guard: Callable[[str], AbstractContextManager]) -> Callable:
+    """``backend`` (with inductor's ``options``) compiling inside ``guard("compile")``.
+
+    A compilation runs inside a denoising step, between the step's exchanges with the other ranks, so a
+    stop must not leave the step: a stopped compilation hands the region back uncompiled (the graph
+    runs eagerly), the step ends, and every rank of the replica stops at that step's boundary.
+    """
+    from ditrun.launch.stop import RunStopped  # here: ditrun.launch imports the worker, which imports this module
+
+    compile_graph = torch._dynamo.lookup_backend(backend)
+    patches = {"config_patches": options} if options else {}
+
+    def compiler(graph: torch.fx.GraphModule, example_inputs):
+        try:
+            with guard("compile"):
+                return compile_graph(graph, example_inputs, **patches)
+        except RunStopped:
+            return graph.forward
+    return compiler

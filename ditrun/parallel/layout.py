@@ -68,12 +68,6 @@ def layout_kind(name: str) -> LayoutKind:
         raise UserError(f"layout={name!r} is unknown; allowed: {LAYOUTS.allowed()}.")
     return LAYOUTS.get(name, "layout")
 
-# How long a rank waits at the control group's barriers (after the reference pass, whose length
-# has no useful bound). A rank that dies closes its gloo connections, which fails the barrier at
-# once; the end of the run is watched through the store instead (``launch/job.py``), which names
-# a rank that stops making progress.
-CONTROL_TIMEOUT = timedelta(hours=24)
-
 
 @dataclass(frozen=True)
 class LayoutPlan:
@@ -199,7 +193,7 @@ class Layout:
     rank: int
     groups: dict[str, Optional[object]] = field(default_factory=dict)
     control: Optional[object] = None
-    """A gloo group over the whole world for the end-of-run barrier (None in a one-process run)."""
+    """A gloo group over the whole world, for data rank 0 sends every rank (None in a one-process run)."""
     replica_control: Optional[object] = None
     """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
     nodes: tuple[str, ...] = ()
@@ -231,11 +225,6 @@ class Layout:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_control)
         return int(tensor.item())
 
-    def barrier(self) -> None:
-        """Wait for every rank of the run (a no-op in a one-process run)."""
-        if self.control is not None:
-            dist.barrier(group=self.control)
-
 
 def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None,
                  nodes: Sequence[str] = ()) -> Layout:
@@ -261,7 +250,9 @@ def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = Non
             group = dist.new_group(ranks, timeout=collective_timeout)
             if rank in ranks:
                 groups[axis] = group
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # Waits of unbounded length (the reference pass) are on the store instead (``launch/job.py``), which
+    # names a rank whose heartbeat stopped; what runs on this group is short once every rank is there.
+    control = dist.new_group(backend="gloo", timeout=collective_timeout)
     return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout), nodes)
 
 
