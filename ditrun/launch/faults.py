@@ -9,7 +9,8 @@ is caught by the launcher (``srun --kill-on-bad-exit``, ``mpiexec``, torchrun, d
 spawner) and, at the latest, by the collective timeout of the ranks waiting for it.
 
 ``inject``, ``hang`` and ``pause`` are the test hooks: ``launcher.fault.crash_rank`` fails on
-purpose inside the denoising loop at ``launcher.fault.crash_at_step``; ``launcher.fault.hang_rank``
+purpose inside the denoising loop at ``launcher.fault.crash_at_step``, and ``launcher.fault.freeze_rank``
+stops itself there (SIGSTOP); ``launcher.fault.hang_rank``
 hangs once its edits are done; ``launcher.fault.pause_in`` holds a rank inside a phase of its start
 (says so, then sleeps as a long phase would compute), so that a test can stop it there.
 """
@@ -17,6 +18,7 @@ hangs once its edits are done; ``launcher.fault.pause_in`` holds a rank inside a
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -39,10 +41,12 @@ class InjectedFault(RuntimeError):
 
 
 def inject(fault_cfg, step: int) -> None:
-    """Called after every denoising step: the chosen rank fails at the chosen step."""
-    if fault_cfg.crash_rank is None or step != fault_cfg.crash_at_step:
+    """Called after every denoising step: the chosen rank fails, or freezes, at the chosen step."""
+    if step != fault_cfg.crash_at_step:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == fault_cfg.freeze_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, its sockets open, silent: as a process stuck in the kernel
     if rank == fault_cfg.crash_rank:
         raise InjectedFault(
             f"rank {rank} failed on purpose at denoising step {step} "
@@ -75,7 +79,7 @@ def check_fault_config(fault_cfg, world: int, steps: int) -> None:
     if fault_cfg.pause_in is not None and fault_cfg.pause_in not in PAUSE_PHASES:
         raise UserError(f"launcher.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: "
                         f"{', '.join(PAUSE_PHASES)}.")
-    for key in ("crash_rank", "hang_rank", "pause_rank"):
+    for key in ("crash_rank", "freeze_rank", "hang_rank", "pause_rank"):
         rank = getattr(fault_cfg, key)
         if rank is not None and not 0 <= rank < world:
             raise UserError(f"launcher.fault.{key}={rank} is not a rank of this job; allowed: 0 to {world - 1}.")

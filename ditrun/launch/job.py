@@ -20,8 +20,9 @@ backend, so asking costs no device synchronisation and works whichever backend r
 
 No wait without a deadline: every wait on another rank polls the store, and fails naming a rank
 whose heartbeat has not moved for ``launcher.collective_timeout_s``; every store request of this
-job is bounded by the same timeout, so a store host that stopped answering (rank 0 frozen, its
-node gone) is named too, instead of being waited for.
+job is bounded by the same timeout (``BoundedStore``: TCPStore's own timeout bounds waiting for a
+key, not a request to a host that stopped answering, which waits forever), so a store host that
+stopped answering (rank 0 frozen, its node gone) is named too, instead of being waited for.
 
 Lost nodes: every rank's heartbeat thread counts up a key of its own twice a second. When a rank
 fails, it first looks (``explain``) for ranks whose heartbeat stopped: a dead process or node
@@ -34,6 +35,7 @@ below what one TCPStore serves).
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -59,6 +61,59 @@ HEARTBEAT_S = 0.5
 # A failing rank watches the others' heartbeats this long: several beats, so that a live rank
 # whose thread waited for the interpreter lock a moment is not taken for a lost one.
 LOST_WINDOW_S = 2.0
+
+
+class StoreUnanswered(RuntimeError):
+    """A store request got no answer within its bound: the store's host is frozen or gone."""
+
+
+class BoundedStore:
+    """A store connection whose every request is answered within ``timeout_s`` or raises ``StoreUnanswered``.
+
+    The requests run one at a time on a thread of the connection's own; a request to a host that never
+    answers leaves that thread behind (a daemon: it ends with the process), not the caller.
+    """
+
+    def __init__(self, store, timeout_s: float):
+        self._store, self.timeout_s = store, timeout_s
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name="ditrun-store-requests").start()
+
+    def _serve(self) -> None:
+        while True:
+            request, args, answer, answered = self._requests.get()
+            try:
+                answer.append(getattr(self._store, request)(*args))
+            except BaseException as err:  # handed to the caller, whatever it is
+                answer.append(err)
+            answered.set()
+
+    def _ask(self, request: str, *args):
+        answer, answered = [], threading.Event()
+        self._requests.put((request, args, answer, answered))
+        if not answered.wait(self.timeout_s):
+            raise StoreUnanswered(f"no answer to a store request ({request}) within {self.timeout_s:g} s")
+        if isinstance(answer[0], BaseException):
+            raise answer[0]
+        return answer[0]
+
+    def set(self, key: str, value) -> None:
+        self._ask("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._ask("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._ask("add", key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._ask("check", keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._ask("compare_set", key, expected, desired)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._ask("multi_get", keys)
 
 
 class RankStuck(RuntimeError):
@@ -126,11 +181,13 @@ class StoreJob(LocalJob):
     def __init__(self, store, rank: int, world: int, stop: StopRequest, stall_timeout_s: float,
                  store_host: str = "rank 0"):
         super().__init__(stop)
+        self._raw_store = store
         if hasattr(store, "clone"):
             # A connection of its own whose every request is bounded: a store host that stopped answering
             # is named after launcher.collective_timeout_s, not waited for.
             store = store.clone()
             store.set_timeout(timedelta(seconds=stall_timeout_s))
+            store = BoundedStore(store, stall_timeout_s)
         self.store, self.rank, self.world = store, rank, world
         self.stall_timeout_s = stall_timeout_s
         self.store_host = store_host
@@ -142,20 +199,20 @@ class StoreJob(LocalJob):
 
     def start_heartbeat(self) -> "StoreJob":
         """Count up this rank's heartbeat and pass stop requests both ways, from a thread of its own on its own
-        connection, until ``stop_heartbeat`` or until the store stops answering (``store_lost``)."""
+        connection, until ``stop_heartbeat`` (or until its connection closes)."""
         self._hosts = self.hosts()  # read while the store surely answers: messages name the hosts later
         self._heart_stop, self._answered = threading.Event(), time.monotonic()
-        self._heart = threading.Thread(target=self._heartbeat, args=(self.store.clone(),),
+        self._heart = threading.Thread(target=self._heartbeat, args=(self._raw_store.clone(),),
                                        daemon=True, name=f"ditrun-heartbeat-{self.rank}")
         self._heart.start()
         return self
 
     def stop_heartbeat(self) -> None:
-        """End the heartbeat thread before the process does (a thread still inside a store request ends
-        with its timeout)."""
+        """End the heartbeat thread before the process does (one inside a request to a store that stopped
+        answering is left to end with the process)."""
         if self._heart is not None:
             self._heart_stop.set()
-            self._heart.join(self.stall_timeout_s + HEARTBEAT_S)
+            self._heart.join(0 if self.store_lost else self.stall_timeout_s)
 
     def _heartbeat(self, store) -> None:
         try:
@@ -165,9 +222,7 @@ class StoreJob(LocalJob):
                 self._relay_stop(store)
                 self._heart_stop.wait(HEARTBEAT_S)
         except RuntimeError:
-            # Unanswered for launcher.collective_timeout_s, or the connection closed: the store's host is
-            # frozen or gone (at the end of a good job the thread is stopped before the store goes away).
-            self.store_lost = not self._heart_stop.is_set()
+            return  # the connection closed: the store's host is gone (``_store_answers`` tells)
 
     def _relay_stop(self, store) -> None:
         """Post this rank's stop request for every rank, or take one that another rank posted."""
@@ -304,16 +359,16 @@ class StoreJob(LocalJob):
                         f"its node went away")
 
     def _store_answers(self) -> bool:
-        """Whether the store's host still answers: the heartbeat thread's next request gets a reply (at once
-        when it does; within launcher.collective_timeout_s it fails when it does not)."""
+        """Whether the store's host still answers: the heartbeat thread's next request gets a reply within
+        launcher.collective_timeout_s (at once, on a live store)."""
         if self._heart is None:
             return True
         asked = time.monotonic()
-        while not self.store_lost and self._heart.is_alive():
+        while self._heart.is_alive() and time.monotonic() - asked < self.stall_timeout_s:
             if self._answered > asked:
                 return True
             time.sleep(END_POLL_S / 4)
-        return not self.store_lost
+        return False
 
     def report(self, failure: BaseException) -> None:
         """Post this rank's failure for every watchdog, unless the store's host is the one that is gone."""
@@ -331,9 +386,11 @@ class StoreJob(LocalJob):
     def explain(self, err: BaseException) -> BaseException:
         if isinstance(err, (UserError, RankStuck, NodeLost)):
             return err  # already says who
+        if isinstance(err, StoreUnanswered):
+            return self._store_lost()
         try:
             if not self._store_answers():
-                raise RuntimeError("the store's host stopped answering")
+                raise StoreUnanswered("the heartbeat got no answer")
             silent = self._silent_ranks(LOST_WINDOW_S)
         except RuntimeError:
             return NodeLost(f"{self._store_lost()}; rank {self.rank} then failed: {describe(err)}")

@@ -1,0 +1,113 @@
+"""A stop in every phase of a run, and a frozen rank of either index, through the real command.
+
+Each stop lands inside its phase deterministically: ``launcher.fault.pause_in=<phase>`` makes a
+rank say ``paused in <phase>`` and then sleep there, as a phase of hours would compute, and the
+signal is sent once the log says so. A frozen rank is ``launcher.fault.freeze_rank`` (the rank
+sends itself SIGSTOP mid-edit). Every run is in a session of its own, and every test fails if a
+process of it outlives the run (``wait_until_gone``, ``tests/conftest.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from launching import ditrun_command, quiet_env
+from test_reliability import ranks_of, wait_until_gone
+
+FAST = ["metrics.report=false", "launcher.stop_timeout_s=60"]
+SPAWNED = ["launcher.world=2", "layout=ulysses"]
+
+
+def start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    """``ditrun`` in a session of its own; its output goes to the returned log file."""
+    log = tmp_path / f"log-{time.monotonic_ns()}.txt"
+    process = subprocess.Popen(ditrun_command(*FAST, f"hydra.run.dir={tmp_path / 'run'}", *overrides), cwd=tmp_path,
+                               env=quiet_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return process, log
+
+
+def wait_for_line(process: subprocess.Popen, log: Path, text: str, timeout: float = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text():
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) before {text!r}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} after {timeout:g} s:\n{log.read_text()}"
+        time.sleep(0.1)
+
+
+def assert_stopped(process: subprocess.Popen, log: Path, out: Path, sig: signal.Signals) -> None:
+    """The run ended as a stopped run does: exit 128 + N, its summary, the resume sentence, no rank left."""
+    assert process.wait(timeout=120) == 128 + sig, log.read_text()
+    wait_until_gone(process.pid, 15)
+    text = log.read_text()
+    assert f"stopped by {sig.name}" in text and "rerun the same command to resume" in text, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"].startswith(f"stopped by {sig.name}") and summary["complete"] is False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase, sig, overrides", [
+    ("references", signal.SIGINT, []),
+    ("references", signal.SIGTERM, ["launcher.world=2", "layout.replicas=2"]),
+    ("build", signal.SIGINT, SPAWNED),
+    ("compile", signal.SIGTERM, [*SPAWNED, "model.compile=on", "metrics.ssim=false"]),
+], ids=["references-one-process", "references-two-replicas", "build-ulysses", "compile-ulysses"])
+def test_a_stop_signal_inside_a_phase_stops_the_run(tmp_path, phase, sig, overrides):
+    process, log = start(tmp_path, f"launcher.fault.pause_in={phase}", f"metrics.reference_dir={tmp_path / 'refs'}",
+                         *overrides)
+    wait_for_line(process, log, f"paused in {phase}")
+    process.send_signal(sig)
+    assert_stopped(process, log, tmp_path / "run", sig)
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_signal_while_rank_0_encodes_the_prompts_stops_every_rank(tmp_path):
+    """A pipeline folder's text encoders run on rank 0 while rank 1 waits for their output."""
+    from test_diffusers_parity import REF, _pipeline_folder, _pipeline_overrides
+
+    _pipeline_folder(tmp_path / "kontext", guidance_embeds=False)
+    Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
+    process, log = start(tmp_path, *_pipeline_overrides(tmp_path, tmp_path / "prompts"), *SPAWNED,
+                         "launcher.fault.pause_in=prompts")
+    wait_for_line(process, log, "rank 0 paused in prompts")
+    process.send_signal(signal.SIGTERM)
+    assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
+    assert not list((tmp_path / "prompts").glob("*.safetensors"))
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_signal_to_one_rank_ends_the_others_inside_their_phase(tmp_path):
+    """SIGTERM to rank 1 alone while both ranks build their model: rank 0 hears of it through the store
+    and its build ends too; the parent was sent nothing."""
+    process, log = start(tmp_path, *SPAWNED, "launcher.fault.pause_in=build")
+    wait_for_line(process, log, "rank 0 paused in build")
+    wait_for_line(process, log, "rank 1 paused in build")
+    ranks = ranks_of(process.pid)
+    assert len(ranks) == 2
+    os.kill(max(ranks), signal.SIGTERM)  # either rank will do: the other one must hear of it
+    assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_frozen_rank_fails_the_job_naming_it(tmp_path, frozen):
+    """A rank that stops itself mid-edit (SIGSTOP: alive, silent, its connections open). Rank 0 also
+    serves the rendezvous store: the other rank's requests to it go unanswered, and are bounded too."""
+    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "workload.steps=3",
+                         f"launcher.fault.freeze_rank={frozen}", "launcher.fault.crash_at_step=1")
+    assert process.wait(timeout=200) == 1, log.read_text()
+    wait_until_gone(process.pid, 15)
+    last = log.read_text().strip().splitlines()[-1]
+    other = 1 - frozen
+    named = (f"rank 0 on {os.uname().nodename}, which serves the rendezvous store, stopped answering"
+             if frozen == 0 else f"lost rank 1 on {os.uname().nodename}")
+    assert last.startswith(f"ditrun: rank {other} failed: NodeLost: {named}"), log.read_text()
