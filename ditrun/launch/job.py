@@ -28,8 +28,9 @@ Lost nodes: every rank's heartbeat thread counts up a key of its own twice a sec
 fails, it first looks (``explain``) for ranks whose heartbeat stopped: a dead process or node
 usually surfaces on the others as a collective's connection error, which names neither, so the
 failure is reported as ``NodeLost`` naming the host names (from the rendezvous) and the ranks.
-The heartbeats cost the store ``2 x world`` increments a second (about 1000 at 512 ranks, far
-below what one TCPStore serves).
+A failing rank whose store requests go unanswered names the store's host instead. The heartbeats
+cost the store ``4 x world`` requests a second (an increment and a look for a stop request per
+beat: about 2000 at 512 ranks, far below what one TCPStore serves).
 """
 
 from __future__ import annotations
@@ -359,12 +360,12 @@ class StoreJob(LocalJob):
                         f"its node went away")
 
     def _store_answers(self) -> bool:
-        """Whether the store's host still answers: the heartbeat thread's next request gets a reply within
-        launcher.collective_timeout_s (at once, on a live store)."""
+        """Whether the store's host still answers: the heartbeat thread's next request gets a reply (at once,
+        on a live store) within launcher.collective_timeout_s of its last one."""
         if self._heart is None:
             return True
         asked = time.monotonic()
-        while self._heart.is_alive() and time.monotonic() - asked < self.stall_timeout_s:
+        while self._heart.is_alive() and time.monotonic() - self._answered < self.stall_timeout_s:
             if self._answered > asked:
                 return True
             time.sleep(END_POLL_S / 4)
