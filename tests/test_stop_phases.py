@@ -9,8 +9,10 @@ process of it outlives the run (``wait_until_gone``, ``tests/conftest.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -21,7 +23,7 @@ import pytest
 from PIL import Image
 
 from launching import ditrun_command, quiet_env
-from test_reliability import ranks_of, wait_until_gone
+from test_reliability import wait_until_gone
 
 FAST = ["metrics.report=false", "launcher.stop_timeout_s=60"]
 SPAWNED = ["launcher.world=2", "layout=ulysses"]
@@ -78,7 +80,7 @@ def test_a_stop_signal_while_rank_0_encodes_the_prompts_stops_every_rank(tmp_pat
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
     process, log = start(tmp_path, *_pipeline_overrides(tmp_path, tmp_path / "prompts"), *SPAWNED,
                          "launcher.fault.pause_in=prompts")
-    wait_for_line(process, log, "rank 0 paused in prompts")
+    wait_for_line(process, log, "paused in prompts")
     process.send_signal(signal.SIGTERM)
     assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
     assert not list((tmp_path / "prompts").glob("*.safetensors"))
@@ -89,12 +91,17 @@ def test_a_stop_signal_to_one_rank_ends_the_others_inside_their_phase(tmp_path):
     """SIGTERM to rank 1 alone while both ranks build their model: rank 0 hears of it through the store
     and its build ends too; the parent was sent nothing."""
     process, log = start(tmp_path, *SPAWNED, "launcher.fault.pause_in=build")
-    wait_for_line(process, log, "rank 0 paused in build")
-    wait_for_line(process, log, "rank 1 paused in build")
-    ranks = ranks_of(process.pid)
-    assert len(ranks) == 2
-    os.kill(max(ranks), signal.SIGTERM)  # either rank will do: the other one must hear of it
+    pids = [paused_pid(process, log, rank, "build") for rank in (0, 1)]
+    os.kill(pids[1], signal.SIGTERM)
     assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
+
+
+def paused_pid(process: subprocess.Popen, log: Path, rank: int, phase: str) -> int:
+    """The pid of ``rank`` once it says it is paused in ``phase``."""
+    wait_for_line(process, log, f"rank {rank} (pid ")
+    found = re.search(rf"rank {rank} \(pid (\d+)\) paused in {phase}", log.read_text())
+    assert found, log.read_text()
+    return int(found.group(1))
 
 
 @pytest.mark.timeout(300)
@@ -111,3 +118,25 @@ def test_a_frozen_rank_fails_the_job_naming_it(tmp_path, frozen):
     named = (f"rank 0 on {os.uname().nodename}, which serves the rendezvous store, stopped answering"
              if frozen == 0 else f"lost rank 1 on {os.uname().nodename}")
     assert last.startswith(f"ditrun: rank {other} failed: NodeLost: {named}"), log.read_text()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("frozen", [0, 1])
+def test_a_rank_frozen_while_the_other_waits_for_it_between_phases_is_named(tmp_path, frozen):
+    """One rank builds its model (paused there, its heartbeat going) while the other waits at the barrier
+    after the build, which has no deadline of its own; then the builder freezes (SIGSTOP). Rank 0 waits
+    for rank 1's heartbeat; rank 1 waits on rank 0's store."""
+    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "launcher.fault.pause_in=build",
+                         f"launcher.fault.pause_rank={frozen}")
+    pid = paused_pid(process, log, frozen, "build")
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        assert process.wait(timeout=200) == 1, log.read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the parent has killed it already, unless the test failed
+            os.kill(pid, signal.SIGKILL)
+    wait_until_gone(process.pid, 15)
+    last = log.read_text().strip().splitlines()[-1]
+    named = (f"rank 0 on {os.uname().nodename}, which serves the rendezvous store, stopped answering"
+             if frozen == 0 else f"lost rank 1 on {os.uname().nodename}: no heartbeat for 5 s")
+    assert last.startswith(f"ditrun: rank {1 - frozen} failed: NodeLost: {named}"), log.read_text()

@@ -70,7 +70,8 @@ def pause(fault_cfg, phase: str, rank: int) -> None:
     """Called as ``phase`` begins on ``rank``: the chosen rank says so, then works forever (a stop ends it)."""
     if fault_cfg.pause_in != phase or fault_cfg.pause_rank not in (None, rank):
         return
-    print(f"ditrun: rank {rank} paused in {phase} (launcher.fault.pause_in={phase})", file=sys.stderr, flush=True)
+    print(f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (launcher.fault.pause_in={phase})",
+          file=sys.stderr, flush=True)
     while True:
         time.sleep(3600)
 

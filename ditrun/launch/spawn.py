@@ -7,9 +7,9 @@ of any other launcher. This process only supervises: it returns rank 0's summary
 rank fails, stops the others and reports the rank that failed first.
 
 A stop signal sent to this process (SIGTERM, SIGINT, SIGUSR1) is passed on to every rank, which
-stop together at a step boundary; ranks still running ``launcher.stop_timeout_s`` later are
-killed. If this process itself is killed outright, each rank notices its parent is gone
-(``stop.py``) and stops the same way.
+stop together in whatever phase they are (``stop.py``); ranks still running ``launcher.stop_timeout_s``
+later are killed, and the command still exits as stopped (128 + N), never 0. If this process
+itself is killed outright, each rank notices its parent is gone (``stop.py``) and stops the same way.
 """
 
 from __future__ import annotations

@@ -151,8 +151,9 @@ class References:
         model = build_model(self.dtype)
         codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
         for edit in missing:
+            # Two separate runs: on GPUs they differ.
             runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label,
-                                     stop_point) for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
+                                     stop_point) for label in ("reference", "rerun")]
             self.cache.save(self.keys[edit.id], Reference(*runs), self.descriptions[edit.id])
             if progress is not None:
                 progress.advance()
