@@ -121,14 +121,19 @@ def test_a_frozen_rank_fails_the_job_naming_it(tmp_path, frozen):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("frozen", [0, 1])
-def test_a_rank_frozen_while_the_other_waits_for_it_between_phases_is_named(tmp_path, frozen):
-    """One rank builds its model (paused there, its heartbeat going) while the other waits at the barrier
-    after the build, which has no deadline of its own; then the builder freezes (SIGSTOP). Rank 0 waits
-    for rank 1's heartbeat; rank 1 waits on rank 0's store."""
+@pytest.mark.parametrize("frozen, pause_rank", [(0, 0), (1, 1), (0, None)],
+                         ids=["rank-0-frozen-rank-1-waits", "rank-1-frozen-rank-0-waits", "rank-0-frozen-rank-1-works"])
+def test_a_rank_frozen_between_phases_is_named(tmp_path, frozen, pause_rank):
+    """A rank builds its model (paused there, its heartbeat going), then freezes (SIGSTOP). The other rank
+    either waits for it at the barrier after the build, which has no deadline of its own (rank 0 watches
+    rank 1's heartbeat, rank 1 asks rank 0's store), or is still building alone itself, where only its
+    heartbeat, asking rank 0's store, can notice."""
+    pause = [] if pause_rank is None else [f"launcher.fault.pause_rank={pause_rank}"]
     process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "launcher.fault.pause_in=build",
-                         f"launcher.fault.pause_rank={frozen}")
+                         *pause)
     pid = paused_pid(process, log, frozen, "build")
+    if pause_rank is None:
+        paused_pid(process, log, 1 - frozen, "build")
     try:
         os.kill(pid, signal.SIGSTOP)
         assert process.wait(timeout=200) == 1, log.read_text()

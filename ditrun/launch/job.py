@@ -203,7 +203,8 @@ class StoreJob(LocalJob):
         connection, until ``stop_heartbeat`` (or until its connection closes)."""
         self._hosts = self.hosts()  # read while the store surely answers: messages name the hosts later
         self._heart_stop, self._answered = threading.Event(), time.monotonic()
-        self._heart = threading.Thread(target=self._heartbeat, args=(self._raw_store.clone(),),
+        heart_store = BoundedStore(self._raw_store.clone(), self.stall_timeout_s)
+        self._heart = threading.Thread(target=self._heartbeat, args=(heart_store,),
                                        daemon=True, name=f"ditrun-heartbeat-{self.rank}")
         self._heart.start()
         return self
@@ -222,8 +223,12 @@ class StoreJob(LocalJob):
                 self._answered = time.monotonic()
                 self._relay_stop(store)
                 self._heart_stop.wait(HEARTBEAT_S)
+        except StoreUnanswered:
+            # Rank 0 froze (or its node went away) while this rank may be working alone for an hour: end
+            # that work now (``StopRequest.fail``), naming it, rather than at this rank's next wait.
+            self.stop.fail(self._store_lost())
         except RuntimeError:
-            return  # the connection closed: the store's host is gone (``_store_answers`` tells)
+            return  # the connection closed: the store's host is gone (the watchdog says so)
 
     def _relay_stop(self, store) -> None:
         """Post this rank's stop request for every rank, or take one that another rank posted."""

@@ -67,6 +67,7 @@ class StopRequest:
         self._watching = False
         self._raising = 0  # depth of ``raising`` blocks the main thread is in
         self._raised = False
+        self.failure: Optional[BaseException] = None
 
     def request(self, signum: int, reason: str = "") -> None:
         if self.signum is None:
@@ -76,9 +77,18 @@ class StopRequest:
         return RunStopped(self.signum, f" ({self.reason})" if self.reason else "")
 
     def check(self) -> None:
-        """A stop point: raise ``RunStopped`` if a stop was requested."""
+        """A stop point: raise ``RunStopped`` if a stop was requested (or the failure another thread found)."""
+        if self.failure is not None:
+            raise self.failure
         if self.signum is not None:
             raise self.stopped()
+
+    def fail(self, err: BaseException) -> None:
+        """From another thread: end the main thread's work with ``err`` (a lost store host, found by the
+        heartbeat) at its next stop point, or at once inside a ``raising`` block."""
+        if self.failure is None:
+            self.failure = err
+            self.interrupt()
 
     @contextmanager
     def raising(self) -> Iterator[None]:
@@ -97,8 +107,9 @@ class StopRequest:
     def interrupt(self) -> None:
         """From another thread, once a stop was requested: end the main thread's ``raising`` block now
         (a signal to the main thread runs the handler, which raises, and wakes a sleep or a system call)."""
-        if self._raising and self._previous and self.signum is not None and not self._raised:
-            signal.pthread_kill(threading.main_thread().ident, self.signum)
+        signum = self.signum or (signal.SIGUSR1 if self.failure is not None else None)
+        if self._raising and self._previous and signum is not None and not self._raised:
+            signal.pthread_kill(threading.main_thread().ident, signum)
 
     def install(self, relay: Optional[Callable[[int], None]] = None) -> "StopRequest":
         """Catch the stop signals (main thread only); ``restore`` puts the previous handlers back.
@@ -117,6 +128,9 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
+        if self.failure is not None and self._raising and not self._raised:
+            self._raised = True
+            raise self.failure  # sent by ``interrupt``: not a stop request
         self.request(signum)
         if self._relay is not None:
             self._relay(signum)
