@@ -145,3 +145,21 @@ def test_a_rank_frozen_between_phases_is_named(tmp_path, frozen, pause_rank):
     named = (f"rank 0 on {os.uname().nodename}, which serves the rendezvous store, stopped answering"
              if frozen == 0 else f"lost rank 1 on {os.uname().nodename}: no heartbeat for 5 s")
     assert last.startswith(f"ditrun: rank {1 - frozen} failed: NodeLost: {named}"), log.read_text()
+
+
+@pytest.mark.timeout(300)
+def test_ranks_killed_after_the_stop_timeout_leave_a_stopped_run_never_a_successful_one(tmp_path):
+    """A rank that does not stop (hung after its edits, where no stop point is) is killed after
+    launcher.stop_timeout_s; the command says so and exits as stopped (it used to exit 0)."""
+    process, log = start(tmp_path, "launcher.world=2", "layout.replicas=2", "workload.limit=2",
+                         "launcher.fault.hang_rank=1", "launcher.stop_timeout_s=3", "metrics.ssim=false")
+    deadline = time.monotonic() + 200
+    out = tmp_path / "run"
+    while not all((out / name).is_file() and (out / name).read_text().count("\n") for name in
+                  ("edits.jsonl", "edits.replica1.jsonl")):  # each replica's one edit is done: rank 1 hangs
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()
+    wait_until_gone(process.pid, 15)
+    assert "killed after 3 s, launcher.stop_timeout_s); rerun the same command to resume" in log.read_text()

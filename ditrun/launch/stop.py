@@ -57,7 +57,8 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequest:
-    """The first stop signal this process received (or the parent's death), or None."""
+    """The first stop signal this process received (or the parent's death), or None; and the failure another
+    thread of this rank found (``fail``), which ends the rank's work the same ways."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -105,8 +106,9 @@ class StopRequest:
             self._raising -= 1
 
     def interrupt(self) -> None:
-        """From another thread, once a stop was requested: end the main thread's ``raising`` block now
-        (a signal to the main thread runs the handler, which raises, and wakes a sleep or a system call)."""
+        """From another thread, once a stop was requested (or a failure found): end the main thread's
+        ``raising`` block now (a signal to the main thread runs the handler, which raises, and wakes a
+        sleep or a system call)."""
         signum = self.signum or (signal.SIGUSR1 if self.failure is not None else None)
         if self._raising and self._previous and signum is not None and not self._raised:
             signal.pthread_kill(threading.main_thread().ident, signum)
