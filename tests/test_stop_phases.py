@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from launching import ditrun_command, quiet_env
+from launching import ditrun_command, quiet_env, run
 from test_reliability import wait_until_gone
 
 FAST = ["metrics.report=false", "launcher.stop_timeout_s=60"]
@@ -163,3 +163,12 @@ def test_ranks_killed_after_the_stop_timeout_leave_a_stopped_run_never_a_success
     assert process.wait(timeout=120) == 128 + signal.SIGTERM, log.read_text()
     wait_until_gone(process.pid, 15)
     assert "killed after 3 s, launcher.stop_timeout_s); rerun the same command to resume" in log.read_text()
+
+
+def test_an_unknown_pause_phase_is_one_sentence_before_any_rank_starts(tmp_path):
+    result = run(ditrun_command("launcher.world=2", "layout=ulysses", "launcher.fault.pause_in=warmup",
+                                f"hydra.run.dir={tmp_path / 'run'}"), 90, tmp_path)
+    assert result.returncode == 2
+    assert ("ditrun: error: launcher.fault.pause_in=warmup is not a phase; allowed: prompts, references, build, "
+            "compile.") in result.stderr
+    assert not (tmp_path / "run" / "edits.jsonl").exists()
