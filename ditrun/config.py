@@ -245,9 +245,16 @@ class FaultConfig:
     crash_rank: Optional[int] = None
     """Global rank that raises an error on purpose."""
     crash_at_step: int = 0
-    """Denoising step (of the first edit it runs) at which ``crash_rank`` fails."""
+    """Denoising step (of the first edit it runs) at which ``crash_rank`` fails and ``freeze_rank`` freezes."""
+    freeze_rank: Optional[int] = None
+    """Global rank that stops itself (SIGSTOP: alive, silent, its connections open) at ``crash_at_step``."""
     hang_rank: Optional[int] = None
     """Global rank that hangs (sleeps, forever) once its edits are done, as a stuck rank would."""
+    pause_in: Optional[str] = None
+    """A phase a rank works through alone (``prompts``, ``references``, ``build``, ``compile``) in which
+    ``pause_rank`` says ``paused in <phase>`` and then sleeps, as a phase of hours would compute; a stop ends it."""
+    pause_rank: Optional[int] = None
+    """Global rank that ``pause_in`` holds; unset: every rank that enters the phase."""
 
 
 @dataclass

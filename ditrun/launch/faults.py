@@ -8,14 +8,17 @@ watchdogs quietly at the end of a good run. A rank that dies without a word (kil
 is caught by the launcher (``srun --kill-on-bad-exit``, ``mpiexec``, torchrun, ditrun's own
 spawner) and, at the latest, by the collective timeout of the ranks waiting for it.
 
-``inject`` and ``hang`` are the test hooks: ``launcher.fault.crash_rank`` fails on purpose inside
-the denoising loop at ``launcher.fault.crash_at_step``; ``launcher.fault.hang_rank`` hangs once
-its edits are done.
+``inject``, ``hang`` and ``pause`` are the test hooks: ``launcher.fault.crash_rank`` fails on
+purpose inside the denoising loop at ``launcher.fault.crash_at_step``, and ``launcher.fault.freeze_rank``
+stops itself there (SIGSTOP); ``launcher.fault.hang_rank``
+hangs once its edits are done; ``launcher.fault.pause_in`` holds a rank inside a phase of its start
+(says so, then sleeps as a long phase would compute), so that a test can stop it there.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -42,10 +45,12 @@ class InjectedFault(RuntimeError):
 
 
 def inject(fault_cfg, step: int) -> None:
-    """Called after every denoising step: the chosen rank fails at the chosen step."""
-    if fault_cfg.crash_rank is None or step != fault_cfg.crash_at_step:
+    """Called after every denoising step: the chosen rank fails, or freezes, at the chosen step."""
+    if step != fault_cfg.crash_at_step:
         return
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == fault_cfg.freeze_rank:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive, its sockets open, silent: as a process stuck in the kernel
     if rank == fault_cfg.crash_rank:
         raise InjectedFault(
             f"rank {rank} failed on purpose at denoising step {step} "
@@ -60,8 +65,26 @@ def hang(fault_cfg) -> None:
         time.sleep(3600)
 
 
+# The phases a rank works through alone, with no collective, before and inside its first edit
+# (``worker.Run.solo``): a stop signal ends each at once.
+PAUSE_PHASES = ("prompts", "references", "build", "compile")
+
+
+def pause(fault_cfg, phase: str, rank: int) -> None:
+    """Called as ``phase`` begins on ``rank``: the chosen rank says so, then works forever (a stop ends it)."""
+    if fault_cfg.pause_in != phase or fault_cfg.pause_rank not in (None, rank):
+        return
+    print(f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (launcher.fault.pause_in={phase})",
+          file=sys.stderr, flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def check_fault_config(fault_cfg, world: int, steps: int) -> None:
-    for key in ("crash_rank", "hang_rank"):
+    if fault_cfg.pause_in is not None and fault_cfg.pause_in not in PAUSE_PHASES:
+        raise UserError(f"launcher.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: "
+                        f"{', '.join(PAUSE_PHASES)}.")
+    for key in ("crash_rank", "freeze_rank", "hang_rank", "pause_rank"):
         rank = getattr(fault_cfg, key)
         if rank is not None and not 0 <= rank < world:
             raise UserError(f"launcher.fault.{key}={rank} is not a rank of this job; allowed: 0 to {world - 1}.")
@@ -108,9 +131,10 @@ class Watchdog:
         self.thread.start()
         return self
 
-    def join(self) -> None:
-        """Wait until the job's end was announced (``release``); returns at once after a failure."""
-        self.thread.join()
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the job's end to be announced (``release``); whether it was."""
+        self.thread.join(timeout_s)
+        return not self.thread.is_alive()
 
     def _watch(self) -> None:
         try:

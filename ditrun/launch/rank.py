@@ -75,7 +75,8 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
     stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
-    job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s).start_heartbeat()
+    job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s,
+                   meeting.host).start_heartbeat()
     try:
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         STARTUP.end("rendezvous_s")
@@ -86,17 +87,15 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
     except BaseException as err:
         # A lost node's ranks surface here as some collective's error: report them, not it.
         failure = job.explain(err)
-        faults.report(meeting.store, info.rank, failure)
+        job.report(failure)
         if failure is not err:
             raise failure from err
         raise
     finally:
-        stop.restore()
+        # The heartbeat first: it may signal this process's main thread while the handlers are ours.
         job.stop_heartbeat()
-    rendezvous.finish(meeting, info)
-    if info.rank == 0:
-        faults.release(meeting.store)
-    watchdog.join()
+        stop.restore()
+    job.sign_out(watchdog)
     dist.destroy_process_group()
     if stopped is not None:
         raise stopped

@@ -36,14 +36,11 @@ ALL_ARRIVED = KEY + "all_arrived"
 NODE = KEY + "node/"
 NODES = KEY + "nodes"
 SHARED = KEY + "shared/"
-FINISHED = KEY + "finished/"
+FINISHED = KEY + "finished/"  # signed out (``job.StoreJob.sign_out``)
 FAILED_PREFIX = "failed: "
 # Other ranks wait this much longer than rank 0 for the meeting, and rank 0 keeps its store up
 # this long after a failed one, so that every rank reports rank 0's list of missing ranks.
 VERDICT_GRACE_S = 2.0
-# Long enough to never fire while ranks legitimately wait for each other; failures end waits
-# through the watchdog or a lost connection instead.
-FOREVER = timedelta(days=365)
 VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
@@ -199,10 +196,3 @@ def init_process_group(info: RankInfo, backend: str, meeting: Meeting, collectiv
         backend, store=dist.PrefixStore("torch/", meeting.store), rank=info.rank, world_size=info.world,
         timeout=timedelta(seconds=collective_timeout_s),
     )
-
-
-def finish(meeting: Meeting, info: RankInfo) -> None:
-    """Sign out; rank 0 keeps the store up until every rank has, so nobody loses it mid-run."""
-    meeting.store.set(f"{FINISHED}{info.rank}", "1")
-    if info.rank == 0:
-        meeting.store.wait([f"{FINISHED}{r}" for r in range(info.world)], FOREVER)

@@ -7,9 +7,9 @@ of any other launcher. This process only supervises: it returns rank 0's summary
 rank fails, stops the others and reports the rank that failed first.
 
 A stop signal sent to this process (SIGTERM, SIGINT, SIGUSR1) is passed on to every rank, which
-stop together at a step boundary; ranks still running ``launcher.stop_timeout_s`` later are
-killed. If this process itself is killed outright, each rank notices its parent is gone
-(``stop.py``) and stops the same way.
+stop together in whatever phase they are (``stop.py``); ranks still running ``launcher.stop_timeout_s``
+later are killed, and the command still exits as stopped (128 + N), never 0. If this process
+itself is killed outright, each rank notices its parent is gone (``stop.py``) and stops the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 from ditrun import rank_entry
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.stop import RunStopped, StopRequest
+from ditrun.parallel.placement import format_ranks
 from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -101,7 +102,7 @@ def check_local_devices(device_key: str, world: int) -> None:
 
 def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay: Relay) -> dict:
     """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
-    summary, reports, exits, stop_at = None, [], [], None
+    summary, reports, exits, stop_at, killed = None, [], [], None, []
     alive, open_pipes = list(ranks), list(receivers)
     while alive or open_pipes:
         ready = wait([p.sentinel for p in alive] + open_pipes, timeout=0.5)
@@ -114,6 +115,7 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         if stop_at is None and stop.signum is not None:
             stop_at = time.monotonic() + stop_timeout_s
         if alive and stop_at is not None and time.monotonic() > stop_at:
+            killed = [ranks.index(p) for p in alive]
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
     stopped = {payload for _, payload, kind in reports if kind == "stopped"}
@@ -121,6 +123,11 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         stopped.add(stop.signum)  # ranks the relayed signal reached before their handlers did die of it
     _raise_first_failure([(rank, payload) for rank, payload, kind in reports if kind == "failed"],
                          [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)])
+    if killed:  # the run's end (its summary) may be missing: never a success
+        if stopped:
+            raise RunStopped(min(stopped), f" ({format_ranks(killed)} killed after {stop_timeout_s:g} s, "
+                                           f"launcher.stop_timeout_s)")
+        raise faults.WorkerFailed(f"{format_ranks(killed)} killed {STOP_GRACE_S:g} s after another rank exited.")
     if any(kind == "stopped" for _, _, kind in reports) or any(_stopped_by(code, stopped) for _, code in exits):
         raise RunStopped(min(stopped))
     return summary

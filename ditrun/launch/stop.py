@@ -1,12 +1,20 @@
 """Stopping a run cleanly: on a signal, or when the process that started this rank is gone.
 
 SIGTERM (``scancel``, preemption, Slurm's time limit), SIGINT (Ctrl-C) and SIGUSR1 (what
-``sbatch --signal`` sends before the time limit) do not kill a rank: the handler only notes the
-signal. The edit loop asks at every denoising step and before every edit (``Job.should_stop``),
-the ranks of one replica agree on the answer, and they all abandon the edit in progress at the
-same step boundary (an unfinished edit has nothing worth keeping; every finished one is already
-in its results file). The run then ends as a good run does, writes what it has, and the command
-exits with 128 + the signal's number, which tells Slurm, shells and schedulers that it was stopped.
+``sbatch --signal`` sends before the time limit) do not kill a rank. One flag, the first stop
+requested, is read in two ways:
+
+- at stop points: phase boundaries, every denoising step of the reference pass and of the edit
+  loop, and every wait on another rank (``launch/job.py``). In the edit loop the ranks of one
+  replica agree on the answer (``Job.should_stop``) and all abandon the edit in progress at the
+  same step boundary (an unfinished edit has nothing worth keeping; every finished one is already
+  in its results file);
+- inside work a rank does alone, with no collective until its next stop point (encoding the
+  prompts, the reference pass, building the model, compiling a region): there the handler raises
+  ``RunStopped`` at once (``raising``), so a phase of minutes ends within a bytecode of the signal.
+
+Either way the run then ends as a good run does, writes what it has, and the command exits with
+128 + the signal's number, which tells Slurm, shells and schedulers that it was stopped.
 
 A rank whose parent exits (the ``ditrun`` supervisor SIGKILLed, a launcher that died) treats it
 as SIGTERM, and if it has not ended ``launcher.stop_timeout_s`` later (a rank stuck in a
@@ -20,15 +28,20 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # How often a rank looks for its parent.
 PARENT_POLL_S = 0.5
 
 
-class RunStopped(Exception):
-    """The run was stopped by a signal; finished edits are kept and a rerun resumes after them."""
+class RunStopped(BaseException):
+    """The run was stopped by a signal; finished edits are kept and a rerun resumes after them.
+
+    A ``BaseException``, as ``KeyboardInterrupt`` is: raised inside a library's code (a compiler's),
+    it must not be taken for one of the library's own errors by an ``except Exception``.
+    """
 
     def __init__(self, signum: int, detail: str = ""):
         self.signum = signum
@@ -44,7 +57,8 @@ def signal_name(signum: int) -> str:
 
 
 class StopRequest:
-    """The first stop signal this process received (or the parent's death), or None."""
+    """The first stop signal this process received (or the parent's death), or None; and the failure another
+    thread of this rank found (``fail``), which ends the rank's work the same ways."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -52,10 +66,52 @@ class StopRequest:
         self._previous: dict[int, object] = {}
         self._relay: Optional[Callable[[int], None]] = None
         self._watching = False
+        self._raising = 0  # depth of ``raising`` blocks the main thread is in
+        self._raised = False
+        self.failure: Optional[BaseException] = None
 
     def request(self, signum: int, reason: str = "") -> None:
         if self.signum is None:
             self.signum, self.reason = signum, reason or f"received {signal_name(signum)}"
+
+    def stopped(self) -> RunStopped:
+        return RunStopped(self.signum, f" ({self.reason})" if self.reason else "")
+
+    def check(self) -> None:
+        """A stop point: raise ``RunStopped`` if a stop was requested (or the failure another thread found)."""
+        if self.failure is not None:
+            raise self.failure
+        if self.signum is not None:
+            raise self.stopped()
+
+    def fail(self, err: BaseException) -> None:
+        """From another thread: end the main thread's work with ``err`` (a lost store host, found by the
+        heartbeat) at its next stop point, or at once inside a ``raising`` block."""
+        if self.failure is None:
+            self.failure = err
+            self.interrupt()
+
+    @contextmanager
+    def raising(self) -> Iterator[None]:
+        """Work of this rank alone: a stop requested before or during it raises ``RunStopped`` in it.
+
+        Never around a collective or a wait on another rank: a rank that left one early would leave
+        its peers waiting in it.
+        """
+        self.check()
+        self._raising += 1
+        try:
+            yield
+        finally:
+            self._raising -= 1
+
+    def interrupt(self) -> None:
+        """From another thread, once a stop was requested (or a failure found): end the main thread's
+        ``raising`` block now (a signal to the main thread runs the handler, which raises, and wakes a
+        sleep or a system call)."""
+        signum = self.signum or (signal.SIGUSR1 if self.failure is not None else None)
+        if self._raising and self._previous and signum is not None and not self._raised:
+            signal.pthread_kill(threading.main_thread().ident, signum)
 
     def install(self, relay: Optional[Callable[[int], None]] = None) -> "StopRequest":
         """Catch the stop signals (main thread only); ``restore`` puts the previous handlers back.
@@ -74,9 +130,15 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
+        if self.failure is not None and self._raising and not self._raised:
+            self._raised = True
+            raise self.failure  # sent by ``interrupt``: not a stop request
         self.request(signum)
         if self._relay is not None:
             self._relay(signum)
+        if self._raising and not self._raised:
+            self._raised = True  # once: the unwinding and the end of the run are not interrupted again
+            raise self.stopped()
 
     def watch_parent(self, grace_s: float, label: str, parent: Optional[int] = None) -> None:
         """Stop when the parent process (``parent``, default: the current one) exits; end this
@@ -93,6 +155,7 @@ class StopRequest:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
         self.request(signal.SIGTERM, f"parent process {parent} exited")
+        self.interrupt()
         time.sleep(grace_s)
         print(f"ditrun: {label}: parent process {parent} exited and this rank did not stop within "
               f"{grace_s:g} s (launcher.stop_timeout_s); ending it", file=sys.stderr, flush=True)

@@ -2,17 +2,25 @@
 
 The order matters: every check a user's config can fail (workload, layout, precision) runs
 before the model is built, so a mistake costs seconds, not a 12B-parameter load.
+
+Loading runs in phases that each rank works through alone (``Run.solo``: encoding the prompts,
+the reference pass, building the model, and each compilation inside the first steps), separated
+by barriers at which every rank waits for the others (``job.barrier``). A stop signal ends a
+solo phase at once and a barrier with the same outcome on every rank, so no rank enters a
+collective that a stopped peer will never join; the run then ends as a stopped edit loop does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import platform
 import subprocess
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -119,14 +127,32 @@ class Run:
         self.directory_edits = [edit.id for edit in self.edits]  # global rank 0 learns the directory's in ``_claim``
         _check_memory(self.edits, cfg, self.geometry, plan, self.placement)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
+        self.references: Optional[reference.References] = None
+        self.built = None
 
-    def load(self) -> None:
+    @contextmanager
+    def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
+        """Work of this rank alone, with no collective until the next stop point: a stop signal ends it at once
+        (``RunStopped``). ``launcher.fault.pause_in`` holds a rank here, for the tests."""
+        with job.stop.raising():
+            faults.pause(self.cfg.launcher.fault, phase, self.layout.rank)
+            yield
+
+    def compile_guarded(self, job: LocalJob, compile_region: Callable[[], Callable]) -> Optional[Callable]:
+        """``compile_region()`` inside ``solo("compile")``; None when a stop signal ended it (``CompilePlan.guard``:
+        the model knows nothing of stops)."""
+        try:
+            with self.solo(job, "compile"):
+                return compile_region()
+        except RunStopped:
+            return None
+
+    def load(self, job: LocalJob) -> None:
         cfg = self.cfg
         # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
-        self.edits = text.encode_edits(self.edits, cfg, self.layout.control, self.layout.rank, self.placement.device,
-                                       self.placement.dtype)
+        self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
-        self.references = self._references() if cfg.metrics.ssim else None
+        self.references = self._references(job) if cfg.metrics.ssim else None
         self.targets = {e.id: target_image(e) for e in self.edits if e.target is not None}
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
@@ -135,11 +161,26 @@ class Run:
                                                 self.placement.device, cfg.launcher.collective_timeout_s,
                                                 self.layout.nodes)
                            for axis in ("sp", "cfg")}
-        self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0,
-                                 speed=self.speed)
-        self.model = self.built.model
-        self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), self.placement.device,
-                                       self.placement.dtype)
+        # Compiling happens inside the first steps, each region alone between the step's exchanges.
+        speed = dataclasses.replace(self.speed, guard=functools.partial(self.compile_guarded, job))
+        with self.solo(job, "build"):
+            self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0,
+                                     speed=speed)
+            self.model = self.built.model
+            self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path),
+                                           self.placement.device, self.placement.dtype)
+        job.barrier("loaded")
+
+    def _prompts(self, job: LocalJob) -> list[Edit]:
+        """The edits with their prompts' embeddings files: global rank 0 encodes, then every rank gets them."""
+        cache = text.prompt_cache(self.edits, self.cfg)
+        if cache is None:
+            return self.edits
+        if self.layout.rank == 0:
+            with self.solo(job, "prompts"):
+                text.encode_missing(cache, self.edits, self.cfg, self.placement.device, self.placement.dtype)
+        job.barrier("prompts")
+        return text.with_embeddings(cache, self.edits, self.cfg, self.layout.control)
 
     def _result_settings(self, edit: Edit) -> dict:
         """Everything that changes this edit's result (not the layout, transport or world size)."""
@@ -163,9 +204,10 @@ class Run:
             config["cache"] = {"name": "none"}
         return rundir.run_settings(config, resolved, declared_edits(self.cfg.workload))
 
-    def _references(self) -> reference.References:
+    def _references(self, job: LocalJob) -> reference.References:
         """Each replica's writer makes the missing references of its edits; every rank then waits for
-        them on the control group (no timeout that a long reference pass could trip)."""
+        them (``job.barrier``: no deadline that a long reference pass could trip, but a rank whose
+        heartbeat stops is named)."""
         cfg, placement = self.cfg, self.placement
         dtype = reference.REFERENCE_DTYPES[cfg.metrics.reference_dtype] if cfg.metrics.reference_dtype \
             else placement.dtype
@@ -173,11 +215,12 @@ class Run:
         if self.layout.writes_records:
             share = self.layout.edit_share(self.edits)
             rank0 = self.layout.rank == 0
-            with Progress(cfg.progress and rank0, len(share), desc="references") as progress:
+            with Progress(cfg.progress and rank0, len(share), desc="references") as progress, \
+                    self.solo(job, "references"):
                 references.make_missing(share, cfg, self.geometry, placement.device,
                                         lambda d: build_model(cfg.model, dataclasses.replace(placement, dtype=d)).model,
-                                        progress, announce=rank0)
-        self.layout.barrier()
+                                        progress, announce=rank0, stop_point=job.stop.check)
+        job.barrier("references")
         return references
 
     def run_edit(self, edit: Edit, job: LocalJob, progress=None) -> Optional[dict]:
@@ -263,8 +306,8 @@ class Run:
             "device": device_name(self.placement.device),
             "dtype": self.placement.dtype_note,
             "precision": self.precision_label,
-            "precision_detail": self.built.details,
-            "mx_repack_inexact_rows": inexact_repack_rows(self.model),
+            "precision_detail": self.built.details if self.built is not None else None,
+            "mx_repack_inexact_rows": inexact_repack_rows(self.model) if self.built is not None else 0,
             "torch": torch.__version__,
             "git": git_revision(),
         }
@@ -278,9 +321,10 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     done with the same settings) before any model is built, and every rank receives its
     decision through ``job``. Each replica's writer appends its own records; once every rank
     has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
-    and applies the SSIM gate. A stop signal ends the edit loop at a step boundary; the run
-    then ends the same way and raises ``RunStopped``. ``nodes`` is every rank's node, as the
-    rendezvous found them (empty: all on one node). ``hydra_files`` are written once the directory is claimed.
+    and applies the SSIM gate. A stop signal ends loading at once (``Run.solo``, ``job.barrier``)
+    or the edit loop at a step boundary; the run then ends the same way and raises ``RunStopped``.
+    ``nodes`` is every rank's node, as the rendezvous found them (empty: all on one node). ``hydra_files`` are
+    written once the directory is claimed.
     """
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     rundir.make_run_dir(out_dir)
@@ -290,11 +334,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:
         done = set(job.share("done", lambda: _claim(lock, state, out_dir, hydra_files)))
-        timing.STARTUP.begin("load_s")
-        state.load()
-        timing.STARTUP.end("load_s")
-        logger = wandb_log.start(cfg, out_dir, layout.rank == 0)  # its start-up stays out of every timed region
-        stopped = _run_edits(state, job, done, out_dir, logger)
+        stopped, logger = _load_and_run_edits(state, job, done, out_dir)
         faults.hang(cfg.launcher.fault)
         job.post("startup", timing.STARTUP.report(job.rank))
         job.end_of_run()  # rank 0: every replica's records are written
@@ -321,6 +361,19 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
         hydra_files.write(out_dir)
     _print_start(state, out_dir, len(done))
     return done
+
+
+def _load_and_run_edits(state: Run, job: LocalJob, done: set, out_dir: Path) -> tuple[Optional[RunStopped], object]:
+    """Load, then run this replica's edits; the stop that ended either early, if any, and the run's logger."""
+    logger = wandb_log.NullLogger()
+    try:
+        timing.STARTUP.begin("load_s")
+        state.load(job)
+        timing.STARTUP.end("load_s")
+        logger = wandb_log.start(state.cfg, out_dir, state.layout.rank == 0)  # its start-up stays out of timed regions
+    except RunStopped as stopped:
+        return stopped, logger
+    return _run_edits(state, job, done, out_dir, logger), logger
 
 
 def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> Optional[RunStopped]:

@@ -265,8 +265,10 @@ class References:
             "command to make it again and resume.")
 
     def make_missing(self, edits: list[Edit], cfg, geometry, device: torch.device,
-                     build_model: Callable[[torch.dtype], torch.nn.Module], progress=None, announce: bool = True) -> None:
-        """Make the references ``edits`` lack, with a model built only if one is missing (and freed after)."""
+                     build_model: Callable[[torch.dtype], torch.nn.Module], progress=None, announce: bool = True,
+                     stop_point: Optional[Callable[[], None]] = None) -> None:
+        """Make the references ``edits`` lack, with a model built only if one is missing (and freed after);
+        ``stop_point`` is called after every denoising step (it raises to stop the pass there)."""
         missing = self.missing(edits)
         if announce and not missing:
             print(f"ditrun: the references of all {len(edits)} edits come from {self.cache.root}", flush=True)
@@ -278,8 +280,9 @@ class References:
         model = build_model(self.dtype)
         codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
         for edit in missing:
-            runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label)
-                    for label in ("reference", "rerun")]  # two separate runs: on GPUs they differ
+            # Two separate runs: on GPUs they differ.
+            runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label,
+                                     stop_point) for label in ("reference", "rerun")]
             self._loaded[edit.id] = Reference(*runs)
             self.cache.save(self.keys[edit.id], self._loaded[edit.id], self.descriptions[edit.id])
             if progress is not None:
@@ -298,11 +301,18 @@ def reference_set(cfg, geometry, edits: list[Edit], dtype: torch.dtype, device_t
     return References(cache, keys, descriptions, dtype)
 
 
-def _render_with_bar(model, codec, geometry, edit: Edit, workload_cfg, dtype, device, progress, label: str):
+def _render_with_bar(model, codec, geometry, edit: Edit, workload_cfg, dtype, device, progress, label: str,
+                     stop_point: Optional[Callable[[], None]] = None):
     bar = progress.edit(f"{label} {edit.id}", workload_cfg.steps) if progress is not None else None
+
+    def on_step(_i: int) -> None:
+        if bar is not None:
+            bar.update(1)
+        if stop_point is not None:
+            stop_point()
+
     try:
-        return render_single(model, codec, geometry, edit, workload_cfg, dtype, device,
-                             (lambda _i: bar.update(1)) if bar is not None else None)
+        return render_single(model, codec, geometry, edit, workload_cfg, dtype, device, on_step)
     finally:
         if bar is not None:
             bar.close()

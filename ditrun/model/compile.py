@@ -38,7 +38,7 @@ and the summary reports it apart (``compile_s``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -80,6 +80,11 @@ class CompilePlan:
     """Inductor's coordinate-descent tuning of its kernels (``model.compile_tuning``)."""
     graphs: bool = False
     """The forward replayed from CUDA graphs (``model.cuda_graphs``, ``model/graphs.py``)."""
+    guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = field(default=None, compare=False,
+                                                                                  repr=False)
+    """What runs each compilation (given as a function of no arguments): the run's ``Run.compile_guarded``
+    (``launch/worker.py``), which compiles inside ``solo("compile")`` and gives None when a stop signal ended it;
+    None compiles unguarded."""
 
     @property
     def label(self) -> str:
@@ -124,7 +129,7 @@ def apply_plan(model: FluxDiT, plan: CompilePlan, attention: Optional[Callable] 
     done = {"gelu_epilogues": fuse_epilogues(model) if plan.fuse else 0}
     done |= {"fused_linears": fuse_projections(model) if plan.fuse else 0, "compiled_blocks": 0}
     if plan.compile:
-        done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning)
+        done["compiled_blocks"] = compile_regions(model, attention, plan.backend, plan.tuning, plan.guard)
     return done
 
 
@@ -204,13 +209,14 @@ def fuse_projections(model: FluxDiT) -> int:
 
 
 def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor",
-                    tuning: bool = False) -> int:
+                    tuning: bool = False, guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = None) -> int:
     """Compile every block's halves (see the module doc); returns the number of blocks.
 
     ``attention``: the run's own attention function (SDPA or a custom-op kernel: no exchange in it).
     A call that passes it runs the whole block as one graph, attention included, so that the
     layout changes around it ([B, S, H, D] <-> [B, H, S, D]) fuse into the projections and norms;
     a layout's attention, which exchanges, keeps running between the compiled halves.
+    ``guard``: see ``CompilePlan.guard`` and ``_guarded``.
     """
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, RECOMPILE_LIMIT)
@@ -221,8 +227,27 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
         # Bound methods of one class share their code object, so all blocks of a class share a graph.
         options = {"coordinate_descent_tuning": True} if tuning else None
         compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+        if guard is not None:
+            compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
+                                         backend=_guarded(backend, options, guard))
         regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
                           compiled(block.joint) if attention is not None else None, attention)
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
     return len(blocks)
 
+
+def _guarded(backend: str, options: Optional[dict],
+             guard: Callable[[Callable[[], Callable]], Optional[Callable]]) -> Callable:
+    """``backend`` (with inductor's ``options``) compiling through ``guard`` (``CompilePlan.guard``).
+
+    A compilation runs inside a denoising step, between the step's exchanges with the other ranks, so a
+    stop must not leave the step: a stopped compilation hands the region back uncompiled (the graph
+    runs eagerly), the step ends, and every rank of the replica stops at that step's boundary.
+    """
+    compile_graph = torch._dynamo.lookup_backend(backend)
+    patches = {"config_patches": options} if options else {}
+
+    def compiler(graph: torch.fx.GraphModule, example_inputs):
+        compiled = guard(lambda: compile_graph(graph, example_inputs, **patches))
+        return graph.forward if compiled is None else compiled  # None: a stop ended it; the region runs eagerly
+    return compiler

@@ -152,24 +152,48 @@ def _edit_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
     return combined
 
 
-def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dtype: torch.dtype) -> list:
-    """``edits`` with each prompt's embeddings file filled in (edits that name their own file keep it).
-
-    Global rank 0 encodes what the cache lacks; ``control`` (a gloo group over the world, or None
-    in a one-process run) then carries the files to the other ranks.
-    """
+def prompt_cache(edits: list, cfg) -> Optional[PromptCache]:
+    """Where the encoded prompts of ``edits`` live, or None when there is nothing to encode (no pipeline
+    folder, or every edit names its own embeddings file)."""
     if not is_pipeline_folder(cfg.model.path) or all(e.prompt_embeds for e in edits):
-        return edits
+        return None
     _check_encoders(Path(cfg.model.path))
-    cache = PromptCache(Path(cfg.model.path), cfg.workload.text_len,
-                        Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else default_cache_dir())
-    true_cfg = cfg.workload.true_cfg_scale > 1
-    prompts = [e.prompt for e in edits if not e.prompt_embeds] + ([NEGATIVE_PROMPT] if true_cfg else [])
-    if rank == 0 and cache.missing(prompts):
-        print(f"ditrun: encoding {len(cache.missing(prompts))} prompts with the text encoders of {cache.folder}, "
+    return PromptCache(Path(cfg.model.path), cfg.workload.text_len,
+                       Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else default_cache_dir())
+
+
+def _prompts(edits: list, cfg) -> list[str]:
+    return [e.prompt for e in edits if not e.prompt_embeds] + ([NEGATIVE_PROMPT] if cfg.workload.true_cfg_scale > 1
+                                                                else [])
+
+
+def encode_missing(cache: PromptCache, edits: list, cfg, device: torch.device, dtype: torch.dtype) -> None:
+    """Encode the prompts of ``edits`` that ``cache`` lacks (global rank 0's work, alone)."""
+    missing = cache.missing(_prompts(edits, cfg))
+    if missing:
+        print(f"ditrun: encoding {len(missing)} prompts with the text encoders of {cache.folder}, "
               f"cached in {cache.root}", flush=True)
-        encode(cache, cache.missing(prompts), device, dtype)
+        encode(cache, missing, device, dtype)
+
+
+def with_embeddings(cache: PromptCache, edits: list, cfg, control) -> list:
+    """``edits`` with each prompt's embeddings file filled in (edits that name their own file keep it), once
+    rank 0 has encoded them; ``control`` (a gloo group over the world, or None in a one-process run) carries
+    the files to the other ranks."""
     if control is not None:
-        _share(cache, prompts, control)
+        _share(cache, _prompts(edits, cfg), control)
+    true_cfg = cfg.workload.true_cfg_scale > 1
     return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
             for e in edits]
+
+
+def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dtype: torch.dtype) -> list:
+    """``edits`` with each prompt's embeddings file filled in: global rank 0 encodes what the cache lacks, then
+    every rank gets the files (``with_embeddings``). The worker runs the two steps apart, with a stop point
+    between them (``worker.Run.load``)."""
+    cache = prompt_cache(edits, cfg)
+    if cache is None:
+        return edits
+    if rank == 0:
+        encode_missing(cache, edits, cfg, device, dtype)
+    return with_embeddings(cache, edits, cfg, control)

@@ -66,12 +66,6 @@ def layout_kind(name: str) -> LayoutKind:
     """The registered layout ``name``; one sentence naming the allowed ones if there is none."""
     return LAYOUTS.get(name)
 
-# How long a rank waits at the control group's barriers (after the reference pass, whose length
-# has no useful bound). A rank that dies closes its gloo connections, which fails the barrier at
-# once; the end of the run is watched through the store instead (``launch/job.py``), which names
-# a rank that stops making progress.
-CONTROL_TIMEOUT = timedelta(hours=24)
-
 
 @dataclass(frozen=True)
 class LayoutPlan:
@@ -197,7 +191,7 @@ class Layout:
     rank: int
     groups: dict[str, Optional[object]] = field(default_factory=dict)
     control: Optional[object] = None
-    """A gloo group over the whole world for the end-of-run barrier (None in a one-process run)."""
+    """A gloo group over the whole world, for data rank 0 sends every rank (None in a one-process run)."""
     replica_control: Optional[object] = None
     """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
     nodes: tuple[str, ...] = ()
@@ -236,11 +230,6 @@ class Layout:
             dist.all_reduce(tensor, group=self.groups["sp"])
         return tensor
 
-    def barrier(self) -> None:
-        """Wait for every rank of the run (a no-op in a one-process run)."""
-        if self.control is not None:
-            dist.barrier(group=self.control)
-
 
 def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None,
                  nodes: Sequence[str] = ()) -> Layout:
@@ -266,7 +255,9 @@ def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = Non
             group = dist.new_group(ranks, timeout=collective_timeout)
             if rank in ranks:
                 groups[axis] = group
-    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # Waits of unbounded length (the reference pass) are on the store instead (``launch/job.py``), which
+    # names a rank whose heartbeat stopped; what runs on this group is short once every rank is there.
+    control = dist.new_group(backend="gloo", timeout=collective_timeout)
     return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout), nodes)
 
 
