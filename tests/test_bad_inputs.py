@@ -118,7 +118,7 @@ def _hydra_cases(tmp: Path) -> list[tuple[list[str], str]]:
     return [
         (["workload.stpes=2"], "workload.stpes is not a key of workload (did you mean workload.steps?); allowed: name,"),
         (["workload.steps=abc"], "workload.steps='abc' is not an integer"),
-        (["model=huge"], "model=huge is not a choice of config group 'model'; allowed: flux-dev, krea3-tiny, small, tiny."),
+        (["model=huge"], "model=huge is not a choice of config group 'model'; allowed: editor, flux-dev, krea3-tiny, small, tiny."),
         (["layout.name=???"], "layout.name has no value (???)"),
         (["+colour=1"], "colour is not a ditrun setting"),
         (["workload.steps"], "the override 'workload.steps' cannot be parsed (missing EQUAL at '<EOF>')"),

@@ -58,7 +58,13 @@ def test_quality_fields_relate_ssim_to_the_rerun():
     fields = quality.quality_fields(with_noise(img, 0.05), Reference(image=img, rerun=rerun))
     assert fields["ssim"] < fields["ssim_rerun"] < 1.0
     assert fields["ssim_pct_of_rerun"] == pytest.approx(100 * fields["ssim"] / fields["ssim_rerun"])
-    assert quality.quality_fields(img, None) == {"ssim": None, "ssim_rerun": None, "ssim_pct_of_rerun": None}
+    assert quality.quality_fields(img, None) == dict.fromkeys(quality.QUALITY_FIELDS)
+    # Against a correct result: the run's image and the BF16 reference's, with SSIM on or off.
+    target = with_noise(img, 0.02, seed=2)
+    fields = quality.quality_fields(img, Reference(image=rerun, rerun=rerun), target)
+    assert fields["ssim_target"] == pytest.approx(quality.ssim(img, target))
+    assert fields["ssim_target_bf16"] == pytest.approx(quality.ssim(rerun, target))
+    assert quality.quality_fields(img, None, target)["ssim_target_bf16"] is None
 
 
 def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
