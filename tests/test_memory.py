@@ -45,7 +45,9 @@ def test_an_edit_that_cannot_fit_is_refused_naming_it():
 
 
 def test_free_memory_of_this_machine_is_positive_and_below_its_total():
-    assert 0 < free_bytes(torch.device("cpu")) == available_host_bytes()
+    # Two reads of MemAvailable: the other test worker may allocate in between, so they agree within 1 GiB.
+    free, available = free_bytes(torch.device("cpu")), available_host_bytes()
+    assert 0 < free and abs(free - available) < 2**30
     assert available_host_bytes() <= os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
