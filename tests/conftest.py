@@ -35,7 +35,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
-    """BF16 reference images (ditrun's cache, under $XDG_CACHE_HOME) go to this session's temporary
+    """BF16 reference images (ditrun's cache, under $XDG_CACHE_HOME) go to this pytest run's temporary
     folder, not the user's ~/.cache; ditrun subprocesses inherit the setting."""
     previous = os.environ.get("XDG_CACHE_HOME")
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
