@@ -20,6 +20,12 @@
 #   bash benchmarks/gpu_suite.sh fast-path [STEPS]        (one GPU: precision=fp8_all through the CLI at the published
 #                                                            shape; its forward beside torchao's in one process:
 #                                                            vs-diffusers 20992 "diffusers ditrun-fp8_all diffusers-torchao-fp8")
+#   bash benchmarks/gpu_suite.sh cache [LIMIT] [THRESHOLD] [SETTINGS]  (one GPU: precision=fp8_all through the CLI at the published
+#                                                            shape without a cache, with static masks computing 14 and
+#                                                            10 of 28 steps and with first_block at THRESHOLD (0.3, the
+#                                                            editor's choice), LIMIT edits each; ditrun report over the
+#                                                            four; then the step cache's GPU tests. SETTINGS: a quoted
+#                                                            subset of "none static14 static10 first_block")
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -92,6 +98,27 @@ if [[ $what == fast-path ]]; then
   # step is vs_diffusers.py's ditrun-fp8_all forward (same configuration, composed the same way) at 20992 tokens.
   python3 benchmarks/bench_workload.py --limit 2 --steps "${2:-8}" --out "$OUT" -- precision=fp8_all 2>&1 \
     | tee "$OUT/bench_workload_fp8_all.log" | tail -8
+fi
+if [[ $what == cache ]]; then
+  # One run per setting (each keeps its own directory, so a run cut short leaves the ones before it whole).
+  runs=/tmp/cache-runs; rm -rf "$runs"
+  common=(model=flux-dev workload=benchmark "workload.limit=${2:-3}" precision=fp8_all metrics.ssim=false
+          metrics.report=false wandb.mode=disabled progress=false)
+  for setting in "none cache=none" \
+                 "static14 cache=static cache.compute_first=0 cache.compute_last=0 cache.compute_every=2" \
+                 "static10 cache=static cache.compute_first=0 cache.compute_last=0 cache.compute_every=3" \
+                 "first_block cache=first_block cache.threshold=${3:-0.3}"; do
+    name=${setting%% *}
+    [[ " ${4:-none static14 static10 first_block} " == *" $name "* ]] || continue
+    date +"%T $name" | tee -a "$OUT/cache_runs.log"
+    # shellcheck disable=SC2086
+    python3 -m ditrun "${common[@]}" ${setting#* } hydra.run.dir="$runs/$name" 2>&1 | tee -a "$OUT/cache_runs.log" \
+      | grep -v "^\[" | tail -3
+    cp "$runs/$name/summary.json" "$OUT/cache_summary_$name.json"
+  done
+  python3 -m ditrun report "$runs" --baseline none --out "$OUT/cache_report" 2>&1 | tail -3
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_step_cache.py 2>&1 \
+    | tee "$OUT/tests_cache.log" | tail -4
 fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \

@@ -143,6 +143,33 @@ def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     assert relative_error(halves, want) < MAX_RELATIVE_ERROR
 
 
+COMPILED_GRAPHS: list = []
+
+
+@torch._dynamo.register_backend
+def ditrun_test_counting(graph, example_inputs):
+    """A torch.compile backend that counts what it is given and runs it eagerly."""
+    COMPILED_GRAPHS.append(graph)
+    return graph.forward
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
+def test_blocks_of_one_class_compile_once(guarded):
+    """Every block of a class runs the graph its first block compiled (with a backend per block, Dynamo
+    recompiled for each block: 57 compilations on FLUX.1-dev, and past the recompile limit, eager)."""
+    torch._dynamo.reset()
+    COMPILED_GRAPHS.clear()
+    guard = (lambda compile_graph: compile_graph()) if guarded else None
+    compiled = _built(speed=CompilePlan(compile=True, fuse=True, backend="ditrun_test_counting", guard=guard))
+    inputs = _inputs()
+    with torch.no_grad():
+        compiled.model(**inputs, attention=compiled.attention)
+        compiled.model(**inputs, attention=lambda q, k, v: sdpa_attention(q, k, v))
+    # 2 double and 2 single blocks: one whole-block graph and two halves per class.
+    assert len(compiled.model.transformer_blocks) == len(compiled.model.single_transformer_blocks) == 2
+    assert len(COMPILED_GRAPHS) == 2 * 3
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", ["fp8", "krea"])  # krea: MX repack, stacked FP8, INT8-QK attention
 def test_quantized_models_trace_as_one_graph_per_half(precision):

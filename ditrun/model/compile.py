@@ -221,15 +221,16 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
     dynamo = torch._dynamo.config
     dynamo.cache_size_limit = max(dynamo.cache_size_limit, RECOMPILE_LIMIT)
     blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    # Static shapes: the dispatch table picks a backend per row count, and an edit has few shapes.
+    # Bound methods of one class share their code object; with one backend for all of them (Dynamo
+    # checks the backend too), every block of a class reuses the graph the first one compiled.
+    options = {"coordinate_descent_tuning": True} if tuning else None
+    compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+    if guard is not None:
+        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
+                                     backend=_guarded(backend, options, guard))
     for block in blocks:
         assert isinstance(block, (DoubleStreamBlock, SingleStreamBlock))
-        # Static shapes: the dispatch table picks a backend per row count, and an edit has few shapes.
-        # Bound methods of one class share their code object, so all blocks of a class share a graph.
-        options = {"coordinate_descent_tuning": True} if tuning else None
-        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
-        if guard is not None:
-            compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
-                                         backend=_guarded(backend, options, guard))
         regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
                           compiled(block.joint) if attention is not None else None, attention)
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
