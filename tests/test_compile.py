@@ -155,8 +155,8 @@ def ditrun_test_counting(graph, example_inputs):
 
 @pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
 def test_blocks_of_one_class_compile_once(guarded):
-    """Every block of a class runs the graph its first block compiled (with a backend per block, Dynamo
-    recompiled for each block: 57 compilations on FLUX.1-dev, and past the recompile limit, eager)."""
+    """Every block of a class runs the graph its first block compiled (a backend per block would make Dynamo
+    recompile the same code once per block: 57 compilations on FLUX.1-dev, and past the recompile limit, eager)."""
     torch._dynamo.reset()
     COMPILED_GRAPHS.clear()
     guard = (lambda compile_graph: compile_graph()) if guarded else None

@@ -85,3 +85,29 @@ def test_speedup_is_against_the_single_process_bf16_run_and_needs_no_wandb(tmp_p
 def test_report_of_a_directory_without_runs_is_one_sentence(tmp_path, capsys, make, message):
     assert report_main([str(make(tmp_path))]) == 2  # what `ditrun report PATH` exits with
     assert capsys.readouterr().err == f"ditrun: error: {make(tmp_path)} {message}\n"
+
+
+@pytest.mark.timeout(300)
+def test_a_run_of_picture_files_draws_its_edits_and_a_moved_picture_leaves_a_blank_cell(tmp_path):
+    """edits.png for references given as files (records name them by absolute path) and as skimage pictures;
+    a picture moved away later leaves its cell blank, and the report still ends well."""
+    from skimage import data
+
+    io.imsave(tmp_path / "cat.png", data.chelsea()[::4, ::4])
+    manifest = tmp_path / "edits.yaml"
+    manifest.write_text(json.dumps([{"id": "cat", "image": "cat.png", "prompt": "make it black and white",
+                                     "target": "grayscale"},
+                                    {"id": "rocket", "image": "skimage:rocket", "prompt": "invert the colours"}]))
+    run_dir = tmp_path / "run"
+    done = ditrun(*TINY, f"workload.manifest={manifest}", "metrics.ssim=false", "wandb.mode=disabled",
+                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in (run_dir / "edits.jsonl").read_text().splitlines()]
+    assert [r["reference"] for r in records] == [str(tmp_path / "cat.png"), "skimage:rocket"]
+    _chart_ok(run_dir / "edits.png")
+    assert "edits.png" in (run_dir / "report.md").read_text()
+
+    (tmp_path / "cat.png").rename(tmp_path / "moved.png")
+    (run_dir / "edits.png").unlink()
+    assert report_main([str(run_dir)]) == 0
+    _chart_ok(run_dir / "edits.png")

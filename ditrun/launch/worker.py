@@ -98,6 +98,11 @@ def git_revision(where: Path = Path(__file__).parent) -> str:
     return (commit + ("+modified" if modified else "")) or "unknown"
 
 
+def _source(image: str) -> str:
+    """An edit's picture as its record names it: ``skimage:<name>``, or the file's absolute path."""
+    return image if image.startswith("skimage:") else str(Path(image).resolve())
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -285,7 +290,8 @@ class Run:
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
             **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
             "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
-            "precision_map": self.precision.formats(), "target": edit.target, **measured,
+            "precision_map": self.precision.formats(), "reference": _source(edit.image), "target": edit.target,
+            **measured,
             "fingerprint": rundir.fingerprint(self.settings[edit.id]), "settings": self.settings[edit.id],
         }
 

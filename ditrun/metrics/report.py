@@ -270,7 +270,7 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
     # One run has nothing to choose from: its own report keeps to its table and charts, and draws its edits.
     choice_lines = choosing.summary_lines(runs, choice) if len(runs) > 1 else []
     has_pareto = bool(choice_lines) and plot_pareto(runs, choice, out_dir / choosing.PARETO_CHART)
-    strip = write_strip(runs[0].path, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
+    strip = write_strip(runs[0].path, runs[0].records, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
     markdown = markdown_report(runs, rows, chosen, has_ssim, choice_lines, has_pareto)
     if strip is not None:
         markdown += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"

@@ -3,59 +3,72 @@ edit names one) correct result. ``ditrun report`` writes it as ``edits.png`` for
 
 from __future__ import annotations
 
-import json
+import warnings
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 STRIP_CHART = "edits.png"
+MAX_ROWS = 12
+"""Edits drawn at most (the first ones): a picture of hundreds of rows is neither readable nor drawable."""
 
 
-def _reference(settings: dict, width: int, height: int) -> np.ndarray:
-    from ditrun.workload import Edit, load_image
+def _edit(record: dict, image: str, target: Optional[str] = None):
+    from ditrun.workload import Edit
 
-    edit = Edit(index=0, id="strip", image=settings["image"], prompt="", seed=0, width=width, height=height,
-                ref_width=width, ref_height=height)
-    return load_image(edit)[0].permute(1, 2, 0).numpy()
-
-
-def _target(record: dict, settings: dict) -> Optional[np.ndarray]:
-    from ditrun.workload import Edit, target_image
-
-    if not record.get("target"):
-        return None
-    edit = Edit(index=0, id=record["edit"], image=settings["image"], prompt="", seed=0, width=record["width"],
-                height=record["height"], ref_width=record["width"], ref_height=record["height"],
-                target=record["target"])
-    return target_image(edit)
+    w, h = record["width"], record["height"]
+    return Edit(index=0, id=record["edit"], image=image, prompt="", seed=0, width=w, height=h, ref_width=w,
+                ref_height=h, target=target)
 
 
-def write_strip(run_dir: Path, path: Path, plt) -> Optional[Path]:
-    """``edits.png`` for the run in ``run_dir``, drawn with ``plt`` (matplotlib's pyplot, set up by the report);
-    None when its records do not say what each edit was."""
+def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.ndarray], list[str]]:
+    """The row's pictures, 8-bit RGB, and their titles; a picture that cannot be read is a white cell saying so."""
     from skimage import io
 
-    lines = (run_dir / "edits.jsonl").read_text().splitlines() if (run_dir / "edits.jsonl").is_file() else []
-    records = [r for r in map(json.loads, filter(None, lines)) if r.get("settings", {}).get("edit")]
+    from ditrun.workload import load_image, target_image
+
+    output = io.imread(run_dir / record["image"])[..., :3]
+    blank = np.full_like(output, 255)
+    source = record.get("reference")
+    try:
+        reference = np.round(load_image(_edit(record, source))[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+        reference_title = record["edit"]
+    except Exception:  # noqa: BLE001 - moved or unreadable: the row still shows the output
+        reference, reference_title = blank, f"{record['edit']} (reference not found)"
+    pictures = [reference, output]
+    titles = [reference_title, f"\"{record['settings']['edit']['prompt']}\""]
+    if with_target:
+        ssim = record.get("ssim_target")
+        try:
+            target = target_image(_edit(record, source, record.get("target")))
+        except Exception:  # noqa: BLE001
+            target = None
+        pictures.append(blank if target is None else target)
+        titles.append("correct edit" + (f" (SSIM {ssim:.2f})" if ssim is not None else ""))
+    return pictures, titles
+
+
+def write_strip(run_dir: Path, records: list[dict], path: Path, plt) -> Optional[Path]:
+    """``edits.png`` of a run's first ``MAX_ROWS`` ``records`` (``results.finished_edits``), drawn with ``plt``
+    (matplotlib's pyplot, set up by the report); None when no record says which picture it edited. A failure
+    to draw is a warning: the report of a finished run never fails on its picture."""
+    records = [r for r in records if isinstance(r.get("reference"), str)][:MAX_ROWS]
     if not records:
         return None
     columns = 3 if any(r.get("target") for r in records) else 2
-    fig, axes = plt.subplots(len(records), columns, figsize=(2.6 * columns, 2.6 * len(records)), squeeze=False)
-    for row, record in zip(axes, records):
-        settings = record["settings"]["edit"]
-        pictures = [_reference(settings, record["width"], record["height"]), io.imread(run_dir / record["image"])]
-        titles = [f"{record['edit']}", f"\"{settings['prompt']}\""]
-        target = _target(record, settings)
-        if columns == 3:
-            pictures.append(target if target is not None else np.ones_like(pictures[1]))
-            ssim = record.get("ssim_target")
-            titles.append("correct edit" + (f" (SSIM {ssim:.2f})" if ssim is not None else ""))
-        for ax, picture, title in zip(row, pictures, titles):
-            ax.imshow(picture)
-            ax.set_title(title, fontsize=8)
-            ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        fig, axes = plt.subplots(len(records), columns, figsize=(2.6 * columns, 2.6 * len(records)), squeeze=False)
+        for row, record in zip(axes, records):
+            for ax, picture, title in zip(row, *_pictures(record, run_dir, columns == 3)):
+                ax.imshow(picture)
+                ax.set_title(title, fontsize=8)
+                ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+    except Exception as err:  # noqa: BLE001
+        warnings.warn(f"ditrun: {path.name} was not drawn ({type(err).__name__}: {err}).", stacklevel=2)
+        plt.close("all")
+        return None
     return path
