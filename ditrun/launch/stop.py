@@ -68,6 +68,7 @@ class StopRequest:
         self._watching = False
         self._raising = 0  # depth of ``raising`` blocks the main thread is in
         self._raised = False
+        self._self_sent: Optional[int] = None  # the signal ``interrupt`` sent and the handler has not yet seen
         self.failure: Optional[BaseException] = None
 
     def request(self, signum: int, reason: str = "") -> None:
@@ -111,6 +112,7 @@ class StopRequest:
         sleep or a system call)."""
         signum = self.signum or (signal.SIGUSR1 if self.failure is not None else None)
         if self._raising and self._previous and signum is not None and not self._raised:
+            self._self_sent = signum
             signal.pthread_kill(threading.main_thread().ident, signum)
 
     def install(self, relay: Optional[Callable[[int], None]] = None) -> "StopRequest":
@@ -130,9 +132,12 @@ class StopRequest:
         self._previous.clear()
 
     def _handle(self, signum, _frame) -> None:
+        self_sent, self._self_sent = self._self_sent == signum, None
         if self.failure is not None and self._raising and not self._raised:
             self._raised = True
             raise self.failure  # sent by ``interrupt``: not a stop request
+        if self_sent and self.failure is not None:
+            return  # ``interrupt``'s signal, come after the block it was to end: the failure stands, nobody asked to stop
         self.request(signum)
         if self._relay is not None:
             self._relay(signum)
