@@ -241,8 +241,8 @@ def _autocast(device: torch.device):
 def sample_sigmas(n: int, tokens: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     """Logit-normal noise levels, shifted as Flux's sampler shifts its schedule at ``tokens`` output tokens."""
     u = torch.sigmoid(torch.randn(n, generator=gen, device=device))
-    mu = math.exp(time_shift_mu(tokens))
-    return mu / (mu + (1 / u - 1))
+    shift = math.exp(time_shift_mu(tokens))
+    return shift / (shift + (1 / u - 1))
 
 
 class Pool:
@@ -252,8 +252,8 @@ class Pool:
     def __init__(self, cfg: TrainConfig, crops: Crops, codec: Codec, size: int, chunk: int = 64):
         self.names = transforms.EDITS.names()
         refs, targets = [], [[] for _ in self.names]
-        for _ in range(0, size, chunk):
-            ref = crops.batch(chunk, cfg.size)
+        for start in range(0, size, chunk):
+            ref = crops.batch(min(chunk, size - start), cfg.size)
             refs.append(pack(codec.encode(ref)).bfloat16())
             for kind, name in enumerate(self.names):
                 targets[kind].append(pack(codec.encode(transforms.apply(name, ref))).bfloat16())
@@ -434,11 +434,11 @@ class Log:
         if row["step"] % 500 == 0:
             print("train:", json.dumps(row), flush=True)
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: dict, exit_code: int = 0) -> None:
         self.file.close()
         if self.run is not None:
             self.run.summary.update(summary)
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
 
 
 def save_folder(out: Path, vae, dit: FluxDiT) -> None:
@@ -464,31 +464,35 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device, vae_
     log_dir.mkdir(parents=True, exist_ok=True)
     parts.write_text_parts(out, cfg.seed)
     log = Log(log_dir, cfg)
-    times = {}
-    gen = torch.Generator().manual_seed(cfg.seed)
-    crops = Crops(pictures.TRAIN, device, gen)
-    start = time.perf_counter()
-    vae = load_vae(vae_from, device) if vae_from else train_vae(cfg, crops, device, log)
-    times["vae_s"] = time.perf_counter() - start
-    texts = [EMPTY_PROMPT] + transforms.prompts()
-    table = encode_prompts(out, texts, cfg.text_len, device)
-    prompt_index = {text: i for i, text in enumerate(texts)}
-    codec = Codec(vae)
-    start = time.perf_counter()
-    pool = Pool(cfg, crops, codec, cfg.pool)
-    times["pool_s"] = time.perf_counter() - start
-    dit, times["dit_steps"] = train_dit(cfg, Batches(cfg, pool, prompt_index, gen), table, device, log)
-    times["dit_s"] = time.perf_counter() - start - times["pool_s"]
-    start = time.perf_counter()
-    result = evaluate(dit, codec, table, prompt_index, cfg, device)
-    times["eval_s"] = time.perf_counter() - start
-    save_folder(out, vae, dit)
-    record = {"config": dataclasses.asdict(cfg), "vae_from": str(vae_from) if vae_from else None, "times": times,
-              "device": _device_name(device),
-              "versions": _versions()}
-    (log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
-    print("train: seconds", {k: round(v, 1) for k, v in times.items()}, flush=True)
-    (log_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        times = {}
+        gen = torch.Generator().manual_seed(cfg.seed)
+        crops = Crops(pictures.TRAIN, device, gen)
+        start = time.perf_counter()
+        vae = load_vae(vae_from, device) if vae_from else train_vae(cfg, crops, device, log)
+        times["vae_s"] = time.perf_counter() - start
+        texts = [EMPTY_PROMPT] + transforms.prompts()
+        table = encode_prompts(out, texts, cfg.text_len, device)
+        prompt_index = {text: i for i, text in enumerate(texts)}
+        codec = Codec(vae)
+        start = time.perf_counter()
+        pool = Pool(cfg, crops, codec, cfg.pool)
+        times["pool_s"] = time.perf_counter() - start
+        dit, times["dit_steps"] = train_dit(cfg, Batches(cfg, pool, prompt_index, gen), table, device, log)
+        times["dit_s"] = time.perf_counter() - start - times["pool_s"]
+        start = time.perf_counter()
+        result = evaluate(dit, codec, table, prompt_index, cfg, device)
+        times["eval_s"] = time.perf_counter() - start
+        save_folder(out, vae, dit)
+        record = {"config": dataclasses.asdict(cfg), "vae_from": str(vae_from) if vae_from else None, "times": times,
+                  "device": _device_name(device),
+                  "versions": _versions()}
+        (log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
+        print("train: seconds", {k: round(v, 1) for k, v in times.items()}, flush=True)
+        (log_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    except BaseException:
+        log.finish({}, exit_code=1)  # the losses so far stay readable; the W&B run ends as failed
+        raise
     log.finish({"eval/" + k: v for k, v in summarize(result).items()})
     return result
 
@@ -521,7 +525,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     for f in dataclasses.fields(TrainConfig):
         if f.type in ("int", "float"):
-            parser.add_argument("--" + f.name.replace("_", "-"), type=eval(f.type), default=f.default)
+            parser.add_argument("--" + f.name.replace("_", "-"), type={"int": int, "float": float}[f.type],
+                                default=f.default)
     args = parser.parse_args(argv)
     settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if hasattr(args, f.name)}
     cfg = TrainConfig(**settings)

@@ -19,7 +19,7 @@ from ditrun.registry import Registry
 # images: [B, 3, H, W] in [0, 1] -> [B, 3, H, W] in [0, 1]
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
-# ITU-R BT.601 luma weights, as PIL's convert("L") and scikit-image's rgb2gray of old.
+# ITU-R BT.601 luma weights, as PIL's convert("L").
 LUMA = (0.299, 0.587, 0.114)
 # The common sepia matrix (rows: output R, G, B).
 SEPIA = ((0.393, 0.769, 0.189), (0.349, 0.686, 0.168), (0.272, 0.534, 0.131))

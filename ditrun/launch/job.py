@@ -80,9 +80,13 @@ class BoundedStore:
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._serve, daemon=True, name="ditrun-store-requests").start()
 
+    def close(self) -> None:
+        """End the request thread once the requests already asked are answered."""
+        self._requests.put(None)
+
     def _serve(self) -> None:
-        while True:
-            request, args, answer, answered = self._requests.get()
+        while (item := self._requests.get()) is not None:
+            request, args, answer, answered = item
             try:
                 answer.append(getattr(self._store, request)(*args))
             except BaseException as err:  # handed to the caller, whatever it is
@@ -223,6 +227,7 @@ class StoreJob(LocalJob):
                 self._answered = time.monotonic()
                 self._relay_stop(store)
                 self._heart_stop.wait(HEARTBEAT_S)
+            store.close()
         except StoreUnanswered:
             # Rank 0 froze (or its node went away) while this rank may be working alone for an hour: end
             # that work now (``StopRequest.fail``), naming it, rather than at this rank's next wait.

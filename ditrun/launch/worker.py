@@ -194,7 +194,7 @@ class Run:
         described.pop("format")
         # The backend is left out, like the layout: fast kernels match the exact emulation.
         settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
-        if self.cfg.cache.name != "none":  # absent without a cache, so results written before caching existed resume
+        if self.cfg.cache.name != "none":  # absent without a cache: an uncached edit names no cache keys
             settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
         return settings
 

@@ -105,7 +105,7 @@ def steps_cell(run) -> str:
 
 
 def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
-    """The report table's columns for one run: cache, steps, quality %, meets target."""
+    """The report table's last two columns for one run: quality % and whether it meets the target."""
     pct = choice.pcts[index]
     mark = "yes" if choice.meets[index] else ("-" if pct is None else "no")
     if index == choice.fastest:

@@ -139,17 +139,19 @@ class ReferenceCache:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
         height, width = reference.image.shape[:2]
         sidecar = {"key": key, "width": width, "height": height, "pixels_sha256": {}, "description": description}
-        for name, pixels in zip(IMAGE_FILES, (reference.image, reference.rerun)):
-            save_png(pixels, tmp / name)
-            sidecar["pixels_sha256"][name] = pixel_checksum(pixels)
-        # Each file and the folder are flushed (write_file): the rename below must never publish a name whose data
-        # is not on disk yet.
-        write_file(tmp / KEY_FILE, json.dumps(sidecar, indent=2, default=str).encode())
         try:
+            for name, pixels in zip(IMAGE_FILES, (reference.image, reference.rerun)):
+                save_png(pixels, tmp / name)
+                sidecar["pixels_sha256"][name] = pixel_checksum(pixels)
+            # Each file and the folder are flushed (write_file): the rename below must never publish a name whose
+            # data is not on disk yet.
+            write_file(tmp / KEY_FILE, json.dumps(sidecar, indent=2, default=str).encode())
             os.rename(tmp, self.root / key)
-        except OSError:  # another process stored the same key first; its images are as good
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
-            return
+            if isinstance(err, OSError) and (self.root / key).is_dir():
+                return  # another process stored the same key first; its images are as good
+            raise
         fsync_folder(self.root)
 
     def discard(self, key: str) -> None:

@@ -189,7 +189,12 @@ class RunLock:
     @staticmethod
     def _refresh(path: Path, stop: threading.Event) -> None:
         while not stop.wait(LEASE_REFRESH_S):
-            os.utime(path)
+            try:
+                os.utime(path)
+            except OSError as err:
+                print(f"ditrun: warning: the lease {path} cannot be refreshed ({err}); another run may take the "
+                      "directory once it is stale", file=sys.stderr, flush=True)
+                return
 
 
 def _written_holder(path: Path, wait_s: float = 2.0) -> str:
@@ -368,7 +373,7 @@ def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list
 
     A directory whose records were made by a run with other ``settings`` (``run_settings``) is refused naming the
     differences, as is one holding an edit of this run made with other ``edit_settings``. A directory without
-    records is anyone's; one with records but no ``run.json`` (an older ditrun's) is adopted. This run's edits join
+    records is anyone's; one with records but no readable ``run.json`` is adopted. This run's edits join
     the directory's, so a rerun of a prefix of the workload keeps the others.
     """
     found = found_records(out_dir)

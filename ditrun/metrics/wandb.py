@@ -181,5 +181,7 @@ def log_sweep_table(cfg, sweep_dir: Path, key: str, columns, rows: list[list]) -
 
     group = sweep_group(cfg, sweep_dir)
     run = _init(cfg, sweep_dir, group=group, name=f"{group}-{key}", job_type="report", tags=list(cfg.wandb.tags))
-    run.log({key: wandb.Table(columns=list(columns), data=rows)})
-    run.finish()
+    try:
+        run.log({key: wandb.Table(columns=list(columns), data=rows)})
+    finally:
+        run.finish()

@@ -225,8 +225,9 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
     # Bound methods of one class share their code object; with one backend for all of them (Dynamo
     # checks the backend too), every block of a class reuses the graph the first one compiled.
     options = {"coordinate_descent_tuning": True} if tuning else None
-    compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
-    if guard is not None:
+    if guard is None:
+        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
+    else:
         compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
                                      backend=_guarded(backend, options, guard))
     for block in blocks:
