@@ -109,8 +109,8 @@ def paused_pid(process: subprocess.Popen, log: Path, rank: int, phase: str) -> i
 def test_a_frozen_rank_fails_the_job_naming_it(tmp_path, frozen):
     """A rank that stops itself mid-edit (SIGSTOP: alive, silent, its connections open). Rank 0 also
     serves the rendezvous store: the other rank's requests to it go unanswered, and are bounded too."""
-    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "workload.steps=3", "metrics.ssim=false",
-                         f"launcher.fault.freeze_rank={frozen}", "launcher.fault.crash_at_step=1")
+    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "workload.steps=3",
+                         "metrics.ssim=false", f"launcher.fault.freeze_rank={frozen}", "launcher.fault.crash_at_step=1")
     assert process.wait(timeout=200) == 1, log.read_text()
     wait_until_gone(process.pid, 15)
     last = log.read_text().strip().splitlines()[-1]
@@ -129,8 +129,8 @@ def test_a_rank_frozen_between_phases_is_named(tmp_path, frozen, pause_rank):
     rank 1's heartbeat, rank 1 asks rank 0's store), or is still building alone itself, where only its
     heartbeat, asking rank 0's store, can notice."""
     pause = [] if pause_rank is None else [f"launcher.fault.pause_rank={pause_rank}"]
-    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "launcher.fault.pause_in=build", "metrics.ssim=false",
-                         *pause)
+    process, log = start(tmp_path, *SPAWNED, "launcher.collective_timeout_s=5", "launcher.fault.pause_in=build",
+                         "metrics.ssim=false", *pause)
     pid = paused_pid(process, log, frozen, "build")
     if pause_rank is None:
         paused_pid(process, log, 1 - frozen, "build")

@@ -137,7 +137,8 @@ class StopRequest:
             self._raised = True
             raise self.failure  # sent by ``interrupt``: not a stop request
         if self_sent and self.failure is not None:
-            return  # ``interrupt``'s signal, come after the block it was to end: the failure stands, nobody asked to stop
+            # ``interrupt``'s signal, come after the block it was to end: the failure stands, nobody asked to stop.
+            return
         self.request(signum)
         if self._relay is not None:
             self._relay(signum)

@@ -26,13 +26,14 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
     """The row's pictures, 8-bit RGB, and their titles; a picture that cannot be read is a white cell saying so."""
     from skimage import io
 
+    from ditrun.metrics.results import to_rgb8
     from ditrun.workload import load_image, target_image
 
     output = io.imread(run_dir / record["image"])[..., :3]
     blank = np.full_like(output, 255)
     source = record.get("reference")
     try:
-        reference = np.round(load_image(_edit(record, source))[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+        reference = to_rgb8(load_image(_edit(record, source)))
         reference_title = record["edit"]
     except Exception:  # noqa: BLE001 - moved or unreadable: the row still shows the output
         reference, reference_title = blank, f"{record['edit']} (reference not found)"
