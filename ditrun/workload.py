@@ -207,17 +207,15 @@ def target_image(edit: Edit) -> Optional[np.ndarray]:
     named edit applied to the reference resized to the output size, or the target file resized to it."""
     if edit.target is None:
         return None
-    from PIL import Image
-
     from ditrun.editor.transforms import EDITS, apply
+    from ditrun.metrics.results import to_rgb8
 
     if edit.target in EDITS:
         source = dataclasses.replace(edit, ref_width=edit.width, ref_height=edit.height)
-        rgb = apply(edit.target, load_image(source))[0].permute(1, 2, 0).numpy()
-        return np.round(rgb * 255).astype(np.uint8)
+        return to_rgb8(apply(edit.target, load_image(source)))
     picture = dataclasses.replace(edit, image=edit.target, ref_width=edit.width, ref_height=edit.height)
     _check_image_file(picture)
-    return np.round(load_image(picture)[0].permute(1, 2, 0).numpy() * 255).astype(np.uint8)
+    return to_rgb8(load_image(picture))
 
 
 def _snap_down(size: int) -> int:
