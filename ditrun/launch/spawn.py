@@ -14,7 +14,6 @@ itself is killed outright, each rank notices its parent is gone (``stop.py``) an
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pickle
@@ -190,12 +189,10 @@ def _exit_description(code: int) -> str:
 
 
 def _stop(processes) -> None:
-    """Terminate, then kill, whatever is still running (a stopped process is continued to take the SIGTERM)."""
+    """Terminate, then kill, whatever is still running."""
     for process in processes:
         if process.exitcode is None:
             process.terminate()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
     for process in processes:
         process.join(timeout=5)
         if process.exitcode is None:
