@@ -36,6 +36,7 @@ _job_started = False
 def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.launch import WorkerFailed, launch
     from ditrun.launch.stop import RunStopped
+    from ditrun.metrics import full_quality
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
 
@@ -49,6 +50,7 @@ def _hydra_main(cfg: RunConfig) -> None:
         hydra_files = _hydra_files(cfg)  # the config as composed, before the sweep's W&B defaults
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
+            full_quality.apply_sweep_defaults(cfg, hydra_cfg.sweep.dir)  # one reference for the whole sweep
         launch(cfg, out_dir, hydra_files)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)

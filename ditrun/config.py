@@ -299,10 +299,17 @@ class MetricsConfig:
     min_ssim_pct: Optional[float] = None
     """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
     own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
-    quality: str = "rerun"
-    """Which SSIM judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``rerun`` (``ssim_pct_of_rerun``),
-    ``bf16`` (SSIM against the BF16 output) or ``target`` (SSIM against each edit's correct result, as a share of
-    the BF16 run's own; docs/METRICS.md)."""
+    quality: str = "auto"
+    """What judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``target`` (PSNR against each edit's
+    correct result as a share of the full-quality reference's, with no fewer edits beating every naive candidate),
+    ``rerun`` (``ssim_pct_of_rerun``), ``bf16`` (SSIM against the BF16 output), or ``auto``: ``target`` when the
+    workload names correct results, else ``rerun`` (docs/METRICS.md)."""
+    reference_steps: Optional[int] = None
+    """Denoising steps of the full-quality reference every verdict compares against (BF16, no cache); unset: the
+    run's own ``workload.steps``, or in a Hydra sweep that varies ``workload.steps``, the sweep's largest."""
+    reference_true_cfg_scale: Optional[float] = None
+    """True CFG scale of the full-quality reference; unset: the run's own ``workload.true_cfg_scale``, or in a Hydra
+    sweep that varies it, the sweep's largest."""
     report: bool = True
     """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
     directory when a multirun ends)."""

@@ -17,6 +17,7 @@ import functools
 import platform
 import subprocess
 import time
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,8 @@ from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
 from ditrun import cache, metrics
-from ditrun.metrics import quality, reference, results, rundir, timing
+from ditrun.metrics import full_quality, quality, reference, results, rundir, timing
+from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
@@ -44,8 +46,7 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import (Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits,
-                             target_image)
+from ditrun.workload import Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -134,6 +135,7 @@ class Run:
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
         self.built = None
+        self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
 
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
@@ -158,7 +160,7 @@ class Run:
         self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
         self.references = self._references(job) if cfg.metrics.ssim else None
-        self.targets = {e.id: target_image(e) for e in self.edits if e.target is not None}
+        self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None}
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
@@ -192,8 +194,11 @@ class Run:
         _, described = reference.reference_key(self.cfg, self.geometry, edit, self.placement.dtype,
                                                self.placement.device.type)
         described.pop("format")
-        # The backend is left out, like the layout: fast kernels match the exact emulation.
-        settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        # The key's sampling settings are the reference's; the edit's own are the run's, and its scores are against
+        # that reference. The backend is left out, like the layout: fast kernels match the exact emulation.
+        settings = {**described, **reference.sampling(self.cfg.workload), "reference": reference.sampling(
+            full_quality.reference_workload(self.cfg)),
+            "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
         if self.cfg.cache.name != "none":  # absent without a cache: an uncached edit names no cache keys
             settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
         return settings
@@ -299,12 +304,15 @@ class Run:
                 startup: Optional[list[dict]] = None) -> dict:
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_id": self.run_id,
             "edits": len(records),
             "complete": len(records) == len(self.directory_edits),
             "stopped": str(stopped) if stopped else None,
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
+            "reference": reference.sampling(full_quality.reference_workload(self.cfg)),
+            "quality_measure": quality.measure_name(self.cfg.metrics.quality, [quality.quality_summary(records)]),
             **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
@@ -362,7 +370,8 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
     settings = state.run_settings()
     state.directory_edits = rundir.claim(out_dir, settings, state.settings)
     done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
-    rundir.record_run(out_dir, settings, state.directory_edits)
+    state.run_id = uuid.uuid4().hex
+    rundir.record_run(out_dir, settings, state.directory_edits, state.run_id)
     if hydra_files is not None:
         hydra_files.write(out_dir)
     _print_start(state, out_dir, len(done))
@@ -458,15 +467,22 @@ def _cell(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _margin_cell(record: dict) -> str:
+    return "= input" if record.get("target_equals_input") else _cell(record.get("margin_db"), "+.2f")
+
+
 def print_table(records: list[dict], summary: dict) -> None:
-    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "SSIM target",
-             "(BF16)", "image")]
+    """The run's edits, one row each; the headline quality is against the correct edit (PSNR, its margin over
+    doing nothing and every wrong edit, the colour error), beside SSIM against the BF16 reference."""
+    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "PSNR target",
+             "margin dB", "dE00", "(BF16)", "image")]
     for r in records:
         steps = f"{r['steps_computed']}/{r['steps']}" if r.get("steps_cached") else str(r["steps"])  # computed/all
         rows.append((r["edit"], f"{r['width']}x{r['height']}", steps, f"{r['dit_s']:.3f}",
                      f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
                      _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"),
-                     _cell(r.get("ssim_target"), ".4f"), _cell(r.get("ssim_target_bf16"), ".4f"), r["image"]))
+                     _cell(r.get("psnr_target"), ".2f"), _margin_cell(r), _cell(r.get("delta_e_target"), ".1f"),
+                     _cell(r.get("psnr_target_bf16"), ".2f"), r["image"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -474,8 +490,9 @@ def print_table(records: list[dict], summary: dict) -> None:
           f"images/s: {summary['images_per_s']:.3f}   "
           f"exposed transfer: {_cell(summary['exposed_transfer_pct_median'], '.1f')}%   "
           f"SSIM: {_cell(summary['ssim_median'], '.4f')} ({_cell(summary['ssim_pct_of_rerun_median'], '.2f')}% of rerun)   "
-          f"SSIM against the correct edit: {_cell(summary.get('ssim_target_median'), '.4f')}   "
           f"device: {summary['device']} ({summary['dtype']})")
+    if summary.get("edits_right_share") is not None:
+        print(targets.describe(summary))
 
 
 def print_locations(cfg, summary: dict, out_dir: Path, report_file: Optional[Path]) -> None:

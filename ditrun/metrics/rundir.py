@@ -387,9 +387,10 @@ def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list
     return known + [edit for edit in edit_settings if edit not in known]
 
 
-def record_run(out_dir: Path, settings: dict, edits: list[str]) -> None:
-    """``run.json``: the settings the directory belongs to and its edits (after ``claim``)."""
-    run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits}
+def record_run(out_dir: Path, settings: dict, edits: list[str], run_id: Optional[str] = None) -> None:
+    """``run.json``: the settings the directory belongs to, its edits (after ``claim``), and the id of the run that
+    claimed it last, which its summary repeats once written (a summary with another id is an earlier run's)."""
+    run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits, "run_id": run_id}
     results.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
 
 
