@@ -26,7 +26,7 @@ from ditrun.errors import UserError
 
 register_configs()
 
-# Runs of a multirun that failed the SSIM gate: the sweep goes on, and the command exits 1 at its end.
+# Runs of a multirun that failed the quality gate: the sweep goes on, and the command exits 1 at its end.
 _gate_failures: list[str] = []
 # Set when Hydra hands the job over: an OSError before that is Hydra's, making or writing the run directory.
 _job_started = False
@@ -134,7 +134,7 @@ def main() -> None:
         sys.exit(tune_main(sys.argv[2:]))
     _compose_and_run()
     if _gate_failures:
-        print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the SSIM gate:", file=sys.stderr)
+        print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the quality gate:", file=sys.stderr)
         for failure in _gate_failures:
             print(f"  {failure}", file=sys.stderr)
         sys.exit(1)

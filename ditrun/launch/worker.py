@@ -160,7 +160,8 @@ class Run:
         self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
         self.references = self._references(job) if cfg.metrics.ssim else None
-        self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None}
+        # Seeded random weights make structured noise: scored against a correct edit, that is drift, not quality.
+        self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None and cfg.model.path}
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
@@ -335,7 +336,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     done with the same settings) before any model is built, and every rank receives its
     decision through ``job``. Each replica's writer appends its own records; once every rank
     has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
-    and applies the SSIM gate. A stop signal ends loading at once (``Run.solo``, ``job.barrier``)
+    and applies the quality gate. A stop signal ends loading at once (``Run.solo``, ``job.barrier``)
     or the edit loop at a step boundary; the run then ends the same way and raises ``RunStopped``.
     ``nodes`` is every rank's node, as the rendezvous found them (empty: all on one node). ``hydra_files`` are
     written once the directory is claimed.
@@ -422,10 +423,10 @@ def _stop_if_asked(job: LocalJob, layout) -> None:
 
 def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped],
             startup: list[dict]) -> dict:
-    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate.
+    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the quality gate.
 
     A stopped run writes its summary (``complete: false``) and closes its W&B run, but leaves the
-    report and the SSIM gate to the run that completes the workload.
+    report and the quality gate to the run that completes the workload.
     """
     cfg = state.cfg
     done = results.finished_edits(out_dir)

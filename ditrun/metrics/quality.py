@@ -25,12 +25,12 @@ SSIM_FIELDS = ("ssim", "ssim_rerun", "ssim_pct_of_rerun", "ssim_target", "ssim_t
 # right).
 QUALITY_FIELDS = (*SSIM_FIELDS[:3], *TARGET_FIELDS, *SSIM_FIELDS[3:])
 DEFAULT_TARGET_PCT = 98.0
-"""The quality target when ``metrics.min_ssim_pct`` is unset: within 2% of the BF16 run's own score."""
+"""The quality target when ``metrics.min_ssim_pct`` is unset: within 2% of the full-quality reference's score."""
 
 
 class QualityGateError(RuntimeError):
-    """A verdict on the run's quality, in one sentence: its SSIM is below ``metrics.min_ssim_pct`` (the message
-    says by how much), or an edit's reference is broken (``reference.BrokenReference``). Exit status 1."""
+    """A verdict on the run's quality, in one sentence: it is below ``metrics.min_ssim_pct`` (the message says by
+    how much) or fewer of its edits are right than the reference's, or an edit's reference is broken (``reference.BrokenReference``). Exit status 1."""
 
 
 def _unit(rgb8: np.ndarray) -> np.ndarray:
@@ -144,7 +144,7 @@ QUALITY_MEASURES: Registry[QualityMeasure] = Registry("quality measure")
 for _measure in (
     QualityMeasure("rerun", "SSIM against the BF16 output, as a share of a second BF16 run's",
                    lambda s, _: s.get("ssim_pct_of_rerun_median"), _no_ssim),
-    QualityMeasure("bf16", "SSIM against the BF16 output (the BF16 run's own is 1)",
+    QualityMeasure("bf16", "SSIM against the BF16 output (the reference's own is 1)",
                    lambda s, _: _pct_of(s.get("ssim_median"), 1.0), _no_ssim),
     QualityMeasure("target", "PSNR against the correct edit, with as many edits right",
                    target_pct, _no_target, fewer_edits_right),

@@ -168,7 +168,7 @@ def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
         ax.scatter([best.dit_s], [choice.pcts[choice.fastest]], s=200, facecolors="none", edgecolors="black",
                    label="fastest meeting the target", zorder=4)
     ax.set_xlabel("median DiT seconds per edit")
-    ax.set_ylabel(f"quality: % of the BF16 run's own ({choice.measure.name})")
+    ax.set_ylabel(f"quality: % of the full-quality reference's ({choice.measure.name})")
     ax.set_title("Speed and quality")
     ax.legend(fontsize="small")
     _save(plt, fig, path)
