@@ -206,7 +206,8 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
     (out / rundir.RUN_FILE).unlink()
     changed = run_in(out, refs, "metrics.ssim=false", "workload.steps=3", cwd=tmp_path)
     assert changed.returncode == 2
-    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now)" in changed.stderr
+    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now; reference.steps: 2 recorded, 3 " \
+           "now)" in changed.stderr
     assert not (out / rundir.RUN_FILE).exists()
     adopted = run_in(out, refs, "metrics.ssim=false", cwd=tmp_path)
     assert adopted.returncode == 0 and "resuming, 2 edits already in edits.jsonl are skipped" in adopted.stdout

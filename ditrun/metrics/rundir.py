@@ -452,7 +452,7 @@ def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> 
 
 
 def _changed_message(record: dict, wanted: dict, out_dir: Path) -> str:
-    changes = differences(record["settings"], wanted)
+    changes = sorted(differences(record["settings"], wanted), key=lambda change: change[0].count("."))  # broad first
     return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({_listed(changes, 3)}); "
             "rerun with the recorded settings to resume, or give this run another directory "
             "(hydra.run.dir=... or output_dir=...).")
