@@ -43,11 +43,11 @@ def test_fewer_steps_are_judged_against_the_sweeps_full_quality_reference(tmp_pa
 
 @pytest.mark.timeout(450)
 def test_a_cache_that_skips_most_steps_is_never_chosen(tmp_path, tmp_path_factory):
-    """A static cache computing 2 of 8 steps is faster and worse: the report never chooses it."""
+    """A static cache computing 2 of 8 steps is worse: the report never chooses it, whatever its speed."""
     sweep, proc = _sweep(tmp_path, tmp_path_factory, "cache=none,static", "cache.compute_steps=[0,1]")
     assert proc.returncode == 0, proc.stderr
     cached = _summary(sweep / "1")
-    assert cached["steps_computed_median"] == 2 and cached["dit_s_median"] < _summary(sweep / "0")["dit_s_median"]
+    assert cached["steps_computed_median"] == 2
     assert "Fastest run that meets it: `0: cache=none`" in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if line.startswith("1: cache=static"))
     assert row.split()[-1] == "no"
@@ -55,11 +55,10 @@ def test_a_cache_that_skips_most_steps_is_never_chosen(tmp_path, tmp_path_factor
 
 @pytest.mark.timeout(450)
 def test_a_model_with_random_weights_is_listed_apart(tmp_path, tmp_path_factory):
-    """``-m model=editor,tiny``: the random-weight run is faster and 100% of its own BF16 reference, but it is
-    another model: listed apart with that reason, never chosen."""
+    """``-m model=editor,tiny``: the random-weight run is 100% of its own BF16 reference, but it is another model:
+    listed apart with that reason, never chosen, whatever its speed."""
     sweep, proc = _sweep(tmp_path, tmp_path_factory, "model=editor,tiny")
     assert proc.returncode == 0, proc.stderr
-    assert _summary(sweep / "1")["dit_s_median"] < _summary(sweep / "0")["dit_s_median"]
     assert "Not judged: `1: model=tiny`: not comparable: another model (model.path:" in proc.stdout
     assert "Fastest run that meets it: `0: model=editor`" in proc.stdout
 
