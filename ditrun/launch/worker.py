@@ -17,6 +17,7 @@ import functools
 import platform
 import subprocess
 import time
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +46,7 @@ from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
 from ditrun.workload import (Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits,
-                             target_image)
+                             resolve_text_len, target_image)
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -69,6 +70,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     ``world`` is the number of ranks that will run (default: ``launcher.world``), so a launcher
     can call this before it spawns anything.
     """
+    resolve_text_len(cfg)  # the model's when unset: every later check and rank reads the number
     device = device_kind(cfg.device)
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
@@ -79,6 +81,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    text.check_components(cfg.model.path, cfg.workload.vae_path)
     cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
@@ -134,6 +137,8 @@ class Run:
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
         self.built = None
+        # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
+        self.session = uuid.uuid4().hex[:12]
 
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
@@ -288,7 +293,7 @@ class Run:
             "steps": cfg.workload.steps, "layout": plan.name, "precision": self.precision_label,
             "transport": cfg.transport.name, "world": plan.world,
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
-            **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
+            **quality_fields, "image": outputs["image"], "replica": self.layout.replica, "session": self.session,
             "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
             "precision_map": self.precision.formats(), "reference": _source(edit.image), "target": edit.target,
             **measured,
