@@ -136,7 +136,8 @@ class CacheConfig:
     CFG branch) or ``static`` (the steps given below compute, whatever the weights)."""
     blocks: int = 1
     """Blocks run on every step (double-stream blocks first, then single-stream ones); ``first_block``: their
-    residual decides. ``static`` allows 0 (a cached step then runs no block)."""
+    residual decides. ``static`` allows 0 (a cached step then runs no block). Fewer than the model's blocks: a
+    cached step skips the others."""
     threshold: float = 0.08
     """``first_block``: the rest runs when the first blocks' residual changed by at least this much (relative L1,
     summed over the SP group's tokens) since the last computed step; 0 computes every step."""

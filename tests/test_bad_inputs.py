@@ -90,8 +90,9 @@ def _image_cases(files: Path) -> list[tuple[list[str], str]]:
 
 
 def _workload_file_cases(files: Path) -> list[tuple[list[str], str]]:
-    """README's "manifests" and "targets" rows: a manifest is a regular file of bounded size whose ids are unique
-    over all of it (``workload.limit=1`` here); a target file is a picture, checked with the other inputs."""
+    """README's "manifests" row and the "pictures" row's targets: a manifest is a regular file of bounded size
+    whose ids are unique over all of it (``workload.limit=1`` here); a target file is a picture, checked with the
+    other inputs."""
     os.mkfifo(files / "edits.fifo")
     with open(files / "huge.jsonl", "wb") as huge:
         huge.truncate(65 * 2**20)  # sparse: no disk written
