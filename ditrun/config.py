@@ -136,7 +136,8 @@ class CacheConfig:
     CFG branch) or ``static`` (the steps given below compute, whatever the weights)."""
     blocks: int = 1
     """Blocks run on every step (double-stream blocks first, then single-stream ones); ``first_block``: their
-    residual decides. ``static`` allows 0 (a cached step then runs no block)."""
+    residual decides. ``static`` allows 0 (a cached step then runs no block). Fewer than the model's blocks: a
+    cached step skips the others."""
     threshold: float = 0.08
     """``first_block``: the rest runs when the first blocks' residual changed by at least this much (relative L1,
     summed over the SP group's tokens) since the last computed step; 0 computes every step."""
@@ -227,9 +228,14 @@ class WorkloadConfig:
     """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
-    text_len: int = 32
-    """Tokens of the stand-in prompt embedding, and diffusers' ``max_sequence_length`` (T5 tokens) when a
-    pipeline folder encodes the prompts (at least 1; an embeddings file brings its own length)."""
+    text_len: Optional[int] = None
+    """Prompt tokens: diffusers' ``max_sequence_length`` (T5 tokens) when a pipeline folder encodes the prompts, else
+    the stand-in embedding's length (at least 1; an embeddings file brings its own length). Unset: the model's
+    (``model.text.model_text_len``: a pipeline folder's T5 tokenizer's ``model_max_length`` up to 512, as the
+    editor's folder records the 32 it was trained with; else diffusers' default 512; 32 for stand-in prompts)."""
+    text_len_from: Optional[str] = None
+    """Set by ditrun when it resolves ``text_len``: where the number came from (this key, the folder's tokenizer,
+    diffusers' default, the stand-in length). Recorded in the run's config; a value given here is replaced."""
     vae_path: Optional[str] = None
     """A diffusers ``AutoencoderKL`` folder; unset uses a pipeline folder's ``vae/`` (``model.path``), else
     the fixed linear RGB<->latent map."""

@@ -83,6 +83,9 @@ def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
                   f"workload.prompt_cache_dir={tmp_path / 'prompts'}", "metrics.ssim=false", *QUIET,
                   f"hydra.run.dir={out}", cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr
+    workload = json.loads((out / "summary.json").read_text())["config"]["workload"]  # the folder's 32 tokens
+    assert (workload["text_len"], workload["text_len_from"]) == (32, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
+                                                                     "(model_max_length)")
     record = _records(out)["e"]
     got = load_file(out / record["latents"])
     latents = next(iter(got.values()))

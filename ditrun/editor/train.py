@@ -462,7 +462,7 @@ def train(cfg: TrainConfig, out: Path, log_dir: Path, device: torch.device, vae_
     if device.type == "cuda":
         torch.use_deterministic_algorithms(True, warn_only=True)
     log_dir.mkdir(parents=True, exist_ok=True)
-    parts.write_text_parts(out, cfg.seed)
+    parts.write_text_parts(out, cfg.seed, cfg.text_len)
     log = Log(log_dir, cfg)
     try:
         times = {}

@@ -46,7 +46,8 @@ from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transpo
 from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
-from ditrun.workload import Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits
+from ditrun.workload import (Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits,
+                             resolve_text_len)
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -70,6 +71,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     ``world`` is the number of ranks that will run (default: ``launcher.world``), so a launcher
     can call this before it spawns anything.
     """
+    resolve_text_len(cfg)  # the model's when unset: every later check and rank reads the number
     device = device_kind(cfg.device)
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
@@ -80,6 +82,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    text.check_components(cfg.model.path, cfg.workload.vae_path)
     cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
@@ -136,6 +139,8 @@ class Run:
         self.references: Optional[reference.References] = None
         self.built = None
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
+        # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
+        self.session = uuid.uuid4().hex[:12]
 
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
@@ -294,7 +299,7 @@ class Run:
             "steps": cfg.workload.steps, "layout": plan.name, "precision": self.precision_label,
             "transport": cfg.transport.name, "world": plan.world,
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
-            **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
+            **quality_fields, "image": outputs["image"], "replica": self.layout.replica, "session": self.session,
             "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
             "precision_map": self.precision.formats(), "reference": _source(edit.image), "target": edit.target,
             **measured,
