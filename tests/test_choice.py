@@ -201,6 +201,21 @@ def test_an_unknown_quality_measure_is_one_sentence():
                               "target.")
 
 
+@pytest.mark.parametrize("override, message", [
+    ("metrics.reference_steps=0", "metrics.reference_steps=0 must be 1 or more (or unset for the run's own "
+                                  "workload.steps)."),
+    ("metrics.reference_true_cfg_scale=nan", "metrics.reference_true_cfg_scale=nan must be a finite number (or unset "
+                                             "for the run's own workload.true_cfg_scale)."),
+])
+def test_a_wrong_reference_setting_is_one_sentence(override, message):
+    from ditrun.launch import worker
+    from launching import tiny_config
+
+    with pytest.raises(ValueError) as err:
+        worker.check_config(tiny_config(override))
+    assert str(err.value) == message
+
+
 @pytest.mark.timeout(400)
 def test_a_real_sweep_chooses_the_run_that_keeps_quality_and_logs_the_table(tmp_path, tmp_path_factory):
     """On a CPU the uncached run is the BF16 output itself (SSIM 1, 100%); a run that computes only the first
