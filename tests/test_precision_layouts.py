@@ -64,12 +64,14 @@ def test_precision_in_a_layout_on_two_ranks_equals_single(tmp_path, singles, pre
 GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false"]
 
 
+PRECISIONS_ON_GPUS = ["fp8", "fp8_all", "fp8_int8qk", "mxfp6", "mxfp4", "krea"]
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("precision", ["fp8", "fp8_all", "fp8_int8qk", "mxfp6", "mxfp4", "krea"])
-def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, capsys, precision):
-    """One GPU: the fast backends run the whole edit, start-up says at most one line about untuned shapes; two GPUs
-    (when present): Ulysses equals one GPU."""
+@pytest.mark.parametrize("precision", PRECISIONS_ON_GPUS)
+def test_precision_runs_on_the_gpu_with_fast_paths(tmp_path, capsys, precision):
+    """One GPU: the fast backends run the whole edit, start-up says at most one line about untuned shapes."""
     summary = worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "one")
     printed = capsys.readouterr().out
     assert printed.count("no tuned backend") <= 1, printed
@@ -82,8 +84,15 @@ def test_precision_runs_on_the_gpu_with_fast_paths_and_in_ulysses(tmp_path, caps
     if precision in ("fp8_all", "fp8_int8qk") and not torch.version.hip:  # the presets' named backend runs here
         assert detail["mlp"]["backends"] == ["fp8_rowwise_fast"], detail
     assert summary["ssim_median"] > 0.9 and summary["precision"] == precision
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", PRECISIONS_ON_GPUS)
+def test_precision_in_ulysses_on_two_gpus_equals_one(tmp_path, precision):
     if torch.cuda.device_count() < 2:
-        return
+        pytest.skip("needs 2 GPUs")
+    worker.run(tiny_config(f"precision={precision}", *GPU), tmp_path / "one")
     cfg = tiny_config(f"precision={precision}", *GPU, "layout=ulysses", "launcher.world=2")
     run_ranks(_run_worker, 2, (cfg, tmp_path / "two"), timeout=300, backend="nccl")
     for edit in [r["edit"] for r in records(tmp_path / "one")]:
