@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -86,15 +87,19 @@ def _key_text(run) -> str:
 
 
 def find_baseline(runs) -> tuple[Optional[int], Optional[str]]:
-    """(the index of the sweep's full-quality run, its comparable key): the single-process one first, then the
-    most edits; without one, (None, the key most complete runs share)."""
-    complete = [i for i, r in enumerate(runs) if r.complete]
-    full = [i for i in complete if is_full_quality(runs[i])]
-    if full:
-        best = min(full, key=lambda i: (runs[i].setting("layout") != "single", runs[i].setting("world") != 1, i))
-        return best, _key_text(runs[best])
-    keys = [_key_text(runs[i]) for i in complete]
-    return None, max(keys, key=keys.count, default=None)
+    """(the index of the sweep's full-quality run, its comparable key): of the model, workload and reference most
+    complete runs share, the single-process one first, then the sweep's first; without one, (None, that key)."""
+    keys = {i: _key_text(r) for i, r in enumerate(runs) if r.complete}
+    count = Counter(keys.values())
+    if not keys:
+        return None, None
+    full = [i for i in keys if is_full_quality(runs[i])]
+    most = max((count[keys[i]] for i in full), default=0)
+    candidates = [i for i in full if count[keys[i]] == most]
+    if not candidates:
+        return None, count.most_common(1)[0][0]
+    best = min(candidates, key=lambda i: (runs[i].setting("layout") != "single", runs[i].setting("world") != 1, i))
+    return best, keys[best]
 
 
 def _difference(run, baseline) -> str:
