@@ -163,11 +163,26 @@ def from_options(args) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
 
 
-def changed(saved: dict, cfg: TrainConfig) -> Optional[str]:
-    """The first setting whose value differs from a checkpoint's (``saved``: its ``dataclasses.asdict``)."""
-    for field in dataclasses.fields(TrainConfig):
-        now = getattr(cfg, field.name)
-        then = saved.get(field.name)
+# What a phase's checkpoint must agree on with the command that resumes it: the VAE phase on what trains the VAE
+# (so a VAE-only command, --dit-steps 0, hands its VAE to the full training); the DiT phase on everything but what
+# is only measured or logged.
+MEASURED_ONLY = ("eval_pictures", "eval_steps", "eval_cfg_scales", "eval_every", "log_every")
+VAE_FIELDS = ("seed", "size", "train_pictures", "vae_steps", "vae_batch", "vae_crop", "vae_lr", "vae_kl", "vae_widths",
+              "vae_layers", "vae_norm_groups", "vae_loss", "vae_loss_weight", "dead_leaves", "warmup")
+
+
+def phase_fields(phase: str) -> tuple:
+    if phase == "vae":
+        return VAE_FIELDS
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in MEASURED_ONLY)
+
+
+def changed(saved: dict, cfg: TrainConfig, names: tuple) -> Optional[str]:
+    """The first of ``names`` whose value differs from a checkpoint's (``saved``: its ``dataclasses.asdict``), as
+    ``--option then, not now``; None when they all agree."""
+    for name in names:
+        now, then = getattr(cfg, name), saved.get(name)
         if (tuple(then) if isinstance(then, list) else then) != now:
-            return f"--{_option(field.name)} {_text(then) if isinstance(then, list) else then}, not {now}"
+            shown = [_text(v) if isinstance(v, (list, tuple)) else v for v in (then, now)]
+            return f"--{_option(name)} {shown[0]}, not {shown[1]}"
     return None

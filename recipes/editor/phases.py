@@ -15,8 +15,11 @@ from recipes.editor.data import Batches, Crops, DeadLeaves, vae_batch
 from recipes.editor.dit import attention_backend, dit_loss, make_dit, positions, sample_sigmas
 from recipes.editor.vae import Codec, make_vae, set_latent_statistics, vae_loss
 
-# --compile: how each phase's loss (forward and, through AOT autograd, backward) is compiled.
+# --compile: how each phase's loss (forward and, through AOT autograd, backward) is compiled. "auto" is inductor on
+# CUDA, where eager steps are bound by the host's cost per operation, and eager elsewhere: inductor's code
+# generation takes minutes on a CPU, longer than the CPU trainings it would speed up.
 COMPILE_MODES = {
+    "auto": None,
     "off": None,
     "inductor": {},
     "inductor-cudagraphs": {"mode": "reduce-overhead"},  # CUDA graphs: no host cost per kernel
@@ -26,6 +29,8 @@ COMPILE_MODES = {
 
 def compiled(fn, mode: str, device: torch.device):
     """``fn`` compiled as ``--compile`` asks; CUDA graphs need CUDA, so elsewhere inductor alone."""
+    if mode == "auto":
+        mode = "inductor" if device.type == "cuda" else "off"
     if mode == "inductor-cudagraphs" and device.type != "cuda":
         print("train: --compile inductor-cudagraphs needs CUDA; compiling with inductor alone", flush=True)
         mode = "inductor"
@@ -57,7 +62,7 @@ class VaePhase:
     def __init__(self, cfg: TrainConfig, crops: Crops, device: torch.device, compile_mode: str):
         self.cfg, self.crops, self.device = cfg, crops, device
         self.leaves = DeadLeaves(crops, cfg.seed + 3) if cfg.dead_leaves else None
-        torch.manual_seed(cfg.seed)
+        # initial weights from torch's global generator, where the text encoders left it (train() seeded it)
         self.model = make_vae(cfg).to(device).train()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
                                      foreach=True)
@@ -131,7 +136,6 @@ class DitPhase:
                  compile_mode: str, pool_state: torch.Tensor):
         self.cfg, self.batches, self.table, self.codec, self.device = cfg, batches, table, codec, device
         self.pool_state = pool_state  # the data generator's state when the pool was drawn: a resumption redraws it
-        torch.manual_seed(cfg.seed)
         self.model = make_dit(device).train()
         self.ema = make_dit(device).eval().requires_grad_(False)
         self.ema.load_state_dict(self.model.state_dict())
@@ -167,7 +171,7 @@ class DitPhase:
         decay = min(cfg.ema, (1 + step) / (10 + step))
         with torch.no_grad():
             torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()), 1 - decay)
-        return {"loss": loss, "grad_norm": grad, "lr": torch.tensor(self.opt.param_groups[0]["lr"])}
+        return {"loss": loss, "grad_norm": grad, "lr": self.opt.param_groups[0]["lr"]}
 
     def generators(self) -> dict:
         return {"data": self.batches.gen, "noise": self.noise}
@@ -222,7 +226,7 @@ def run_phase(phase, start: int, cfg: TrainConfig, checkpoints: Checkpoints, eve
         terms = phase.step(step)
         budget.take_step()
         if step % cfg.log_every == 0 or step == phase.last - 1:
-            log({"phase": phase.name, "step": step, **{f"{phase.name}/{k}": v.item() for k, v in terms.items()}})
+            log({"phase": phase.name, "step": step, **{f"{phase.name}/{k}": float(v) for k, v in terms.items()}})
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0:
             log({"phase": phase.name, "step": step, **phase.measure()})

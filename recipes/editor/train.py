@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from recipes.editor import folder as parts
 from recipes.editor.checkpoint import Checkpoints
 from recipes.editor.config import TrainConfig
 from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
-from recipes.editor.dit import encode_prompts
+from recipes.editor.dit import encode_prompts, make_dit
 from recipes.editor.output import Staging, refusal
 from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
 from recipes.editor.vae import Codec, load_vae
@@ -74,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop with a checkpoint after this long (0: never)")
     p.add_argument("--max-steps", type=int, default=0, help="stop with a checkpoint after this many steps (0: never)")
-    p.add_argument("--compile", default="inductor", help=f"one of {', '.join(COMPILE_MODES)} (default inductor)")
+    p.add_argument("--compile", default="auto",
+                   help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--vae-from", type=Path, help="a vae/ folder this recipe wrote: train only the DiT on it")
     p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run, losses.jsonl only")
@@ -118,7 +120,7 @@ def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str
     if folder.is_dir() and any(folder.iterdir()) and not run.resume:
         return f"--checkpoint-dir {folder} holds a training; pass --resume to continue it, or name an empty folder."
     for phase, state in saved.items():
-        difference = config.changed(state["config"], cfg)
+        difference = config.changed(state["config"], cfg, config.phase_fields(phase))
         if difference:
             return (f"--resume: {folder / (phase + '.pt')} was made with {difference}; resume with the same "
                     "settings or start another --checkpoint-dir.")
@@ -230,6 +232,8 @@ def dit_phase(cfg: TrainConfig, run: Run, crops: Crops, codec: Codec, table, pro
               device: torch.device, saved: dict, store: Checkpoints, budget: Budget, log):
     """The trained DiT's EMA. Its pool of encoded crops is drawn again on resumption, from the data generator's
     state when it was first drawn."""
+    if cfg.dit_steps == 0:
+        return make_dit(device).eval()  # a VAE-only command: an untrained DiT fills the folder's transformer/
     state = saved.get("dit")
     pool_state = state["pool_state"] if state else crops.gen.get_state()
     crops.gen.set_state(pool_state)
@@ -341,12 +345,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("\n".join(f"train: {s}" for s in sentences), file=sys.stderr)
         return EXIT_USAGE
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read at CUDA's start
+    # SIGTERM (a scheduler's or a time limit's stop) unwinds as Ctrl-C does, so the folder being built is removed
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         report(train(cfg, run, saved))
     except Stopped as stop:
         print(f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: run the same "
               "command with --resume to continue", flush=True)
         return EXIT_STOPPED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 
