@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("diffusers")
 
 from recipes.editor.config import TrainConfig  # noqa: E402
+from recipes.editor.data import Crops, DeadLeaves  # noqa: E402
 from recipes.editor.dit import dit_loss, make_dit, positions  # noqa: E402
 from recipes.editor.phases import compiled  # noqa: E402
 from recipes.editor.train import EXIT_STOPPED, EXIT_USAGE, main  # noqa: E402
@@ -153,17 +154,23 @@ def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
 
 
 def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
-    """The command as a user runs it: the folder loads in diffusers; the losses went to losses.jsonl and an offline
-    W&B run; eval.json holds the per-instruction summary; train.json the settings."""
+    """The command as a user runs it, half of each VAE batch dead leaves: the folder loads in diffusers; the losses
+    and the measurements during training went to losses.jsonl and an offline W&B run; eval.json holds the
+    per-instruction summary; train.json the settings."""
     import diffusers
 
-    args = [a for a in TINY if a != "--no-wandb"] + ["--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]
+    args = [a for a in TINY if a != "--no-wandb"] + ["--eval-every", "2", "--vae-steps", "2", "--dit-steps", "2",
+                                                     "--pool", "2", "--dead-leaves", "0.5"]  # the last value counts
     proc = subprocess.run([sys.executable, "-m", "recipes.editor.train", "--out", str(tmp_path / "editor"), *args],
                           cwd=REPO, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| all |" in proc.stdout and "vae round trip: median PSNR" in proc.stdout
     records = tmp_path / "editor.training"
-    assert list((records / "wandb").glob("offline-run-*")) and len(_losses(records)) == 4
+    assert list((records / "wandb").glob("offline-run-*"))
+    rows = _losses(records)
+    assert [(r["phase"], r["step"]) for r in rows] == [("vae", 0), ("vae", 1), ("vae", 1), ("dit", 0), ("dit", 1),
+                                                       ("dit", 1)]
+    assert "vae/eval_psnr" in rows[2] and "dit/eval_margin" in rows[5]
     assert json.loads((records / "eval.json").read_text())["summary"]["true_cfg_scale=1"]["all"]["counted"] == 9
     assert json.loads((records / "train.json").read_text())["config"]["vae_widths"] == [8, 8, 16, 16]
     assert diffusers.FluxKontextPipeline.from_pretrained(tmp_path / "editor").transformer.config.num_layers == 4
@@ -206,3 +213,16 @@ def test_the_compiled_step_computes_what_the_eager_step_does(case):
     assert torch.allclose(traced, eager, rtol=1e-5, atol=1e-7)
     assert len(traced_grads) == len(eager_grads) > 0
     assert all(torch.allclose(t, e, rtol=1e-4, atol=1e-6) for t, e in zip(traced_grads, eager_grads))
+
+
+def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
+    """Dead-leaves pictures: in [0, 1], of many colours and edges, the same again from the same generator state."""
+    crops = Crops(["sklearn:china.jpg"], torch.device("cpu"), torch.Generator().manual_seed(0))
+    leaves = DeadLeaves(crops, seed=1)
+    state = crops.gen.get_state()
+    pictures = leaves.batch(2, 48)
+    assert pictures.shape == (2, 3, 48, 48) and 0 <= pictures.min() and pictures.max() <= 1
+    assert len(torch.unique(pictures[0].reshape(3, -1), dim=1).T) > 50  # many colours, soft edges between them
+    assert not torch.equal(pictures[0], pictures[1])
+    crops.gen.set_state(state)
+    assert torch.equal(leaves.batch(2, 48), pictures)

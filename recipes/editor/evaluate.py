@@ -57,12 +57,11 @@ def roundtrip(codec, refs: torch.Tensor, names) -> dict:
     return {n: {"psnr": psnr(b, r), "ssim": ssim(b, r)} for n, b, r in zip(names, back, rgb8(refs))}
 
 
-def margin(output: np.ndarray, reference: np.ndarray, edit: str, references: torch.Tensor) -> dict:
+def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) -> dict:
     """One edit of one picture: PSNR against the correct edit and the margin over the naive candidates (None when
-    the correct result is the input itself). ``references``: that picture as [1, 3, H, W]."""
-    correct = rgb8(transforms.apply(edit, references))[0]
-    candidates = [reference] + [rgb8(transforms.apply(other, references))[0]
-                                for other in transforms.EDITS.names() if other != edit]
+    the correct result is the input itself). ``known``: every edit's correct result of that picture, by name."""
+    correct = known[edit]
+    candidates = [reference] + [result for other, result in known.items() if other != edit]
     scores = [psnr(c, correct) for c in candidates]
     best = max((s for s in scores if s != math.inf), default=-math.inf)
     score = psnr(output, correct)
@@ -95,11 +94,12 @@ def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int,
 def edits(model, codec, refs: torch.Tensor, names, prompt_of, scale: float, steps: int, seed: int) -> dict:
     """Every instruction (its first phrasing) on every picture: {edit: {picture: {"psnr", "margin"}}}."""
     references = rgb8(refs)
+    known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
     out = {}
     for edit_name, edit in transforms.EDITS.items():
         outputs = rgb8(sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), prompt_of(EMPTY_PROMPT), steps,
                                     scale, seed))
-        out[edit_name] = {n: margin(o, r, edit_name, refs[i:i + 1])
+        out[edit_name] = {n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
                           for i, (n, o, r) in enumerate(zip(names, outputs, references))}
     return out
 
