@@ -23,7 +23,8 @@ else
 fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv | tee "$OUT/gpu.txt"
 python3 -m recipes.editor.train --out /tmp/editor --replace --log-dir /tmp/editor.training \
-  --checkpoint-dir "$CHECKPOINTS" --resume --max-minutes "$MINUTES" "$@" 2>&1 | grep -v -i warning | tee "$OUT/train.log"
+  --checkpoint-dir "$CHECKPOINTS" --resume --max-minutes "$MINUTES" "$@" 2>&1 \
+  | grep -v -i warning | tee "$OUT/train.log"
 status=${PIPESTATUS[0]}
 cp /tmp/editor.training/losses.jsonl "$OUT/" 2>/dev/null
 if [ "${RETURN_VAE:-0}" = 1 ] && [ -f "$CHECKPOINTS/vae.pt" ]; then

@@ -119,7 +119,8 @@ def summarize(per_edit: dict) -> dict:
 
 def table(summary: dict) -> str:
     """The summary as a Markdown table (docs/EDITOR.md's per-instruction table)."""
-    lines = ["| edit | median PSNR (dB) | median margin (dB) | beat every naive candidate |", "| --- | --- | --- | --- |"]
+    lines = ["| edit | median PSNR (dB) | median margin (dB) | beat every naive candidate |",
+             "| --- | --- | --- | --- |"]
     for name, s in summary.items():
         shown = "n/a" if s["margin_median"] is None else f"{s['margin_median']:+.1f}"
         lines.append(f"| {name} | {s['psnr_median']:.1f} | {shown} | {s['beat_all']} of {s['counted']} |")

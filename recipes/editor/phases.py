@@ -4,7 +4,9 @@ the device (the loss is read only when it is logged), so that ``torch.compile`` 
 
 from __future__ import annotations
 
+import math
 import time
+
 import numpy as np
 import torch
 
@@ -40,8 +42,6 @@ def compiled(fn, mode: str, device: torch.device):
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
     """Linear warm-up, then a cosine down to a tenth of the peak."""
-    import math
-
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)

@@ -55,7 +55,8 @@ def ssim_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     var_a, var_b = blur(a * a) - mean_a ** 2, blur(b * b) - mean_b ** 2
     covariance = blur(a * b) - mean_a * mean_b
     c1, c2 = 0.01 ** 2, 0.03 ** 2
-    ssim = ((2 * mean_a * mean_b + c1) * (2 * covariance + c2)) / ((mean_a ** 2 + mean_b ** 2 + c1) * (var_a + var_b + c2))
+    numerator = (2 * mean_a * mean_b + c1) * (2 * covariance + c2)
+    ssim = numerator / ((mean_a ** 2 + mean_b ** 2 + c1) * (var_a + var_b + c2))
     return 1 - ssim.mean()
 
 
