@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/editor}
 CHECKPOINTS=${CHECKPOINTS:-/tmp/editor-checkpoints}
 MINUTES=${MINUTES:-7}
+FOLDER=${FOLDER:-/tmp/editor}  # the folder being trained; its records beside it in $FOLDER.training
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,16 +23,16 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv | tee "$OUT/gpu.txt"
-python3 -m recipes.editor.train --out /tmp/editor --replace --log-dir /tmp/editor.training \
+python3 -m recipes.editor.train --out "$FOLDER" --replace --log-dir "$FOLDER.training" \
   --checkpoint-dir "$CHECKPOINTS" --resume --max-minutes "$MINUTES" "$@" 2>&1 \
   | grep -v -i warning | tee "$OUT/train.log"
 status=${PIPESTATUS[0]}
-cp /tmp/editor.training/losses.jsonl "$OUT/" 2>/dev/null
+cp "$FOLDER.training/losses.jsonl" "$OUT/" 2>/dev/null
 if [ "${RETURN_VAE:-0}" = 1 ] && [ -f "$CHECKPOINTS/vae.pt" ]; then
   split -b 15m "$CHECKPOINTS/vae.pt" "$OUT/vae.pt.part-"
 fi
 if [ "$status" = 0 ]; then
-  tar -C /tmp -cf - editor | split -b 15m - "$OUT/editor.tar.part-"
-  cp /tmp/editor.training/eval.json /tmp/editor.training/train.json "$OUT/"
+  tar -C "$(dirname "$FOLDER")" -cf - "$(basename "$FOLDER")" | split -b 15m - "$OUT/editor.tar.part-"
+  cp "$FOLDER.training/eval.json" "$FOLDER.training/train.json" "$OUT/"
 fi
 exit "$status"
