@@ -4,6 +4,8 @@
 # .whl/). Writes logs and JSON under $OUT (default results/gpu). Each mode fits one 10-minute command.
 #   bash benchmarks/gpu_suite.sh [tests|layouts|cli|workload|all]   (one GPU: GPU tests; layouts and the memory
 #                                                            estimate; the CLI on flux-dev; the published workload)
+#   bash benchmarks/gpu_suite.sh tests [--jobs N] [--budget-s S] [FILE ...]  (every -m gpu test file under tests/,
+#                                                            each in its own process: benchmarks/gpu_tests.py)
 #   bash benchmarks/gpu_suite.sh precision                (one GPU: precision tests, GEMM and attention benchmarks)
 #   bash benchmarks/gpu_suite.sh precision-sweep          (one GPU: ditrun tune, then the 1024x1024 flux-dev
 #                                                            precision sweep)
@@ -44,9 +46,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
 
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_layouts.py tests/test_model_equivalence.py \
-    tests/test_memory.py \
-    2>&1 | tee "$OUT/tests.log" | tail -15
+  # Every -m gpu test under tests/, each file in its own process; the table in $OUT/gpu_tests.md.
+  [[ $what == tests ]] && shift
+  python3 benchmarks/gpu_tests.py --out "$OUT" "$@" 2>&1 | tee "$OUT/tests.log" | tail -40
 fi
 if [[ $what == layouts || $what == all ]]; then
   python3 benchmarks/bench_layouts.py --out "$OUT" 2>&1 | tee "$OUT/bench_layouts.log" | tail -20

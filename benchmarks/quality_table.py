@@ -1,5 +1,6 @@
 """The quality table of a precision sweep: per run, SSIM against the BF16 output, the BF16 rerun, % of the rerun,
-and SSIM against the correct edit (medians over the edits), beside the published MI355X study's figures.
+PSNR against the correct edit and the share of edits right (docs/METRICS.md), beside the published MI355X
+study's figures.
 
     ditrun -m precision=bf16,fp8,fp8_all,mxfp8,mxfp6,mxfp4,krea hydra.sweep.dir=SWEEP
     python benchmarks/quality_table.py SWEEP [--json FILE]
@@ -28,12 +29,12 @@ def rows(sweep: Path) -> list[dict]:
         summary = json.loads(summary_file.read_text())
         records = [json.loads(line) for line in (summary_file.parent / "edits.jsonl").read_text().splitlines() if line]
         name = summary["config"]["precision"]["name"]
-        target, target_bf16 = _median(records, "ssim_target"), _median(records, "ssim_target_bf16")
+        target, target_bf16 = summary.get("psnr_target_median"), summary.get("psnr_target_bf16_median")
         out.append({
             "precision": name, "ran": records[0]["precision"], "dit_s_median": summary.get("dit_s_median"),
             "ssim": _median(records, "ssim"), "ssim_rerun": _median(records, "ssim_rerun"),
-            "ssim_pct_of_rerun": _median(records, "ssim_pct_of_rerun"), "ssim_target": target,
-            "ssim_target_bf16": target_bf16,
+            "ssim_pct_of_rerun": _median(records, "ssim_pct_of_rerun"), "psnr_target": target,
+            "psnr_target_bf16": target_bf16, "edits_right_share": summary.get("edits_right_share"),
             "target_pct_of_bf16": 100 * target / target_bf16 if target and target_bf16 else None,
             "study_pct_of_rerun": STUDY_PCT_OF_RERUN.get(name), "device": summary.get("device"),
         })
@@ -42,13 +43,15 @@ def rows(sweep: Path) -> list[dict]:
 
 def markdown(table: list[dict]) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    lines = ["| precision | SSIM vs BF16 | BF16 rerun | % of rerun | meets 2% | SSIM vs correct edit "
-             "| % of BF16's | study's % of rerun |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
+    lines = ["| precision | SSIM vs BF16 | BF16 rerun | % of rerun | meets 2% | PSNR vs correct edit, dB "
+             "| % of BF16's | edits right | study's % of rerun |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in table:
         meets = "-" if r["ssim_pct_of_rerun"] is None else ("yes" if r["ssim_pct_of_rerun"] >= TARGET_PCT else "no")
         lines.append(f"| {r['precision']} | {fmt(r['ssim'], '.4f')} | {fmt(r['ssim_rerun'], '.4f')} | "
-                     f"{fmt(r['ssim_pct_of_rerun'], '.2f')} | {meets} | {fmt(r['ssim_target'], '.4f')} | "
-                     f"{fmt(r['target_pct_of_bf16'], '.1f')} | {fmt(r['study_pct_of_rerun'], '.1f')} |")
+                     f"{fmt(r['ssim_pct_of_rerun'], '.2f')} | {meets} | {fmt(r['psnr_target'], '.2f')} | "
+                     f"{fmt(r['target_pct_of_bf16'], '.1f')} | {share(r['edits_right_share'])} | "
+                     f"{fmt(r['study_pct_of_rerun'], '.1f')} |")
     return "\n".join(lines)
 
 

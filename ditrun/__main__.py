@@ -26,7 +26,7 @@ from ditrun.errors import UserError
 
 register_configs()
 
-# Runs of a multirun that failed the SSIM gate: the sweep goes on, and the command exits 1 at its end.
+# Runs of a multirun that failed the quality gate: the sweep goes on, and the command exits 1 at its end.
 _gate_failures: list[str] = []
 # Set when Hydra hands the job over: an OSError before that is Hydra's, making or writing the run directory.
 _job_started = False
@@ -36,6 +36,7 @@ _job_started = False
 def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.launch import WorkerFailed, launch
     from ditrun.launch.stop import RunStopped
+    from ditrun.metrics import full_quality
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
 
@@ -49,6 +50,7 @@ def _hydra_main(cfg: RunConfig) -> None:
         hydra_files = _hydra_files(cfg)  # the config as composed, before the sweep's W&B defaults
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
+            full_quality.apply_sweep_defaults(cfg, hydra_cfg.sweep.dir)  # one reference for the whole sweep
         launch(cfg, out_dir, hydra_files)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
@@ -132,7 +134,7 @@ def main() -> None:
         sys.exit(tune_main(sys.argv[2:]))
     _compose_and_run()
     if _gate_failures:
-        print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the SSIM gate:", file=sys.stderr)
+        print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the quality gate:", file=sys.stderr)
         for failure in _gate_failures:
             print(f"  {failure}", file=sys.stderr)
         sys.exit(1)

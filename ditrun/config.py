@@ -136,7 +136,8 @@ class CacheConfig:
     CFG branch) or ``static`` (the steps given below compute, whatever the weights)."""
     blocks: int = 1
     """Blocks run on every step (double-stream blocks first, then single-stream ones); ``first_block``: their
-    residual decides. ``static`` allows 0 (a cached step then runs no block)."""
+    residual decides. ``static`` allows 0 (a cached step then runs no block). Fewer than the model's blocks: a
+    cached step skips the others."""
     threshold: float = 0.08
     """``first_block``: the rest runs when the first blocks' residual changed by at least this much (relative L1,
     summed over the SP group's tokens) since the last computed step; 0 computes every step."""
@@ -227,9 +228,14 @@ class WorkloadConfig:
     """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
-    text_len: int = 32
-    """Tokens of the stand-in prompt embedding, and diffusers' ``max_sequence_length`` (T5 tokens) when a
-    pipeline folder encodes the prompts (at least 1; an embeddings file brings its own length)."""
+    text_len: Optional[int] = None
+    """Prompt tokens: diffusers' ``max_sequence_length`` (T5 tokens) when a pipeline folder encodes the prompts, else
+    the stand-in embedding's length (at least 1; an embeddings file brings its own length). Unset: the model's
+    (``model.text.model_text_len``: a pipeline folder's T5 tokenizer's ``model_max_length`` up to 512, as the
+    editor's folder records the 32 it was trained with; else diffusers' default 512; 32 for stand-in prompts)."""
+    text_len_from: Optional[str] = None
+    """Set by ditrun when it resolves ``text_len``: where the number came from (this key, the folder's tokenizer,
+    diffusers' default, the stand-in length). Recorded in the run's config; a value given here is replaced."""
     vae_path: Optional[str] = None
     """A diffusers ``AutoencoderKL`` folder; unset uses a pipeline folder's ``vae/`` (``model.path``), else
     the fixed linear RGB<->latent map."""
@@ -299,10 +305,17 @@ class MetricsConfig:
     min_ssim_pct: Optional[float] = None
     """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
     own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
-    quality: str = "rerun"
-    """Which SSIM judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``rerun`` (``ssim_pct_of_rerun``),
-    ``bf16`` (SSIM against the BF16 output) or ``target`` (SSIM against each edit's correct result, as a share of
-    the BF16 run's own; docs/METRICS.md)."""
+    quality: str = "auto"
+    """What judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``target`` (PSNR against each edit's
+    correct result as a share of the full-quality reference's, with no fewer edits beating every naive candidate),
+    ``rerun`` (``ssim_pct_of_rerun``), ``bf16`` (SSIM against the BF16 output), or ``auto``: ``target`` when the
+    workload names correct results, else ``rerun`` (docs/METRICS.md)."""
+    reference_steps: Optional[int] = None
+    """Denoising steps of the full-quality reference every verdict compares against (BF16, no cache); unset: the
+    run's own ``workload.steps``, or in a Hydra sweep that varies ``workload.steps``, the sweep's largest."""
+    reference_true_cfg_scale: Optional[float] = None
+    """True CFG scale of the full-quality reference; unset: the run's own ``workload.true_cfg_scale``, or in a Hydra
+    sweep that varies it, the sweep's largest."""
     report: bool = True
     """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
     directory when a multirun ends)."""

@@ -102,8 +102,9 @@ def tune(cfg) -> DispatchTable:
     from ditrun.model import text
     from ditrun.model.latents import make_latent_codec
     from ditrun.model.sampler import sequential_cfg_velocity
-    from ditrun.workload import edit_inputs, resolve_edits
+    from ditrun.workload import edit_inputs, resolve_edits, resolve_text_len
 
+    resolve_text_len(cfg)
     placement = select_placement(cfg.device, cfg.model.dtype)
     plan = plan_precision(cfg.precision, placement.device)
     table = DispatchTable.load(plan.tuning_file, placement.device, plan.backend, announce=False)

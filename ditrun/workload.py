@@ -25,6 +25,7 @@ import yaml
 
 from ditrun.errors import UserError
 from ditrun.model.latents import LATENT_CHANNELS, VAE_SCALE, pack, token_ids
+from ditrun.model.text import STANDIN_TEXT_LEN, model_text_len
 from ditrun.model.sampler import EditInputs
 
 _EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height",
@@ -75,9 +76,20 @@ class Edit:
     """The correct result: an edit name of ``ditrun.editor.transforms.EDITS`` or an image file."""
 
 
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""The largest manifest read (about a million edits): a bound, so that a device (``/dev/zero``) or a wrong file
+cannot fill the memory."""
+
+
 def _read_manifest(path: str) -> list[dict]:
     file = Path(path)
+    if file.exists() and not file.is_file():  # stat only: opening a FIFO would wait for a writer
+        raise WorkloadError(f"workload.manifest={path!r} is {_not_regular(file)}; give a YAML or JSONL file.")
     try:
+        size = file.stat().st_size
+        if size > MAX_MANIFEST_BYTES:
+            raise WorkloadError(f"workload.manifest={path!r} is {size / 2**20:.0f} MiB; a manifest is at most "
+                                f"{MAX_MANIFEST_BYTES // 2**20} MiB.")
         text = file.read_text()
     except OSError as err:
         raise WorkloadError(f"workload.manifest={path!r} cannot be read: {err.strerror}.")
@@ -100,6 +112,18 @@ def _read_manifest(path: str) -> list[dict]:
     return data
 
 
+def resolve_text_len(cfg) -> None:
+    """``workload.text_len`` the user's, or the model's when unset (``text.model_text_len``), with
+    ``workload.text_len_from`` saying which; once per config (a resolved config keeps its values)."""
+    workload = cfg.workload
+    if workload.text_len_from is not None and workload.text_len is not None:
+        return
+    if workload.text_len is not None:
+        workload.text_len_from = "workload.text_len"
+        return
+    workload.text_len, workload.text_len_from = model_text_len(cfg.model.path)
+
+
 def check_config(workload_cfg) -> None:
     """The numbers of ``workload.*``, checked before the edits are resolved (and before
     ``launcher.fault`` is checked against ``workload.steps``)."""
@@ -108,7 +132,7 @@ def check_config(workload_cfg) -> None:
         raise WorkloadError(f"workload.limit={limit} must be a positive number of edits, or unset for all of them.")
     if steps < 1:
         raise WorkloadError(f"workload.steps={steps} must be at least 1.")
-    if text_len < 1:
+    if text_len is not None and text_len < 1:
         raise WorkloadError(f"workload.text_len={text_len} must be a positive number of stand-in prompt tokens.")
     if workload_cfg.distilled_guidance is not None:
         raise WorkloadError("workload.distilled_guidance was renamed to diffusers' names: the distilled guidance value "
@@ -138,23 +162,36 @@ def declared_edits(workload_cfg) -> list:
 def resolve_edits(workload_cfg) -> list[Edit]:
     """The run's edits in order, with defaults filled in and every field checked."""
     raw = declared_edits(workload_cfg)
+    _check_unique_ids(raw)
     if workload_cfg.limit is not None:
         raw = raw[: workload_cfg.limit]
     if not raw:
         raise WorkloadError("the workload has no edits: set workload.edits or workload.manifest.")
-    edits = [_resolve_edit(i, entry, workload_cfg) for i, entry in enumerate(raw)]
-    ids = [e.id for e in edits]
-    duplicate = next((i for i in ids if ids.count(i) > 1), None)
-    if duplicate is not None:
-        raise WorkloadError(f"edit id {duplicate!r} appears twice in the workload; ids name output files.")
-    return edits
+    return [_resolve_edit(i, entry, workload_cfg) for i, entry in enumerate(raw)]
+
+
+def declared_id(index: int, entry) -> str:
+    """The id of the workload's entry ``index`` as declared: its ``id``, else ``edit<index>``."""
+    return str(entry.get("id") or f"edit{index:04d}") if isinstance(entry, dict) else f"edit{index:04d}"
+
+
+def _check_unique_ids(raw: list) -> None:
+    """Ids are unique over the whole workload, ``workload.limit`` or not: they name output files, and a results
+    directory records every declared edit by id (a later entry would replace an earlier one there)."""
+    first: dict[str, int] = {}
+    for index, entry in enumerate(raw):
+        name = declared_id(index, entry)
+        if name in first:
+            raise WorkloadError(f"edit id {name!r} appears twice in the workload (entries {first[name]} and {index}, "
+                                "counting from 0); ids name output files.")
+        first[name] = index
 
 
 def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
     if not isinstance(entry, dict):
         raise WorkloadError(f"workload edit #{index} is not a mapping of {', '.join(_EDIT_KEYS)}.")
-    name = entry.get("id") or f"edit{index:04d}"
-    if not SAFE_ID.fullmatch(str(name)):
+    name = declared_id(index, entry)
+    if not SAFE_ID.fullmatch(name):
         raise WorkloadError(
             f"edit id {str(name)!r} is not a file stem; use letters, digits, '.', '_' and '-', starting with a "
             "letter or digit, at most 128 characters (ids name the output files)."
@@ -214,7 +251,7 @@ def target_image(edit: Edit) -> Optional[np.ndarray]:
         source = dataclasses.replace(edit, ref_width=edit.width, ref_height=edit.height)
         return to_rgb8(apply(edit.target, load_image(source)))
     picture = dataclasses.replace(edit, image=edit.target, ref_width=edit.width, ref_height=edit.height)
-    _check_image_file(picture)
+    _check_image_file(edit, "target", edit.target)
     return to_rgb8(load_image(picture))
 
 
@@ -253,7 +290,7 @@ def image_size(edit: Edit) -> tuple[int, int]:
         return width, height
     from PIL import Image
 
-    _check_image_file(edit)
+    _check_image_file(edit, "image", edit.image)
     with Image.open(edit.image) as picture:
         return picture.size
 
@@ -268,13 +305,15 @@ def _int_field(name: str, entry: dict, key: str, default: int) -> int:
 
 
 def check_sources(edits: list[Edit]) -> None:
-    """Fail before any model is built if an image or embedding file does not exist, or an image is
-    not a picture ditrun can edit (files: from their headers; skimage pictures: their pixels)."""
+    """Fail before any model is built if an image, target or embedding file does not exist, or an image or target
+    is not a picture ditrun can read (files: from their headers; skimage pictures: their pixels)."""
     for edit in edits:
         if edit.image.startswith("skimage:"):
             _check_pixels(edit, _skimage_pixels(edit))
         else:
-            _check_image_file(edit)
+            _check_image_file(edit, "image", edit.image)
+        if edit.target is not None and not _names_an_edit(edit.target):
+            _check_image_file(edit, "target", edit.target)
         if edit.prompt_embeds:
             _check_regular_file(edit, "prompt_embeds", edit.prompt_embeds)
 
@@ -289,24 +328,24 @@ def check_inputs(edits: list[Edit], geometry) -> None:
 IMAGE_MODES = ("1", "L", "I;16", "I;16L", "I;16B", "LA", "P", "PA", "RGB", "RGBA")
 
 
-def _check_image_file(edit: Edit) -> None:
-    """Reads the file's header only: format, mode and number of frames."""
+def _check_image_file(edit: Edit, what: str, path: str) -> None:
+    """Reads the header of the edit's ``what`` (``image`` or ``target``) file ``path`` only: format, mode and
+    number of frames."""
     from PIL import Image, UnidentifiedImageError
 
-    _check_regular_file(edit, "image", edit.image)
+    _check_regular_file(edit, what, path)
+    where = f"edit {edit.id!r}: {what} file {path!r}"
     try:
-        with Image.open(edit.image) as picture:
+        with Image.open(path) as picture:
             mode, frames = picture.mode, getattr(picture, "n_frames", 1)
     except Image.DecompressionBombError as err:
-        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} is too large to decode safely ({err}); "
-                            "give a smaller picture.")
+        raise WorkloadError(f"{where} is too large to decode safely ({err}); give a smaller picture.")
     except (UnidentifiedImageError, OSError) as err:
-        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} is not a picture PIL can read ({err}).")
+        raise WorkloadError(f"{where} is not a picture PIL can read ({err}).")
     if mode not in IMAGE_MODES:
-        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} has PIL mode {mode!r}; allowed: "
-                            f"{', '.join(IMAGE_MODES)} (convert it to RGB).")
+        raise WorkloadError(f"{where} has PIL mode {mode!r}; allowed: {', '.join(IMAGE_MODES)} (convert it to RGB).")
     if frames != 1:
-        raise WorkloadError(f"edit {edit.id!r}: image file {edit.image!r} holds {frames} frames; give one picture.")
+        raise WorkloadError(f"{where} holds {frames} frames; give one picture.")
 
 
 def _check_regular_file(edit: Edit, what: str, path: str) -> None:
@@ -316,8 +355,12 @@ def _check_regular_file(edit: Edit, what: str, path: str) -> None:
         return
     if not file.exists():
         raise WorkloadError(f"edit {edit.id!r}: {what} file {path!r} does not exist.")
-    kind = "a directory" if file.is_dir() else "not a regular file (a device, pipe or socket)"
-    raise WorkloadError(f"edit {edit.id!r}: {what} file {path!r} is {kind}; give a file.")
+    raise WorkloadError(f"edit {edit.id!r}: {what} file {path!r} is {_not_regular(file)}; give a file.")
+
+
+def _not_regular(file: Path) -> str:
+    """What an existing path that is not a regular file is, for an error message."""
+    return "a directory" if file.is_dir() else "not a regular file (a device, pipe or socket)"
 
 
 def _skimage_shape(edit: Edit) -> tuple[int, int]:
@@ -455,15 +498,16 @@ def edit_tokens(edit: Edit, text_len: int) -> int:
         + (edit.ref_height // PATCH_PIXELS) * (edit.ref_width // PATCH_PIXELS)
 
 
-def prompt_embeddings(edit: Edit, text_len: int, geometry):
+def prompt_embeddings(edit: Edit, text_len: Optional[int], geometry):
     """(prompt, pooled, negative prompt, negative pooled) for an edit, checked against the model.
 
     -> [1, L, joint_dim], [1, pooled_dim], [1, L', joint_dim], [1, pooled_dim]
     """
     joint_dim, pooled_dim = geometry.joint_attention_dim, geometry.pooled_projection_dim
-    neg = standin_embeds("", text_len, joint_dim, pooled_dim)
-    if not edit.prompt_embeds:
-        return (*standin_embeds(edit.prompt, text_len, joint_dim, pooled_dim), *neg)
+    if not edit.prompt_embeds:  # stand-ins: no pipeline folder encodes prompts here, so unset is their length
+        length = STANDIN_TEXT_LEN if text_len is None else text_len
+        return (*standin_embeds(edit.prompt, length, joint_dim, pooled_dim),
+                *standin_embeds("", length, joint_dim, pooled_dim))
     from safetensors.torch import load_file
 
     tensors = load_file(edit.prompt_embeds)

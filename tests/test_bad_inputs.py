@@ -4,6 +4,7 @@ whole table (tests/cli_batch.py), so the table costs one interpreter start-up.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
+from ditrun.editor import FOLDER as EDITOR_FOLDER
 from ditrun.model.load import random_model, save_pretrained
 from ditrun.model.presets import PRESETS
 from ditrun.workload import Edit, load_image
@@ -65,6 +67,8 @@ def _number_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["model.attention_head_dim=64"], "model.attention_head_dim=64 does not fit preset 'tiny'"),
         (["launcher.collective_timeout_s=nan"], "launcher.collective_timeout_s=nan must be a positive number of seconds."),
         (["metrics.ssim=true", "metrics.min_ssim_pct=nan"], "metrics.min_ssim_pct=nan must be a percentage above 0."),
+        (["cache=first_block", "cache.blocks=4"],
+         "cache.blocks=4 must be 1 to 3, fewer than the model's 4 blocks, so that a cached step skips some"),
     ]
 
 
@@ -82,6 +86,34 @@ def _image_cases(files: Path) -> list[tuple[list[str], str]]:
          "edit 'faces': image 'skimage:lfw_subset' is an array of shape (200, 25, 25), not a grey"),
         (["workload.width=131072", "workload.height=131072"],
          "edit 'astronaut' (131072x131072, 134217760 tokens) needs about"),
+    ]
+
+
+def _workload_file_cases(files: Path) -> list[tuple[list[str], str]]:
+    """README's "manifests" row and the "pictures" row's targets: a manifest is a regular file of bounded size
+    whose ids are unique over all of it (``workload.limit=1`` here); a target file is a picture, checked with the
+    other inputs."""
+    os.mkfifo(files / "edits.fifo")
+    with open(files / "huge.jsonl", "wb") as huge:
+        huge.truncate(65 * 2**20)  # sparse: no disk written
+    entries = [{"id": name, "image": "skimage:coffee", "prompt": prompt}
+               for name, prompt in (("a", "first"), ("b", "second"), ("a", "third"))]
+    (files / "twice.jsonl").write_text("".join(json.dumps(entry) + "\n" for entry in entries))
+    (files / "words.txt").write_text("not a picture")
+    Image.new("CMYK", (16, 16)).save(files / "cmyk_target.tiff")
+    not_regular = "is not a regular file (a device, pipe or socket); give a YAML or JSONL file."
+    return [
+        (["workload.manifest=/dev/zero"], f"workload.manifest='/dev/zero' {not_regular}"),
+        ([f"workload.manifest={files / 'edits.fifo'}"], f"edits.fifo' {not_regular}"),
+        ([f"workload.manifest={files}"], "is a directory; give a YAML or JSONL file."),
+        ([f"workload.manifest={files / 'huge.jsonl'}"], "huge.jsonl' is 65 MiB; a manifest is at most 64 MiB."),
+        ([f"workload.manifest={files / 'twice.jsonl'}"],
+         "edit id 'a' appears twice in the workload (entries 0 and 2, counting from 0); ids name output files."),
+        ([_manifest(files, "folder", target=str(files))], f"edit 'folder': target file '{files}' is a directory;"),
+        ([_manifest(files, "words", target=str(files / "words.txt"))],
+         f"edit 'words': target file '{files / 'words.txt'}' is not a picture PIL can read"),
+        ([_manifest(files, "cmyk", target=str(files / "cmyk_target.tiff"))],
+         f"edit 'cmyk': target file '{files / 'cmyk_target.tiff'}' has PIL mode 'CMYK'; allowed:"),
     ]
 
 
@@ -103,8 +135,25 @@ def _embedding_cases(files: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+def _pipeline_folder(folder: Path, truncated: str) -> str:
+    """The editor's pipeline folder copied (its DiT linked), with the safetensors of part ``truncated`` cut in half."""
+    shutil.copytree(EDITOR_FOLDER, folder, ignore=shutil.ignore_patterns("transformer"))
+    (folder / "transformer").symlink_to(EDITOR_FOLDER / "transformer")
+    weights = next((folder / truncated).glob("*.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    return f"model.path={folder}"
+
+
 def _checkpoint_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """README's "checkpoints" row: every component of a model folder, the DiT's and the others'."""
     return [
+        ([_pipeline_folder(tmp / "vae", "vae")], "/vae/diffusion_pytorch_model.safetensors is unreadable (truncated"),
+        ([_pipeline_folder(tmp / "t5", "text_encoder_2")],
+         "/text_encoder_2/model.safetensors is unreadable (truncated"),
+        ([_pipeline_folder(tmp / "clip", "text_encoder")], "/text_encoder/model.safetensors is unreadable (truncated"),
+        ([f"workload.vae_path={tmp / 'no_vae'}"],
+         f"workload.vae_path '{tmp / 'no_vae'}' is not a folder with config.json and *.safetensors."),
         ([_model_folder(tmp / "bad_index", index_text="{not json")], "safetensors.index.json is not valid JSON"),
         ([_model_folder(tmp / "escaping_index", index_text=json.dumps({"weight_map": {"x": "../x.safetensors"}}))],
          "maps 'x' to '../x.safetensors'; allowed: a *.safetensors file name in"),
@@ -126,8 +175,8 @@ def _hydra_cases(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("table", [_number_cases, _image_cases, _embedding_cases, _checkpoint_cases, _hydra_cases],
-                         ids=lambda t: t.__name__[1:-6])
+@pytest.mark.parametrize("table", [_number_cases, _image_cases, _workload_file_cases, _embedding_cases,
+                                   _checkpoint_cases, _hydra_cases], ids=lambda t: t.__name__[1:-6])
 def test_every_bad_input_is_one_sentence_before_any_work(tmp_path, table):
     cases = table(tmp_path)
     table = [[*QUICK, *args, f"hydra.run.dir={tmp_path / 'runs' / str(i)}"] for i, (args, _) in enumerate(cases)]
@@ -142,7 +191,8 @@ def test_every_bad_input_is_one_sentence_before_any_work(tmp_path, table):
     wrong = [(args, result["exit"], result["stderr"][-600:]) for (args, sentence), result in zip(cases, results)
              if not _one_sentence_before_work(result, sentence)]
     assert not wrong, wrong
-    assert not list((tmp_path / "runs").rglob("edits.jsonl"))
+    # Refused before the directory is claimed: no record, no run.json, no Hydra files.
+    assert not [path for name in ("edits.jsonl", "run.json", ".hydra") for path in (tmp_path / "runs").rglob(name)]
 
 
 def _one_sentence_before_work(result: dict, sentence: str) -> bool:

@@ -361,6 +361,24 @@ def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_gpu_int8qk_attention_at_a_sequence_off_the_key_scales_tma_boundary_through_the_cli(tmp_path):
+    """``int8qk_fp8v`` on the Hopper Gluon kernel through the command, 135 tokens (7 text, 64 output, 64 reference)
+    and 8 heads: each head's key scales start off a 16-byte boundary unless the kernel pads them
+    (``attention_gluon._key_scales``), and a TMA load from there is an illegal instruction. The run ends with its
+    edits."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the INT8-QK Gluon kernel is the Hopper (sm_90) one")
+    proc = run(ditrun_command("model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=bf16",
+                              "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128",
+                              "model.compile=off", *GPU, f"hydra.run.dir={tmp_path / 'run'}"), timeout=280,
+               cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["complete"] and summary["precision_detail"]["attention"]["backends"] == ["gluon"]
+
+
+@pytest.mark.gpu
 @pytest.mark.timeout(600)
 def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
     """One graph per input shape; a replay computes the new inputs' result, as the compiled model does; past

@@ -164,6 +164,9 @@ def test_the_watchdog_names_a_stream_wait_that_never_ends_and_frees_the_stream()
 
     device = torch.device("cuda", torch.cuda.current_device())
     flags = torch.zeros(4, dtype=torch.int32, device=device)
+    # The zeros are written on the current stream; the lane's wait reads the flags from another. Unordered, it
+    # can read the bytes an earlier test left in that memory, find the flag already set and never wait.
+    torch.cuda.synchronize(device)
     ops = StreamOps()
     watchdog = Watchdog(device, ops, flags, timeout_s=0.5)
     lane = StreamLane(device, ops, watchdog, torch.cuda.Stream(device))

@@ -177,6 +177,54 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     assert torch.equal(latents(tmp_path / "again", "e"), latents(tmp_path / "run", "e"))
 
 
+@pytest.mark.timeout(200)
+def test_an_unset_text_len_is_the_folders_and_gives_diffusers_default_run(tmp_path):
+    """The command without ``workload.text_len`` on a FLUX.1-style folder (its T5 tokenizer says 512, as FLUX.1's
+    do): the prompts are encoded at 512 tokens, diffusers' default ``max_sequence_length``, so the edit's final
+    latents are those of diffusers' call that leaves it out; the run's config says the length and where it came
+    from."""
+    from ditrun_cli import ditrun
+    from launching import latents
+
+    pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
+    Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
+    with torch.no_grad():
+        expected = pipe(image=Image.open(tmp_path / "r.png"), prompt="make it red", negative_prompt="",
+                        height=HEIGHT, width=WIDTH, max_area=WIDTH * HEIGHT, num_inference_steps=STEPS,
+                        true_cfg_scale=2.0, guidance_scale=2.0, _auto_resize=False,
+                        generator=torch.Generator().manual_seed(SEED), output_type="latent").images
+    overrides = [key for key in _pipeline_overrides(tmp_path, tmp_path / "prompts")
+                 if not key.startswith("workload.text_len")]
+    out = tmp_path / "run"
+    proc = ditrun("model=tiny", "device=cpu", "wandb.mode=disabled", "progress=false", *overrides,
+                  f"hydra.run.dir={out}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert relative_error(latents(out, "e"), expected) <= 1e-4
+    workload = json.loads((out / "summary.json").read_text())["config"]["workload"]
+    assert workload["text_len"] == 512
+    tokenizer = tmp_path / "kontext" / "tokenizer_2" / "tokenizer_config.json"
+    assert workload["text_len_from"] == f"{tokenizer} (model_max_length)"
+    assert "at 512 tokens (" in proc.stdout
+
+
+def test_the_text_length_belongs_to_the_model(tmp_path):
+    """``model.text.model_text_len``: the editor's folder records the 32 tokens it was trained with; a folder whose
+    tokenizer names no usable length takes diffusers' 512; without a pipeline folder, the stand-ins' 32."""
+    from ditrun.editor import FOLDER
+    from ditrun.editor.train import TrainConfig
+    from ditrun.model.text import model_text_len
+
+    assert model_text_len(str(FOLDER)) == (TrainConfig().text_len, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
+                                                                    "(model_max_length)")
+    folder = tmp_path / "flux"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "tokenizer_2").mkdir()
+    (folder / "model_index.json").write_text("{}")
+    (folder / "tokenizer_2" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 10**30}))
+    assert model_text_len(str(folder)) == (512, "diffusers' max_sequence_length default")
+    assert model_text_len(None)[0] == model_text_len(str(folder / "transformer"))[0] == 32
+
+
 def _pipeline_overrides(tmp_path, cache) -> list[str]:
     return [f"model.path={tmp_path / 'kontext'}", f"workload.prompt_cache_dir={cache}", "metrics.ssim=false",
             f"workload.width={WIDTH}", f"workload.height={HEIGHT}", f"workload.steps={STEPS}",

@@ -83,6 +83,9 @@ def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
                   f"workload.prompt_cache_dir={tmp_path / 'prompts'}", "metrics.ssim=false", *QUIET,
                   f"hydra.run.dir={out}", cwd=tmp_path, timeout=280)
     assert proc.returncode == 0, proc.stderr
+    workload = json.loads((out / "summary.json").read_text())["config"]["workload"]  # the folder's 32 tokens
+    assert (workload["text_len"], workload["text_len_from"]) == (32, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
+                                                                     "(model_max_length)")
     record = _records(out)["e"]
     got = load_file(out / record["latents"])
     latents = next(iter(got.values()))
@@ -98,10 +101,10 @@ def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
     exits 1 with the sentence naming the key."""
     out = tmp_path / "run"
     proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=128", "workload.height=128",
-                  "workload.steps=4", "metrics.min_ssim_pct=99.9", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
+                  "workload.steps=4", "metrics.min_ssim_pct=99.9", "metrics.quality=rerun", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
                   timeout=280)
     assert proc.returncode == 1, proc.stderr
-    assert "metrics.min_ssim_pct=99.9" in proc.stderr and "SSIM gate failed" in proc.stderr
+    assert "metrics.min_ssim_pct=99.9" in proc.stderr and "quality gate failed" in proc.stderr
     record = next(iter(_records(out).values()))
     assert record["ssim_pct_of_rerun"] < 99.9 and record["ssim_target"] is not None
 

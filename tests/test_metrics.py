@@ -1,4 +1,4 @@
-"""Timing fields, exposed transfer, SSIM, the BF16 reference cache and the SSIM gate."""
+"""Timing fields, exposed transfer, SSIM, the BF16 reference cache and the quality gate."""
 
 import json
 import fcntl
@@ -17,6 +17,7 @@ from skimage import data, transform
 from ditrun import metrics
 from ditrun.config import RunConfig
 from ditrun.metrics import quality, timing
+from ditrun.metrics.target import make_target, psnr
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.reference import Reference, reference_key
 from ditrun.model.presets import geometry_from_config
@@ -60,11 +61,15 @@ def test_quality_fields_relate_ssim_to_the_rerun():
     assert fields["ssim_pct_of_rerun"] == pytest.approx(100 * fields["ssim"] / fields["ssim_rerun"])
     assert quality.quality_fields(img, None) == dict.fromkeys(quality.QUALITY_FIELDS)
     # Against a correct result: the run's image and the BF16 reference's, with SSIM on or off.
-    target = with_noise(img, 0.02, seed=2)
+    correct = with_noise(img, 0.02, seed=2)
+    target = make_target(correct, with_noise(img, 0.3, seed=3), {})
     fields = quality.quality_fields(img, Reference(image=rerun, rerun=rerun), target)
-    assert fields["ssim_target"] == pytest.approx(quality.ssim(img, target))
-    assert fields["ssim_target_bf16"] == pytest.approx(quality.ssim(rerun, target))
-    assert quality.quality_fields(img, None, target)["ssim_target_bf16"] is None
+    assert fields["ssim_target"] == pytest.approx(quality.ssim(img, correct))
+    assert fields["ssim_target_bf16"] == pytest.approx(quality.ssim(rerun, correct))
+    assert fields["psnr_target_bf16"] == pytest.approx(psnr(rerun, correct))
+    without_reference = quality.quality_fields(img, None, target)
+    assert without_reference["ssim_target_bf16"] is None and without_reference["psnr_target_bf16"] is None
+    assert without_reference["psnr_target"] == pytest.approx(psnr(img, correct))
 
 
 def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
@@ -72,7 +77,7 @@ def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
     assert quality.gate_failure(summary, None) is None
     assert quality.gate_failure(summary, 95.0) is None
     message = quality.gate_failure(summary, 97.5)
-    assert message == ("SSIM gate failed: median SSIM 0.9500 is 95.00% of the BF16 rerun SSIM 1.0000, "
+    assert message == ("quality gate failed: median SSIM 0.9500 is 95.00% of the BF16 rerun SSIM 1.0000, "
                        "below metrics.min_ssim_pct=97.5.")
 
 
@@ -249,7 +254,7 @@ def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     assert "the references of all 2 edits come from" in proc.stdout  # made once, by the first run
     lenient, strict = (json.loads((sweep / job / "summary.json").read_text()) for job in ("0", "1"))
     assert lenient["failure"] is None and strict["failure"] == expected
-    assert f"ditrun: error: 1 run(s) of the sweep failed the SSIM gate:\n  {sweep / '1'}: {expected}" in proc.stderr
+    assert f"ditrun: error: 1 run(s) of the sweep failed the quality gate:\n  {sweep / '1'}: {expected}" in proc.stderr
     assert [r["ssim"] for r in _records(sweep / "0")] == [r["ssim"] for r in records]
 
 

@@ -141,7 +141,7 @@ def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes
     # The layout is a setting of the directory too (its timings are the layout's).
     other_layout = run_in(out, refs, "launcher.world=2", "layout=ulysses", cwd=tmp_path)
     assert other_layout.returncode == 2
-    assert "launcher.world: 1 recorded, 2 now; layout.name: single recorded, ulysses now" in other_layout.stderr
+    assert "layout.name: single recorded, ulysses now; launcher.world: 1 recorded, 2 now" in other_layout.stderr
     assert snapshot(out) == before
 
     # What may differ: the prefix of the workload, W&B, timeouts, the cache's place.
@@ -199,6 +199,21 @@ def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_director
 
 
 @pytest.mark.timeout(300)
+def test_a_resumed_runs_first_edit_is_its_warm_up_and_not_in_the_medians(tmp_path):
+    """Each process compiles and warms up on its first edit: after a resume, the medians leave out the first edit of
+    every process that wrote some (``metrics.warmup_edits``), not only the directory's first."""
+    out, refs = tmp_path / "run", tmp_path / "refs"
+    assert run_in(out, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0  # astronaut, coffee
+    resumed = run_in(out, refs, FOUR, "metrics.ssim=false", cwd=tmp_path)  # chelsea (its warm-up), rocket
+    assert resumed.returncode == 0, resumed.stderr
+    done = records(out)
+    sessions = [record["session"] for record in done]
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]
+    steady = sorted(record["dit_s"] for record in (done[1], done[3]))
+    assert summary(out)["dit_s_median"] == pytest.approx(sum(steady) / 2, rel=1e-12)
+
+
+@pytest.mark.timeout(300)
 def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_checked(tmp_path):
     """A results directory from before ``run.json`` (or one whose file was deleted) keeps the per-record check."""
     out, refs = tmp_path / "run", tmp_path / "refs"
@@ -206,7 +221,8 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
     (out / rundir.RUN_FILE).unlink()
     changed = run_in(out, refs, "metrics.ssim=false", "workload.steps=3", cwd=tmp_path)
     assert changed.returncode == 2
-    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now)" in changed.stderr
+    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now; reference.steps: 2 recorded, 3 " \
+           "now)" in changed.stderr
     assert not (out / rundir.RUN_FILE).exists()
     adopted = run_in(out, refs, "metrics.ssim=false", cwd=tmp_path)
     assert adopted.returncode == 0 and "resuming, 2 edits already in edits.jsonl are skipped" in adopted.stdout
@@ -226,6 +242,11 @@ def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is
     judged = run_in(out, refs, "cache=first_block", "metrics.quality=bf16", "metrics.ssim=false", cwd=tmp_path)
     assert judged.returncode == 0, judged.stderr
     assert "resuming, 2 edits already in edits.jsonl are skipped" in judged.stdout
+    # Without a cache the directory's other cache keys all differ too: the choice that explains them comes first,
+    # never behind "(and N more)".
+    uncached = run_in(out, refs, "cache=none", "metrics.ssim=false", cwd=tmp_path)
+    assert uncached.returncode == 2
+    assert "belongs to a run with other settings (cache.name: first_block recorded, none now; " in uncached.stderr
 
     plain = tmp_path / "plain"
     assert run_in(plain, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0

@@ -131,7 +131,11 @@ MASK_RULE = f"must hold step 0 (nothing is cached before it) and only steps 0 to
     (["cache=static", "cache.compute_steps=[1,2]"], f"cache.compute_steps=[1, 2] {MASK_RULE}"),
     (["cache=static", "cache.compute_steps=[0,5]"], f"cache.compute_steps=[0, 5] {MASK_RULE}"),
     (["cache=first_block", "cache.blocks=99"],
-     "cache.blocks=99 must be 1 to the model's 4 blocks (cache=first_block)."),
+     "cache.blocks=99 must be 1 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
+     "(cache=first_block)."),
+    (["cache=static", "cache.blocks=4"],
+     "cache.blocks=4 must be 0 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
+     "(cache=static)."),
     (["cache=first_block", "cache.threshold=-1"], "cache.threshold=-1 must be 0 or more (0 computes every step)."),
     (["cache=first_block", "cache.max_cached=0"], "cache.max_cached=0 must be at least 1, or unset for no cap."),
     (["cache=static", "cache.compute_every=0"], "cache.compute_every=0 must be at least 1."),

@@ -233,11 +233,13 @@ def test_triton_int8qk_equals_the_reference(v_format, tolerance):
 @pytest.mark.gpu
 @pytest.mark.parametrize("s, config", [(1000, {}), (4608, {}), (200, {"block_n": 64}), (256, {}),
                                        (1000, {"v_fp8": True}), (4608, {"v_fp8": True}), (100, {"v_fp8": True}),
+                                       (135, {"v_fp8": True}), (133, {}), (50, {"v_fp8": True}), (4097, {}),
                                        (1000, {"v_fp8": True, "block_n": 64}), (1000, {"stages": 3}),
                                        (1000, {"v_fp8": True, "stages": 3})])
 def test_gluon_int8qk_equals_the_reference(s, config):
     """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
-    sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next.
+    sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next; S not a
+    multiple of 4 puts a head's key scales off the 16-byte boundary a TMA tile starts on (``_key_scales``).
     ``v_fp8``: FP8-exact V and an FP8 P @ V, P rounded to E4M3 (2^8 P), which the reference does not round: a few
     % (max-norm); a wrong key order in V^T, or row sums added at the FP8 products' precision over many tiles, are
     off by far more."""
@@ -328,7 +330,7 @@ def compile_sm90(gluon, d: int = 128, block_n: int = 128, stages: int = 4, even:
     element = {"q": "i8", "k": "i8", "ks": "fp32", "v": v_element, "ones": v_element}
     signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
                  for name, (shape, layout) in blocks.items()}
-    signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
+    signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "S_KS": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
                   "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "V_FP8": "constexpr"}
     constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "V_FP8": v_fp8}
     source = GluonASTSource(gluon._int8qk_kernel, signature, constexprs=constants)

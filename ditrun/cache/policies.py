@@ -98,9 +98,14 @@ def static_mask(cache_cfg, steps: int) -> frozenset[int]:
 
 
 def _check_blocks(cache_cfg, num_blocks: int, least: int) -> None:
-    if not least <= cache_cfg.blocks <= num_blocks:
-        raise UserError(f"cache.blocks={cache_cfg.blocks} must be {least} to the model's {num_blocks} blocks "
-                        f"(cache={cache_cfg.name}).")
+    """``cache.blocks`` leaves at least one block to skip: with every block in the head a cached step computes all
+    of them, and the run would record cached steps that saved nothing."""
+    if num_blocks <= least:
+        raise UserError(f"cache={cache_cfg.name} runs the first {least} block(s) every step, and the model has "
+                        f"{num_blocks}: no block is left for a cached step to skip.")
+    if not least <= cache_cfg.blocks < num_blocks:
+        raise UserError(f"cache.blocks={cache_cfg.blocks} must be {least} to {num_blocks - 1}, fewer than the "
+                        f"model's {num_blocks} blocks, so that a cached step skips some (cache={cache_cfg.name}).")
 
 
 CACHE_POLICIES: Registry[type] = Registry("step cache")

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -59,10 +60,12 @@ SUM_N = gl.constexpr(8)
 
 @gluon.jit
 def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready,
-          empty, q_row, kv_row, v_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, V_FP8: gl.constexpr):
-    """The loading warp: the program's two Q tiles and the ones tile once, then K tiles (with their keys' scales)
-    and V tiles through the stage ring (FP8 V: tiles of V^T, [D, BLOCK_N] from row ``v_row``). A stage holds one
-    tile's K and V and is released once, when both groups are done with its V (its K was done before)."""
+          empty, q_row, kv_row, ks_row, v_row, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          V_FP8: gl.constexpr):
+    """The loading warp: the program's two Q tiles and the ones tile once, then K tiles (with their keys' scales,
+    from element ``ks_row``) and V tiles through the stage ring (FP8 V: tiles of V^T, [D, BLOCK_N] from row
+    ``v_row``). A stage holds one tile's K and V and is released once, when both groups are done with its V (its K
+    was done before)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes + ones_desc.block_type.nbytes)
     _tma_load(q_desc, [q_row, 0], q_bar, q_smem.index(0))
     _tma_load(q_desc, [q_row + GROUP_M, 0], q_bar, q_smem.index(1))
@@ -74,7 +77,7 @@ def _load(q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v
         mbarrier.wait(empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + ks_desc.block_type.nbytes)
         _tma_load(k_desc, [kv_row + j * BLOCK_N, 0], k_ready.index(stage), k_smem.index(stage))
-        _tma_load(ks_desc, [kv_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
+        _tma_load(ks_desc, [ks_row + j * BLOCK_N], k_ready.index(stage), ks_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         if V_FP8:
             _tma_load(v_desc, [v_row, j * BLOCK_N], v_ready.index(stage), v_smem.index(stage))
@@ -265,11 +268,12 @@ def _attend(q_tile, k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empt
 
 
 @gluon.jit
-def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_scale_log2, D: gl.constexpr,
+def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, S_KS, sm_scale_log2, D: gl.constexpr,
                    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, EVEN: gl.constexpr, V_FP8: gl.constexpr):
-    # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS and the scales behind ks_desc: fp32
-    # [B * H * S], one per token. Tiles past a head's S read the next head's rows: their scores are masked
-    # (keys) or their rows not stored (queries); past the tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
+    # q, k: int8 [B * H * S, D]; v, O: [B * H * S, D] (BF16 or FP16); QS: fp32 [B * H * S], one scale per token;
+    # the key scales behind ks_desc: fp32 [B * H, S_KS], S rounded up to 4 (``_key_scales``). Tiles past a head's
+    # S read the next head's rows: their scores are masked (keys) or their rows not stored (queries); past the
+    # tensor TMA reads zeros. V_FP8: v holds E4M3 codes of
     # V^T, [B * H * D, S rounded up to 32] (``fp8_v_operand``), VS one fp32 scale per (batch, head).
     block_m = gl.program_id(0)
     bh = gl.program_id(1)
@@ -302,7 +306,7 @@ def _int8qk_kernel(q_desc, k_desc, ks_desc, v_desc, ones_desc, QS, VS, O, S, sm_
         (_attend, (q_smem.index(1), k_smem, ks_smem, v_smem, ones, q_bar, k_ready, v_ready, empty,
                    QS, VS, O, bh, S, row0 + GROUP_M, sm_scale_log2, n_tiles, D, BLOCK_N, STAGES, EVEN, V_FP8)),
         (_load, (q_desc, k_desc, ks_desc, v_desc, ones_desc, q_smem, k_smem, ks_smem, v_smem, ones, q_bar, k_ready,
-                 v_ready, empty, bh * S + row0, bh * S, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
+                 v_ready, empty, bh * S + row0, bh * S, bh * S_KS, bh * D, n_tiles, BLOCK_N, STAGES, V_FP8)),
     ], [4, 1], [232 if V_FP8 else 240, 24])  # the second group's registers: none spilled with these (Triton 3.6)
 
 
@@ -325,6 +329,18 @@ def fp8_v_operand(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     16h + 4t + 2w + e is key 16h + 8w + 2t + e (h, w, e < 2, t < 4), the scores' column a thread holds in the
     register where the FP8 operand wants that position (``attention.fp8_v_codes``: the same in torch)."""
     return fp8_v_codes(v.transpose(1, 2))
+
+
+def _key_scales(k_scale: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The keys' scales [B, H, S] as the flat TMA operand, each head's row padded to S rounded up to 4 (zeros past
+    S; the keys there are masked), and that row length. A TMA tile must start at a 16-byte boundary: a head's
+    scales at ``bh * S`` floats with S not a multiple of 4 would not, and the load there stops the kernel with an
+    illegal instruction (seen on one H200 at every such S with more than one head)."""
+    b, h, s = k_scale.shape
+    padded = -(-s // 4) * 4
+    if padded == s:
+        return k_scale.contiguous().view(b * h * s), s
+    return F.pad(k_scale.reshape(b * h, s), (0, padded - s)).view(b * h * padded), padded
 
 
 @functools.cache
@@ -355,12 +371,13 @@ def int8qk_gluon(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scal
         v_type = gl.bfloat16 if v.dtype == torch.bfloat16 else gl.float16
     blocks = _blocks(d, block_n, v_type)
     ones = _ones(SUM_N.value, block_n, torch.float8_e4m3fn if v_type == gl.float8e4nv else v.dtype, q.device)
+    ks, ks_row = _key_scales(k_scale)
     q_desc, k_desc, ks_desc, v_desc, ones_desc = (TensorDescriptor.from_tensor(t, *blocks[name]) for name, t in (
-        ("q", q2), ("k", k2), ("ks", k_scale.contiguous().view(rows)), ("v", v2), ("ones", ones)))
+        ("q", q2), ("k", k2), ("ks", ks), ("v", v2), ("ones", ones)))
     out = torch.empty((b, h, s, d), dtype=out_dtype, device=q.device)
     grid = (triton.cdiv(s, 2 * GROUP_M.value), b * h)
     _int8qk_kernel[grid](q_desc, k_desc, ks_desc, v_desc, ones_desc, q_scale.contiguous(), v_scale, out, s,
-                         sm_scale * LOG2_E,
+                         ks_row, sm_scale * LOG2_E,
                          D=d, BLOCK_N=block_n, STAGES=stages, EVEN=s % block_n == 0,
                          V_FP8=v_type == gl.float8e4nv,
                          num_warps=4)

@@ -159,7 +159,7 @@ def spawned_rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supe
 
 
 def _is_verdict(err: BaseException) -> bool:
-    """Errors about the run rather than the rank (a config mistake, the SSIM gate): the
+    """Errors about the run rather than the rank (a config mistake, the quality gate): the
     supervisor raises them again as they are, so the command treats them as in one process."""
     from ditrun.metrics.quality import QualityGateError
 

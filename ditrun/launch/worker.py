@@ -17,6 +17,7 @@ import functools
 import platform
 import subprocess
 import time
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -30,7 +31,8 @@ from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.stop import RunStopped
 from ditrun import cache, metrics
-from ditrun.metrics import quality, reference, results, rundir, timing
+from ditrun.metrics import full_quality, quality, reference, results, rundir, timing
+from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_memory_bytes, reset_peak_memory
@@ -45,7 +47,7 @@ from ditrun.parallel.layout import LayoutPlan, build_layout, plan_layout
 from ditrun.transport.registry import check_transport, make_transport
 from ditrun.model.memory import check_memory
 from ditrun.workload import (Edit, check_inputs, declared_edits, edit_inputs, edit_tokens, resolve_edits,
-                             target_image)
+                             resolve_text_len)
 from ditrun.workload import check_config as check_workload_config
 from ditrun.errors import UserError
 
@@ -69,6 +71,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     ``world`` is the number of ranks that will run (default: ``launcher.world``), so a launcher
     can call this before it spawns anything.
     """
+    resolve_text_len(cfg)  # the model's when unset: every later check and rank reads the number
     device = device_kind(cfg.device)
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
@@ -79,6 +82,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     metrics.check_config(cfg)
     world = cfg.launcher.world if world is None else world
     geometry = model_geometry(cfg.model)
+    text.check_components(cfg.model.path, cfg.workload.vae_path)
     cache.check_config(cfg.cache, cfg.workload.steps, geometry.num_layers + geometry.num_single_layers)
     check_inputs(resolve_edits(cfg.workload), geometry)
     return plan_layout(cfg.layout, world, geometry.num_attention_heads)
@@ -134,6 +138,9 @@ class Run:
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
         self.built = None
+        self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
+        # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
+        self.session = uuid.uuid4().hex[:12]
 
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
@@ -158,7 +165,8 @@ class Run:
         self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
         self.references = self._references(job) if cfg.metrics.ssim else None
-        self.targets = {e.id: target_image(e) for e in self.edits if e.target is not None}
+        # Seeded random weights make structured noise: scored against a correct edit, that is drift, not quality.
+        self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None and cfg.model.path}
         reset_peak_memory(self.placement.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.placement.device)
@@ -192,8 +200,11 @@ class Run:
         _, described = reference.reference_key(self.cfg, self.geometry, edit, self.placement.dtype,
                                                self.placement.device.type)
         described.pop("format")
-        # The backend is left out, like the layout: fast kernels match the exact emulation.
-        settings = {**described, "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
+        # The key's sampling settings are the reference's; the edit's own are the run's, and its scores are against
+        # that reference. The backend is left out, like the layout: fast kernels match the exact emulation.
+        settings = {**described, **reference.sampling(self.cfg.workload), "reference": reference.sampling(
+            full_quality.reference_workload(self.cfg)),
+            "precision": {**self.precision.formats(), "scale_mode": self.precision.scale_mode}}
         if self.cfg.cache.name != "none":  # absent without a cache: an uncached edit names no cache keys
             settings["cache"] = OmegaConf.to_container(self.cfg.cache, resolve=True)
         return settings
@@ -288,7 +299,7 @@ class Run:
             "steps": cfg.workload.steps, "layout": plan.name, "precision": self.precision_label,
             "transport": cfg.transport.name, "world": plan.world,
             **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
-            **quality_fields, "image": outputs["image"], "replica": self.layout.replica,
+            **quality_fields, "image": outputs["image"], "replica": self.layout.replica, "session": self.session,
             "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
             "precision_map": self.precision.formats(), "reference": _source(edit.image), "target": edit.target,
             **measured,
@@ -299,12 +310,15 @@ class Run:
                 startup: Optional[list[dict]] = None) -> dict:
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "run_id": self.run_id,
             "edits": len(records),
             "complete": len(records) == len(self.directory_edits),
             "stopped": str(stopped) if stopped else None,
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
             **quality.quality_summary(records),
+            "reference": reference.sampling(full_quality.reference_workload(self.cfg)),
+            "quality_measure": quality.measure_name(self.cfg.metrics.quality, [quality.quality_summary(records)]),
             **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
@@ -327,7 +341,7 @@ def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str]
     done with the same settings) before any model is built, and every rank receives its
     decision through ``job``. Each replica's writer appends its own records; once every rank
     has finished, global rank 0 merges them, logs to W&B, writes the summary and the report,
-    and applies the SSIM gate. A stop signal ends loading at once (``Run.solo``, ``job.barrier``)
+    and applies the quality gate. A stop signal ends loading at once (``Run.solo``, ``job.barrier``)
     or the edit loop at a step boundary; the run then ends the same way and raises ``RunStopped``.
     ``nodes`` is every rank's node, as the rendezvous found them (empty: all on one node). ``hydra_files`` are
     written once the directory is claimed.
@@ -362,7 +376,8 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
     settings = state.run_settings()
     state.directory_edits = rundir.claim(out_dir, settings, state.settings)
     done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
-    rundir.record_run(out_dir, settings, state.directory_edits)
+    state.run_id = uuid.uuid4().hex
+    rundir.record_run(out_dir, settings, state.directory_edits, state.run_id)
     if hydra_files is not None:
         hydra_files.write(out_dir)
     _print_start(state, out_dir, len(done))
@@ -413,10 +428,10 @@ def _stop_if_asked(job: LocalJob, layout) -> None:
 
 def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped],
             startup: list[dict]) -> dict:
-    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the SSIM gate.
+    """Global rank 0: summary.json, the W&B run's table and summary, the report; then the quality gate.
 
     A stopped run writes its summary (``complete: false``) and closes its W&B run, but leaves the
-    report and the SSIM gate to the run that completes the workload.
+    report and the quality gate to the run that completes the workload.
     """
     cfg = state.cfg
     done = results.finished_edits(out_dir)
@@ -458,15 +473,22 @@ def _cell(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _margin_cell(record: dict) -> str:
+    return "= input" if record.get("target_equals_input") else _cell(record.get("margin_db"), "+.2f")
+
+
 def print_table(records: list[dict], summary: dict) -> None:
-    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "SSIM target",
-             "(BF16)", "image")]
+    """The run's edits, one row each; the headline quality is against the correct edit (PSNR, its margin over
+    doing nothing and every wrong edit, the colour error), beside SSIM against the BF16 reference."""
+    rows = [("edit", "size", "steps", "DiT s", "s/step", "exposed %", "SSIM", "% of rerun", "PSNR target",
+             "margin dB", "dE00", "(BF16)", "image")]
     for r in records:
         steps = f"{r['steps_computed']}/{r['steps']}" if r.get("steps_cached") else str(r["steps"])  # computed/all
         rows.append((r["edit"], f"{r['width']}x{r['height']}", steps, f"{r['dit_s']:.3f}",
                      f"{r['dit_s'] / max(r['steps'], 1):.3f}", f"{r['exposed_transfer_pct']:.1f}",
                      _cell(r.get("ssim"), ".4f"), _cell(r.get("ssim_pct_of_rerun"), ".2f"),
-                     _cell(r.get("ssim_target"), ".4f"), _cell(r.get("ssim_target_bf16"), ".4f"), r["image"]))
+                     _cell(r.get("psnr_target"), ".2f"), _margin_cell(r), _cell(r.get("delta_e_target"), ".1f"),
+                     _cell(r.get("psnr_target_bf16"), ".2f"), r["image"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
@@ -474,8 +496,9 @@ def print_table(records: list[dict], summary: dict) -> None:
           f"images/s: {summary['images_per_s']:.3f}   "
           f"exposed transfer: {_cell(summary['exposed_transfer_pct_median'], '.1f')}%   "
           f"SSIM: {_cell(summary['ssim_median'], '.4f')} ({_cell(summary['ssim_pct_of_rerun_median'], '.2f')}% of rerun)   "
-          f"SSIM against the correct edit: {_cell(summary.get('ssim_target_median'), '.4f')}   "
           f"device: {summary['device']} ({summary['dtype']})")
+    if summary.get("edits_right_share") is not None:
+        print(targets.describe(summary))
 
 
 def print_locations(cfg, summary: dict, out_dir: Path, report_file: Optional[Path]) -> None:

@@ -9,8 +9,9 @@ from ditrun.errors import UserError
 
 def check_config(cfg) -> None:
     """Mistakes in ``metrics.*`` and ``wandb.*``, raised before any model is built."""
+    from ditrun.metrics import full_quality
     from ditrun.metrics import wandb as wandb_log
-    from ditrun.metrics.quality import QUALITY_MEASURES
+    from ditrun.metrics.quality import check_measure
     from ditrun.metrics.reference import REFERENCE_DTYPES
 
     metrics = cfg.metrics
@@ -23,5 +24,6 @@ def check_config(cfg) -> None:
         raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} needs metrics.ssim=true.")
     if metrics.min_ssim_pct is not None and not 0 < metrics.min_ssim_pct < math.inf:
         raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} must be a percentage above 0.")
-    QUALITY_MEASURES.get(metrics.quality, "metrics.quality")
+    check_measure(metrics.quality)
+    full_quality.check_config(cfg)
     wandb_log.check_config(cfg.wandb)

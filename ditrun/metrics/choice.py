@@ -1,66 +1,130 @@
 """The choice a sweep is run for: which runs meet the quality target, the speed/quality Pareto front, and the
-fastest run that meets the target, with the overrides that run it again (docs/METRICS.md, "The choice").
+fastest run that meets it, with the overrides that run it again (docs/METRICS.md, "The choice").
 
-Quality is ``metrics.quality``'s measure (``metrics/quality.py``) as a percentage of the BF16 run's own
-score; the target is ``metrics.min_ssim_pct``, or 98 (within 2%) when unset. Both are read from the
-sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
+Every run is judged against one full-quality reference (``full_quality``: BF16, no cache, the reference's steps
+and true CFG); the sweep's run of that configuration is the named baseline. Only runs comparable with it (the
+same model, workload and reference: ``runs.comparable_key``) and complete are judged; the others are listed
+apart with the reason, and never chosen. Quality is ``metrics.quality``'s measure (``metrics/quality.py``) as a
+percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or 98 (within 2%) when unset. Both
+are read from the sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
 """
 
 from __future__ import annotations
 
+import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from ditrun.metrics.quality import DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure
+from ditrun.metrics.quality import AUTO, DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure, measure_name
 
 PARETO_CHART = "pareto.png"
 # Precision labels of runs that quantized nothing (the compute dtype's name).
 UNQUANTIZED = ("bf16", "fp16", "fp32")
 COLUMNS = ("run", "layout", "precision", "cache", "world", "dit_s", "steps_computed", "ssim", "ssim_pct_of_rerun",
-           "ssim_target", "quality_pct", "meets_target", "pareto", "overrides")
+           "psnr_target", "margin_db", "edits_right_share", "quality_pct", "meets_target", "pareto", "status",
+           "overrides")
 
 
 @dataclass
 class Choice:
-    """The sweep's runs judged against one quality target."""
+    """The sweep's runs judged against one quality target and one baseline."""
 
     measure: QualityMeasure
     target_pct: float
     pcts: list[Optional[float]]
-    """Each run's quality (percent of the BF16 run's own), in the runs' order; None where it has none."""
+    """Each run's quality (percent of the full-quality reference's), in the runs' order; None where it has none."""
     meets: list[bool]
     front: list[bool]
-    """On the Pareto front: no other run is at least as fast and at least as good, and better at one."""
+    """On the Pareto front: no other judged run is at least as fast and at least as good, and better at one."""
     fastest: Optional[int]
     """The index of the fastest run that meets the target."""
+    baseline: Optional[int] = None
+    """The index of the sweep's full-quality run (BF16, no cache, the reference's sampling settings)."""
+    apart: dict[int, str] = field(default_factory=dict)
+    """Runs not judged, by index: why (not comparable with the baseline, incomplete, unreadable)."""
+    shortfalls: dict[int, str] = field(default_factory=dict)
+    """Runs that fail whatever their percentage (``QualityMeasure.shortfall``), by index."""
     note: Optional[str] = None
     """Why no run could be judged (the measure's one sentence), when none could."""
 
     @property
     def rule(self) -> str:
-        return (f"{self.measure.doc} at least {self.target_pct:g}% of the BF16 run's own "
+        return (f"{self.measure.doc} at least {self.target_pct:g}% of the full-quality reference's "
                 f"(metrics.quality={self.measure.name})")
 
 
 def quality_settings(runs) -> tuple[str, float]:
     """``metrics.quality`` and the target percentage the sweep's runs were configured with (its first run's)."""
-    metrics = next((r.summary.get("config", {}).get("metrics") for r in runs if r.summary.get("config")), None) or {}
+    metrics = next((r.config.get("metrics") for r in runs if r.config.get("metrics")), None) or {}
     target = metrics.get("min_ssim_pct")
-    return metrics.get("quality") or "rerun", DEFAULT_TARGET_PCT if target is None else float(target)
+    return metrics.get("quality") or AUTO, DEFAULT_TARGET_PCT if target is None else float(target)
 
 
 def cache_name(run) -> str:
     return run.setting("cache") or "none"
 
 
-def bf16_own_target(runs) -> Optional[float]:
-    """The BF16 run's own SSIM against the correct edits: that of the sweep's unquantized, uncached run (the
-    single-process one first)."""
-    plain = [r for r in runs if r.setting("precision") in UNQUANTIZED and cache_name(r) == "none"
-             and r.summary.get("ssim_target_median") is not None]
-    plain.sort(key=lambda r: (r.setting("layout") != "single", r.setting("world") != 1))
-    return plain[0].summary["ssim_target_median"] if plain else None
+def _sampling(run) -> dict:
+    """The run's own steps and true CFG, as ``reference.sampling`` writes them."""
+    workload = run.config.get("workload", {})
+    scale = workload.get("true_cfg_scale")
+    return {"steps": workload.get("steps"), "true_cfg_scale": scale if scale is not None and scale > 1 else "off"}
+
+
+def is_full_quality(run) -> bool:
+    """The run is the reference's configuration: nothing quantized, no cache, the reference's steps and true CFG."""
+    reference = run.summary.get("reference")
+    same_sampling = reference is None or all(_sampling(run)[k] == reference.get(k) for k in ("steps", "true_cfg_scale"))
+    return run.setting("precision") in UNQUANTIZED and cache_name(run) == "none" and same_sampling
+
+
+def _key_text(run) -> str:
+    from ditrun.metrics.runs import comparable_key
+
+    return json.dumps(comparable_key(run), sort_keys=True, default=str)
+
+
+def find_baseline(runs) -> tuple[Optional[int], Optional[str]]:
+    """(the index of the sweep's full-quality run, its comparable key): the single-process one first, then the
+    most edits; without one, (None, the key most complete runs share)."""
+    complete = [i for i, r in enumerate(runs) if r.complete]
+    full = [i for i in complete if is_full_quality(runs[i])]
+    if full:
+        best = min(full, key=lambda i: (runs[i].setting("layout") != "single", runs[i].setting("world") != 1, i))
+        return best, _key_text(runs[best])
+    keys = [_key_text(runs[i]) for i in complete]
+    return None, max(keys, key=keys.count, default=None)
+
+
+def _difference(run, baseline) -> str:
+    """The broadest setting in which ``run`` differs from ``baseline`` (model, workload, reference), in words."""
+    from ditrun.metrics.rundir import differences
+    from ditrun.metrics.runs import comparable_key
+
+    changes = sorted(differences(comparable_key(baseline), comparable_key(run)), key=lambda c: c[0].count("."))
+    if not changes:
+        return "another configuration"
+    key, base, own = changes[0]
+    what = {"model": "another model", "workload": "another workload", "reference": "another reference"}[key.split(".")[0]]
+    return f"{what} ({key}: {_shown(own)}, the baseline's {_shown(base)})"
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else value
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def set_apart(runs, baseline: Optional[int], key: Optional[str]) -> dict[int, str]:
+    """Runs that are not judged, by index, with the reason: incomplete or unreadable, or not comparable."""
+    apart = {}
+    for i, run in enumerate(runs):
+        if not run.complete:
+            apart[i] = f"{run.status}: {run.reason}"
+        elif key is not None and _key_text(run) != key:
+            apart[i] = ("not comparable: " + _difference(run, runs[baseline]) if baseline is not None
+                        else "not comparable with the sweep's other runs: another model, workload or reference")
+    return apart
 
 
 def pareto_front(points: list[tuple[Optional[float], Optional[float]]]) -> list[bool]:
@@ -75,19 +139,23 @@ def pareto_front(points: list[tuple[Optional[float], Optional[float]]]) -> list[
 
 
 def choose(runs, measure: Optional[str] = None, target_pct: Optional[float] = None) -> Choice:
-    """Judge ``runs`` (``report.RunResult``) against the target; settings not given are the sweep's."""
+    """Judge ``runs`` (``runs.RunResult``) against the target; settings not given are the sweep's."""
     configured = quality_settings(runs)
-    quality = QUALITY_MEASURES.get(measure or configured[0], "metrics.quality")
+    baseline, key = find_baseline(runs)
+    apart = set_apart(runs, baseline, key)
+    judged = [i for i in range(len(runs)) if i not in apart]
+    name = measure_name(measure or configured[0], [runs[i].summary for i in judged])
+    quality = QUALITY_MEASURES.get(name, "metrics.quality")
     target = configured[1] if target_pct is None else target_pct
-    own = bf16_own_target(runs)
-    pcts = [quality.pct(r.summary, own) for r in runs]
-    meets = [p is not None and p >= target and r.summary.get("complete", True) is not False
-             for r, p in zip(runs, pcts)]
+    own = runs[baseline].summary.get("psnr_target_median") if baseline is not None else None
+    pcts = [quality.pct(r.summary, own) if i in judged else None for i, r in enumerate(runs)]
+    shortfalls = {i: s for i in judged if (s := quality.shortfall(runs[i].summary))}
+    meets = [p is not None and p >= target and i not in shortfalls for i, p in enumerate(pcts)]
     front = pareto_front([(r.dit_s, p) for r, p in zip(runs, pcts)])
     candidates = [i for i, ok in enumerate(meets) if ok and runs[i].dit_s]
     fastest = min(candidates, key=lambda i: runs[i].dit_s, default=None)
-    note = quality.missing(runs[0].summary) if all(p is None for p in pcts) and runs else None
-    return Choice(quality, target, pcts, meets, front, fastest, note)
+    note = quality.missing(runs[judged[0]].summary) if judged and all(pcts[i] is None for i in judged) else None
+    return Choice(quality, target, pcts, meets, front, fastest, baseline, apart, shortfalls, note)
 
 
 def rerun_command(run) -> str:
@@ -97,7 +165,7 @@ def rerun_command(run) -> str:
 
 def steps_cell(run) -> str:
     """Steps computed per edit (median) of the steps: ``5/5`` uncached."""
-    steps = run.summary.get("config", {}).get("workload", {}).get("steps")
+    steps = run.config.get("workload", {}).get("steps")
     computed = run.summary.get("steps_computed_median")
     if computed is None:
         return "-" if steps is None else f"{steps}/{steps}"
@@ -107,7 +175,10 @@ def steps_cell(run) -> str:
 def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
     """The report table's last two columns for one run: quality % and whether it meets the target."""
     pct = choice.pcts[index]
-    mark = "yes" if choice.meets[index] else ("-" if pct is None else "no")
+    if index in choice.apart:
+        mark = choice.apart[index].split(":")[0]  # incomplete, unreadable, not comparable
+    else:
+        mark = "yes" if choice.meets[index] else ("-" if pct is None else "no")
     if index == choice.fastest:
         mark = "fastest"  # meets it, and is the fastest that does
     return ("-" if pct is None else f"{pct:.2f}", mark)
@@ -115,17 +186,32 @@ def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
 
 def wandb_rows(runs, choice: Choice) -> list[list]:
     """``COLUMNS`` for every run: what the sweep's W&B table holds."""
-    medians = ("steps_computed_median", "ssim_median", "ssim_pct_of_rerun_median", "ssim_target_median")
+    medians = ("steps_computed_median", "ssim_median", "ssim_pct_of_rerun_median", "psnr_target_median",
+               "margin_db_median", "edits_right_share")
     return [[r.label, r.setting("layout"), r.setting("precision"), cache_name(r), r.setting("world"), r.dit_s,
              *(r.summary.get(key) for key in medians), choice.pcts[i], choice.meets[i], choice.front[i],
-             " ".join(r.overrides)] for i, r in enumerate(runs)]
+             choice.apart.get(i, "judged"), " ".join(r.overrides)] for i, r in enumerate(runs)]
+
+
+def _baseline_line(runs, choice: Choice) -> str:
+    if choice.baseline is None:
+        return ("Baseline: the sweep has no full-quality run (BF16, no cache, the reference's steps); each run is "
+                "judged against the cached BF16 reference its summary names.")
+    best = runs[choice.baseline]
+    reference = best.summary.get("reference") or {}
+    return (f"Baseline (full quality: nothing quantized, no cache, {reference.get('steps', '?')} steps, true CFG "
+            f"{reference.get('true_cfg_scale', '?')}): `{best.label}`; every run is judged against the same reference.")
 
 
 def summary_lines(runs, choice: Choice) -> list[str]:
     """What the report says of the choice, one line each (Markdown-safe; commands in backticks)."""
+    lines = [_baseline_line(runs, choice)]
+    lines += [f"Not judged: `{runs[i].label}`: {reason}." for i, reason in sorted(choice.apart.items())]
+    lines += [f"Fails whatever its score: `{runs[i].label}`: {why}." for i, why in sorted(choice.shortfalls.items())]
     if choice.note:
-        return [f"Quality target: {choice.rule}. No run can be judged: {choice.note}."]
-    lines = [f"Quality target: {choice.rule}; {sum(choice.meets)} of {len(runs)} runs meet it."]
+        return lines + [f"Quality target: {choice.rule}. No run can be judged: {choice.note}."]
+    judged = len(runs) - len(choice.apart)
+    lines.append(f"Quality target: {choice.rule}; {sum(choice.meets)} of {judged} judged runs meet it.")
     if choice.fastest is None:
         return lines + ["No run meets the target."]
     best = runs[choice.fastest]

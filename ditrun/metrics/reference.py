@@ -1,9 +1,9 @@
 """The BF16 reference images SSIM compares against, computed once and cached on disk.
 
-The reference of an edit is what the plain model makes of it: layout ``single``, every
-component ``bf16`` (no quantization), no transport, on the same kind of device, in the
-reference dtype (``metrics.reference_dtype``, by default the run's own compute dtype). It is
-made twice, by two separate denoising runs: the second gives ``ssim_rerun``.
+The reference of an edit is what the full-quality configuration makes of it (``full_quality``): layout
+``single``, every component ``bf16`` (no quantization), no cache, no transport, at the reference's steps and
+true CFG, on the same kind of device, in the reference dtype (``metrics.reference_dtype``, by default the run's
+own compute dtype). It is made twice, by two separate denoising runs: the second gives ``ssim_rerun``.
 
 Both images are cached as PNGs under a key of everything that decides them: the model
 geometry and weights, the edit's image, prompt and seed, the steps, output and reference sizes,
@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ditrun.metrics import full_quality
 from ditrun.metrics.quality import QualityGateError
 from ditrun.metrics.results import fsync_folder, save_png, to_rgb8, write_file
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
@@ -42,6 +43,7 @@ from ditrun.workload import Edit, edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
 REFERENCE_FORMAT = 2
+# The key's sampling settings are the full-quality reference's (``full_quality``), not the run's.
 REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMAGE_FILES = ("reference.png", "rerun.png")
 KEY_FILE = "key.json"
@@ -79,9 +81,16 @@ def _file_fingerprint(path: Optional[str]) -> Optional[list]:
     return [str(path), "missing"]
 
 
+def sampling(workload) -> dict:
+    """The sampling settings a picture depends on: steps, and true CFG (at or below 1 one branch, whatever the
+    value)."""
+    return {"steps": workload.steps,
+            "true_cfg_scale": workload.true_cfg_scale if workload.true_cfg_scale > 1 else "off"}
+
+
 def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: str) -> tuple[str, dict]:
     """(hex key, the JSON-able description it hashes) of one edit's reference."""
-    workload = cfg.workload
+    workload = full_quality.reference_workload(cfg)
     image = edit.image if edit.image.startswith("skimage:") else _file_fingerprint(edit.image)
     description = {
         "format": REFERENCE_FORMAT,
@@ -90,10 +99,9 @@ def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: st
         "edit": {"image": image, "prompt": edit.prompt, "prompt_embeds": _file_fingerprint(edit.prompt_embeds),
                  "seed": edit.seed, "width": edit.width, "height": edit.height,
                  "ref_width": edit.ref_width, "ref_height": edit.ref_height},
-        "steps": workload.steps,
-        # true CFG at or below 1 is one branch, whatever the value; the noise convention is diffusers'.
-        "true_cfg_scale": workload.true_cfg_scale if workload.true_cfg_scale > 1 else "off",
+        **sampling(workload),
         "guidance_scale": workload.guidance_scale if geometry.guidance_embeds else None,
+        # The noise convention is diffusers'.
         "noise": "diffusers: [1, 16, h, w] in the compute dtype from a CPU generator, packed",
         "text_len": workload.text_len,
         "vae": _file_fingerprint(workload.vae_path),
@@ -281,9 +289,10 @@ class References:
                   f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
         model = build_model(self.dtype)
         codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
+        workload = full_quality.reference_workload(cfg)
         for edit in missing:
             # Two separate runs: on GPUs they differ.
-            runs = [_render_with_bar(model, codec, geometry, edit, cfg.workload, self.dtype, device, progress, label,
+            runs = [_render_with_bar(model, codec, geometry, edit, workload, self.dtype, device, progress, label,
                                      stop_point) for label in ("reference", "rerun")]
             self._loaded[edit.id] = Reference(*runs)
             self.cache.save(self.keys[edit.id], self._loaded[edit.id], self.descriptions[edit.id])

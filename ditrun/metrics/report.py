@@ -11,17 +11,14 @@ speed/quality Pareto front (``pareto.png``), and the fastest that meets it with 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import yaml
 from hydra.experimental.callback import Callback
 
 from ditrun.metrics import choice as choosing
-from ditrun.metrics.results import EDITS_FILE, SUMMARY_FILE, finished_edits
+from ditrun.metrics.runs import RunResult, load_runs
 from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
 
@@ -31,71 +28,21 @@ REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
 HEADER = ("run", "layout", "precision", "transport", "world", "DiT s/edit", "speedup", "exposed %", "SSIM",
-          "rerun SSIM", "% of rerun", "start-up s", "cache", "steps", "target SSIM", "quality %",
-          "meets target")
+          "rerun SSIM", "% of rerun", "start-up s", "cache", "steps", "PSNR target", "margin dB", "edits right",
+          "quality %", "meets target")
 
 
-@dataclass
-class RunResult:
-    """What the report needs of one run directory."""
-
-    path: Path
-    label: str
-    summary: dict
-    records: list[dict]
-    overrides: list[str] = field(default_factory=list)
-
-    def setting(self, key: str):
-        """``layout`` / ``transport`` / ``world`` as the run's config had it; ``precision`` as it ran."""
-        config = self.summary.get("config", {})
-        if key == "precision" and "precision" in self.summary:
-            return self.summary["precision"]
-        if key == "world":
-            return config.get("launcher", {}).get("world")
-        return config.get(key, {}).get("name")
-
-    @property
-    def dit_s(self) -> Optional[float]:
-        return self.summary.get("dit_s_median")
-
-    @property
-    def exposed_s(self) -> float:
-        return self.summary.get("exposed_transfer_s_median") or 0.0
-
-
-def find_runs(root: Path) -> list[Path]:
-    """``root`` itself when it is a run directory, else every run directory below it, sweep jobs in order."""
-    if (root / SUMMARY_FILE).is_file():
-        return [root]
-    found = [p.parent for p in root.rglob(SUMMARY_FILE) if "wandb" not in p.relative_to(root).parts]
-    return sorted(found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts])
-
-
-def load_run(path: Path, root: Path) -> RunResult:
-    summary = json.loads((path / SUMMARY_FILE).read_text())
-    records = list(finished_edits(path).values()) if (path / EDITS_FILE).is_file() else []
-    overrides_file = path / ".hydra" / "overrides.yaml"
-    overrides = (yaml.safe_load(overrides_file.read_text()) or []) if overrides_file.is_file() else []
-    label = str(path.relative_to(root)) if path != root else path.name
-    return RunResult(path, label, summary, records, [str(o) for o in overrides])
-
-
-def label_with_overrides(runs: list[RunResult]) -> None:
-    """Append to each label the overrides that tell the runs apart (those not shared by all)."""
-    shared = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
-    for run in runs:
-        distinct = [o for o in run.overrides if o not in shared]
-        if distinct:
-            run.label = f"{run.label}: {' '.join(distinct)}"
-
-
-def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[RunResult]:
-    """``--baseline`` (a run's label), else the slowest single-process uncached BF16 run, else the slowest run."""
+def choose_baseline(runs: list[RunResult], baseline: Optional[str],
+                    choice: Optional[choosing.Choice] = None) -> Optional[RunResult]:
+    """``--baseline`` (a run's label), else the choice's full-quality run, else the slowest single-process uncached
+    BF16 run, else the slowest run: the run speedups are relative to."""
     if baseline is not None:
         match = [r for r in runs if baseline in (r.label, r.label.split(":")[0])]
         if not match:
             raise UserError(f"--baseline {baseline!r} names no run; runs: {', '.join(r.label for r in runs)}.")
         return match[0]
+    if choice is not None and choice.baseline is not None:
+        return runs[choice.baseline]
     timed = [r for r in runs if r.dit_s]
     plain = [r for r in timed if (r.setting("layout"), r.setting("world")) == ("single", 1)
              and r.setting("precision") in UNQUANTIZED and choosing.cache_name(r) == "none"]
@@ -104,6 +51,10 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str]) -> Optional[
 
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def _share(value: Optional[float]) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
 def table_rows(runs: list[RunResult], baseline: Optional[RunResult],
@@ -120,7 +71,8 @@ def table_rows(runs: list[RunResult], baseline: Optional[RunResult],
                      _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),
                      _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f"),
                      _fmt(s.get("startup_s_max"), ".1f"), choosing.cache_name(r), choosing.steps_cell(r),
-                     _fmt(s.get("ssim_target_median"), ".4f"), *choosing.table_cells(choice, i)))
+                     _fmt(s.get("psnr_target_median"), ".2f"), _fmt(s.get("margin_db_median"), "+.2f"),
+                     _share(s.get("edits_right_share")), *choosing.table_cells(choice, i)))
     return rows
 
 
@@ -216,7 +168,7 @@ def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
         ax.scatter([best.dit_s], [choice.pcts[choice.fastest]], s=200, facecolors="none", edgecolors="black",
                    label="fastest meeting the target", zorder=4)
     ax.set_xlabel("median DiT seconds per edit")
-    ax.set_ylabel(f"quality: % of the BF16 run's own ({choice.measure.name})")
+    ax.set_ylabel(f"quality: % of the full-quality reference's ({choice.measure.name})")
     ax.set_title("Speed and quality")
     ax.legend(fontsize="small")
     _save(plt, fig, path)
@@ -237,21 +189,15 @@ def markdown_report(runs: list[RunResult], rows, baseline: Optional[RunResult], 
     parts += ["## Runs", ""]
     for r in runs:
         s = r.summary
-        parts.append(f"- `{r.label}`: {len(r.records)} edits, {s.get('device')} ({s.get('dtype')}), "
+        state = r.status if r.complete else f"**{r.status}** ({r.reason})"
+        parts.append(f"- `{r.label}`: {state}, {len(r.records)} edits, {s.get('device')} ({s.get('dtype')}), "
                      f"torch {s.get('torch')}, git {s.get('git')}" + (f", **failed**: {s['failure']}" if s.get("failure") else ""))
     return "\n".join(parts) + "\n"
 
 
-def load_runs(root: Path) -> list[RunResult]:
-    """Every run under ``root``, labelled by the overrides that tell them apart; one sentence if there is none."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UserError(f"{root} is not a directory; give a ditrun run or multirun directory.")
-    runs = [load_run(p, root) for p in find_runs(root)]
-    if not runs:
-        raise UserError(f"{root} holds no ditrun run (no {SUMMARY_FILE} in it or below it).")
-    label_with_overrides(runs)
-    return runs
+def _single_run_lines(run: RunResult) -> list[str]:
+    """What the report of one run says beside its table: whether its numbers are a whole run's."""
+    return [] if run.complete else [f"`{run.label}` is {run.status}: {run.reason}; its numbers are not a verdict."]
 
 
 def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[str] = None,
@@ -260,16 +206,16 @@ def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[
 
     ``quality`` and ``target_pct`` override the runs' own ``metrics.quality`` and ``metrics.min_ssim_pct``."""
     runs = load_runs(root)
-    chosen = choose_baseline(runs, baseline)
     choice = choosing.choose(runs, quality, target_pct)
+    chosen = choose_baseline(runs, baseline, choice)
     rows = table_rows(runs, chosen, choice)
     out_dir = Path(out_dir) if out_dir else Path(root)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_dit_time(runs, out_dir / DIT_CHART)
     has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
     # One run has nothing to choose from: its own report keeps to its table and charts, and draws its edits.
-    choice_lines = choosing.summary_lines(runs, choice) if len(runs) > 1 else []
-    has_pareto = bool(choice_lines) and plot_pareto(runs, choice, out_dir / choosing.PARETO_CHART)
+    choice_lines = choosing.summary_lines(runs, choice) if len(runs) > 1 else _single_run_lines(runs[0])
+    has_pareto = len(runs) > 1 and plot_pareto(runs, choice, out_dir / choosing.PARETO_CHART)
     strip = write_strip(runs[0].path, runs[0].records, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
     markdown = markdown_report(runs, rows, chosen, has_ssim, choice_lines, has_pareto)
     if strip is not None:
@@ -285,10 +231,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="a ditrun run directory or a multirun (sweep) directory")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and the charts go (default: PATH)")
     parser.add_argument("--baseline", default=None, help="the run the speedup is relative to (its label)")
-    parser.add_argument("--quality", default=None, help="the SSIM that judges quality: rerun, bf16 or target "
+    parser.add_argument("--quality", default=None, help="what judges quality: auto, target, rerun or bf16 "
                                                         "(default: the runs' metrics.quality)")
     parser.add_argument("--target-pct", type=float, default=None,
-                        help="the quality target, percent of the BF16 run's own (default: the runs' "
+                        help="the quality target, percent of the full-quality reference's (default: the runs' "
                              f"metrics.min_ssim_pct, else {choosing.DEFAULT_TARGET_PCT:g})")
     args = parser.parse_args(argv)
     try:

@@ -62,11 +62,12 @@ RUN_FILE = "run.json"
 HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
-# not by the manifest's path), labels, and test-only fault injection.
+# not by the manifest's path), labels, where the text length came from (the length itself is compared), and
+# test-only fault injection.
 MAY_DIFFER = (
-    "workload.limit", "workload.manifest", "workload.prompt_cache_dir", "wandb", "progress", "output_dir",
-    "launcher.name", "launcher.rendezvous_timeout_s", "launcher.collective_timeout_s", "launcher.stop_timeout_s",
-    "launcher.master_port", "launcher.fault", "transport.timeout_s", "transport.chaos_s",
+    "workload.limit", "workload.manifest", "workload.prompt_cache_dir", "workload.text_len_from", "wandb", "progress",
+    "output_dir", "launcher.name", "launcher.rendezvous_timeout_s", "launcher.collective_timeout_s",
+    "launcher.stop_timeout_s", "launcher.master_port", "launcher.fault", "transport.timeout_s", "transport.chaos_s",
     "metrics.report", "metrics.min_ssim_pct", "metrics.quality", "metrics.warmup_edits", "metrics.reference_dir",
     "precision.name", "precision.tuning_file", "layout.allow_cross_node_sp",
 )
@@ -387,9 +388,10 @@ def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list
     return known + [edit for edit in edit_settings if edit not in known]
 
 
-def record_run(out_dir: Path, settings: dict, edits: list[str]) -> None:
-    """``run.json``: the settings the directory belongs to and its edits (after ``claim``)."""
-    run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits}
+def record_run(out_dir: Path, settings: dict, edits: list[str], run_id: Optional[str] = None) -> None:
+    """``run.json``: the settings the directory belongs to, its edits (after ``claim``), and the id of the run that
+    claimed it last, which its summary repeats once written (a summary with another id is an earlier run's)."""
+    run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits, "run_id": run_id}
     results.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
 
 
@@ -414,8 +416,15 @@ def _read_run_file(out_dir: Path) -> Optional[dict]:
     return run
 
 
+def _telling_first(changes: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
+    """A config group's choice first (``cache.name``, ``layout.name``, ``model.preset``: it explains the group's other
+    keys that differ, which would otherwise fill the list and push it behind "(and N more)"), then broad keys."""
+    return sorted(changes, key=lambda change: (change[0].rsplit(".", 1)[-1] not in ("name", "preset"),
+                                               change[0].count("."), change[0]))
+
+
 def _foreign_message(out_dir: Path, changes: list[tuple[str, object, object]]) -> str:
-    changes = sorted(changes, key=lambda change: (change[0].count("."), change[0]))  # broad keys first
+    changes = _telling_first(changes)
     return (f"results directory {out_dir} belongs to a run with other settings ({_listed(changes)}); rerun with "
             f"the settings in its {RUN_FILE} to resume it, or give this run another directory (hydra.run.dir=... "
             "or output_dir=...).")
@@ -451,7 +460,7 @@ def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> 
 
 
 def _changed_message(record: dict, wanted: dict, out_dir: Path) -> str:
-    changes = differences(record["settings"], wanted)
+    changes = _telling_first(differences(record["settings"], wanted))
     return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({_listed(changes, 3)}); "
             "rerun with the recorded settings to resume, or give this run another directory "
             "(hydra.run.dir=... or output_dir=...).")

@@ -40,13 +40,13 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
     pictures = [reference, output]
     titles = [reference_title, f"\"{record['settings']['edit']['prompt']}\""]
     if with_target:
-        ssim = record.get("ssim_target")
+        psnr, margin = record.get("psnr_target"), record.get("margin_db")
         try:
             target = target_image(_edit(record, source, record.get("target")))
         except Exception:  # noqa: BLE001
             target = None
         pictures.append(blank if target is None else target)
-        titles.append("correct edit" + (f" (SSIM {ssim:.2f})" if ssim is not None else ""))
+        titles.append("correct edit" + (f" ({psnr:.1f} dB, margin {margin:+.1f})" if margin is not None else ""))
     return pictures, titles
 
 

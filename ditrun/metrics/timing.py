@@ -103,13 +103,14 @@ def edit_timing(step_s: list[float], exposed: dict, breakdown: bool = False) -> 
 
 
 def after_warmup(records: list[dict], warmup: int) -> list[dict]:
-    """The records left after each replica's first ``warmup`` edits (all of them if none would be left)."""
-    seen: dict[int, int] = {}
+    """The records left after the first ``warmup`` edits of each replica in each process that wrote some (all of
+    them if none would be left): a resumed run compiles and warms up again, so its first edits are warm-up too."""
+    seen: dict[tuple, int] = {}
     kept = []
     for record in records:
-        replica = record.get("replica", 0)
-        seen[replica] = seen.get(replica, 0) + 1
-        if seen[replica] > warmup:
+        writer = (record.get("session"), record.get("replica", 0))
+        seen[writer] = seen.get(writer, 0) + 1
+        if seen[writer] > warmup:
             kept.append(record)
     return kept or list(records)
 

@@ -40,10 +40,12 @@ OFFLINE_ENVIRONMENT = {
 }
 # Record fields logged as history, one row per edit (numbers only; the table has the rest).
 HISTORY_FIELDS = ("dit_s", "encode_s", "decode_s", "exposed_transfer_s", "exposed_transfer_pct",
-                  "ssim", "ssim_rerun", "ssim_pct_of_rerun", "ssim_target", "ssim_target_bf16", "steps_computed",
+                  "ssim", "ssim_rerun", "ssim_pct_of_rerun", "psnr_target", "delta_e_target", "margin_db",
+                  "psnr_target_bf16", "margin_db_bf16", "ssim_target", "ssim_target_bf16", "steps_computed",
                   "steps_cached")
 TABLE_COLUMNS = ("edit", "layout", "precision", "transport", "world", "dit_s", "exposed_transfer_pct", "ssim",
-                 "ssim_pct_of_rerun", "ssim_target", "target", "cache", "steps_computed", "steps_cached", "image")
+                 "ssim_pct_of_rerun", "psnr_target", "margin_db", "delta_e_target", "naive_best", "target", "cache",
+                 "steps_computed", "steps_cached", "image")
 
 
 def check_config(wandb_cfg) -> None:

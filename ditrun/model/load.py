@@ -63,6 +63,20 @@ def checkpoint_geometry(path: str | Path) -> DiTGeometry:
     return geometry
 
 
+def check_component(folder: Path, where: str) -> None:
+    """A diffusers component folder (a VAE, a text encoder) that a run reads, from its files alone: ``config.json``
+    present and every ``*.safetensors`` file's header complete (a truncated copy fails here, before any work,
+    rather than while the component loads). ``where`` names the folder in the sentence (the key or the part)."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{where} {str(folder)!r} is not a folder with config.json and *.safetensors.")
+    if not (folder / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{where}: {folder / CONFIG_NAME} is missing: a model folder needs config.json beside "
+                              "its weights.")
+    for file in sorted(folder.glob("*.safetensors")):
+        with _open(file):
+            pass
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """Map every tensor name to the file that holds it (sharded or single-file checkpoints)."""
     index = folder / INDEX_NAME

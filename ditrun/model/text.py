@@ -4,7 +4,7 @@
 ``transformer/``, ``vae/``, ``text_encoder/`` (CLIP), ``text_encoder_2/`` (T5), ``tokenizer/``,
 ``tokenizer_2/``). Then the DiT comes from ``transformer/``, the VAE from ``vae/`` (unless
 ``workload.vae_path`` names another), and each edit's prompt is encoded by diffusers' own
-``encode_prompt`` with ``max_sequence_length = workload.text_len``: one rank (global rank 0)
+``encode_prompt`` with ``max_sequence_length = workload.text_len`` (the folder's when unset): one rank (global rank 0)
 loads the encoders, encodes every distinct prompt not yet in the cache (and ``""``, the
 negative prompt of true CFG), frees them, and sends the files to the other ranks, which may sit
 on other nodes without a shared file system. The DiT is built after that, so the encoders and
@@ -53,6 +53,43 @@ def vae_folder(model_path: Optional[str], vae_path: Optional[str]) -> Optional[s
 
 
 ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
+ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def check_components(model_path: Optional[str], vae_path: Optional[str]) -> None:
+    """The components a run reads besides the DiT (whose folder ``load.checkpoint_geometry`` checks), from their
+    files' headers, before any work: the VAE (``workload.vae_path``, or a pipeline folder's ``vae/``) and a
+    pipeline folder's text encoders."""
+    from ditrun.model.load import check_component
+
+    vae = vae_folder(model_path, vae_path)
+    if vae is not None:
+        check_component(Path(vae), "workload.vae_path" if vae_path else "model.path's vae/")
+    if is_pipeline_folder(model_path):
+        for part in ENCODERS:
+            if (Path(model_path) / part).is_dir():  # a missing one is said when prompts need it (_check_encoders)
+                check_component(Path(model_path) / part, f"model.path's {part}/")
+DIFFUSERS_TEXT_LEN = 512
+"""diffusers' ``FluxPipeline`` / ``FluxKontextPipeline`` ``max_sequence_length`` default (and the most they take)."""
+STANDIN_TEXT_LEN = 32
+"""Tokens of a stand-in prompt embedding (no text encoder)."""
+
+
+def model_text_len(model_path: Optional[str]) -> tuple[int, str]:
+    """(T5 tokens per prompt, where that comes from) of the model at ``model_path``. A pipeline folder's T5
+    tokenizer's ``model_max_length``, where it is at most 512, is the length the folder's DiT was trained with (FLUX.1
+    folders say 512; ``python -m ditrun.editor.train`` writes its ``text_len`` there); else diffusers' default. A
+    model without text encoders takes stand-in prompts of ``STANDIN_TEXT_LEN``."""
+    if not is_pipeline_folder(model_path):
+        return STANDIN_TEXT_LEN, "the stand-in prompt length (no pipeline folder encodes the prompts)"
+    config = Path(model_path) / "tokenizer_2" / "tokenizer_config.json"
+    try:
+        length = json.loads(config.read_text()).get("model_max_length")
+    except (OSError, ValueError, AttributeError):
+        length = None
+    if isinstance(length, int) and 1 <= length <= DIFFUSERS_TEXT_LEN:
+        return length, f"{config} (model_max_length)"
+    return DIFFUSERS_TEXT_LEN, "diffusers' max_sequence_length default"
 
 
 def _check_encoders(folder: Path) -> None:
@@ -171,8 +208,8 @@ def encode_missing(cache: PromptCache, edits: list, cfg, device: torch.device, d
     """Encode the prompts of ``edits`` that ``cache`` lacks (global rank 0's work, alone)."""
     missing = cache.missing(_prompts(edits, cfg))
     if missing:
-        print(f"ditrun: encoding {len(missing)} prompts with the text encoders of {cache.folder}, "
-              f"cached in {cache.root}", flush=True)
+        print(f"ditrun: encoding {len(missing)} prompts with the text encoders of {cache.folder} at "
+              f"{cache.max_sequence_length} tokens ({cfg.workload.text_len_from}), cached in {cache.root}", flush=True)
         encode(cache, missing, device, dtype)
 
 

@@ -86,12 +86,16 @@ def text_encoders(seed: int):
     return clip.eval().requires_grad_(False), t5.eval().requires_grad_(False)
 
 
-def write_text_parts(folder: Path, seed: int) -> None:
-    """Tokenizers, text encoders (fp16), scheduler and ``model_index.json`` into ``folder``."""
+def write_text_parts(folder: Path, seed: int, text_len: int) -> None:
+    """Tokenizers, text encoders (fp16), scheduler and ``model_index.json`` into ``folder``. ``text_len``, the T5
+    tokens per prompt the DiT is trained with, is saved as the T5 tokenizer's ``model_max_length``: where a run
+    reads the folder's text length (``model.text.model_text_len``)."""
     folder.mkdir(parents=True, exist_ok=True)
     clip, t5 = text_encoders(seed)
     clip_tokenizer().save_pretrained(folder / "tokenizer")
-    t5_tokenizer().save_pretrained(folder / "tokenizer_2")
+    t5_tok = t5_tokenizer()
+    t5_tok.model_max_length = text_len
+    t5_tok.save_pretrained(folder / "tokenizer_2")
     clip.half().save_pretrained(folder / "text_encoder")
     t5.half().save_pretrained(folder / "text_encoder_2")
     (folder / "scheduler").mkdir(exist_ok=True)

@@ -271,7 +271,7 @@ def train_into(staging: Path, cfg: TrainConfig, run: Run, saved: dict, log) -> t
     """Both phases and the judgement, the folder written into ``staging``; -> (evaluation, times)."""
     device, times = torch.device(run.device), {}
     store, budget = Checkpoints(run.checkpoint_dir, cfg), Budget(run.max_minutes, run.max_steps)
-    parts.write_text_parts(staging, cfg.seed)
+    parts.write_text_parts(staging, cfg.seed, cfg.text_len)
     crops = Crops(cfg.train_pictures, device, torch.Generator().manual_seed(cfg.seed))
     start = time.perf_counter()
     vae = vae_phase(cfg, run, crops, device, saved, store, budget, log)
