@@ -1,24 +1,20 @@
 """How well the editor does on held-out pictures, measured as a run measures (8-bit pictures):
 
 - the VAE's round trip (PSNR and SSIM against the picture): the ceiling of every edit;
-- per instruction and picture, PSNR of the output against the correct edit, and the margin over the naive
-  candidates: the output's PSNR minus the best PSNR against the correct edit of the input unchanged or of any
-  other known edit of the input. An edit whose correct result equals the input is left out of the margins (no
-  output can beat doing nothing there), and so is a candidate equal to the correct result.
-
-This is the recipe's own measure until ``ditrun.metrics.quality`` carries the per-edit margin; then it should
-call that one.
+- per instruction and picture, the run's measures against the correct edit (``ditrun.metrics.target``): PSNR, the
+  CIEDE2000 colour difference, and the margin over the naive candidates (the input unchanged, every other known
+  edit of the input). An edit whose correct result equals the input has no margin (no output can beat doing
+  nothing there).
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import torch
 
 from ditrun.editor import transforms
 from ditrun.metrics.results import to_rgb8
+from ditrun.metrics.target import make_target, psnr, scores
 from ditrun.model.latents import pack, token_ids, unpack
 from ditrun.model.sampler import EditInputs, denoise, sequential_cfg_velocity
 from recipes.editor import pictures
@@ -43,12 +39,6 @@ def rgb8(images: torch.Tensor) -> list[np.ndarray]:
     return [to_rgb8(image[None]) for image in images]
 
 
-def psnr(image: np.ndarray, reference: np.ndarray) -> float:
-    """PSNR in dB of two uint8 pictures (inf when equal)."""
-    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
-    return math.inf if mse == 0 else 10 * math.log10(255 ** 2 / mse)
-
-
 def roundtrip(codec, refs: torch.Tensor, names) -> dict:
     """The VAE's round trip of each picture: {name: {"psnr", "ssim"}}."""
     from ditrun.metrics.quality import ssim
@@ -58,14 +48,14 @@ def roundtrip(codec, refs: torch.Tensor, names) -> dict:
 
 
 def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) -> dict:
-    """One edit of one picture: PSNR against the correct edit and the margin over the naive candidates (None when
-    the correct result is the input itself). ``known``: every edit's correct result of that picture, by name."""
-    correct = known[edit]
-    candidates = [reference] + [result for other, result in known.items() if other != edit]
-    scores = [psnr(c, correct) for c in candidates]
-    best = max((s for s in scores if s != math.inf), default=-math.inf)
-    score = psnr(output, correct)
-    return {"psnr": score, "margin": None if scores[0] == math.inf else score - best}
+    """One edit of one picture: PSNR and colour difference against the correct edit, and the margin over the naive
+    candidates (None when the correct result is the input). ``known``: every edit's correct result of that picture,
+    by name."""
+    target = make_target(known[edit], reference, known)
+    if target.equals_input:
+        return {"psnr": psnr(output, target.image), "delta_e": None, "margin": None}
+    measured = scores(output, target)
+    return {"psnr": measured["psnr_target"], "delta_e": measured["delta_e_target"], "margin": measured["margin_db"]}
 
 
 @torch.no_grad()
@@ -92,7 +82,7 @@ def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int,
 
 
 def edits(model, codec, refs: torch.Tensor, names, prompt_of, scale: float, steps: int, seed: int) -> dict:
-    """Every instruction (its first phrasing) on every picture: {edit: {picture: {"psnr", "margin"}}}."""
+    """Every instruction (its first phrasing) on every picture: {edit: {picture: {"psnr", "delta_e", "margin"}}}."""
     references = rgb8(refs)
     known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
     out = {}
@@ -108,7 +98,9 @@ def summarize(per_edit: dict) -> dict:
     """Per instruction and over all: median PSNR, median margin, and how many edits beat every naive candidate."""
     def stats(cells):
         margins = [c["margin"] for c in cells if c["margin"] is not None]
+        colour = [c["delta_e"] for c in cells if c["delta_e"] is not None]
         return {"psnr_median": float(np.median([c["psnr"] for c in cells])),
+                "delta_e_median": float(np.median(colour)) if colour else None,
                 "margin_median": float(np.median(margins)) if margins else None,
                 "beat_all": sum(m > 0 for m in margins), "counted": len(margins)}
 
@@ -119,9 +111,10 @@ def summarize(per_edit: dict) -> dict:
 
 def table(summary: dict) -> str:
     """The summary as a Markdown table (docs/EDITOR.md's per-instruction table)."""
-    lines = ["| edit | median PSNR (dB) | median margin (dB) | beat every naive candidate |",
-             "| --- | --- | --- | --- |"]
+    lines = ["| edit | median PSNR (dB) | median CIEDE2000 | median margin (dB) | beat every naive candidate |",
+             "| --- | --- | --- | --- | --- |"]
     for name, s in summary.items():
-        shown = "n/a" if s["margin_median"] is None else f"{s['margin_median']:+.1f}"
-        lines.append(f"| {name} | {s['psnr_median']:.1f} | {shown} | {s['beat_all']} of {s['counted']} |")
+        margin = "n/a" if s["margin_median"] is None else f"{s['margin_median']:+.1f}"
+        colour = "n/a" if s["delta_e_median"] is None else f"{s['delta_e_median']:.1f}"
+        lines.append(f"| {name} | {s['psnr_median']:.1f} | {colour} | {margin} | {s['beat_all']} of {s['counted']} |")
     return "\n".join(lines)
