@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Trains ditrun's editor on one GPU (python -m ditrun.editor.train, docs/EDITOR.md) and returns the
-# pipeline folder as $OUT/editor.tar with the training's losses, evaluation and settings beside it.
-#   bash benchmarks/train_editor.sh [train.py options]
+# Trains ditrun's editor on one GPU (python -m recipes.editor.train, docs/EDITOR.md), one bounded command at a time:
+#   bash benchmarks/train_editor.sh [recipes.editor.train options]
+# Each command trains for at most $MINUTES (default 7) minutes, then saves a checkpoint in $CHECKPOINTS (default
+# /tmp/editor-checkpoints, which stays on the machine between commands while it is held) and exits 75; the same
+# command again resumes where it stopped. When the training completes (exit 0), the pipeline folder comes back in
+# $OUT as editor.tar.part-aa, -ab, ... (at most 15 MiB each: cat them, then tar -x) with the losses, the evaluation
+# and the settings beside it. RETURN_VAE=1 also returns the VAE phase's checkpoint (vae.pt.part-*) so that another
+# machine can go on from it (CHECKPOINTS=<folder holding vae.pt>).
 # The device machine has torch, transformers and scikit-image/-learn but not diffusers: carry its wheel in .whl/.
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/editor}
+CHECKPOINTS=${CHECKPOINTS:-/tmp/editor-checkpoints}
+MINUTES=${MINUTES:-7}
+FOLDER=${FOLDER:-/tmp/editor}  # the folder being trained; its records beside it in $FOLDER.training
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -15,8 +23,16 @@ else
   export PYTHONPATH=$PWD
 fi
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv | tee "$OUT/gpu.txt"
-rm -rf /tmp/editor /tmp/editor.training
-python3 -m ditrun.editor.train --out /tmp/editor "$@" 2>&1 | grep -v -i warning | tee "$OUT/train.log"
-tar -C /tmp -cf "$OUT/editor_vae.tar" editor/vae
-tar -C /tmp -cf "$OUT/editor_rest.tar" --exclude editor/vae editor
-cp /tmp/editor.training/eval.json /tmp/editor.training/train.json /tmp/editor.training/losses.jsonl "$OUT/"
+python3 -m recipes.editor.train --out "$FOLDER" --replace --log-dir "$FOLDER.training" \
+  --checkpoint-dir "$CHECKPOINTS" --resume --max-minutes "$MINUTES" "$@" 2>&1 \
+  | grep -v -i warning | tee "$OUT/train.log"
+status=${PIPESTATUS[0]}
+cp "$FOLDER.training/losses.jsonl" "$OUT/" 2>/dev/null
+if [ "${RETURN_VAE:-0}" = 1 ] && [ -f "$CHECKPOINTS/vae.pt" ]; then
+  split -b 15m "$CHECKPOINTS/vae.pt" "$OUT/vae.pt.part-"
+fi
+if [ "$status" = 0 ]; then
+  tar -C "$(dirname "$FOLDER")" -cf - "$(basename "$FOLDER")" | split -b 15m - "$OUT/editor.tar.part-"
+  cp "$FOLDER.training/eval.json" "$FOLDER.training/train.json" "$OUT/"
+fi
+exit "$status"

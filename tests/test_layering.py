@@ -1,6 +1,6 @@
 """The package's layering, read from its source with ``ast``: no import circles among ditrun's modules (imports
-inside functions count: a lazy import that closes a circle only moves the failure to run time), and the kernels
-depend on nothing of the model they serve."""
+inside functions count: a lazy import that closes a circle only moves the failure to run time), the kernels
+depend on nothing of the model they serve, and the package never imports the recipes that build its artefacts."""
 
 import ast
 from pathlib import Path
@@ -94,3 +94,23 @@ def test_the_model_does_not_reach_up_into_the_launch_metrics_or_workload():
     reaching_up = {name: sorted(t for t in targets if t.startswith(upward))
                    for name, targets in graph.items() if name.startswith("ditrun.model")}
     assert {name: targets for name, targets in reaching_up.items() if targets} == {}
+
+
+def _imports_anywhere(path: Path) -> set[str]:
+    """Every module name an ``import`` or absolute ``from ... import`` in ``path`` names, at any depth."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_package_never_imports_the_recipes():
+    """``recipes/`` (the editor's training) depends on ditrun; the installed package runs without it."""
+    reaching = {name: sorted(n for n in _imports_anywhere(path) if n == "recipes" or n.startswith("recipes."))
+                for name, path in module_names().items()}
+    assert {name: found for name, found in reaching.items() if found} == {}
+    recipe = PACKAGE.parent / "recipes" / "editor" / "train.py"
+    assert "recipes.editor.config" in _imports_anywhere(recipe)  # the check reads what it should

@@ -1,10 +1,9 @@
 """ditrun's own trained editor: a small FLUX.1 Kontext pipeline that performs a closed set of edits
 whose correct output is a known function of the input picture (``transforms.EDITS``).
 
-``transforms`` is the edits' registry (what each instruction does, and its phrasings), ``pictures``
-the photographs it was trained and judged on (all shipped inside installed packages), ``folder``
-the pipeline folder's parts (text encoders, tokenizers, VAE, scheduler) and ``train`` the script
-that trains the VAE and the DiT (docs/EDITOR.md).
+``transforms`` is the edits' registry (what each instruction does, and its phrasings) and ``pipeline/``
+the trained folder. The recipe that trains it lives outside the package, in ``recipes/editor/``
+(docs/EDITOR.md): it imports the package, never the reverse.
 """
 
 from pathlib import Path

@@ -23,6 +23,7 @@ TRAIN = ("skimage:brick", "skimage:cell", "skimage:colorwheel", "skimage:grass",
          "sklearn:china.jpg", "sklearn:flower.jpg")
 EXCLUDED = ("skimage:stereo_motorcycle (right view)", "skimage:microaneurysms", "skimage:checkerboard",
             "skimage:lfw_subset")
+PACKAGES = ("skimage", "matplotlib", "sklearn")
 # Where each package's pictures come from, and their licences (docs/EDITOR.md).
 SOURCES = {
     "skimage": "scikit-image's skimage.data (public domain or CC0/CC-BY pictures; see skimage/data/README.txt)",
@@ -50,8 +51,26 @@ def load(name: str) -> np.ndarray:
 
         pixels = load_sample_image(item)
     else:
-        raise ValueError(f"picture {name!r}: allowed packages: skimage, matplotlib, sklearn")
+        raise ValueError(f"picture {name!r}: allowed packages: {', '.join(PACKAGES)}")
     return np.ascontiguousarray(to_rgb(pixels), dtype=np.float32)
+
+
+def exists(name: str) -> bool:
+    """Whether ``name`` is a picture ``load`` can read, without reading it (the check before any work)."""
+    package, _, item = name.partition(":")
+    if package == "skimage":
+        from skimage import data
+
+        return not item.startswith("_") and callable(getattr(data, item, None))
+    if package == "matplotlib":
+        import matplotlib
+
+        return os.path.isfile(os.path.join(matplotlib.get_data_path(), "sample_data", item))
+    if package == "sklearn":
+        import sklearn.datasets
+
+        return os.path.isfile(os.path.join(os.path.dirname(sklearn.datasets.__file__), "images", item))
+    return False
 
 
 def is_grey(picture: np.ndarray) -> bool:

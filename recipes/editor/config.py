@@ -1,0 +1,188 @@
+"""The editor's training settings: one dataclass that defines the result, and the check of every value.
+
+``TrainConfig``'s defaults are the recipe of the next editor (docs/EDITOR.md gives the settings of the committed
+folder as explicit arguments). ``problems`` returns one sentence per wrong value, so the script can refuse before
+any work; the command-line options are derived from the fields, so no option is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from recipes.editor import pictures
+
+VAE_LOSSES = ("l1+mse", "l1+ssim", "l1+gradient")
+"""The VAE's reconstruction losses: L1 plus ``vae_loss_weight`` times MSE, (1 - SSIM) or the L1 of the image
+gradients; each plus ``vae_kl`` times the KL term."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every setting that changes the trained folder (recorded in train.json, checked again on ``--resume``)."""
+
+    seed: int = 0
+    """Everything random (data, initial weights, noise) is drawn from generators seeded from it."""
+    size: int = 256
+    """Pixel size of the DiT's training edits (square), a multiple of 16 (8x VAE, then 2x2 patches)."""
+    train_pictures: tuple = pictures.TRAIN
+    """Pictures the VAE and the DiT train on (``package:name``, recipes/editor/pictures.py)."""
+    eval_pictures: tuple = pictures.HELD_OUT
+    """Held-out pictures the evaluation measures on."""
+    vae_steps: int = 20000
+    vae_batch: int = 32
+    vae_crop: int = 128
+    """Pixel size of the VAE's training crops, a multiple of 8."""
+    vae_lr: float = 1e-3
+    vae_kl: float = 1e-6
+    vae_widths: tuple = (48, 96, 176, 176)
+    """Channels of the VAE's four blocks (8x: three downsamplings), each a multiple of ``vae_norm_groups``."""
+    vae_layers: int = 1
+    """ResNet layers per block of the VAE's encoder (its decoder has one more, as diffusers builds it)."""
+    vae_norm_groups: int = 16
+    vae_loss: str = "l1+mse"
+    """One of ``VAE_LOSSES``."""
+    vae_loss_weight: float = 4.0
+    """Weight of the loss's second term (MSE, 1 - SSIM or gradient L1) against L1."""
+    dead_leaves: float = 0.5
+    """Fraction of each VAE batch that is synthetic dead-leaves pictures (discs of radii drawn from r^-3, colours
+    of training pixels) rather than crops: more varied pictures than the training set holds."""
+    dit_steps: int = 12000
+    """Length of the DiT's learning-rate schedule (0: train only the VAE)."""
+    dit_batch: int = 256
+    dit_lr: float = 1e-3
+    warmup: int = 200
+    pool: int = 8192
+    """Reference crops encoded once, with every edit of each (the DiT's training set)."""
+    dit_stop_after: int = 0
+    """Stop the DiT after this many steps (0: at ``dit_steps``), the schedule still that of ``dit_steps``."""
+    prompt_dropout: float = 0.1
+    ema: float = 0.995
+    text_len: int = 32
+    """T5 tokens per prompt (``workload.text_len`` of the runs that use the editor)."""
+    eval_steps: int = 8
+    eval_cfg_scales: tuple = (1.0, 2.5)
+    eval_every: int = 2000
+    """Measure the model on the held-out pictures every this many steps of each phase (0: only at the end)."""
+    log_every: int = 50
+
+    @property
+    def dit_last_step(self) -> int:
+        return self.dit_stop_after or self.dit_steps
+
+
+def _positive(cfg: TrainConfig, *names: str) -> list[str]:
+    return [f"--{_option(n)} {getattr(cfg, n)}: must be at least 1." for n in names if getattr(cfg, n) < 1]
+
+
+def _not_negative(cfg: TrainConfig, *names: str) -> list[str]:
+    return [f"--{_option(n)} {getattr(cfg, n)}: must not be negative." for n in names if getattr(cfg, n) < 0]
+
+
+def _fraction(cfg: TrainConfig, name: str, top: float) -> list[str]:
+    value = getattr(cfg, name)
+    inside = 0 <= value < top if top < 1 else 0 <= value <= top
+    bound = "below 1" if top < 1 else "at most 1"
+    return [] if inside else [f"--{_option(name)} {value}: must be between 0 and 1 ({bound})."]
+
+
+def _geometry(cfg: TrainConfig) -> list[str]:
+    out = []
+    if cfg.size < 16 or cfg.size % 16:
+        out.append(f"--size {cfg.size}: must be a positive multiple of 16 (the VAE divides by 8, then 2x2 patches).")
+    if cfg.vae_crop < 8 or cfg.vae_crop % 8:
+        out.append(f"--vae-crop {cfg.vae_crop}: must be a positive multiple of 8 (the VAE divides by 8).")
+    return out
+
+
+def _vae_shape(cfg: TrainConfig) -> list[str]:
+    widths, groups = cfg.vae_widths, cfg.vae_norm_groups
+    if len(widths) != 4 or min(widths) < 1:
+        return [f"--vae-widths {_text(widths)}: must be four positive channel counts (8x needs four blocks)."]
+    if groups < 1 or any(w % groups for w in widths):
+        return [f"--vae-norm-groups {groups}: must divide every width of --vae-widths {_text(widths)}."]
+    return []
+
+
+def _choices(cfg: TrainConfig) -> list[str]:
+    out = []
+    if cfg.vae_loss not in VAE_LOSSES:
+        out.append(f"--vae-loss {cfg.vae_loss}: allowed: {', '.join(VAE_LOSSES)}.")
+    for name in ("train_pictures", "eval_pictures"):
+        unknown = [p for p in getattr(cfg, name) if not pictures.exists(p)]
+        if unknown:
+            out.append(f"--{_option(name)}: {', '.join(unknown)} is not a picture shipped in an installed package "
+                       f"(package:name, packages {', '.join(pictures.PACKAGES)}).")
+    if not cfg.train_pictures or not cfg.eval_pictures:
+        out.append("--train-pictures and --eval-pictures must each name at least one picture.")
+    if any(s < 1 for s in cfg.eval_cfg_scales) or not cfg.eval_cfg_scales:
+        out.append(f"--eval-cfg-scales {_text(cfg.eval_cfg_scales)}: each must be at least 1 (1: true CFG off).")
+    return out
+
+
+def problems(cfg: TrainConfig) -> list[str]:
+    """One sentence per wrong setting (empty when every value is usable)."""
+    out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg)
+    out += _positive(cfg, "vae_batch", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
+    out += _not_negative(cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl",
+                         "vae_loss_weight")
+    out += [f"--{_option(n)} {getattr(cfg, n)}: must be above 0." for n in ("vae_lr", "dit_lr") if getattr(cfg, n) <= 0]
+    out += _fraction(cfg, "prompt_dropout", 0.99) + _fraction(cfg, "ema", 0.99999) + _fraction(cfg, "dead_leaves", 1)
+    if cfg.dit_stop_after > cfg.dit_steps:
+        out.append(f"--dit-stop-after {cfg.dit_stop_after}: must be at most --dit-steps {cfg.dit_steps}.")
+    return out
+
+
+def _option(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _text(values: tuple) -> str:
+    return ",".join(str(v) for v in values)
+
+
+def add_options(parser) -> None:
+    """One option per field, its default the field's; tuples are written comma-separated."""
+    for field in dataclasses.fields(TrainConfig):
+        default = field.default
+        kind = type(default[0]) if isinstance(default, tuple) else type(default)
+        shown = _text(default) if isinstance(default, tuple) else default
+        parser.add_argument("--" + _option(field.name), type=_parser(kind, isinstance(default, tuple)), default=default,
+                            help=f"default {shown}", metavar=kind.__name__.upper())
+
+
+def _parser(kind: type, many: bool):
+    def parse(text: str):
+        return tuple(kind(item) for item in text.split(",") if item) if many else kind(text)
+
+    parse.__name__ = kind.__name__  # argparse names the type in its sentence: "invalid int value: 'x'"
+    return parse
+
+
+def from_options(args) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+
+
+# What a phase's checkpoint must agree on with the command that resumes it: the VAE phase on what trains the VAE
+# (so a VAE-only command, --dit-steps 0, hands its VAE to the full training); the DiT phase on everything but what
+# is only measured or logged.
+MEASURED_ONLY = ("eval_pictures", "eval_steps", "eval_cfg_scales", "eval_every", "log_every")
+VAE_FIELDS = ("seed", "size", "train_pictures", "vae_steps", "vae_batch", "vae_crop", "vae_lr", "vae_kl", "vae_widths",
+              "vae_layers", "vae_norm_groups", "vae_loss", "vae_loss_weight", "dead_leaves", "warmup")
+
+
+def phase_fields(phase: str) -> tuple:
+    if phase == "vae":
+        return VAE_FIELDS
+    return tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in MEASURED_ONLY)
+
+
+def changed(saved: dict, cfg: TrainConfig, names: tuple) -> Optional[str]:
+    """The first of ``names`` whose value differs from a checkpoint's (``saved``: its ``dataclasses.asdict``), as
+    ``--option then, not now``; None when they all agree."""
+    for name in names:
+        now, then = getattr(cfg, name), saved.get(name)
+        if (tuple(then) if isinstance(then, list) else then) != now:
+            shown = [_text(v) if isinstance(v, (list, tuple)) else v for v in (then, now)]
+            return f"--{_option(name)} {shown[0]}, not {shown[1]}"
+    return None

@@ -1,0 +1,120 @@
+"""How well the editor does on held-out pictures, measured as a run measures (8-bit pictures):
+
+- the VAE's round trip (PSNR and SSIM against the picture): the ceiling of every edit;
+- per instruction and picture, the run's measures against the correct edit (``ditrun.metrics.target``): PSNR, the
+  CIEDE2000 colour difference, and the margin over the naive candidates (the input unchanged, every other known
+  edit of the input). An edit whose correct result equals the input has no margin (no output can beat doing
+  nothing there).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ditrun.editor import transforms
+from ditrun.metrics.results import to_rgb8
+from ditrun.metrics.target import make_target, psnr, scores
+from ditrun.model.latents import pack, token_ids, unpack
+from ditrun.model.sampler import EditInputs, denoise, sequential_cfg_velocity
+from recipes.editor import pictures
+from recipes.editor.data import EMPTY_PROMPT
+
+
+def held_out_references(size: int, device: torch.device, names) -> torch.Tensor:
+    """The held-out pictures resized to size x size, as a run's references are (8-bit, PIL Lanczos).
+    -> [N, 3, size, size] in [0, 1]"""
+    from PIL import Image
+
+    out = []
+    for name in names:
+        rgb8 = np.round(pictures.load(name) * 255).astype(np.uint8)
+        img = np.asarray(Image.fromarray(rgb8).resize((size, size), resample=Image.LANCZOS), dtype=np.float32) / 255
+        out.append(torch.from_numpy(img).permute(2, 0, 1))
+    return torch.stack(out).to(device)
+
+
+def rgb8(images: torch.Tensor) -> list[np.ndarray]:
+    """[N, 3, H, W] in [0, 1] -> N pictures [H, W, 3] uint8, as a run saves them."""
+    return [to_rgb8(image[None]) for image in images]
+
+
+def roundtrip(codec, refs: torch.Tensor, names) -> dict:
+    """The VAE's round trip of each picture: {name: {"psnr", "ssim"}}."""
+    from ditrun.metrics.quality import ssim
+
+    back = rgb8(codec.decode(codec.encode(refs)))
+    return {n: {"psnr": psnr(b, r), "ssim": ssim(b, r)} for n, b, r in zip(names, back, rgb8(refs))}
+
+
+def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) -> dict:
+    """One edit of one picture: PSNR and colour difference against the correct edit, and the margin over the naive
+    candidates (None when the correct result is the input). ``known``: every edit's correct result of that picture,
+    by name."""
+    target = make_target(known[edit], reference, known)
+    if target.equals_input:
+        return {"psnr": psnr(output, target.image), "delta_e": None, "margin": None}
+    measured = scores(output, target)
+    return {"psnr": measured["psnr_target"], "delta_e": measured["delta_e_target"], "margin": measured["margin_db"]}
+
+
+@torch.no_grad()
+def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int, cfg_scale: float,
+                 seed: int) -> torch.Tensor:
+    """One edit of each reference with ditrun's sampler (``denoise`` + true CFG), noise seeded as a run's.
+
+    refs: [B, 3, S, S] in [0, 1]; prompt, negative: ([L, D], [P]) -> [B, 3, S, S] in [0, 1]
+    """
+    from ditrun.workload import initial_noise
+
+    batch, device, latent = refs.shape[0], refs.device, refs.shape[-1] // 8
+    dtype = next(model.parameters()).dtype
+    noise = torch.cat([initial_noise(seed + i, latent, latent, dtype) for i in range(batch)]).to(device)
+    inputs = EditInputs(
+        noise=noise, ref_latents=pack(codec.encode(refs)), img_ids=token_ids(latent, latent, 0, device),
+        ref_ids=token_ids(latent, latent, 1, device), prompt=prompt[0].expand(batch, -1, -1),
+        pooled=prompt[1].expand(batch, -1), txt_ids=torch.zeros(prompt[0].shape[0], 3, device=device))
+    if cfg_scale > 1:
+        inputs.neg_prompt, inputs.neg_pooled = negative[0].expand(batch, -1, -1), negative[1].expand(batch, -1)
+    velocity = sequential_cfg_velocity(model, inputs, cfg_scale, None, dtype)
+    latents = denoise(velocity, inputs.noise, steps)
+    return codec.decode(unpack(latents, latent, latent))
+
+
+def edits(model, codec, refs: torch.Tensor, names, prompt_of, scale: float, steps: int, seed: int) -> dict:
+    """Every instruction (its first phrasing) on every picture: {edit: {picture: {"psnr", "delta_e", "margin"}}}."""
+    references = rgb8(refs)
+    known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
+    out = {}
+    for edit_name, edit in transforms.EDITS.items():
+        outputs = rgb8(sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), prompt_of(EMPTY_PROMPT), steps,
+                                    scale, seed))
+        out[edit_name] = {n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
+                          for i, (n, o, r) in enumerate(zip(names, outputs, references))}
+    return out
+
+
+def summarize(per_edit: dict) -> dict:
+    """Per instruction and over all: median PSNR, median margin, and how many edits beat every naive candidate."""
+    def stats(cells):
+        margins = [c["margin"] for c in cells if c["margin"] is not None]
+        colour = [c["delta_e"] for c in cells if c["delta_e"] is not None]
+        return {"psnr_median": float(np.median([c["psnr"] for c in cells])),
+                "delta_e_median": float(np.median(colour)) if colour else None,
+                "margin_median": float(np.median(margins)) if margins else None,
+                "beat_all": sum(m > 0 for m in margins), "counted": len(margins)}
+
+    table = {name: stats(list(by_picture.values())) for name, by_picture in per_edit.items()}
+    table["all"] = stats([c for by_picture in per_edit.values() for c in by_picture.values()])
+    return table
+
+
+def table(summary: dict) -> str:
+    """The summary as a Markdown table (docs/EDITOR.md's per-instruction table)."""
+    lines = ["| edit | median PSNR (dB) | median CIEDE2000 | median margin (dB) | beat every naive candidate |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, s in summary.items():
+        margin = "n/a" if s["margin_median"] is None else f"{s['margin_median']:+.1f}"
+        colour = "n/a" if s["delta_e_median"] is None else f"{s['delta_e_median']:.1f}"
+        lines.append(f"| {name} | {s['psnr_median']:.1f} | {colour} | {margin} | {s['beat_all']} of {s['counted']} |")
+    return "\n".join(lines)

@@ -1,0 +1,362 @@
+"""Train ditrun's editor from a seed: the VAE on picture crops and dead-leaves pictures, then the DiT on edits, then
+judge it on held-out pictures (docs/EDITOR.md). From the repository's root:
+
+    python -m recipes.editor.train --out FOLDER [--replace] [--checkpoint-dir DIR [--resume]] [--max-minutes M]
+
+Writes a diffusers ``FluxKontextPipeline`` folder to ``--out`` (text encoders and tokenizers from ``folder.py``,
+the VAE and the DiT trained here, bf16/fp16 safetensors), built beside it under a temporary name and renamed into
+place only when complete; an existing non-empty ``--out`` is refused unless ``--replace`` is given. Beside it, in
+``--log-dir`` (default ``<out>.training``): ``losses.jsonl`` (one line per logged step and per measurement),
+``eval.json`` (the held-out measures), ``train.json`` (settings, times, library versions) and, when W&B is
+installed, an offline W&B run.
+
+With ``--checkpoint-dir`` the phases' states are saved every ``--checkpoint-every`` steps; ``--max-minutes`` (or
+``--max-steps``) stops the command with a checkpoint and exit status 75, and the same command with ``--resume``
+continues the same loss curve. Everything random comes from ``--seed``; on a GPU the attention runs PyTorch's math
+backend and deterministic algorithms are asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ditrun.editor import transforms
+from recipes.editor import config, evaluate
+from recipes.editor import folder as parts
+from recipes.editor.checkpoint import Checkpoints
+from recipes.editor.config import TrainConfig
+from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
+from recipes.editor.dit import encode_prompts, make_dit
+from recipes.editor.output import Staging, refusal
+from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
+from recipes.editor.vae import Codec, load_vae
+
+EXIT_USAGE = 2
+EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by the budget with a checkpoint; the same command with --resume continues
+PHASES = ("vae", "dit")
+
+
+@dataclasses.dataclass
+class Run:
+    """How this command runs: where things go and when it stops; none of it changes the trained folder."""
+
+    out: Path
+    replace: bool
+    log_dir: Path
+    checkpoint_dir: Optional[Path]
+    resume: bool
+    checkpoint_every: int
+    max_minutes: float
+    max_steps: int
+    compile: str
+    device: str
+    vae_from: Optional[Path]
+    wandb: bool
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m recipes.editor.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path, help="the pipeline folder to write")
+    p.add_argument("--replace", action="store_true", help="replace a non-empty --out once the new folder is complete")
+    p.add_argument("--log-dir", type=Path, help="losses, evaluation and W&B run (default: <out>.training)")
+    p.add_argument("--checkpoint-dir", type=Path, help="where the phases' training states are saved")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir (from the start if empty)")
+    p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
+    p.add_argument("--max-minutes", type=float, default=0.0, help="stop with a checkpoint after this long (0: never)")
+    p.add_argument("--max-steps", type=int, default=0, help="stop with a checkpoint after this many steps (0: never)")
+    p.add_argument("--compile", default="auto",
+                   help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--vae-from", type=Path, help="a vae/ folder this recipe wrote: train only the DiT on it")
+    p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run, losses.jsonl only")
+    config.add_options(p)
+    return p
+
+
+def run_options(args) -> Run:
+    log_dir = args.log_dir or args.out.with_name(args.out.name + ".training")
+    return Run(args.out, args.replace, log_dir, args.checkpoint_dir, args.resume, args.checkpoint_every,
+               args.max_minutes, args.max_steps, args.compile, args.device, args.vae_from, args.wandb)
+
+
+def _device_problem(name: str) -> Optional[str]:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name}: not a device torch knows (cpu, cuda, cuda:1, ...)."
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}: this machine has no CUDA device; use --device cpu."
+    return None if device.type in ("cpu", "cuda") else f"--device {name}: allowed: cpu or cuda."
+
+
+def _budget_problems(run: Run) -> list[str]:
+    out = [f"--{name} {value}: must not be negative." for name, value in
+           (("max-minutes", run.max_minutes), ("max-steps", run.max_steps), ("checkpoint-every", run.checkpoint_every))
+           if value < 0]
+    if (run.max_minutes or run.max_steps) and run.checkpoint_dir is None:
+        out.append("--max-minutes and --max-steps need --checkpoint-dir: the work done would be lost.")
+    if run.resume and run.checkpoint_dir is None:
+        out.append("--resume needs --checkpoint-dir, the folder to continue from.")
+    return out
+
+
+def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str]:
+    folder = run.checkpoint_dir
+    if folder is None:
+        return None
+    if folder.exists() and not folder.is_dir():
+        return f"--checkpoint-dir {folder} is a file, not a folder."
+    if folder.is_dir() and any(folder.iterdir()) and not run.resume:
+        return f"--checkpoint-dir {folder} holds a training; pass --resume to continue it, or name an empty folder."
+    for phase, state in saved.items():
+        difference = config.changed(state["config"], cfg, config.phase_fields(phase))
+        if difference:
+            return (f"--resume: {folder / (phase + '.pt')} was made with {difference}; resume with the same "
+                    "settings or start another --checkpoint-dir.")
+    return None
+
+
+def _path_problems(run: Run) -> list[str]:
+    out = [refusal(run.out, run.replace)]
+    logs = run.log_dir
+    if logs.is_dir() and any(logs.iterdir()) and not (run.replace or run.resume):
+        out.append(f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
+                   "overwrite them, or name another --log-dir.")
+    if run.vae_from is not None and not (run.vae_from / "config.json").is_file():
+        out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
+    if run.compile not in COMPILE_MODES:
+        out.append(f"--compile {run.compile}: allowed: {', '.join(COMPILE_MODES)}.")
+    return [sentence for sentence in out if sentence]
+
+
+def load_checkpoints(run: Run) -> dict:
+    """The phases' saved states (phase -> state) when resuming; a phase never saved is absent."""
+    if not run.resume or run.checkpoint_dir is None or not run.checkpoint_dir.is_dir():
+        return {}
+    store = Checkpoints(run.checkpoint_dir, None)
+    return {phase: state for phase in PHASES if (state := store.load(phase)) is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# The records
+
+
+class Log:
+    """Losses and measurements to ``losses.jsonl`` and, when W&B is installed, to an offline W&B run (as a ditrun
+    run logs). A resumed training keeps the lines before its checkpoint and drops the ones after it, which the
+    resumed steps write again."""
+
+    def __init__(self, run: Run, cfg: TrainConfig, position: tuple):
+        run.log_dir.mkdir(parents=True, exist_ok=True)
+        path = run.log_dir / "losses.jsonl"
+        kept = [line for line in path.read_text().splitlines() if _before(json.loads(line), position)] \
+            if run.resume and path.is_file() else []
+        self.file = path.open("w")
+        self.file.write("".join(line + "\n" for line in kept))
+        self.start = time.perf_counter()
+        self.run = _wandb_run(run.log_dir, cfg) if run.wandb else None
+
+    def __call__(self, row: dict) -> None:
+        row = {**row, "elapsed_s": round(time.perf_counter() - self.start, 2)}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.run is not None:
+            self.run.log({k: v for k, v in row.items() if k != "phase"})
+        if row["step"] % 500 == 0 or any(k.endswith(("eval_psnr", "eval_margin")) for k in row):
+            print("train:", json.dumps(row), flush=True)
+
+    def finish(self, summary: dict, exit_code: int = 0) -> None:
+        self.file.close()
+        if self.run is not None:
+            self.run.summary.update(summary)
+            self.run.finish(exit_code=exit_code)
+
+
+def _before(row: dict, position: tuple) -> bool:
+    return (PHASES.index(row["phase"]), row["step"]) < position
+
+
+def _wandb_run(log_dir: Path, cfg: TrainConfig):
+    try:
+        import wandb
+
+        from ditrun.metrics.wandb import OFFLINE_ENVIRONMENT
+    except ImportError:
+        print("train: wandb is not installed; losses go to losses.jsonl only", flush=True)
+        return None
+    os.environ.update(OFFLINE_ENVIRONMENT)
+    return wandb.init(project="ditrun", job_type="train-editor", dir=str(log_dir), mode="offline",
+                      config=dataclasses.asdict(cfg))
+
+
+def resume_position(saved: dict) -> tuple:
+    """(phase index, step) where the resumed training starts: log lines from there on are written again."""
+    if "dit" in saved:
+        return 1, saved["dit"]["step"]
+    if "vae" in saved:
+        return (1, 0) if saved["vae"]["done"] else (0, saved["vae"]["step"])
+    return 0, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The phases
+
+
+def vae_phase(cfg: TrainConfig, run: Run, crops: Crops, device: torch.device, saved: dict, store: Checkpoints,
+              budget: Budget, log):
+    """The trained VAE: loaded (``--vae-from``), taken from a finished phase's checkpoint, or trained (resumed)."""
+    if run.vae_from is not None:
+        return load_vae(run.vae_from, device)
+    phase = VaePhase(cfg, crops, device, run.compile)
+    state = saved.get("vae")
+    if state is not None and state["done"]:
+        return phase.restore_finished(state)
+    run_phase(phase, phase.restore(state) if state else 0, cfg, store, run.checkpoint_every, budget, log)
+    vae = phase.finish()
+    store.save("vae", phase.finished_state())
+    return vae
+
+
+def dit_phase(cfg: TrainConfig, run: Run, crops: Crops, codec: Codec, table, prompt_index: dict,
+              device: torch.device, saved: dict, store: Checkpoints, budget: Budget, log):
+    """The trained DiT's EMA. Its pool of encoded crops is drawn again on resumption, from the data generator's
+    state when it was first drawn."""
+    if cfg.dit_steps == 0:
+        return make_dit(device).eval()  # a VAE-only command: an untrained DiT fills the folder's transformer/
+    state = saved.get("dit")
+    pool_state = state["pool_state"] if state else crops.gen.get_state()
+    crops.gen.set_state(pool_state)
+    start = time.perf_counter()
+    pool = Pool(crops, codec, cfg.pool, cfg.size)
+    print(f"train: pool of {cfg.pool} crops encoded in {time.perf_counter() - start:.1f} s", flush=True)
+    batches = Batches(pool, prompt_index, cfg.prompt_dropout, crops.gen)
+    phase = DitPhase(cfg, batches, table, codec, device, run.compile, pool_state)
+    run_phase(phase, phase.restore(state) if state else 0, cfg, store, run.checkpoint_every, budget, log)
+    return phase.ema
+
+
+def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device) -> dict:
+    """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained)."""
+    refs = evaluate.held_out_references(cfg.size, device, cfg.eval_pictures)
+    embeds, pooled = table
+    prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
+    result = {"pictures": list(cfg.eval_pictures), "steps": cfg.eval_steps,
+              "vae_roundtrip": evaluate.roundtrip(codec, refs, cfg.eval_pictures), "edits": {}, "summary": {}}
+    for scale in cfg.eval_cfg_scales if cfg.dit_steps else ():
+        per_edit = evaluate.edits(dit, codec, refs, cfg.eval_pictures, prompt_of, scale, cfg.eval_steps, cfg.seed)
+        result["edits"][f"true_cfg_scale={scale:g}"] = per_edit
+        result["summary"][f"true_cfg_scale={scale:g}"] = evaluate.summarize(per_edit)
+    return result
+
+
+def save_folder(folder: Path, vae, dit) -> None:
+    from ditrun.model.load import save_pretrained
+
+    vae.half().save_pretrained(folder / "vae", safe_serialization=True)
+    save_pretrained(dit.to(torch.bfloat16), folder / "transformer")
+
+
+def train_into(staging: Path, cfg: TrainConfig, run: Run, saved: dict, log) -> tuple[dict, dict]:
+    """Both phases and the judgement, the folder written into ``staging``; -> (evaluation, times)."""
+    device, times = torch.device(run.device), {}
+    store, budget = Checkpoints(run.checkpoint_dir, cfg), Budget(run.max_minutes, run.max_steps)
+    parts.write_text_parts(staging, cfg.seed, cfg.text_len)
+    crops = Crops(cfg.train_pictures, device, torch.Generator().manual_seed(cfg.seed))
+    start = time.perf_counter()
+    vae = vae_phase(cfg, run, crops, device, saved, store, budget, log)
+    times["vae_s"] = time.perf_counter() - start
+    texts = [EMPTY_PROMPT] + transforms.prompts()
+    table, prompt_index = encode_prompts(staging, texts, cfg.text_len, device), {t: i for i, t in enumerate(texts)}
+    codec, start = Codec(vae), time.perf_counter()
+    dit = dit_phase(cfg, run, crops, codec, table, prompt_index, device, saved, store, budget, log)
+    times["dit_s"], start = time.perf_counter() - start, time.perf_counter()
+    result = judge(cfg, dit, codec, table, prompt_index, device)
+    times["eval_s"] = time.perf_counter() - start
+    save_folder(staging, vae, dit)
+    return result, times
+
+
+def train(cfg: TrainConfig, run: Run, saved: dict) -> dict:
+    """Train, write ``--out`` (only when complete) and the records; returns the evaluation."""
+    torch.manual_seed(cfg.seed)
+    if run.device.startswith("cuda"):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    log = Log(run, cfg, resume_position(saved))
+    staging = Staging(run.out)
+    try:
+        result, times = train_into(staging.path, cfg, run, saved, log)
+        staging.publish()
+    except BaseException as error:
+        staging.discard()
+        log.finish({}, exit_code=EXIT_STOPPED if isinstance(error, Stopped) else 1)
+        raise
+    record = {"config": dataclasses.asdict(cfg), "run": {k: str(v) for k, v in dataclasses.asdict(run).items()},
+              "times": times, "device": _device_name(run.device), "versions": _versions()}
+    (run.log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
+    (run.log_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    log.finish(_flat_summary(result))
+    return result
+
+
+def _flat_summary(result: dict) -> dict:
+    return {f"eval/{setting}/{edit}/{key}": value for setting, table in result["summary"].items()
+            for edit, row in table.items() for key, value in row.items()}
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+
+
+def _versions() -> dict:
+    import diffusers
+    import transformers
+
+    return {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__}
+
+
+def report(result: dict) -> None:
+    trip = result["vae_roundtrip"]
+    each = ", ".join(f"{name} {r['psnr']:.1f}" for name, r in trip.items())
+    print(f"vae round trip: median PSNR {np.median([r['psnr'] for r in trip.values()]):.2f} dB ({each})")
+    for setting, summary in result["summary"].items():
+        print(f"\nedits at {setting}, PSNR against the correct edit and margin over the naive candidates:")
+        print(evaluate.table(summary))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parser().parse_args(argv)
+    cfg, run = config.from_options(args), run_options(args)
+    sentences = config.problems(cfg) + _budget_problems(run) + _path_problems(run)
+    device_problem = _device_problem(run.device)
+    saved = load_checkpoints(run) if not sentences else {}
+    sentences += [s for s in (device_problem, _checkpoint_problem(run, cfg, saved)) if s]
+    if sentences:
+        print("\n".join(f"train: {s}" for s in sentences), file=sys.stderr)
+        return EXIT_USAGE
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, read at CUDA's start
+    # SIGTERM (a scheduler's or a time limit's stop) unwinds as Ctrl-C does, so the folder being built is removed
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        report(train(cfg, run, saved))
+    except Stopped as stop:
+        print(f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: run the same "
+              "command with --resume to continue", flush=True)
+        return EXIT_STOPPED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

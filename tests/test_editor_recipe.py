@@ -1,0 +1,228 @@
+"""The editor's training recipe (``python -m recipes.editor.train``) at tiny sizes on the CPU: every wrong argument is
+one sentence before any work; a failed or interrupted training leaves an existing ``--out`` byte for byte as it
+was; a training stopped by its budget and resumed gives the losses and the folder of one straight training; the
+compiled step trains; the folder it writes loads in diffusers."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from recipes.editor.config import TrainConfig  # noqa: E402
+from recipes.editor.data import Crops, DeadLeaves  # noqa: E402
+from recipes.editor.dit import dit_loss, make_dit, positions  # noqa: E402
+from recipes.editor.phases import compiled  # noqa: E402
+from recipes.editor.train import EXIT_STOPPED, EXIT_USAGE, main  # noqa: E402
+from recipes.editor.vae import make_vae, vae_loss  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# Two small training pictures, one held-out picture, a VAE of a few channels, 32x32 edits, no CFG in the judgement.
+TINY = ["--device", "cpu", "--seed", "3", "--size", "32", "--vae-crop", "32", "--vae-batch", "2",
+        "--vae-widths", "8,8,16,16", "--vae-norm-groups", "8", "--vae-lr", "0.003", "--dit-batch", "2",
+        "--dit-lr", "0.003", "--warmup", "2", "--pool", "4", "--eval-steps", "1", "--eval-cfg-scales", "1",
+        "--eval-every", "0", "--log-every", "1", "--train-pictures", "skimage:brick,sklearn:china.jpg",
+        "--eval-pictures", "skimage:astronaut", "--compile", "off", "--no-wandb"]
+
+
+def _tree(folder: Path) -> dict:
+    """Every file under ``folder`` by relative path -> sha256 of its bytes."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _existing_folder(parent: Path) -> Path:
+    """A folder that stands for a user's trained editor (any bytes will do: they must stay as they are)."""
+    out = parent / "editor"
+    (out / "text_encoder").mkdir(parents=True)
+    (out / "text_encoder" / "model.safetensors").write_bytes(os.urandom(4096))
+    (out / "model_index.json").write_text('{"_class_name": "FluxKontextPipeline"}\n')
+    return out
+
+
+def _losses(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "losses.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("bad, sentence", [
+    (["--size", "100"], "--size 100: must be a positive multiple of 16"),
+    (["--vae-batch", "0"], "--vae-batch 0: must be at least 1"),
+    (["--vae-steps", "-5"], "--vae-steps -5: must not be negative"),
+    (["--train-pictures", "skimage:brick,skimage:nope"], "skimage:nope is not a picture shipped"),
+    (["--vae-widths", "40,80,160,160"], "--vae-norm-groups 16: must divide every width"),
+    (["--vae-loss", "l2"], "--vae-loss l2: allowed: l1+mse, l1+ssim, l1+gradient"),
+    (["--dead-leaves", "1.5"], "--dead-leaves 1.5: must be between 0 and 1"),
+    (["--dit-stop-after", "20", "--dit-steps", "10"], "--dit-stop-after 20: must be at most --dit-steps 10"),
+    (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
+], ids=lambda value: value[0] if isinstance(value, list) else None)
+def test_a_wrong_argument_is_one_sentence_before_any_work(tmp_path, capsys, bad, sentence):
+    out = tmp_path / "editor"
+    assert main(["--out", str(out), "--device", "cpu", *bad]) == EXIT_USAGE
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and sentence in lines[0] and lines[0].endswith("."), lines
+    assert list(tmp_path.iterdir()) == []  # no folder, no records, no staging
+
+
+def test_an_existing_folder_is_refused_unless_replace_is_given(tmp_path, capsys):
+    out = _existing_folder(tmp_path)
+    before = _tree(out)
+    assert main(["--out", str(out), *TINY]) == EXIT_USAGE
+    assert "is not empty; pass --replace" in capsys.readouterr().err
+    assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["editor"]
+
+
+def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
+    """A phase's checkpoint must agree with the resuming command on what trains that phase: another VAE learning
+    rate is one sentence; another DiT length is not the VAE's business (a VAE-only command hands its VAE on)."""
+    checkpoints = tmp_path / "checkpoints"
+    args = ["--out", str(tmp_path / "editor"), *TINY, "--checkpoint-dir", str(checkpoints), "--vae-steps", "2",
+            "--dit-steps", "0", "--max-steps", "1"]
+    assert main(args) == EXIT_STOPPED
+    capsys.readouterr()
+    assert main([*args, "--resume", "--vae-lr", "0.002"]) == EXIT_USAGE
+    assert "was made with --vae-lr 0.003, not 0.002; resume with the same settings" in capsys.readouterr().err
+    assert main(args) == EXIT_USAGE  # a training is there: --resume or another folder
+    assert "holds a training; pass --resume" in capsys.readouterr().err
+    assert main([*args, "--resume", "--dit-steps", "2"]) == EXIT_STOPPED  # the VAE's last step, then the DiT's budget
+    assert torch.load(checkpoints / "vae.pt", weights_only=True)["done"]
+    assert torch.load(checkpoints / "dit.pt", weights_only=True)["step"] == 0
+
+
+def test_a_failed_training_leaves_the_folder_unchanged(tmp_path):
+    """A VAE folder whose weights are not safetensors fails the training after the text encoders were written
+    (into the folder being built, not into --out): the folder given with --replace is byte for byte unchanged."""
+    out = _existing_folder(tmp_path)
+    before = _tree(out)
+    broken = tmp_path / "broken_vae"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKL", "latent_channels": 16}))
+    (broken / "diffusion_pytorch_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(OSError, match="Unable to load weights"):
+        main(["--out", str(out), "--replace", *TINY, "--vae-from", str(broken), "--dit-steps", "2"])
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken_vae", "editor", "editor.training"]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
+    """Ctrl-C (SIGINT) or a scheduler's SIGTERM while the new folder is being built: --out keeps its bytes and
+    nothing is left beside it."""
+    out = _existing_folder(tmp_path)
+    before = _tree(out)
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.editor.train", "--out", str(out), "--replace", *TINY,
+                             "--vae-steps", "1000", "--dit-steps", "2"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".editor.*.partial/text_encoder_2/*.safetensors")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(1)  # into the VAE's training
+    proc.send_signal(stop)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == (-stop if stop == signal.SIGINT else 128 + stop), stderr[-2000:]
+    assert _tree(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["editor", "editor.training"]
+
+
+def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
+    """2 VAE steps and 2 DiT steps straight, against the same training stopped by --max-steps after 1 step (in the
+    VAE), resumed for 2 more (the VAE's last, the DiT's first), then resumed to the end: the same losses at every
+    step and the same folder."""
+    steps = ["--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]
+    assert main(["--out", str(tmp_path / "straight"), *TINY, *steps]) == 0
+    split = ["--out", str(tmp_path / "split"), *TINY, *steps, "--checkpoint-dir", str(tmp_path / "checkpoints")]
+    assert main([*split, "--max-steps", "1"]) == EXIT_STOPPED
+    assert main([*split, "--resume", "--max-steps", "2"]) == EXIT_STOPPED
+    assert main([*split, "--resume"]) == 0
+    straight, resumed = _losses(tmp_path / "straight.training"), _losses(tmp_path / "split.training")
+    assert [(r["phase"], r["step"]) for r in straight] == [("vae", 0), ("vae", 1), ("dit", 0), ("dit", 1)]
+    assert [(r["phase"], r["step"]) for r in resumed] == [(r["phase"], r["step"]) for r in straight]
+    for a, b in zip(straight, resumed):
+        for key in (k for k in a if "/" in k):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a, b)
+    assert _tree(tmp_path / "split") == _tree(tmp_path / "straight")
+
+
+def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
+    """The command as a user runs it, half of each VAE batch dead leaves: the folder loads in diffusers; the losses
+    and the measurements during training went to losses.jsonl and an offline W&B run; eval.json holds the
+    per-instruction summary; train.json the settings."""
+    import diffusers
+
+    args = [a for a in TINY if a != "--no-wandb"] + ["--eval-every", "2", "--vae-steps", "2", "--dit-steps", "2",
+                                                     "--pool", "2", "--dead-leaves", "0.5"]  # the last value counts
+    proc = subprocess.run([sys.executable, "-m", "recipes.editor.train", "--out", str(tmp_path / "editor"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| all |" in proc.stdout and "vae round trip: median PSNR" in proc.stdout
+    records = tmp_path / "editor.training"
+    assert list((records / "wandb").glob("offline-run-*"))
+    rows = _losses(records)
+    assert [(r["phase"], r["step"]) for r in rows] == [("vae", 0), ("vae", 1), ("vae", 1), ("dit", 0), ("dit", 1),
+                                                       ("dit", 1)]
+    assert "vae/eval_psnr" in rows[2] and "dit/eval_margin" in rows[5]
+    assert json.loads((records / "eval.json").read_text())["summary"]["true_cfg_scale=1"]["all"]["counted"] == 9
+    assert json.loads((records / "train.json").read_text())["config"]["vae_widths"] == [8, 8, 16, 16]
+    assert diffusers.FluxKontextPipeline.from_pretrained(tmp_path / "editor").transformer.config.num_layers == 4
+
+
+def _vae_case():
+    cfg = TrainConfig(vae_widths=(8, 8, 16, 16), vae_norm_groups=8, vae_loss="l1+ssim")
+    torch.manual_seed(0)
+    model = make_vae(cfg).train()
+    x, eps = torch.rand(2, 3, 32, 32) * 2 - 1, torch.randn(2, 16, 4, 4)
+    return model, lambda fn: fn(model, x, eps, cfg)["loss"]
+
+
+def _dit_case():
+    torch.manual_seed(0)
+    model = make_dit(torch.device("cpu")).train()
+    with torch.no_grad():  # adaLN-zero starts with zero gradients for most weights: move off zero first
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ids, txt_ids = positions(32, 8, torch.device("cpu"))
+    xt, ref, target = torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.randn(2, 4, 64)
+    embeds, pooled, sigma = torch.randn(2, 8, 64), torch.randn(2, 64), torch.rand(2)
+    return model, lambda fn: fn(model, xt, ref, embeds, pooled, sigma, target, ids, txt_ids)
+
+
+@pytest.mark.parametrize("case", [_vae_case, _dit_case], ids=["vae", "dit"])
+def test_the_compiled_step_computes_what_the_eager_step_does(case):
+    """Each phase's loss through ``--compile aot_eager``, which traces it as inductor would (dynamo, AOT autograd;
+    inductor's code generation takes minutes on these CPUs), equals the eager loss, and so do the gradients. The
+    random draws are inputs, so the traced step has no generator in it."""
+    model, loss_of = case()
+    fn = vae_loss if case is _vae_case else dit_loss
+    results = []
+    for step in (fn, compiled(fn, "aot_eager", torch.device("cpu"))):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of(step)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (eager, eager_grads), (traced, traced_grads) = results
+    assert torch.allclose(traced, eager, rtol=1e-5, atol=1e-7)
+    assert len(traced_grads) == len(eager_grads) > 0
+    assert all(torch.allclose(t, e, rtol=1e-4, atol=1e-6) for t, e in zip(traced_grads, eager_grads))
+
+
+def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
+    """Dead-leaves pictures: in [0, 1], of many colours and edges, the same again from the same generator state."""
+    crops = Crops(["sklearn:china.jpg"], torch.device("cpu"), torch.Generator().manual_seed(0))
+    leaves = DeadLeaves(crops, seed=1)
+    state = crops.gen.get_state()
+    pictures = leaves.batch(2, 48)
+    assert pictures.shape == (2, 3, 48, 48) and 0 <= pictures.min() and pictures.max() <= 1
+    assert len(torch.unique(pictures[0].reshape(3, -1), dim=1).T) > 50  # many colours, soft edges between them
+    assert not torch.equal(pictures[0], pictures[1])
+    crops.gen.set_state(state)
+    assert torch.equal(leaves.batch(2, 48), pictures)
