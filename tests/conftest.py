@@ -18,7 +18,7 @@ FILE_SECONDS = {"test_reliability.py": 344, "test_editor.py": 200, "test_editor_
                 "test_launchers.py": 221, "test_run_outputs.py": 200, "test_compile.py": 119, "test_layouts.py": 105,
                 "test_copy_engine.py": 103, "test_multinode_launchers.py": 93, "test_bad_inputs.py": 62,
                 "test_precision_layouts.py": 57, "test_metrics.py": 55, "test_precision.py": 54,
-                "test_cli.py": 45, "test_triton_kernels.py": 35, "test_wandb.py": 34, "test_reference_size.py": 31,
+                "test_cli.py": 45, "test_verdicts.py": 150, "test_choice.py": 60, "test_triton_kernels.py": 35, "test_wandb.py": 34, "test_reference_size.py": 31,
                 "test_stop_phases.py": 380}  # its tests one by one, summed
 
 
