@@ -24,8 +24,8 @@
 #                                                            vs-diffusers 20992 "diffusers ditrun-fp8_all diffusers-torchao-fp8")
 #   bash benchmarks/gpu_suite.sh cache [LIMIT] [THRESHOLD] [SETTINGS]  (one GPU: precision=fp8_all through the CLI at the published
 #                                                            shape without a cache, with static masks computing 14 and
-#                                                            10 of 28 steps and with first_block at THRESHOLD (0.3, the
-#                                                            editor's choice), LIMIT edits each; ditrun report over the
+#                                                            10 of 28 steps and with first_block at THRESHOLD (default
+#                                                            0.3), LIMIT edits each; ditrun report over the
 #                                                            four; then the step cache's GPU tests. SETTINGS: a quoted
 #                                                            subset of "none static14 static10 first_block")
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
