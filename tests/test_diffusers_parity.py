@@ -211,7 +211,7 @@ def test_the_text_length_belongs_to_the_model(tmp_path):
     """``model.text.model_text_len``: the editor's folder records the 32 tokens it was trained with; a folder whose
     tokenizer names no usable length takes diffusers' 512; without a pipeline folder, the stand-ins' 32."""
     from ditrun.editor import FOLDER
-    from ditrun.editor.train import TrainConfig
+    from recipes.editor.config import TrainConfig
     from ditrun.model.text import model_text_len
 
     assert model_text_len(str(FOLDER)) == (TrainConfig().text_len, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "

@@ -78,7 +78,7 @@ STANDIN_TEXT_LEN = 32
 def model_text_len(model_path: Optional[str]) -> tuple[int, str]:
     """(T5 tokens per prompt, where that comes from) of the model at ``model_path``. A pipeline folder's T5
     tokenizer's ``model_max_length``, where it is at most 512, is the length the folder's DiT was trained with (FLUX.1
-    folders say 512; ``python -m ditrun.editor.train`` writes its ``text_len`` there); else diffusers' default. A
+    folders say 512; ``python -m recipes.editor.train`` writes its ``text_len`` there); else diffusers' default. A
     model without text encoders takes stand-in prompts of ``STANDIN_TEXT_LEN``."""
     if not is_pipeline_folder(model_path):
         return STANDIN_TEXT_LEN, "the stand-in prompt length (no pipeline folder encodes the prompts)"
