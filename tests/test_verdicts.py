@@ -68,8 +68,8 @@ def test_a_directory_whose_last_run_crashed_is_incomplete(tmp_path, tmp_path_fac
     """A finished run of one edit, then a run of two in the same directory that crashes in its new edit: the
     summary there is the first run's, which must not speak for the second; the report says incomplete."""
     out = tmp_path / "run"
-    common = ["wandb.mode=disabled", "progress=false", "workload.steps=2", f"hydra.run.dir={out}",
-              f"metrics.reference_dir={reference_dir(tmp_path_factory)}"]
+    common = ["wandb.mode=disabled", "progress=false", "workload.steps=2", "workload.width=64", "workload.height=64",
+              f"hydra.run.dir={out}", f"metrics.reference_dir={reference_dir(tmp_path_factory)}"]
     assert ditrun("workload.limit=1", *common, cwd=tmp_path, timeout=300).returncode == 0
     crashed = ditrun("workload.limit=2", "launcher.fault.crash_rank=0", "launcher.fault.crash_at_step=1", *common,
                      cwd=tmp_path, timeout=300)
