@@ -308,6 +308,7 @@ class Run:
 
     def summary(self, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None,
                 startup: Optional[list[dict]] = None) -> dict:
+        scores = quality.quality_summary(records)
         return {
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "run_id": self.run_id,
@@ -316,9 +317,9 @@ class Run:
             "stopped": str(stopped) if stopped else None,
             "world": self.layout.plan.world,
             **timing.timing_summary(records, self.cfg.metrics.warmup_edits, self.layout.plan.replicas),
-            **quality.quality_summary(records),
+            **scores,
             "reference": reference.sampling(full_quality.reference_workload(self.cfg)),
-            "quality_measure": quality.measure_name(self.cfg.metrics.quality, [quality.quality_summary(records)]),
+            "quality_measure": quality.measure_name(self.cfg.metrics.quality, [scores]),
             **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
