@@ -150,5 +150,7 @@ def edit_target(edit) -> Optional[Target]:
     from ditrun.workload import load_image, target_image
 
     picture = load_image(dataclasses.replace(edit, ref_width=edit.width, ref_height=edit.height))
-    edits = {name: to_rgb8(apply(name, picture)) for name, _ in EDITS.items() if name != edit.target}
-    return make_target(target_image(edit), to_rgb8(picture), edits)
+    edits = {name: to_rgb8(apply(name, picture)) for name in EDITS}
+    # A named edit's correct result is one of the picture's edits (``workload.target_image`` would load it again).
+    correct = edits.pop(edit.target) if edit.target in edits else target_image(edit)
+    return make_target(correct, to_rgb8(picture), edits)
