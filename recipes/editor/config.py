@@ -1,7 +1,7 @@
 """The editor's training settings: one dataclass that defines the result, and the check of every value.
 
-``TrainConfig``'s defaults are the recipe of the next editor (docs/EDITOR.md gives the settings of the committed
-folder as explicit arguments). ``problems`` returns one sentence per wrong value, so the script can refuse before
+``TrainConfig``'s defaults are the settings of the committed folder (ditrun/editor/pipeline; docs/EDITOR.md gives
+the commands and GPU time). ``problems`` returns one sentence per wrong value, so the script can refuse before
 any work; the command-line options are derived from the fields, so no option is written twice.
 """
 
@@ -29,7 +29,7 @@ class TrainConfig:
     """Pictures the VAE and the DiT train on (``package:name``, recipes/editor/pictures.py)."""
     eval_pictures: tuple = pictures.HELD_OUT
     """Held-out pictures the evaluation measures on."""
-    vae_steps: int = 20000
+    vae_steps: int = 10000
     vae_batch: int = 32
     vae_crop: int = 128
     """Pixel size of the VAE's training crops, a multiple of 8."""
@@ -47,7 +47,7 @@ class TrainConfig:
     dead_leaves: float = 0.5
     """Fraction of each VAE batch that is synthetic dead-leaves pictures (discs of radii drawn from r^-3, colours
     of training pixels) rather than crops: more varied pictures than the training set holds."""
-    dit_steps: int = 12000
+    dit_steps: int = 4500
     """Length of the DiT's learning-rate schedule (0: train only the VAE)."""
     dit_batch: int = 256
     dit_lr: float = 1e-3
