@@ -46,7 +46,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.metrics.timing import ExposedTransfer  # noqa: E402
+from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.load import random_model  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402

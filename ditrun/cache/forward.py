@@ -24,7 +24,6 @@ from typing import Callable, Optional
 import torch
 
 from ditrun.cache.policies import make_policy
-from ditrun.metrics.timing import median_of
 
 # tensor -> the same tensor summed over the ranks that share this forward (identity on one rank)
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -120,8 +119,3 @@ class StepCache:
 def make_step_cache(cache_cfg, steps: int, built, reduce: Reduce) -> StepCache:
     """The step cache of one edit, over ``built``'s forward (``BuiltModel``) and its parts."""
     return StepCache(cache_cfg, steps, built.forward, built.parts, reduce)
-
-
-def cache_summary(records: list[dict]) -> dict:
-    """Medians of steps computed and cached per edit (None without records that have them)."""
-    return {f"{key}_median": median_of(records, key) for key in ("steps_computed", "steps_cached")}

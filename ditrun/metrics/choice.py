@@ -81,7 +81,7 @@ def is_full_quality(run) -> bool:
 
 
 def _key_text(run) -> str:
-    from ditrun.metrics.runs import comparable_key
+    from ditrun.results.runs import comparable_key
 
     return json.dumps(comparable_key(run), sort_keys=True, default=str)
 
@@ -104,8 +104,8 @@ def find_baseline(runs) -> tuple[Optional[int], Optional[str]]:
 
 def _difference(run, baseline) -> str:
     """The broadest setting in which ``run`` differs from ``baseline`` (model, workload, reference), in words."""
-    from ditrun.metrics.rundir import differences
-    from ditrun.metrics.runs import comparable_key
+    from ditrun.results.rundir import differences
+    from ditrun.results.runs import comparable_key
 
     changes = sorted(differences(comparable_key(baseline), comparable_key(run)), key=lambda c: c[0].count("."))
     if not changes:

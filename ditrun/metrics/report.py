@@ -18,7 +18,7 @@ from typing import Optional
 from hydra.experimental.callback import Callback
 
 from ditrun.metrics import choice as choosing
-from ditrun.metrics.runs import RunResult, load_runs
+from ditrun.results.runs import RunResult, load_runs
 from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
 
