@@ -312,7 +312,7 @@ class MetricsConfig:
     (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
     """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
-    own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
+    own; also the target a sweep report's choice must meet (unset there: ``metrics.quality.DEFAULT_TARGET_PCT``)."""
     quality: str = "auto"
     """What judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``target`` (PSNR against each edit's
     correct result as a share of the full-quality reference's, with no fewer edits beating every naive candidate),
