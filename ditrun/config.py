@@ -232,8 +232,6 @@ class WorkloadConfig:
     guidance_scale: float = 3.5
     """Value fed to the guidance embedding of guidance-distilled models, diffusers' ``guidance_scale``
     (ignored by models without one)."""
-    distilled_guidance: Optional[float] = None
-    """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
     text_len: Optional[int] = None

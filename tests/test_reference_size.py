@@ -66,11 +66,7 @@ def test_bad_reference_sizes_name_the_edit(entry, message):
         resolve_edits(_workload(edits=[{"id": "x", "image": "skimage:coffee", **entry}]))
 
 
-def test_retired_keys_and_bad_rules_are_one_sentence():
-    with pytest.raises(WorkloadError) as err:
-        check_config(_workload(distilled_guidance=3.5))
-    assert str(err.value) == ("workload.distilled_guidance was renamed to diffusers' names: the distilled guidance "
-                              "value is workload.guidance_scale and the true-CFG scale is workload.true_cfg_scale.")
+def test_bad_rules_are_one_sentence():
     with pytest.raises(WorkloadError, match="workload.ref_resize='big' is not a reference size rule; allowed: "
                                             "output, kontext, none."):
         check_config(_workload(ref_resize="big"))
