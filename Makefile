@@ -13,8 +13,8 @@ run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as the
-# local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores
-# (three workers were no faster: 17.1 min against 16.9). Files go out longest first (tests/conftest.py's
+# local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores.
+# Files go out longest first (tests/conftest.py's
 # FILE_SECONDS; --no-loadscope-reorder keeps that order).
 test: system-packages $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)

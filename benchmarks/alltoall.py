@@ -40,7 +40,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.config import TransportConfig  # noqa: E402
-from ditrun.metrics.timing import ExposedTransfer  # noqa: E402
+from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.parallel.ulysses import attention_plans, even_splits  # noqa: E402
 from ditrun.transport.base import ExchangePlan  # noqa: E402
 from ditrun.transport.registry import make_transport  # noqa: E402

@@ -46,11 +46,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.metrics.timing import ExposedTransfer  # noqa: E402
+from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.load import random_model  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
-from ditrun.model.sampler import EditInputs  # noqa: E402
+from ditrun.model.sampler import EditInputs, PlainForward  # noqa: E402
 from ditrun.parallel.cfg import layout_velocity, prepare_transports  # noqa: E402
 from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
 from ditrun.config import TransportConfig  # noqa: E402
@@ -97,7 +97,7 @@ def step_function(model, inputs: EditInputs, name: str, head_groups: int, world:
     transports = {axis: make_transport(TransportConfig(name=transport), layout.groups[axis], timer, device, 120.0)
                   for axis in ("sp", "cfg")}
     dtype = next(model.parameters()).dtype
-    velocity = layout_velocity(layout, transports, model, inputs, 2.5, 3.5, dtype)
+    velocity = layout_velocity(layout, transports, PlainForward(model), inputs, 2.5, 3.5, dtype)
     prepare_transports(layout, transports, inputs, FLUX_DEV, dtype)  # outside every timed call
     return lambda: velocity(inputs.noise, 0.6)
 

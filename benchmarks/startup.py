@@ -4,7 +4,7 @@ For each node count this starts a Slurm cluster of that many emulated nodes on t
 (``slurm/local-cluster.sh start DIR CPUS NODES``: one slurmd per node, each in its own UTS
 namespace, so the ranks see their node's host name), runs ``srun -N<nodes>`` ditrun with the tiny
 model, one edit per rank (so that every rank reaches a first step), and reads every rank's
-start-up from the run's ``summary.json`` (``startup_by_rank``, see ditrun/metrics/timing.py):
+start-up from the run's ``summary.json`` (``startup_by_rank``, see ditrun/timers.py):
 
 - ``imports_s``: process start (the kernel's start time) to ditrun's launch: interpreter, imports,
   Hydra's config;

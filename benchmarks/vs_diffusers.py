@@ -54,7 +54,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.config import register_configs  # noqa: E402
-from ditrun.model.build import PRESET_DIR, build_model, plan_precision, select_placement  # noqa: E402
+from ditrun.config import precision_presets  # noqa: E402
+from ditrun.model.build import build_model, plan_precision, select_device_dtype  # noqa: E402
 from ditrun.model.compile import plan_compile  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
@@ -68,7 +69,7 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
     20992: (2048, 1024),
     4608: (1024, 0),
 }
-PRESETS_HERE = sorted((f.stem for f in PRESET_DIR.glob("*.yaml")), key=lambda name: (name != "bf16", name))
+PRESETS_HERE = sorted(precision_presets(), key=lambda name: (name != "bf16", name))
 """The precision presets, bf16 first: one ditrun mode each."""
 MODES = ("diffusers", "ditrun", *(f"ditrun-{preset}" for preset in PRESETS_HERE), "ditrun-bf16-regions",
          "ditrun-fp8_all-regions", "diffusers-compiled", "diffusers-torchao-fp8")
@@ -193,9 +194,9 @@ def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Call
     """A forward of ditrun built as the CLI builds ``mode``'s config, from diffusers' tensors (shared, not copied),
     and what it runs (the summary's ``precision_detail``)."""
     cfg = ditrun_config(mode, overrides)
-    placement = select_placement(cfg.device, cfg.model.dtype)
-    plan = plan_precision(cfg.precision, placement.device)
-    built = build_model(cfg.model, placement, plan, weights=weights, speed=plan_compile(cfg.model, placement.device))
+    device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
+    plan = plan_precision(cfg.precision, device_dtype.device)
+    built = build_model(cfg.model, device_dtype, plan, weights=weights, speed=plan_compile(cfg.model, device_dtype.device))
     forward, attention = built.forward, built.attention
     ran = {"precision": cfg.precision.name, **built.details}
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it

@@ -6,7 +6,7 @@ in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with e
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
 the config itself and tunes the precision backends (``ditrun/tune.py``). Hydra's
 ``.hydra/`` files are rendered here and written by global rank 0 once the results directory is
-this run's (``ditrun/metrics/rundir.py``), never by a run that is refused it.
+this run's (``ditrun/results/rundir.py``), never by a run that is refused it.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _hydra_files(cfg):
     this run's; None when a user's ``hydra.output_subdir`` has Hydra write them itself."""
     from omegaconf import OmegaConf
 
-    from ditrun.metrics.rundir import HYDRA_DIR, HydraFiles
+    from ditrun.results.rundir import HYDRA_DIR, HydraFiles
 
     hydra = HydraConfig.instance().cfg  # {"hydra": ...}, as Hydra saves it
     if hydra.hydra.output_subdir is not None:
@@ -117,7 +117,7 @@ def _hydra_error_sentence(err: Exception) -> str | None:
     while cause is not None and not isinstance(cause, OSError):  # logging wraps its file's error in a ValueError
         cause = cause.__cause__
     if cause is not None and not _job_started:
-        from ditrun.metrics.rundir import unusable_dir_sentence
+        from ditrun.results.rundir import unusable_dir_sentence
 
         return unusable_dir_sentence(cause) or hydra_errors.sentence(err)
     return hydra_errors.sentence(err)

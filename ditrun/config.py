@@ -7,12 +7,17 @@ error raised by Hydra when the config is composed, before any work starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+import yaml
 
 from ditrun.editor import FOLDER as EDITOR_FOLDER
+
+# The option files of the config groups (``precision=fp8`` reads ``conf/precision/fp8.yaml``).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @dataclass
@@ -21,7 +26,10 @@ class ModelConfig:
     diffusers-format transformer folder."""
 
     preset: str = "tiny"
-    """Size preset: ``tiny`` (CI), ``small`` (a CPU demo), ``flux-dev`` (FLUX.1-dev / Kontext geometry)."""
+    """Size preset (``ditrun.model.presets.PRESETS``): ``tiny`` (CI), ``small`` (a CPU demo), ``editor`` (the
+    geometry of ditrun's trained editor, which the default run loads: ``conf/model/editor.yaml``), ``flux-dev``
+    (FLUX.1-dev / Kontext geometry). A config built from this schema alone, without a ``model=`` choice, gets
+    ``tiny``."""
     path: Optional[str] = None
     """A diffusers ``FluxTransformer2DModel`` folder (``config.json`` + ``*.safetensors``), or a whole diffusers
     FLUX.1 (Kontext) pipeline folder (``model_index.json``, ``transformer/``, ``vae/``, text encoders and
@@ -224,14 +232,12 @@ class WorkloadConfig:
     guidance_scale: float = 3.5
     """Value fed to the guidance embedding of guidance-distilled models, diffusers' ``guidance_scale``
     (ignored by models without one)."""
-    distilled_guidance: Optional[float] = None
-    """Removed (renamed): setting it fails, naming ``guidance_scale`` and ``true_cfg_scale``."""
     seed: int = 0
     """Base noise seed (0 to 2**64 - 1)."""
     text_len: Optional[int] = None
     """Prompt tokens: diffusers' ``max_sequence_length`` (T5 tokens) when a pipeline folder encodes the prompts, else
     the stand-in embedding's length (at least 1; an embeddings file brings its own length). Unset: the model's
-    (``model.text.model_text_len``: a pipeline folder's T5 tokenizer's ``model_max_length`` up to 512, as the
+    (``model.folders.model_text_len``: a pipeline folder's T5 tokenizer's ``model_max_length`` up to 512, as the
     editor's folder records the 32 it was trained with; else diffusers' default 512; 32 for stand-in prompts)."""
     text_len_from: Optional[str] = None
     """Set by ditrun when it resolves ``text_len``: where the number came from (this key, the folder's tokenizer,
@@ -304,7 +310,7 @@ class MetricsConfig:
     (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
     """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
-    own; also the target a sweep report's choice must meet (unset there: 98, within 2%)."""
+    own; also the target a sweep report's choice must meet (unset there: ``metrics.quality.DEFAULT_TARGET_PCT``)."""
     quality: str = "auto"
     """What judges quality (``ditrun.metrics.quality.QUALITY_MEASURES``): ``target`` (PSNR against each edit's
     correct result as a share of the full-quality reference's, with no fewer edits beating every naive candidate),
@@ -369,3 +375,18 @@ def register_configs() -> None:
     cs.store(name="ditrun_schema", node=RunConfig)
     # conf/model/editor.yaml's model.path: the trained editor's folder inside the installed package.
     OmegaConf.register_new_resolver("ditrun.editor_folder", lambda: str(EDITOR_FOLDER), replace=True)
+
+
+def precision_presets() -> list[str]:
+    """The names ``precision=`` takes: the option files of ``conf/precision/``."""
+    return sorted(f.stem for f in (CONF_DIR / "precision").glob("*.yaml"))
+
+
+def precision_preset(name: str) -> Optional[dict]:
+    """The ``precision.*`` keys that preset ``name`` sets (None if there is no such preset). A preset that sets
+    keys of other groups too is in the global package, its precision keys under ``precision:``."""
+    file = CONF_DIR / "precision" / f"{name}.yaml"
+    if not file.is_file():
+        return None
+    preset = yaml.safe_load(file.read_text())
+    return preset.get("precision", preset)

@@ -5,7 +5,7 @@ A spawned interpreter spends its first seconds importing torch and the rest. A s
 arrived then would raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
 outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank would fail
 with whatever the half-done import left behind (a lazy loader's ``RecursionError``, say) instead
-of stopping. So this module (standard library only: what the spawn unpickles first) notes stop
+of stopping. So this module (the standard library and ``stop_signals.py`` only: what the spawn unpickles first) notes stop
 signals from its first instruction and then tells the supervisor it is ready, and only then does
 the supervisor relay its own stop signals to the rank (``spawn.Relay``); the notes go to the
 rank's stop request once that exists, and the rank stops at its first step boundary like any
@@ -18,7 +18,8 @@ from __future__ import annotations
 import pickle
 import signal
 
-EARLY_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # launch/stop.py's STOP_SIGNALS
+from ditrun.stop_signals import STOP_SIGNALS
+
 _noted: list[int] = []
 
 
@@ -29,7 +30,7 @@ def _note(signum, _frame) -> None:
 def rank_main(payload: bytes, sender) -> None:
     """Catch stop signals, then import the rank's code and run it with ``payload``'s arguments (pickled
     by the supervisor, so that unpickling them, which imports omegaconf, is also covered)."""
-    for signum in EARLY_SIGNALS:
+    for signum in STOP_SIGNALS:
         signal.signal(signum, _note)
     args = pickle.loads(payload)  # (cfg, out_dir, rank, world, port, supervisor, hydra_files)
     sender.send(("ready", args[2]))  # the supervisor relays its stop signals from now on

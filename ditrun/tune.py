@@ -98,31 +98,32 @@ def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.devic
 
 def tune(cfg) -> DispatchTable:
     """Tune the linears of ``cfg``'s model and precision on this device; returns the saved table."""
-    from ditrun.model.build import build_model, model_geometry, plan_precision, select_placement
-    from ditrun.model import text
+    from ditrun.model.build import build_model, model_geometry, plan_precision, select_device_dtype
+    from ditrun.model.folders import vae_folder
     from ditrun.model.latents import make_latent_codec
     from ditrun.model.sampler import sequential_cfg_velocity
-    from ditrun.workload import edit_inputs, resolve_edits, resolve_text_len
+    from ditrun.workload.inputs import edit_inputs
+    from ditrun.workload.manifest import resolve_edits, resolve_text_len
 
     resolve_text_len(cfg)
-    placement = select_placement(cfg.device, cfg.model.dtype)
-    plan = plan_precision(cfg.precision, placement.device)
-    table = DispatchTable.load(plan.tuning_file, placement.device, plan.backend, announce=False)
-    candidates = DispatchTable(placement.device, plan.backend, announce=False, prepare_all=True)
-    built = build_model(cfg.model, placement, plan, announce=False, table=candidates)
+    device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
+    plan = plan_precision(cfg.precision, device_dtype.device)
+    table = DispatchTable.load(plan.tuning_file, device_dtype.device, plan.backend, announce=False)
+    candidates = DispatchTable(device_dtype.device, plan.backend, announce=False, prepare_all=True)
+    built = build_model(cfg.model, device_dtype, plan, announce=False, table=candidates)
     geometry = model_geometry(cfg.model)
     edit = resolve_edits(cfg.workload)[0]
-    codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path), placement.device,
-                              placement.dtype)
-    inputs = edit_inputs(edit, codec, geometry, cfg.workload, placement.device, placement.dtype)
+    codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device_dtype.device,
+                              device_dtype.dtype)
+    inputs = edit_inputs(edit, codec, geometry, cfg.workload, device_dtype.device, device_dtype.dtype)
     guidance = cfg.workload.guidance_scale if geometry.guidance_embeds else None
-    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.true_cfg_scale, guidance, placement.dtype,
+    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.true_cfg_scale, guidance, device_dtype.dtype,
                                        attention=built.attention)
     with torch.inference_mode():
         captured = capture_linear_inputs(built.model, lambda: velocity(inputs.noise, 1.0))
         for (fmt, bucket, k, n), (module, x) in sorted(captured.items()):
-            chosen, notes = choose_backend(module, x, placement.device)
-            table.entries[entry_key(fmt, bucket, k, n, device_key(placement.device))] = chosen
+            chosen, notes = choose_backend(module, x, device_dtype.device)
+            table.entries[entry_key(fmt, bucket, k, n, device_key(device_dtype.device))] = chosen
             print(f"{fmt:<10} M~{bucket:<6} K={k:<6} N={n:<6} -> {chosen:<14} "
                   + "  ".join(f"{name}: {note}" for name, note in notes.items()), flush=True)
     table.save(plan.tuning_file)

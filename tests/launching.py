@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from ditrun.config import register_configs
 from ditrun.launch import worker
-from ditrun.metrics.results import edit_outputs
+from ditrun.results.files import edit_outputs
 
 VENV_BIN = Path(sys.executable).parent
 TINY = ["model=tiny", "model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",

@@ -18,7 +18,8 @@ from safetensors.torch import save_file
 from ditrun.editor import FOLDER as EDITOR_FOLDER
 from ditrun.model.load import random_model, save_pretrained
 from ditrun.model.presets import PRESETS
-from ditrun.workload import Edit, load_image
+from ditrun.workload.edit import Edit
+from ditrun.workload.images import load_image
 
 HERE = Path(__file__).parent
 TINY = PRESETS["tiny"]  # joint_attention_dim 64, pooled_projection_dim 32

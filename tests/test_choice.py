@@ -192,11 +192,11 @@ def test_gate_measures():
 
 
 def test_an_unknown_quality_measure_is_one_sentence():
-    from ditrun.launch import worker
+    from ditrun.launch import checks
     from launching import tiny_config
 
     with pytest.raises(ValueError) as err:
-        worker.check_config(tiny_config("metrics.quality=lpips"))
+        checks.check_run_config(tiny_config("metrics.quality=lpips"))
     assert str(err.value) == ("metrics.quality='lpips' is not a known quality measure; allowed: auto, rerun, bf16, "
                               "target.")
 
@@ -208,11 +208,11 @@ def test_an_unknown_quality_measure_is_one_sentence():
                                              "for the run's own workload.true_cfg_scale)."),
 ])
 def test_a_wrong_reference_setting_is_one_sentence(override, message):
-    from ditrun.launch import worker
+    from ditrun.launch import checks
     from launching import tiny_config
 
     with pytest.raises(ValueError) as err:
-        worker.check_config(tiny_config(override))
+        checks.check_run_config(tiny_config(override))
     assert str(err.value) == message
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ditrun.config import ModelConfig
 from ditrun.errors import UserError
-from ditrun.model.build import Placement, build_model, plan_precision
+from ditrun.model.build import DeviceDtype, build_model, plan_precision
 from ditrun.kernels import epilogue
 from ditrun.model.compile import CompilePlan, fuse_epilogues, fuse_projections, plan_compile
 from ditrun.model.dit import GeluLinear, JoinedLinear, StackedLinear, gelu_activation, no_activation, sdpa_attention
@@ -25,7 +25,7 @@ from ditrun.model.graphs import GraphedForward
 from launching import (MAX_QUANTIZED_RELATIVE_ERROR, MAX_RELATIVE_ERROR, assert_same_latents, ditrun_command, records,
                        relative_error, run, single_reference, tiny_config)
 
-CPU = Placement(torch.device("cpu"), torch.float32, "fp32")
+CPU = DeviceDtype(torch.device("cpu"), torch.float32, "fp32")
 DEBUG_BACKEND = ["model.compile=on", "model.compile_backend=aot_eager"]
 
 
@@ -386,7 +386,7 @@ def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
     from ditrun.model import graphs
 
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
-    cuda = Placement(torch.device("cuda"), torch.bfloat16, "bf16")
+    cuda = DeviceDtype(torch.device("cuda"), torch.bfloat16, "bf16")
     cfg = tiny_config("precision=fp8")
     built = build_model(cfg.model, cuda, plan_precision(cfg.precision, cuda.device), announce=False,
                         speed=CompilePlan(compile=True, fuse=True, graphs=True))

@@ -19,7 +19,8 @@ from ditrun.model import from_pretrained  # noqa: E402
 from ditrun.model.latents import DiffusersVAE  # noqa: E402
 from ditrun.model.load import checkpoint_geometry  # noqa: E402
 from ditrun.model.sampler import denoise, sequential_cfg_velocity  # noqa: E402
-from ditrun.workload import edit_inputs, resolve_edits  # noqa: E402
+from ditrun.workload.inputs import edit_inputs  # noqa: E402
+from ditrun.workload.manifest import resolve_edits  # noqa: E402
 from launching import relative_error  # noqa: E402
 
 WIDTH, HEIGHT, REF = 64, 48, 32  # output 4x3 tokens, reference 2x2 tokens
@@ -208,11 +209,11 @@ def test_an_unset_text_len_is_the_folders_and_gives_diffusers_default_run(tmp_pa
 
 
 def test_the_text_length_belongs_to_the_model(tmp_path):
-    """``model.text.model_text_len``: the editor's folder records the 32 tokens it was trained with; a folder whose
+    """``model.folders.model_text_len``: the editor's folder records the 32 tokens it was trained with; a folder whose
     tokenizer names no usable length takes diffusers' 512; without a pipeline folder, the stand-ins' 32."""
     from ditrun.editor import FOLDER
     from recipes.editor.config import TrainConfig
-    from ditrun.model.text import model_text_len
+    from ditrun.model.folders import model_text_len
 
     assert model_text_len(str(FOLDER)) == (TrainConfig().text_len, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
                                                                     "(model_max_length)")

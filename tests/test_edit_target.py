@@ -10,10 +10,11 @@ import torch
 
 from ditrun.editor.transforms import EDITS, apply
 from ditrun.metrics import quality
-from ditrun.metrics.results import to_rgb8
+from ditrun.results.files import to_rgb8
 from ditrun.metrics.target import (PSNR_CAP_DB, delta_e, edit_target, make_target, psnr, target_fields,
                                    target_summary)
-from ditrun.workload import Edit, load_image
+from ditrun.workload.edit import Edit
+from ditrun.workload.images import load_image
 
 SIZE = 96
 

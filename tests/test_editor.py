@@ -115,7 +115,9 @@ def test_a_target_is_a_known_edit_or_an_image_file(tmp_path):
     from omegaconf import OmegaConf
 
     from ditrun.config import WorkloadConfig
-    from ditrun.workload import WorkloadError, load_image, resolve_edits, target_image
+    from ditrun.workload.edit import WorkloadError
+    from ditrun.workload.images import load_image, target_image
+    from ditrun.workload.manifest import resolve_edits
 
     def edit(target):
         workload = OmegaConf.merge(OmegaConf.structured(WorkloadConfig), {

@@ -1,6 +1,7 @@
 """The package's layering, read from its source with ``ast``: no import circles among ditrun's modules (imports
-inside functions count: a lazy import that closes a circle only moves the failure to run time), the kernels
-depend on nothing of the model they serve, and the package never imports the recipes that build its artefacts."""
+inside functions count: a lazy import that closes a circle only moves the failure to run time), every folder
+imports only from its own layer or the layers below it (``LAYERS``), the kernels depend on nothing of the model
+they serve, and the package never imports the recipes that build its artefacts."""
 
 import ast
 from pathlib import Path
@@ -69,6 +70,48 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# ditrun's folders (and top-level modules) by layer, lowest first: a module imports only from its own layer or a
+# lower one. Why each sits where it does:
+LAYERS = (
+    # What everything shares and nothing of ditrun's: errors, registries, the clocks the transports, the step cache
+    # and the worker read, dtype and device names, the user's cache folder, the stop signals, the editor's edits.
+    ("ditrun", "ditrun.errors", "ditrun.registry", "ditrun.timers", "ditrun.devices", "ditrun.user_cache",
+     "ditrun.stop_signals", "ditrun.editor", "ditrun.conf"),
+    # The config schema (and the precision presets it reads), and Hydra's errors in one sentence.
+    ("ditrun.config", "ditrun.hydra_errors"),
+    # Kernels know nothing of the model they serve.
+    ("ditrun.kernels",),
+    # The DiT, how it is built and sampled: no ranks, no transports, no edits, no measures.
+    ("ditrun.model",),
+    # How data moves between ranks, and the step cache (a ``model.sampler.Forward``): both time their waits with
+    # ``timers``, from below.
+    ("ditrun.transport", "ditrun.cache"),
+    # Parallel layouts: the model's forward over a transport.
+    ("ditrun.parallel",),
+    # The results directory: files, the writers' protocol, the runs a report finds. Nothing measured here.
+    ("ditrun.results",),
+    # The edits, their pictures, prompts and model inputs.
+    ("ditrun.workload",),
+    # What is measured and reported about a run.
+    ("ditrun.metrics",),
+    # Code that runs the model on edits outside the measured loop: the full-quality reference pass.
+    ("ditrun.inference",),
+    # Where workers run and what each does; ``rank_entry`` is a spawned rank's first module, outside ``launch/`` so
+    # that importing it runs no ``launch/__init__.py``.
+    ("ditrun.launch", "ditrun.rank_entry"),
+    # The commands.
+    ("ditrun.__main__", "ditrun.tune"),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of the longest prefix naming ``module`` (a folder names all its modules)."""
+    found = [(len(prefix), index) for index, names in enumerate(LAYERS) for prefix in names
+             if module == prefix or (prefix != "ditrun" and module.startswith(prefix + "."))]
+    assert found, f"{module} is in no layer of LAYERS"
+    return max(found)[1]
+
+
 def test_the_graph_is_read_from_the_source():
     graph = import_graph()
     assert "ditrun.model.build" in graph["ditrun.launch.worker"]  # a module-level import
@@ -78,6 +121,19 @@ def test_the_graph_is_read_from_the_source():
 
 def test_no_module_of_ditrun_imports_itself_through_others():
     assert cycles(import_graph()) == []
+
+
+def test_every_module_is_in_one_layer():
+    for name in import_graph():
+        layer_of(name)
+    assert layer_of("ditrun.timers") < layer_of("ditrun.transport.collective") == layer_of("ditrun.cache.forward")
+    assert layer_of("ditrun.results.rundir") < layer_of("ditrun.metrics.quality")
+
+
+def test_each_layer_imports_only_from_itself_or_below():
+    graph = import_graph()
+    upward = {name: sorted(t for t in targets if layer_of(t) > layer_of(name)) for name, targets in graph.items()}
+    assert {name: targets for name, targets in upward.items() if targets} == {}
 
 
 def test_the_kernels_import_nothing_from_the_model():

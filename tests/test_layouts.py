@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from ditrun.launch import worker
-from ditrun.metrics import results
+from ditrun.launch import checks, worker
+from ditrun.results import files as results
 from launching import assert_same_latents, ditrun_command, latents, records, relative_error, run, tiny_config
 from ranks import run_ranks
 
@@ -126,7 +126,7 @@ def test_cli_runs_a_layout_on_four_spawned_ranks(tmp_path, single_run, name):
 ])
 def test_bad_combinations_are_one_sentence(overrides, world, message):
     with pytest.raises(ValueError) as err:
-        worker.check_config(make_config(*overrides), world)
+        checks.check_run_config(make_config(*overrides), world)
     assert str(err.value) == message
 
 

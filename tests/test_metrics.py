@@ -16,12 +16,13 @@ from skimage import data, transform
 
 from ditrun import metrics
 from ditrun.config import RunConfig
+from ditrun import timers
 from ditrun.metrics import quality, timing
 from ditrun.metrics.target import make_target, psnr
 from ditrun.metrics.progress import Progress
-from ditrun.metrics.reference import Reference, reference_key
+from ditrun.inference.reference import Reference, reference_key
 from ditrun.model.presets import geometry_from_config
-from ditrun.workload import resolve_edits
+from ditrun.workload.manifest import resolve_edits
 from ditrun_cli import TINY, ditrun, reference_dir
 
 
@@ -82,12 +83,12 @@ def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
 
 
 def test_a_layout_without_transport_has_zero_exposed_transfer_not_missing():
-    fields = timing.edit_timing([0.5, 0.25], timing.ExposedTransfer(torch.device("cpu")).take())
+    fields = timing.edit_timing([0.5, 0.25], timers.ExposedTransfer(torch.device("cpu")).take())
     assert fields == {"dit_s": 0.75, "step_s": [0.5, 0.25], "exposed_transfer_s": 0.0, "exposed_transfer_pct": 0.0}
 
 
 def test_exposed_transfer_is_split_by_layer_kind_and_head_group():
-    exposed = timing.ExposedTransfer(torch.device("cpu"))
+    exposed = timers.ExposedTransfer(torch.device("cpu"))
     for kind, group in (("double", 0), ("double", 1), ("single", 0)):
         arrived = threading.Event()
         sender = threading.Timer(0.01, arrived.set)  # a peer whose data arrives a little later
@@ -152,7 +153,7 @@ def test_startup_summary_takes_median_and_slowest_rank_and_keeps_every_rank():
 
 
 def test_startup_phases_are_recorded_once_from_the_process_start():
-    startup = timing.Startup()
+    startup = timers.Startup()
     startup.begin("load_s")
     startup.end("load_s")
     startup.at_age("startup_s")
@@ -284,7 +285,7 @@ def test_records_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_pa
     one does not count), "unknown" outside a checkout."""
     import subprocess
 
-    from ditrun.launch.worker import git_revision
+    from ditrun.launch.records import git_revision
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,

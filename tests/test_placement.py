@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ditrun.config import TransportConfig
 from ditrun.errors import UserError
 from ditrun.launch import env, run_as_rank, worker
-from ditrun.metrics.timing import ExposedTransfer
+from ditrun.timers import ExposedTransfer
 from ditrun.parallel.layout import LayoutPlan
 from ditrun.parallel.placement import Placement, node_names
 from ditrun.transport.registry import make_transport

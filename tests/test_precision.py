@@ -15,7 +15,7 @@ from ditrun.kernels.fp8_sdpa import P_SCALE, fp8_pv_operands, fp8_pv_reference, 
 from ditrun.kernels import linear as L
 from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands)
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
-from ditrun.model.build import build_model, plan_precision, precision_label, select_placement
+from ditrun.model.build import build_model, plan_precision, precision_label, select_device_dtype
 from ditrun.model.components import COMPONENT_LINEARS, component_linears
 from ditrun.model.dit import FluxDiT, gelu_activation, sdpa_attention
 from ditrun.model.presets import geometry_from_config
@@ -94,7 +94,7 @@ def test_every_block_linear_but_the_modulation_has_one_component(variant):
 @functools.cache  # built once per session: the tests only read the models
 def _quantized_model(precision, variant="flux", *overrides):
     cfg = tiny_config(f"precision={precision}", f"model.variant={variant}", *overrides)
-    placement = select_placement("cpu", "fp32")
+    placement = select_device_dtype("cpu", "fp32")
     return build_model(cfg.model, placement, plan_precision(cfg.precision, CPU), announce=False), cfg, placement
 
 
@@ -153,7 +153,7 @@ def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_wha
     """fp8_all on the CPU: its named GEMM backend and cuDNN's FP8 attention cannot run, so each says so in one
     line (three fp8 components, one line), and the record names the emulation and the reference."""
     cfg = tiny_config("precision=fp8_all")
-    built = build_model(cfg.model, select_placement("cpu", "fp32"), plan_precision(cfg.precision, CPU))
+    built = build_model(cfg.model, select_device_dtype("cpu", "fp32"), plan_precision(cfg.precision, CPU))
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "precision.backend=fp8_rowwise_fast" in line] == [
         "ditrun: precision.backend=fp8_rowwise_fast needs torch._scaled_mm rowwise FP8 (sm89+, MI300+) here; fp8 runs "

@@ -11,11 +11,14 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from ditrun.config import WorkloadConfig, register_configs
-from ditrun.launch import worker
-from ditrun.metrics.reference import reference_key
+from ditrun.launch import checks, worker
+from ditrun.inference.reference import reference_key
 from ditrun.model.latents import LinearLatentMap
 from ditrun.model.presets import PRESETS
-from ditrun.workload import WorkloadError, check_config, check_sources, edit_inputs, edit_tokens, resolve_edits
+from ditrun.workload.edit import WorkloadError
+from ditrun.workload.images import check_sources
+from ditrun.workload.inputs import edit_inputs, edit_tokens
+from ditrun.workload.manifest import check_config, resolve_edits
 from launching import assert_same_latents, ditrun_command, run, tiny_config
 from ranks import run_ranks
 
@@ -63,11 +66,7 @@ def test_bad_reference_sizes_name_the_edit(entry, message):
         resolve_edits(_workload(edits=[{"id": "x", "image": "skimage:coffee", **entry}]))
 
 
-def test_retired_keys_and_bad_rules_are_one_sentence():
-    with pytest.raises(WorkloadError) as err:
-        check_config(_workload(distilled_guidance=3.5))
-    assert str(err.value) == ("workload.distilled_guidance was renamed to diffusers' names: the distilled guidance "
-                              "value is workload.guidance_scale and the true-CFG scale is workload.true_cfg_scale.")
+def test_bad_rules_are_one_sentence():
     with pytest.raises(WorkloadError, match="workload.ref_resize='big' is not a reference size rule; allowed: "
                                             "output, kontext, none."):
         check_config(_workload(ref_resize="big"))
@@ -78,7 +77,7 @@ def test_retired_keys_and_bad_rules_are_one_sentence():
 def test_cfg_split_without_true_cfg_is_refused():
     with pytest.raises(ValueError, match="layout=cfg_split runs the unconditional branch on half the ranks, but "
                                          "workload.true_cfg_scale=1.0 turns true CFG off"):
-        worker.check_config(tiny_config("layout=cfg_split", "workload.true_cfg_scale=1.0"), 2)
+        checks.check_run_config(tiny_config("layout=cfg_split", "workload.true_cfg_scale=1.0"), 2)
 
 
 def test_reference_key_has_the_reference_size():
@@ -140,18 +139,19 @@ def _composed(*overrides: str):
 
 
 def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
-    from ditrun.model import text
+    from ditrun.model import folders
+    from ditrun.workload import prompts
     from ditrun.errors import UserError
 
     (tmp_path / "transformer").mkdir()
     (tmp_path / "model_index.json").write_text("{}")
     cfg = tiny_config(f"model.path={tmp_path}")
     edits = resolve_edits(cfg.workload)
-    assert text.transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
-    assert text.vae_folder(str(tmp_path), None) == str(tmp_path / "vae")
+    assert folders.transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
+    assert folders.vae_folder(str(tmp_path), None) == str(tmp_path / "vae")
     with pytest.raises(UserError, match="is a pipeline folder without text_encoder/, text_encoder_2/, tokenizer/, "
                                         "tokenizer_2/; give every edit a prompt_embeds file"):
-        text.encode_edits(edits, cfg, None, 0, torch.device("cpu"), torch.float32)
+        prompts.prompt_cache(edits, cfg)
 
 
 @pytest.mark.timeout(150)

@@ -21,8 +21,8 @@ import pytest
 import yaml
 from skimage import io as iio
 
-from ditrun.metrics import rundir
-from ditrun.metrics.results import TEMPORARY_PREFIX
+from ditrun.results import rundir
+from ditrun.results.files import TEMPORARY_PREFIX
 from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
 
 FAST = ["metrics.ssim=false", "metrics.report=false", "launcher.stop_timeout_s=10"]

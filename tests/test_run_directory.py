@@ -14,8 +14,8 @@ import pytest
 import yaml
 from skimage import io
 
-from ditrun.metrics import rundir
-from ditrun.metrics.reference import pixel_checksum
+from ditrun.results import rundir
+from ditrun.inference.reference import pixel_checksum
 from ditrun_cli import TINY, ditrun
 
 COMMON = [*TINY, "wandb.mode=disabled", "progress=false", "metrics.report=false"]

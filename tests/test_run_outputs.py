@@ -21,7 +21,7 @@ import pytest
 import yaml
 from skimage import io
 
-from ditrun.metrics.results import TEMPORARY_PREFIX, edit_outputs
+from ditrun.results.files import TEMPORARY_PREFIX, edit_outputs
 from ditrun_cli import TINY, ditrun, reference_dir
 
 COMMON = [*TINY, "wandb.mode=disabled", "progress=false"]
@@ -78,27 +78,6 @@ def test_edit_ids_named_like_the_runs_own_files_keep_their_outputs(tmp_path, tmp
         assert_outputs_match(out, record)
     assert not list(out.rglob(f"{TEMPORARY_PREFIX}*")) and (out / "notes.tmp.txt").read_text() == "mine"
     assert json.loads((out / "summary.json").read_text())["complete"] is True
-
-
-def test_a_directory_of_the_older_layout_is_refused_and_left_as_it_was(tmp_path):
-    out = tmp_path / "run"
-    assert ditrun(*QUICK, f"hydra.run.dir={out}", cwd=tmp_path).returncode == 0
-    older = []
-    for record in records(out):  # outputs beside the run's files, no checksums: what an older ditrun wrote
-        del record["sha256"]
-        for field, name in edit_outputs(record["edit"]).items():
-            (out / name).rename(out / Path(name).name)
-            record[field] = Path(name).name
-        older.append(json.dumps(record) + "\n")
-    (out / "edits.jsonl").write_text("".join(older))
-    before = contents(out)
-    again = ditrun(*QUICK, f"hydra.run.dir={out}", cwd=tmp_path)
-    assert again.returncode == 2
-    assert (f"ditrun: error: {out / 'edits.jsonl'} records edit 'astronaut' with its image at astronaut.png, as an "
-            "older ditrun did") in again.stderr and "Traceback" not in again.stderr
-    assert contents(out) == before
-    report = ditrun("report", str(out), cwd=tmp_path)
-    assert report.returncode == 0, report.stderr
 
 
 def test_missing_truncated_or_changed_outputs_are_redone_on_resume(tmp_path):

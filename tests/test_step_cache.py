@@ -19,7 +19,7 @@ from ditrun.cache.forward import relative_l1
 from ditrun.cache.policies import CACHE_POLICIES, FirstBlock, static_mask
 from ditrun.config import CacheConfig
 from ditrun.metrics.quality import QUALITY_MEASURES
-from ditrun.launch import worker
+from ditrun.launch import checks, worker
 from ditrun.parallel.layout import build_layout, plan_layout
 from launching import MAX_RELATIVE_ERROR, ditrun_command, latents, records, relative_error, run, tiny_config
 from ranks import run_ranks
@@ -143,7 +143,7 @@ MASK_RULE = f"must hold step 0 (nothing is cached before it) and only steps 0 to
 ])
 def test_cache_mistakes_are_one_sentence(overrides, message):
     with pytest.raises(ValueError) as err:
-        worker.check_config(tiny_config(*BASE, *overrides))
+        checks.check_run_config(tiny_config(*BASE, *overrides))
     assert str(err.value) == message
 
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.config import TransportConfig
-from ditrun.metrics.timing import ExposedTransfer
+from ditrun.timers import ExposedTransfer
 from ditrun.model.dit import sdpa_attention
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, even_splits
 from ditrun.transport.base import LocalTransport, all_gather_rows

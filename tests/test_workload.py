@@ -10,7 +10,10 @@ from safetensors.torch import save_file
 from ditrun.config import WorkloadConfig
 from ditrun.model.latents import LinearLatentMap
 from ditrun.model.presets import PRESETS
-from ditrun.workload import WorkloadError, check_sources, edit_inputs, load_image, resolve_edits
+from ditrun.workload.edit import WorkloadError
+from ditrun.workload.images import check_sources, load_image
+from ditrun.workload.inputs import edit_inputs
+from ditrun.workload.manifest import resolve_edits
 
 
 def _cfg(**kw):

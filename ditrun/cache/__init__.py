@@ -7,7 +7,7 @@ imports ``torch.distributed``: a layout passes in the sum over its SP group (``L
 ranks that share a forward take one decision.
 """
 
-from ditrun.cache.forward import StepCache, cache_summary, make_step_cache
+from ditrun.cache.forward import StepCache, make_step_cache
 from ditrun.cache.policies import CACHE_POLICIES, check_config
 
-__all__ = ["CACHE_POLICIES", "StepCache", "cache_summary", "check_config", "make_step_cache"]
+__all__ = ["CACHE_POLICIES", "StepCache", "check_config", "make_step_cache"]

@@ -16,7 +16,6 @@ layout's sum over its SP group), so every rank of a group decides alike.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -24,7 +23,6 @@ from typing import Callable, Optional
 import torch
 
 from ditrun.cache.policies import make_policy
-from ditrun.metrics.timing import median_of
 
 # tensor -> the same tensor summed over the ranks that share this forward (identity on one rank)
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -60,7 +58,7 @@ def _ratio(diff: float, base: float) -> float:
 
 
 class StepCache:
-    """Called as the model is (``for_branch(branch)(**inputs)``), for one edit of ``steps`` steps."""
+    """The caching ``Forward`` (``model.sampler.Forward``) of one edit of ``steps`` steps: one state per branch."""
 
     def __init__(self, cache_cfg, steps: int, forward: Callable, parts, reduce: Reduce):
         self.name, self.steps, self.blocks = cache_cfg.name, steps, cache_cfg.blocks
@@ -69,10 +67,7 @@ class StepCache:
         self.forward, self.parts, self.reduce = forward, parts, reduce
         self.states: dict[str, BranchState] = {}
 
-    def for_branch(self, branch: str) -> Callable[..., torch.Tensor]:
-        return functools.partial(self._call, branch)
-
-    def _call(self, branch: str, **inputs) -> torch.Tensor:
+    def __call__(self, branch: str, **inputs) -> torch.Tensor:
         state = self.states.setdefault(branch, BranchState())
         if not self.policy.splits:
             out = self.forward(**inputs)
@@ -120,8 +115,3 @@ class StepCache:
 def make_step_cache(cache_cfg, steps: int, built, reduce: Reduce) -> StepCache:
     """The step cache of one edit, over ``built``'s forward (``BuiltModel``) and its parts."""
     return StepCache(cache_cfg, steps, built.forward, built.parts, reduce)
-
-
-def cache_summary(records: list[dict]) -> dict:
-    """Medians of steps computed and cached per edit (None without records that have them)."""
-    return {f"{key}_median": median_of(records, key) for key in ("steps_computed", "steps_cached")}

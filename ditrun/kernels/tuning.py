@@ -10,12 +10,13 @@ model's build says so in one line for all of them.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from ditrun.devices import device_name
+from ditrun.user_cache import user_cache_dir
 from ditrun.kernels.linear import LINEAR_BACKENDS, LinearBackend, LinearFormat, fast_backends
 
 BACKEND_MODES = {
@@ -31,12 +32,11 @@ def m_bucket(m: int) -> int:
 
 
 def default_table_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "dispatch.json"
+    return user_cache_dir() / "dispatch.json"
 
 
 def device_key(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return device_name(device) if device.type == "cuda" else "cpu"
 
 
 def entry_key(fmt: str, m: int, k: int, n: int, device: str, torch_version: str = torch.__version__) -> str:

@@ -25,11 +25,11 @@ from typing import Optional
 from ditrun.launch import env, worker
 from ditrun.launch.faults import WorkerFailed  # noqa: F401  (the package's API)
 from ditrun.launch.job import LocalJob
-from ditrun.launch.rank import (check_config, check_launcher_config, check_placement, run_as_rank,  # noqa: F401
-                                with_world)
+from ditrun.launch.checks import check_config, check_launcher_config  # noqa: F401  (the package's API)
+from ditrun.launch.rank import check_placement, run_as_rank, with_world  # noqa: F401  (the package's API)
 from ditrun.launch.stop import process_stop
-from ditrun.metrics import rundir
-from ditrun.metrics.timing import STARTUP
+from ditrun.results import rundir
+from ditrun.timers import STARTUP
 
 
 def launch(cfg, out_dir: Path, hydra_files: Optional[rundir.HydraFiles] = None) -> Optional[dict]:

@@ -1,15 +1,13 @@
 """One rank's way through a job: the checks every rank makes, joining the others, running the worker, signing out.
 
 ``run_as_rank`` is the path of a rank that any launcher started (torchrun, ``srun``, ``mpiexec``, submitit, or
-ditrun's own spawner, whose ranks enter through ``spawned_rank_main``); ``check_config`` is everything a user can
-get wrong, checked on the ranks that will run before any process starts (``launch`` calls it, too).
+ditrun's own spawner, whose ranks enter through ``spawned_rank_main``); each checks the config first (``checks.py``).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
 import os
 import signal
 import sys
@@ -21,37 +19,15 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ditrun import workload
 from ditrun.errors import UserError
 from ditrun.launch import env, faults, rendezvous, worker
+from ditrun.launch.checks import check_config
 from ditrun.launch.job import StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
-from ditrun.metrics.rundir import HydraFiles
-from ditrun.metrics.timing import STARTUP
+from ditrun.results.rundir import HydraFiles
+from ditrun.timers import STARTUP
 from ditrun.model.build import model_geometry
-from ditrun.parallel.layout import LayoutPlan
 from ditrun.parallel.placement import Placement
-
-
-def check_config(cfg, world: int) -> LayoutPlan:
-    """Everything a user can get wrong, checked on ``world`` ranks before any process starts."""
-    # The workload's numbers first: the fault injection's step is checked against workload.steps.
-    workload.check_config(cfg.workload)
-    check_launcher_config(cfg, world)
-    return worker.check_config(cfg, world)
-
-
-def check_launcher_config(cfg, world: int) -> None:
-    """Launcher settings a user can get wrong."""
-    launcher = cfg.launcher
-    if world < 1:
-        raise UserError(f"launcher.world={world} must be at least 1.")
-    for key in ("rendezvous_timeout_s", "collective_timeout_s", "stop_timeout_s"):
-        if not 0 < getattr(launcher, key) < math.inf:
-            raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
-    if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
-        raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
-    faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
 
 
 def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,

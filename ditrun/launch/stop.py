@@ -31,7 +31,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+from ditrun.stop_signals import STOP_SIGNALS
+
 # How often a rank looks for its parent.
 PARENT_POLL_S = 0.5
 

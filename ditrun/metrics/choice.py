@@ -5,7 +5,7 @@ Every run is judged against one full-quality reference (``full_quality``: BF16, 
 and true CFG); the sweep's run of that configuration is the named baseline. Only runs comparable with it (the
 same model, workload and reference: ``runs.comparable_key``) and complete are judged; the others are listed
 apart with the reason, and never chosen. Quality is ``metrics.quality``'s measure (``metrics/quality.py``) as a
-percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or 98 (within 2%) when unset. Both
+percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or ``quality.DEFAULT_TARGET_PCT`` when unset. Both
 are read from the sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
 """
 
@@ -81,7 +81,7 @@ def is_full_quality(run) -> bool:
 
 
 def _key_text(run) -> str:
-    from ditrun.metrics.runs import comparable_key
+    from ditrun.results.runs import comparable_key
 
     return json.dumps(comparable_key(run), sort_keys=True, default=str)
 
@@ -104,8 +104,8 @@ def find_baseline(runs) -> tuple[Optional[int], Optional[str]]:
 
 def _difference(run, baseline) -> str:
     """The broadest setting in which ``run`` differs from ``baseline`` (model, workload, reference), in words."""
-    from ditrun.metrics.rundir import differences
-    from ditrun.metrics.runs import comparable_key
+    from ditrun.results.rundir import differences
+    from ditrun.results.runs import comparable_key
 
     changes = sorted(differences(comparable_key(baseline), comparable_key(run)), key=lambda c: c[0].count("."))
     if not changes:

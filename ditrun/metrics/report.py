@@ -18,12 +18,11 @@ from typing import Optional
 from hydra.experimental.callback import Callback
 
 from ditrun.metrics import choice as choosing
-from ditrun.metrics.runs import RunResult, load_runs
+from ditrun.results.runs import RunResult, load_runs
 from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
 
 # Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
-UNQUANTIZED = choosing.UNQUANTIZED
 REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
@@ -45,7 +44,7 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str],
         return runs[choice.baseline]
     timed = [r for r in runs if r.dit_s]
     plain = [r for r in timed if (r.setting("layout"), r.setting("world")) == ("single", 1)
-             and r.setting("precision") in UNQUANTIZED and choosing.cache_name(r) == "none"]
+             and r.setting("precision") in choosing.UNQUANTIZED and choosing.cache_name(r) == "none"]
     return max(plain or timed, key=lambda r: r.dit_s, default=None)
 
 

@@ -15,7 +15,7 @@ MAX_ROWS = 12
 
 
 def _edit(record: dict, image: str, target: Optional[str] = None):
-    from ditrun.workload import Edit
+    from ditrun.workload.edit import Edit
 
     w, h = record["width"], record["height"]
     return Edit(index=0, id=record["edit"], image=image, prompt="", seed=0, width=w, height=h, ref_width=w,
@@ -26,8 +26,8 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
     """The row's pictures, 8-bit RGB, and their titles; a picture that cannot be read is a white cell saying so."""
     from skimage import io
 
-    from ditrun.metrics.results import to_rgb8
-    from ditrun.workload import load_image, target_image
+    from ditrun.results.files import to_rgb8
+    from ditrun.workload.images import load_image, target_image
 
     output = io.imread(run_dir / record["image"])[..., :3]
     blank = np.full_like(output, 255)

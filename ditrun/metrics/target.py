@@ -146,8 +146,8 @@ def edit_target(edit) -> Optional[Target]:
     if edit.target is None:
         return None
     from ditrun.editor.transforms import EDITS, apply
-    from ditrun.metrics.results import to_rgb8
-    from ditrun.workload import load_image, target_image
+    from ditrun.results.files import to_rgb8
+    from ditrun.workload.images import load_image, target_image
 
     picture = load_image(dataclasses.replace(edit, ref_width=edit.width, ref_height=edit.height))
     edits = {name: to_rgb8(apply(name, picture)) for name in EDITS}

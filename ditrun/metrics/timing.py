@@ -1,86 +1,14 @@
-"""Timing of denoising steps: CUDA/HIP events on GPUs, a monotonic clock on CPUs.
-
-Events are recorded on the compute stream without synchronising; the times are read once,
-when the edit ends, so timing never stalls the pipeline.
+"""What a run's timings are summed and summarised into: an edit's record fields, and the run's medians.
 
 DiT time of an edit = the sum of its denoising steps (both CFG branches, every layer, the
 transport's waits); preparing the inputs (image load, VAE encode, prompt embeddings) and the
-VAE decode are timed apart as ``encode_s`` and ``decode_s``.
-
-Start-up of a rank = process start to its first denoising step, split into the phases a scaling
-model needs (``Startup``): imports and config, the rendezvous (what grows with the node count),
-and loading (prompts, references, model build); each rank's split goes into the run's summary.
+VAE decode are timed apart as ``encode_s`` and ``decode_s``. The clocks are ``ditrun/timers.py``'s.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 import statistics
-import time
 from typing import Optional
-
-import torch
-
-
-def _mark(cuda: bool):
-    """A point in time: an event recorded on the current stream (GPU) or the monotonic clock (CPU)."""
-    if cuda:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-    return time.perf_counter()
-
-
-class StepTimer:
-    """Seconds per denoising step of one edit."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._marks: list = []
-
-    def start(self) -> None:
-        self._marks = [_mark(self.cuda)]
-
-    def step(self, _index: int = 0) -> None:
-        self._marks.append(_mark(self.cuda))
-
-    def step_seconds(self) -> list[float]:
-        """Per-step seconds; synchronises once on GPUs."""
-        if self.cuda:
-            self._marks[-1].synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self._marks, self._marks[1:])]
-        return [b - a for a, b in zip(self._marks, self._marks[1:])]
-
-
-class Interval:
-    """Seconds of one region outside the DiT (encode, decode): ``with Interval(dev) as t: ...; t.seconds``."""
-
-    def __init__(self, device: torch.device):
-        self._timer = StepTimer(device)
-
-    def __enter__(self) -> "Interval":
-        self._timer.start()
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        self._timer.step()
-        return False
-
-    @property
-    def seconds(self) -> float:
-        return self._timer.step_seconds()[0]
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory allocated by PyTorch on the device since start (0 on CPUs, where it is not tracked)."""
-    return int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Forget the peak so far (the reference pass runs another model before the measured one)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def edit_timing(step_s: list[float], exposed: dict, breakdown: bool = False) -> dict:
@@ -151,92 +79,6 @@ def warmup_excess(warmup_records: list[dict], step_s: Optional[float]) -> Option
     return max(0.0, sum(warm) - step_s * len(warm))
 
 
-class ExposedTransfer:
-    """Time the compute stream spends waiting on the transport, per edit.
-
-    A transport wraps every wait of the compute stream in ``timed(kind, group)``. On GPUs the
-    interval is bounded by two events on the compute stream, so it measures the stall the wait
-    causes there, not the length of the transfer (which may be hidden behind attention); on
-    CPUs it is the wall time of the wait. ``take()`` returns the totals and starts again.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._pending: list[tuple[str, int, object, object]] = []
-
-    def timed(self, kind: str = "attention", group: int = 0):
-        return _TimedWait(self, kind, group)
-
-    def take(self) -> dict:
-        """``{"total_s": float, "by_kind": {kind: s}, "by_group": {group: s}}``; synchronises once on GPUs."""
-        by_kind: dict[str, float] = {}
-        by_group: dict[int, float] = {}
-        if self.cuda and self._pending:
-            self._pending[-1][3].synchronize()
-        for kind, group, start, end in self._pending:
-            seconds = start.elapsed_time(end) / 1e3 if self.cuda else end - start
-            by_kind[kind] = by_kind.get(kind, 0.0) + seconds
-            by_group[group] = by_group.get(group, 0.0) + seconds
-        self._pending = []
-        return {"total_s": sum(by_kind.values()), "by_kind": by_kind, "by_group": by_group}
-
-
-class _TimedWait:
-    def __init__(self, owner: ExposedTransfer, kind: str, group: int):
-        self.owner, self.kind, self.group = owner, kind, group
-
-    def __enter__(self):
-        self.start = _mark(self.owner.cuda)
-        return self
-
-    def __exit__(self, *exc):
-        self.owner._pending.append((self.kind, self.group, self.start, _mark(self.owner.cuda)))
-        return False
-
-
-def process_age_s() -> Optional[float]:
-    """Seconds since this process started, by the kernel's clock (Linux), so that the interpreter's
-    own start and the imports count too; None where /proc is missing."""
-    try:
-        with open("/proc/self/stat") as stat:
-            # Field 22 (starttime, clock ticks after boot); the command name before it may hold spaces.
-            started = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-        with open("/proc/uptime") as uptime:
-            return float(uptime.read().split()[0]) - started
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-class Startup:
-    """This process's start-up, in seconds: the process's age when ditrun's launch began
-    (``imports_s``), the rendezvous and process-group set-up (``rendezvous_s``), loading
-    (``load_s``) and the age at the first denoising step (``startup_s``)."""
-
-    PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
-
-    def __init__(self):
-        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES)
-        self._begun: dict[str, float] = {}
-
-    def begin(self, phase: str) -> None:
-        self._begun[phase] = time.perf_counter()
-
-    def end(self, phase: str) -> None:
-        self.fields[phase] = time.perf_counter() - self._begun.pop(phase)
-
-    def at_age(self, phase: str) -> None:
-        """Record the process's age as ``phase`` the first time only (the first step, not every step)."""
-        if self.fields[phase] is None:
-            self.fields[phase] = process_age_s()
-
-    def report(self, rank: int = 0) -> dict:
-        return {"rank": rank, "host": socket.gethostname(), **self.fields}
-
-
-# One process, one start: the launcher, the worker and the step loop each record their phase.
-STARTUP = Startup()
-
-
 def startup_summary(by_rank: list[dict]) -> dict:
     """The run summary's start-up fields: median and slowest rank, and every rank's split."""
     ready = [r["startup_s"] for r in by_rank if r.get("startup_s") is not None]
@@ -247,3 +89,8 @@ def startup_summary(by_rank: list[dict]) -> dict:
         "rendezvous_s_max": max(met) if met else None,
         "startup_by_rank": sorted(by_rank, key=lambda r: r["rank"]),
     }
+
+
+def cache_summary(records: list[dict]) -> dict:
+    """Medians of steps computed and cached per edit (None without records that have them)."""
+    return {f"{key}_median": median_of(records, key) for key in ("steps_computed", "steps_cached")}

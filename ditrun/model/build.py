@@ -12,14 +12,14 @@ from the registries of linear formats and attention kernels (``kernels/linear.py
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-import yaml
 
+from ditrun.config import precision_preset
+from ditrun.devices import DTYPES, dtype_name
 from ditrun.errors import UserError
 from ditrun.kernels.attention import (ATTENTION_KERNELS, REFERENCE, AttentionKernel, choose_implementation,
                                      fast_attention_available)
@@ -32,16 +32,14 @@ from ditrun.kernels.sdpa import AttentionFn
 from ditrun.model.dit import DiTGeometry, FluxDiT
 from ditrun.model.graphs import GraphedForward
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
-from ditrun.model.text import transformer_folder
+from ditrun.model.folders import transformer_folder
 from ditrun.model.presets import check_preset_name, geometry_from_config
 from ditrun.model.quantize import quantize_model
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "precision"
 
 
 @dataclass
-class Placement:
+class DeviceDtype:
     """Where this worker runs and in which dtype, with the reason for the dtype."""
 
     device: torch.device
@@ -75,15 +73,11 @@ def compute_dtype(device: torch.device, dtype_key: str) -> tuple[torch.dtype, st
     return torch.float32, "fp32 (bf16 is slow on CPUs; set model.dtype=bf16 to force it)"
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in DTYPES.items() if d == dtype)
-
-
-def select_placement(device_key: str, dtype_key: str) -> Placement:
+def select_device_dtype(device_key: str, dtype_key: str) -> DeviceDtype:
     device = device_kind(device_key)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    return Placement(device, *compute_dtype(device, dtype_key))
+    return DeviceDtype(device, *compute_dtype(device, dtype_key))
 
 
 def model_geometry(model_cfg) -> DiTGeometry:
@@ -148,16 +142,6 @@ def _check_fast(plan: PrecisionPlan, device: torch.device) -> None:
                         "use precision.backend=auto or another kernel.")
 
 
-def precision_preset(name: str) -> Optional[dict]:
-    """The ``precision.*`` keys of preset ``conf/precision/<name>.yaml`` (None if there is none). A preset that sets
-    keys of other groups too is in the global package, its precision keys under ``precision:``."""
-    file = PRESET_DIR / f"{name}.yaml"
-    if not file.is_file():
-        return None
-    preset = yaml.safe_load(file.read_text())
-    return preset.get("precision", preset)
-
-
 def _preset_formats(name: str) -> Optional[dict]:
     preset = precision_preset(name)
     if preset is None:
@@ -218,7 +202,7 @@ class BuiltModel:
         self.parts = self.parts or ModelParts(self.model.head, self.model.tail, self.model.finish)
 
 
-def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPlan] = None,
+def build_model(model_cfg, device_dtype: DeviceDtype, precision: Optional[PrecisionPlan] = None,
                 announce: bool = True, table: Optional[DispatchTable] = None,
                 speed: Optional[CompilePlan] = None, weights: Optional[dict[str, torch.Tensor]] = None) -> BuiltModel:
     """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
@@ -234,13 +218,13 @@ def build_model(model_cfg, placement: Placement, precision: Optional[PrecisionPl
     if weights is not None:
         model.load_state_dict(weights, strict=True, assign=True)
     elif model_cfg.path:
-        load_pretrained_weights(model, transformer_folder(model_cfg.path), placement.dtype, placement.device)
+        load_pretrained_weights(model, transformer_folder(model_cfg.path), device_dtype.dtype, device_dtype.device)
     else:
-        draw_random_weights(model, model_cfg.weights_seed, placement.dtype, placement.device)
+        draw_random_weights(model, model_cfg.weights_seed, device_dtype.dtype, device_dtype.device)
     built = BuiltModel(model, ATTENTION_KERNELS.get("bf16").make("sdpa"))
     if precision is not None and precision.quantized:
-        table = table or DispatchTable.load(precision.tuning_file, placement.device, precision.backend, announce)
-        built = _quantize(model, precision, table, placement.device, geometry.attention_head_dim, announce)
+        table = table or DispatchTable.load(precision.tuning_file, device_dtype.device, precision.backend, announce)
+        built = _quantize(model, precision, table, device_dtype.device, geometry.attention_head_dim, announce)
     built.model.eval().requires_grad_(False)
     if speed is not None:
         built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}

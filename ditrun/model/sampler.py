@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 from ditrun.errors import UserError
@@ -93,25 +93,43 @@ def combine_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch
     return uncond + scale * (cond - uncond)
 
 
-def call_branch(model, branch: str, **inputs) -> torch.Tensor:
-    """``model(**inputs)`` for one CFG branch: ``cond``, ``uncond``, or ``both`` stacked in one batch. A step cache
-    (``ditrun/cache``) keeps one state per branch, so it is told which one runs."""
-    for_branch = getattr(model, "for_branch", None)
-    return (model if for_branch is None else for_branch(branch))(**inputs)
+class Forward(Protocol):
+    """One DiT forward of one CFG branch: ``cond``, ``uncond``, or ``both`` (the two stacked in one batch).
+
+    ``PlainForward`` runs every branch alike (the module, or its forward replayed from CUDA graphs); the step cache
+    (``ditrun/cache``) keeps one state per branch, which is why the branch is named."""
+
+    def __call__(self, branch: str, **inputs) -> torch.Tensor: ...
 
 
-def sequential_cfg_velocity(model, inputs: EditInputs, true_cfg_scale: float, guidance: Optional[float],
-                            dtype: torch.dtype, attention=None) -> VelocityFn:
+@dataclass(frozen=True)
+class PlainForward:
+    """``run(**inputs)`` for every branch: the DiT module, or its CUDA-graphed replay (``model/graphs.py``)."""
+
+    run: Callable[..., torch.Tensor]
+
+    def __call__(self, branch: str, **inputs) -> torch.Tensor:
+        return self.run(**inputs)
+
+
+def sequential_cfg_velocity(model: Callable[..., torch.Tensor], inputs: EditInputs, true_cfg_scale: float,
+                            guidance: Optional[float], dtype: torch.dtype, attention=None) -> VelocityFn:
+    """``sequential_branches`` of a plain model (``model(**inputs)``, every branch alike)."""
+    return sequential_branches(PlainForward(model), inputs, true_cfg_scale, guidance, dtype, attention)
+
+
+def sequential_branches(forward: Forward, inputs: EditInputs, true_cfg_scale: float, guidance: Optional[float],
+                        dtype: torch.dtype, attention=None) -> VelocityFn:
     """Velocity on one process: the conditional, then (true CFG on) the unconditional branch (layout ``single``)."""
     n_img = inputs.noise.shape[1]
     extra = {} if attention is None else {"attention": attention}
 
     def velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
-        cond = call_branch(model, "cond", **branch_inputs(inputs, x, sigma, True, dtype, guidance), **extra)
+        cond = forward("cond", **branch_inputs(inputs, x, sigma, True, dtype, guidance), **extra)
         cond = cond[:, :n_img].float()
         if not inputs.true_cfg:
             return cond
-        uncond = call_branch(model, "uncond", **branch_inputs(inputs, x, sigma, False, dtype, guidance), **extra)
+        uncond = forward("uncond", **branch_inputs(inputs, x, sigma, False, dtype, guidance), **extra)
         uncond = uncond[:, :n_img].float()
         return combine_cfg(cond, uncond, true_cfg_scale)
 

@@ -21,8 +21,7 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
-from ditrun.model.sampler import (EditInputs, VelocityFn, branch_inputs, call_branch, combine_cfg,
-                                  sequential_cfg_velocity)
+from ditrun.model.sampler import EditInputs, Forward, VelocityFn, branch_inputs, combine_cfg, sequential_branches
 from ditrun.parallel.layout import Layout, layout_kind
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
 from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
@@ -43,9 +42,9 @@ def check_true_cfg(layout_name: str, true_cfg_scale: float) -> None:
 class LocalBranches:
     """The DiT on this rank's share of the joint sequence; returns its output tokens' velocity."""
 
-    def __init__(self, model, inputs: EditInputs, shards: SequenceShards, attention, dtype: torch.dtype,
+    def __init__(self, forward: Forward, inputs: EditInputs, shards: SequenceShards, attention, dtype: torch.dtype,
                  guidance: Optional[float]):
-        self.model, self.shards, self.attention = model, shards, attention
+        self.forward, self.shards, self.attention = forward, shards, attention
         self.local, self.dtype, self.guidance = shards.local_inputs(inputs), dtype, guidance
         self.n_out = shards.output[shards.rank]
 
@@ -56,14 +55,14 @@ class LocalBranches:
     def one(self, x: torch.Tensor, sigma: float, conditional: bool) -> torch.Tensor:
         # x: [1, O, C] full latent -> [1, O_r, C] fp32
         branch = "cond" if conditional else "uncond"
-        out = call_branch(self.model, branch, **self._inputs(x, sigma, conditional), attention=self.attention)
+        out = self.forward(branch, **self._inputs(x, sigma, conditional), attention=self.attention)
         return out[:, :self.n_out].float()
 
     def both_batched(self, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [1, O, C] -> (cond, uncond), each [1, O_r, C] fp32, from one pass with batch 2
         cond, uncond = self._inputs(x, sigma, True), self._inputs(x, sigma, False)
         stacked = {k: v if k in _SHARED_INPUTS or v is None else torch.cat([v, uncond[k]]) for k, v in cond.items()}
-        out = call_branch(self.model, "both", **stacked, attention=self.attention)[:, :self.n_out].float()
+        out = self.forward("both", **stacked, attention=self.attention)[:, :self.n_out].float()
         return out[:1], out[1:]
 
 
@@ -103,13 +102,13 @@ def prepare_transports(layout: Layout, transports: dict[str, Transport], inputs:
         transports[axis].prepare(axis_plans)
 
 
-def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inputs: EditInputs,
+def layout_velocity(layout: Layout, transports: dict[str, Transport], forward: Forward, inputs: EditInputs,
                     guidance_scale: float, guidance: Optional[float], dtype: torch.dtype,
                     inner_attention=None) -> VelocityFn:
     """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``)."""
     kind = layout.plan.kind
     if kind.one_worker:
-        return sequential_cfg_velocity(model, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
+        return sequential_branches(forward, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
     sp = transports["sp"]
     shards = _shards(transports, inputs)
     if sp.size == 1 and layout.plan.head_groups == 1 and inner_attention is not None:
@@ -118,7 +117,7 @@ def layout_velocity(layout: Layout, transports: dict[str, Transport], model, inp
     else:
         extra = {} if inner_attention is None else {"inner": inner_attention}
         attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
-    branches = LocalBranches(model, inputs, shards, attention, dtype, guidance)
+    branches = LocalBranches(forward, inputs, shards, attention, dtype, guidance)
     if kind.cfg_degree == 2:
         return _split(branches, sp, transports["cfg"], guidance_scale)
     if kind.batched_cfg:

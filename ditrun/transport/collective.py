@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ditrun.metrics.timing import ExposedTransfer
+from ditrun.timers import ExposedTransfer
 from ditrun.transport.base import ExchangePlan, fresh_send_buffer
 
 

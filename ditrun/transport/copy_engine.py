@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ditrun.metrics.timing import ExposedTransfer
+from ditrun.timers import ExposedTransfer
 from ditrun.transport.base import ExchangePlan
 from ditrun.transport.lanes import raise_lane_error
 

@@ -11,7 +11,7 @@ import torch
 
 from ditrun.errors import UserError
 from ditrun.registry import Registry
-from ditrun.metrics.timing import ExposedTransfer
+from ditrun.timers import ExposedTransfer
 from ditrun.transport.base import LocalTransport, Transport
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ditrun.editor import transforms
-from ditrun.metrics.results import to_rgb8
+from ditrun.results.files import to_rgb8
 from ditrun.metrics.target import make_target, psnr, scores
 from ditrun.model.latents import pack, token_ids, unpack
 from ditrun.model.sampler import EditInputs, denoise, sequential_cfg_velocity
@@ -65,7 +65,7 @@ def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int,
 
     refs: [B, 3, S, S] in [0, 1]; prompt, negative: ([L, D], [P]) -> [B, 3, S, S] in [0, 1]
     """
-    from ditrun.workload import initial_noise
+    from ditrun.workload.inputs import initial_noise
 
     batch, device, latent = refs.shape[0], refs.device, refs.shape[-1] // 8
     dtype = next(model.parameters()).dtype

@@ -89,7 +89,7 @@ def text_encoders(seed: int):
 def write_text_parts(folder: Path, seed: int, text_len: int) -> None:
     """Tokenizers, text encoders (fp16), scheduler and ``model_index.json`` into ``folder``. ``text_len``, the T5
     tokens per prompt the DiT is trained with, is saved as the T5 tokenizer's ``model_max_length``: where a run
-    reads the folder's text length (``model.text.model_text_len``)."""
+    reads the folder's text length (``model.folders.model_text_len``)."""
     folder.mkdir(parents=True, exist_ok=True)
     clip, t5 = text_encoders(seed)
     clip_tokenizer().save_pretrained(folder / "tokenizer")

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ditrun.workload import to_rgb
+from ditrun.workload.images import to_rgb
 
 HELD_OUT = ("skimage:astronaut", "skimage:coffee", "skimage:chelsea", "skimage:rocket",
             "matplotlib:grace_hopper.jpg", "skimage:stereo_motorcycle", "skimage:camera", "skimage:coins")

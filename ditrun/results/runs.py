@@ -19,9 +19,8 @@ from typing import Optional
 import yaml
 
 from ditrun.errors import UserError
-from ditrun.metrics.results import SUMMARY_FILE, finished_edits
+from ditrun.results.files import RUN_FILE, SUMMARY_FILE, finished_edits
 
-RUN_FILE = "run.json"  # rundir.RUN_FILE; the report does not import the directory protocol
 COMPLETE = "complete"
 INCOMPLETE = "incomplete"
 UNREADABLE = "unreadable"

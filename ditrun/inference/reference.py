@@ -33,18 +33,19 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from ditrun.devices import dtype_name
 from ditrun.metrics import full_quality
+from ditrun.user_cache import user_cache_dir
 from ditrun.metrics.quality import QualityGateError
-from ditrun.metrics.results import fsync_folder, save_png, to_rgb8, write_file
+from ditrun.results.files import fsync_folder, save_png, to_rgb8, write_file
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
-from ditrun.model.text import vae_folder
-from ditrun.workload import Edit, edit_inputs
+from ditrun.model.folders import vae_folder
+from ditrun.workload.edit import Edit
+from ditrun.workload.inputs import edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
 REFERENCE_FORMAT = 2
-# The key's sampling settings are the full-quality reference's (``full_quality``), not the run's.
-REFERENCE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 IMAGE_FILES = ("reference.png", "rerun.png")
 KEY_FILE = "key.json"
 # A run's SSIM can exceed the rerun's only by the rerun's own nondeterministic drift (two BF16 runs: 1.0 on a CPU
@@ -58,15 +59,6 @@ class Reference:
 
     image: np.ndarray
     rerun: np.ndarray
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return next((name for name, d in REFERENCE_DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "references"
 
 
 def _file_fingerprint(path: Optional[str]) -> Optional[list]:
@@ -194,7 +186,7 @@ def _checked_entry(entry: Path, key: str, size: tuple[int, int]) -> Reference:
         raise BrokenEntry(entry / KEY_FILE, f"names key {sidecar.get('key')!r}, not its folder's")
     checksums = sidecar.get("pixels_sha256")
     if not isinstance(checksums, dict):
-        raise BrokenEntry(entry / KEY_FILE, "has no pixel checksums (written by an older ditrun)")
+        raise BrokenEntry(entry / KEY_FILE, "has no pixel checksums")
     images = [_checked_image(entry / name, size, checksums.get(name)) for name in IMAGE_FILES]
     return Reference(*images)
 
@@ -305,7 +297,7 @@ class References:
 
 def reference_set(cfg, geometry, edits: list[Edit], dtype: torch.dtype, device_type: str) -> References:
     """The keys of every edit's reference (cheap: nothing is loaded or made)."""
-    cache = ReferenceCache(Path(cfg.metrics.reference_dir) if cfg.metrics.reference_dir else default_cache_dir())
+    cache = ReferenceCache(Path(cfg.metrics.reference_dir) if cfg.metrics.reference_dir else user_cache_dir() / "references")
     keys, descriptions = {}, {}
     for edit in edits:
         keys[edit.id], descriptions[edit.id] = reference_key(cfg, geometry, edit, dtype, device_type)

@@ -17,9 +17,8 @@ import hashlib
 import io
 import json
 import os
-import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +27,7 @@ if TYPE_CHECKING:  # torch is not imported at run time: ``ditrun report`` reads 
 
 EDITS_FILE = "edits.jsonl"
 SUMMARY_FILE = "summary.json"
+RUN_FILE = "run.json"  # the settings the directory belongs to (``rundir.record_run``)
 IMAGES_DIR = "images"
 LATENTS_DIR = "latents"
 # Temporary files start with a dot, which an edit id cannot (workload.SAFE_ID): recovery removes
@@ -163,12 +163,6 @@ def save_png(image: torch.Tensor | np.ndarray, path: Path) -> str:
     encoded = io.BytesIO()
     Image.fromarray(array).save(encoded, format="PNG")
     return write_file(path, encoded.getvalue())
-
-
-def median_after_warmup(values: Iterable[float], warmup: int) -> float:
-    values = list(values)
-    kept = values[warmup:] if len(values) > warmup else values
-    return float(statistics.median(kept)) if kept else float("nan")
 
 
 def write_json(path: Path, data: dict) -> None:

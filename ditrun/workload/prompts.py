@@ -1,14 +1,11 @@
 """Prompts encoded by the text encoders of a diffusers pipeline folder, once, cached on disk.
 
-``model.path`` may name a whole diffusers FLUX.1 (Kontext) pipeline folder (``model_index.json``,
-``transformer/``, ``vae/``, ``text_encoder/`` (CLIP), ``text_encoder_2/`` (T5), ``tokenizer/``,
-``tokenizer_2/``). Then the DiT comes from ``transformer/``, the VAE from ``vae/`` (unless
-``workload.vae_path`` names another), and each edit's prompt is encoded by diffusers' own
-``encode_prompt`` with ``max_sequence_length = workload.text_len`` (the folder's when unset): one rank (global rank 0)
-loads the encoders, encodes every distinct prompt not yet in the cache (and ``""``, the
-negative prompt of true CFG), frees them, and sends the files to the other ranks, which may sit
-on other nodes without a shared file system. The DiT is built after that, so the encoders and
-the DiT are never in memory together.
+When ``model.path`` names a whole diffusers FLUX.1 (Kontext) pipeline folder (``model/folders.py``), each edit's
+prompt is encoded by diffusers' own ``encode_prompt`` with ``max_sequence_length = workload.text_len`` (the
+folder's when unset): one rank (global rank 0) loads the encoders, encodes every distinct prompt not yet in the
+cache (and ``""``, the negative prompt of true CFG), frees them, and sends the files to the other ranks, which may
+sit on other nodes without a shared file system. The DiT is built after that, so the encoders and the DiT are never
+in memory together.
 
 The cache (``$XDG_CACHE_HOME/ditrun/prompts``) holds one safetensors file per (folder, prompt,
 lengths), with the tensor names of an embeddings file (``prompt_embeds``, ...), so every later
@@ -28,68 +25,16 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
+from ditrun.model.folders import ENCODER_PARTS, is_pipeline_folder
+from ditrun.user_cache import user_cache_dir
+
 
 # Bump when what is stored under a key changes.
 PROMPT_FORMAT = 1
+
+
 # The negative prompt of true CFG, as diffusers' negative_prompt="".
 NEGATIVE_PROMPT = ""
-
-
-def is_pipeline_folder(path: Optional[str]) -> bool:
-    """A diffusers pipeline folder: ``model_index.json`` beside a ``transformer/`` folder."""
-    return bool(path) and (Path(path) / "model_index.json").is_file() and (Path(path) / "transformer").is_dir()
-
-
-def transformer_folder(path: str) -> str:
-    """The DiT's folder: ``<pipeline>/transformer`` for a pipeline folder, else ``path`` itself."""
-    return str(Path(path) / "transformer") if is_pipeline_folder(path) else path
-
-
-def vae_folder(model_path: Optional[str], vae_path: Optional[str]) -> Optional[str]:
-    """``workload.vae_path`` when set, else a pipeline folder's ``vae/``, else None (the linear map)."""
-    if vae_path or not is_pipeline_folder(model_path):
-        return vae_path
-    return str(Path(model_path) / "vae")
-
-
-ENCODER_PARTS = ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
-ENCODERS = ("text_encoder", "text_encoder_2")
-
-
-def check_components(model_path: Optional[str], vae_path: Optional[str]) -> None:
-    """The components a run reads besides the DiT (whose folder ``load.checkpoint_geometry`` checks), from their
-    files' headers, before any work: the VAE (``workload.vae_path``, or a pipeline folder's ``vae/``) and a
-    pipeline folder's text encoders."""
-    from ditrun.model.load import check_component
-
-    vae = vae_folder(model_path, vae_path)
-    if vae is not None:
-        check_component(Path(vae), "workload.vae_path" if vae_path else "model.path's vae/")
-    if is_pipeline_folder(model_path):
-        for part in ENCODERS:
-            if (Path(model_path) / part).is_dir():  # a missing one is said when prompts need it (_check_encoders)
-                check_component(Path(model_path) / part, f"model.path's {part}/")
-DIFFUSERS_TEXT_LEN = 512
-"""diffusers' ``FluxPipeline`` / ``FluxKontextPipeline`` ``max_sequence_length`` default (and the most they take)."""
-STANDIN_TEXT_LEN = 32
-"""Tokens of a stand-in prompt embedding (no text encoder)."""
-
-
-def model_text_len(model_path: Optional[str]) -> tuple[int, str]:
-    """(T5 tokens per prompt, where that comes from) of the model at ``model_path``. A pipeline folder's T5
-    tokenizer's ``model_max_length``, where it is at most 512, is the length the folder's DiT was trained with (FLUX.1
-    folders say 512; ``python -m recipes.editor.train`` writes its ``text_len`` there); else diffusers' default. A
-    model without text encoders takes stand-in prompts of ``STANDIN_TEXT_LEN``."""
-    if not is_pipeline_folder(model_path):
-        return STANDIN_TEXT_LEN, "the stand-in prompt length (no pipeline folder encodes the prompts)"
-    config = Path(model_path) / "tokenizer_2" / "tokenizer_config.json"
-    try:
-        length = json.loads(config.read_text()).get("model_max_length")
-    except (OSError, ValueError, AttributeError):
-        length = None
-    if isinstance(length, int) and 1 <= length <= DIFFUSERS_TEXT_LEN:
-        return length, f"{config} (model_max_length)"
-    return DIFFUSERS_TEXT_LEN, "diffusers' max_sequence_length default"
 
 
 def _check_encoders(folder: Path) -> None:
@@ -98,11 +43,6 @@ def _check_encoders(folder: Path) -> None:
         parts = ", ".join(f"{part}/" for part in missing)
         raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {parts}; "
                         "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers.")
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "prompts"
 
 
 def _encoder_fingerprint(folder: Path) -> list:
@@ -196,7 +136,7 @@ def prompt_cache(edits: list, cfg) -> Optional[PromptCache]:
         return None
     _check_encoders(Path(cfg.model.path))
     return PromptCache(Path(cfg.model.path), cfg.workload.text_len,
-                       Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else default_cache_dir())
+                       Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else user_cache_dir() / "prompts")
 
 
 def _prompts(edits: list, cfg) -> list[str]:
@@ -222,15 +162,3 @@ def with_embeddings(cache: PromptCache, edits: list, cfg, control) -> list:
     true_cfg = cfg.workload.true_cfg_scale > 1
     return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
             for e in edits]
-
-
-def encode_edits(edits: list, cfg, control, rank: int, device: torch.device, dtype: torch.dtype) -> list:
-    """``edits`` with each prompt's embeddings file filled in: global rank 0 encodes what the cache lacks, then
-    every rank gets the files (``with_embeddings``). The worker runs the two steps apart, with a stop point
-    between them (``worker.Run.load``)."""
-    cache = prompt_cache(edits, cfg)
-    if cache is None:
-        return edits
-    if rank == 0:
-        encode_missing(cache, edits, cfg, device, dtype)
-    return with_embeddings(cache, edits, cfg, control)

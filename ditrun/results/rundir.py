@@ -19,7 +19,7 @@ whole, and a rerun resumes only what the same settings produced.
   flushed, with their directory) before the record. When a run starts, a record whose files are
   missing or differ from their checksums (deleted, truncated, lost to a power cut) is moved to
   ``edits.rejected.jsonl`` with a warning naming the edit and the file, and its edit runs again.
-  Only files named with ``results.TEMPORARY_PREFIX`` are removed as leftovers of interrupted writes.
+  Only files named with ``files.TEMPORARY_PREFIX`` are removed as leftovers of interrupted writes.
 - **One run per directory.** A directory belongs to the settings of the first run that recorded an
   edit in it, kept in ``run.json``: the whole resolved config (model, precision, layout, transport,
   world, sampling settings, metrics) with the resolved device and dtype, the weights' and VAE's
@@ -51,14 +51,13 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from ditrun.errors import UserError
-from ditrun.metrics import results
-from ditrun.metrics.results import EDITS_FILE, append_line
+from ditrun.results import files
+from ditrun.results.files import EDITS_FILE, RUN_FILE, append_line
 
 LOCK_FILE = ".ditrun.lock"
 LEASE_FILE = ".ditrun.lease"
 REJECTED_FILE = "edits.rejected.jsonl"
 REPLICA_FILE = "edits.replica{}.jsonl"
-RUN_FILE = "run.json"
 HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
@@ -84,10 +83,6 @@ class DirectoryBusy(UserError):
 
 class SettingsChanged(UserError):
     """The directory's records were made with other settings than this run's."""
-
-
-class OlderLayout(UserError):
-    """The directory holds outputs of an older ditrun, kept beside the run's own files and without checksums."""
 
 
 # What a user fixes by choosing another results directory: unwritable, read-only, or a file in its place.
@@ -223,11 +218,9 @@ def _holder() -> str:
 def recover(out_dir: Path) -> list[dict]:
     """The directory's good records (rank 0, holding the lock, before any rank runs an edit).
 
-    A directory of an older ditrun's layout is refused before anything in it changes. Replica files
-    left by an interrupted run are merged into ``edits.jsonl`` first; bad lines, and records whose
+    Replica files left by an interrupted run are merged into ``edits.jsonl`` first; bad lines, and records whose
     outputs are damaged, are moved aside; temporary files of interrupted writes are removed.
     """
-    _refuse_older_layout(out_dir)
     merge_replica_files(out_dir)
     path = out_dir / EDITS_FILE
     text = path.read_bytes() if path.exists() else b""
@@ -257,7 +250,7 @@ def recover(out_dir: Path) -> list[dict]:
 def output_problem(out_dir: Path, record: dict) -> Optional[str]:
     """What is wrong with a record's output files (missing, not a file, not what was written), or None."""
     checksums = record["sha256"] if isinstance(record["sha256"], dict) else {}
-    for field, name in results.edit_outputs(str(record["edit"])).items():
+    for field, name in files.edit_outputs(str(record["edit"])).items():
         path = out_dir / name
         if record.get(field) != name or not isinstance(checksums.get(field), str):
             return f"its record names no checked {field} file at {name}"
@@ -265,39 +258,15 @@ def output_problem(out_dir: Path, record: dict) -> Optional[str]:
             return f"{name} is missing"
         if not path.is_file():
             return f"{name} is not a file"
-        if results.file_sha256(path) != checksums[field]:
+        if files.file_sha256(path) != checksums[field]:
             return f"{name} is damaged (its sha256 differs from the record's)"
     return None
 
 
-def _refuse_older_layout(out_dir: Path) -> None:
-    """Refuse a directory whose records put outputs beside the run's own files (and carry no checksums)."""
-    for path in [out_dir / EDITS_FILE, *sorted(out_dir.glob(REPLICA_FILE.format("*")))]:
-        older = next((r for r in _lines_in(path) if "edit" in r and "/" not in str(r.get("image", "/"))), None)
-        if older is not None:
-            raise OlderLayout(
-                f"{path} records edit {older.get('edit')!r} with its image at {older['image']}, as an older ditrun did "
-                f"(outputs beside the run's own files, without checksums to check them by); give this run another "
-                "directory (hydra.run.dir=... or output_dir=...): ditrun report still reads that one.")
-
-
-def _lines_in(path: Path) -> Iterable[dict]:
-    """Every JSON object line of ``path``, record or not."""
-    if not path.exists():
-        return []
-    parsed = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            parsed.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return [p for p in parsed if isinstance(p, dict)]
-
-
 def _remove_temporaries(out_dir: Path) -> None:
     """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce."""
-    for folder in (out_dir, out_dir / results.IMAGES_DIR, out_dir / results.LATENTS_DIR, out_dir / HYDRA_DIR):
-        for tmp in folder.glob(results.TEMPORARY_PREFIX + "*"):
+    for folder in (out_dir, out_dir / files.IMAGES_DIR, out_dir / files.LATENTS_DIR, out_dir / HYDRA_DIR):
+        for tmp in folder.glob(files.TEMPORARY_PREFIX + "*"):
             if tmp.is_file():
                 tmp.unlink(missing_ok=True)
 
@@ -320,7 +289,7 @@ def _set_aside(out_dir: Path, rejected: list[str], good: list[dict]) -> None:
     """Move ``rejected`` lines to edits.rejected.jsonl and rewrite edits.jsonl with ``good`` only."""
     for line in rejected:
         append_line(out_dir / REJECTED_FILE, line)
-    results.write_file(out_dir / EDITS_FILE, "".join(json.dumps(record) + "\n" for record in good).encode())
+    files.write_file(out_dir / EDITS_FILE, "".join(json.dumps(record) + "\n" for record in good).encode())
 
 
 def merge_replica_files(out_dir: Path) -> int:
@@ -392,7 +361,7 @@ def record_run(out_dir: Path, settings: dict, edits: list[str], run_id: Optional
     """``run.json``: the settings the directory belongs to, its edits (after ``claim``), and the id of the run that
     claimed it last, which its summary repeats once written (a summary with another id is an earlier run's)."""
     run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits, "run_id": run_id}
-    results.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
+    files.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
 
 
 def found_records(out_dir: Path) -> list[dict]:
@@ -491,4 +460,4 @@ class HydraFiles:
 
     def write(self, out_dir: Path) -> None:
         for name, text in self.texts.items():  # write_file makes the folder
-            results.write_file(out_dir / self.subdir / name, text.encode())
+            files.write_file(out_dir / self.subdir / name, text.encode())
