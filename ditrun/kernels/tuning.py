@@ -10,13 +10,13 @@ model's build says so in one line for all of them.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from ditrun.kernels.linear import LINEAR_BACKENDS, LinearBackend, LinearFormat, fast_backends
+from ditrun.user_cache import user_cache_dir
 
 BACKEND_MODES = {
     "auto": "the tuned choice where the table has one, else the preferred fast backend, else emulation",
@@ -31,8 +31,7 @@ def m_bucket(m: int) -> int:
 
 
 def default_table_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "dispatch.json"
+    return user_cache_dir() / "dispatch.json"
 
 
 def device_key(device: torch.device) -> str:

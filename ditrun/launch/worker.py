@@ -39,7 +39,8 @@ from ditrun.metrics.timing import ExposedTransfer, Interval, StepTimer, peak_mem
 from ditrun.model.compile import plan_compile
 from ditrun.model.build import (build_model, compute_dtype, device_kind, inexact_repack_rows, model_geometry,
                                  plan_precision, precision_label, select_placement)
-from ditrun.model import text
+from ditrun.model import compile_cache, text
+from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import check_true_cfg, layout_velocity, prepare_transports
@@ -75,7 +76,7 @@ def check_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     device = device_kind(cfg.device)
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
-    plan_compile(cfg.model, device)
+    compile_cache.check_config(cfg.model, plan_compile(cfg.model, device))
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
     check_true_cfg(cfg.layout.name, cfg.workload.true_cfg_scale)
@@ -138,6 +139,7 @@ class Run:
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
         self.built = None
+        self.compile_cache: Optional[compile_cache.CompileCache] = None  # once the model is built (``load``)
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
         # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
         self.session = uuid.uuid4().hex[:12]
@@ -154,7 +156,7 @@ class Run:
         """``compile_region()`` inside ``solo("compile")``; None when a stop signal ended it (``CompilePlan.guard``:
         the model knows nothing of stops)."""
         try:
-            with self.solo(job, "compile"):
+            with self.solo(job, "compile"), timing.STARTUP.adding("compile_s"):
                 return compile_region()
         except RunStopped:
             return None
@@ -164,7 +166,10 @@ class Run:
         # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
         self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
-        self.references = self._references(job) if cfg.metrics.ssim else None
+        if cfg.metrics.ssim:
+            timing.STARTUP.begin("references_s")
+            self.references = self._references(job)
+            timing.STARTUP.end("references_s")
         # Seeded random weights make structured noise: scored against a correct edit, that is drift, not quality.
         self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None and cfg.model.path}
         reset_peak_memory(self.placement.device)
@@ -177,12 +182,33 @@ class Run:
         # Compiling happens inside the first steps, each region alone between the step's exchanges.
         speed = dataclasses.replace(self.speed, guard=functools.partial(self.compile_guarded, job))
         with self.solo(job, "build"):
+            timing.STARTUP.begin("build_s")
             self.built = build_model(cfg.model, self.placement, self.precision, announce=self.layout.rank == 0,
                                      speed=speed)
             self.model = self.built.model
             self.codec = make_latent_codec(text.vae_folder(cfg.model.path, cfg.workload.vae_path),
                                            self.placement.device, self.placement.dtype)
+            timing.STARTUP.end("build_s")
+        self._open_compile_cache()
         job.barrier("loaded")
+
+    def _open_compile_cache(self) -> None:
+        """This run's compile-cache entry, loaded before the first compiled forward (``model/compile_cache.py``)."""
+        self.compile_cache = compile_cache.for_run(self.cfg, self.speed, self.placement, self.geometry, self.precision,
+                                                   self.built.details, self.layout.plan, self.edits, self.layout.rank)
+        if self.compile_cache.folder is not None:
+            with timing.STARTUP.adding("compile_cache_s"):
+                timing.STARTUP.notes["compile_cache"] = self.compile_cache.load()
+
+    def after_edit(self) -> None:
+        """Global rank 0 writes the compile-cache entry when the edit compiled what it lacks; every rank notes the
+        time its CUDA graphs took to record."""
+        if self.compile_cache.writer and self.compile_cache.folder is not None:
+            with timing.STARTUP.adding("compile_cache_s"):
+                self.compile_cache.save()
+        if self.speed.graphs:
+            parts = self.built.parts
+            timing.STARTUP.fields["graphs_s"] = capture_seconds(self.built.forward, parts.head, parts.tail)
 
     def _prompts(self, job: LocalJob) -> list[Edit]:
         """The edits with their prompts' embeddings files: global rank 0 encodes, then every rank gets them."""
@@ -323,6 +349,7 @@ class Run:
             **cache.cache_summary(records),
             "wall_s": wall_s,
             **timing.startup_summary(startup or []),
+            "compile_cache": self.compile_cache.fields() if self.compile_cache is not None else None,
             "peak_memory_bytes": peak_memory_bytes(self.placement.device),
             "device": device_name(self.placement.device),
             "dtype": self.placement.dtype_note,
@@ -417,6 +444,7 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
             if record is not None:
                 results.append_record(records_file, record)
                 logger.log_edit(record)
+            state.after_edit()
             progress.advance()
     return None
 

@@ -39,6 +39,7 @@ from ditrun.metrics.results import fsync_folder, save_png, to_rgb8, write_file
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
 from ditrun.model.text import vae_folder
+from ditrun.user_cache import user_cache_dir
 from ditrun.workload import Edit, edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
@@ -65,8 +66,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "references"
+    return user_cache_dir() / "references"
 
 
 def _file_fingerprint(path: Optional[str]) -> Optional[list]:

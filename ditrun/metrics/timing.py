@@ -9,7 +9,9 @@ VAE decode are timed apart as ``encode_s`` and ``decode_s``.
 
 Start-up of a rank = process start to its first denoising step, split into the phases a scaling
 model needs (``Startup``): imports and config, the rendezvous (what grows with the node count),
-and loading (prompts, references, model build); each rank's split goes into the run's summary.
+and loading (prompts, references, model build); and into the parts a user asks about (where the first
+minute goes): the reference pass, the model's build and weight load, compiling, CUDA-graph capture and
+the compile cache's reads and writes. Each rank's split goes into the run's summary.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import os
 import socket
 import statistics
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
@@ -210,12 +213,21 @@ def process_age_s() -> Optional[float]:
 class Startup:
     """This process's start-up, in seconds: the process's age when ditrun's launch began
     (``imports_s``), the rendezvous and process-group set-up (``rendezvous_s``), loading
-    (``load_s``) and the age at the first denoising step (``startup_s``)."""
+    (``load_s``) and the age at the first denoising step (``startup_s``).
+
+    Its parts (``PARTS``; None where a run has none): within loading, the reference pass
+    (``references_s``, the BF16 reference edits made or read) and the model's build and weight load
+    (``build_s``); within the first steps, compiling (``compile_s``: every compilation of the run, each
+    timed where it runs, so mostly the first edit's) and capturing CUDA graphs (``graphs_s``); and
+    the compile cache's reads and writes (``compile_cache_s``). ``notes`` carry what the parts did
+    (``compile_cache``: hit, miss, ...)."""
 
     PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
+    PARTS = ("references_s", "build_s", "compile_s", "graphs_s", "compile_cache_s")
 
     def __init__(self):
-        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES)
+        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES + self.PARTS)
+        self.notes: dict[str, str] = {}
         self._begun: dict[str, float] = {}
 
     def begin(self, phase: str) -> None:
@@ -224,26 +236,42 @@ class Startup:
     def end(self, phase: str) -> None:
         self.fields[phase] = time.perf_counter() - self._begun.pop(phase)
 
+    @contextmanager
+    def adding(self, part: str) -> Iterator[None]:
+        """Add the seconds of the block to ``part`` (a part that runs many times: each compilation)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.fields[part] = (self.fields[part] or 0.0) + time.perf_counter() - start
+
     def at_age(self, phase: str) -> None:
         """Record the process's age as ``phase`` the first time only (the first step, not every step)."""
         if self.fields[phase] is None:
             self.fields[phase] = process_age_s()
 
     def report(self, rank: int = 0) -> dict:
-        return {"rank": rank, "host": socket.gethostname(), **self.fields}
+        return {"rank": rank, "host": socket.gethostname(), **self.fields, **self.notes}
 
 
 # One process, one start: the launcher, the worker and the step loop each record their phase.
 STARTUP = Startup()
 
 
+def _median_and_max(by_rank: list[dict], field: str) -> dict:
+    values = [r[field] for r in by_rank if r.get(field) is not None]
+    return {f"{field}_median": float(statistics.median(values)) if values else None,
+            f"{field}_max": max(values) if values else None}
+
+
 def startup_summary(by_rank: list[dict]) -> dict:
-    """The run summary's start-up fields: median and slowest rank, and every rank's split."""
-    ready = [r["startup_s"] for r in by_rank if r.get("startup_s") is not None]
+    """The run summary's start-up fields: median and slowest rank of the start-up and of each of its parts
+    (``Startup.PARTS``; None where no rank had the part), and every rank's split."""
     met = [r["rendezvous_s"] for r in by_rank if r.get("rendezvous_s") is not None]
+    parts = {name: value for part in Startup.PARTS for name, value in _median_and_max(by_rank, part).items()}
     return {
-        "startup_s_median": float(statistics.median(ready)) if ready else None,
-        "startup_s_max": max(ready) if ready else None,
+        **_median_and_max(by_rank, "startup_s"),
         "rendezvous_s_max": max(met) if met else None,
+        **parts,
         "startup_by_rank": sorted(by_rank, key=lambda r: r["rank"]),
     }

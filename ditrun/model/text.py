@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
+from ditrun.user_cache import user_cache_dir
 
 # Bump when what is stored under a key changes.
 PROMPT_FORMAT = 1
@@ -101,8 +102,7 @@ def _check_encoders(folder: Path) -> None:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "ditrun" / "prompts"
+    return user_cache_dir() / "prompts"
 
 
 def _encoder_fingerprint(folder: Path) -> list:
