@@ -21,7 +21,7 @@ from ditrun.metrics import timing
 from ditrun.model import compile_cache
 from ditrun.model.compile_cache import BadEntry, CompileCache, read_entry, write_entry
 from ditrun.model.compile import CompilePlan
-from launching import tiny_config, quiet_env
+from launching import ditrun_command, quiet_env, run, tiny_config
 
 JOB = Path(__file__).with_name("compile_cache_job.py")
 JOB_TIMEOUT_S = 240
@@ -238,3 +238,25 @@ def test_the_summary_has_each_part_of_start_up_per_rank_and_overall():
     startup.notes["compile_cache"] = "miss"
     report = startup.report(0)
     assert report["compile_s"] >= 0 and report["compile_cache"] == "miss" and report["graphs_s"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_cli_says_what_the_compile_cache_did_and_splits_its_start_up(tmp_path):
+    """The worker's hooks through the ``ditrun`` command: the entry named on the console and in the summary, every
+    part of the start-up per rank and overall. Inductor's CPU code generation of the tiny model takes minutes on
+    2 cores, so this run traces with ``aot_eager``; the processes above load and write entries with Inductor."""
+    folder = tmp_path / "compile-cache"
+    proc = run(ditrun_command("model.compile=on", "model.compile_backend=aot_eager", f"model.compile_cache={folder}",
+                              "workload.limit=1", "metrics.report=false", f"output_dir={tmp_path / 'run'}"),
+               timeout=240, cwd=tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    cache = summary["compile_cache"]
+    assert cache["status"] == "miss" and Path(cache["entry"]) == folder / f"{cache['key']}{compile_cache.ENTRY_SUFFIX}"
+    assert f"ditrun: compile cache: no entry {cache['entry']}" in proc.stdout
+    rank = summary["startup_by_rank"][0]
+    assert rank["compile_cache"] == "miss" and rank["graphs_s"] is None  # no CUDA graphs on a CPU
+    for part in ("references_s", "build_s", "compile_s", "compile_cache_s"):
+        assert rank[part] > 0 and summary[f"{part}_max"] == rank[part], part
+    assert rank["startup_s"] > rank["compile_s"]
