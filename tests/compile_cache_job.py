@@ -47,10 +47,10 @@ def main() -> None:
     if args.together is not None:
         _wait_for_the_other(args.together)
     wrote = cache.save()
-    inductor = torch._dynamo.utils.counters["inductor"]
+    lookups = cache.fields()["fx_graph_cache"]
     print(json.dumps({"status": status, "wrote": wrote, "entry": str(cache.path), "key": cache.key,
-                      "fxgraph_cache_hit": inductor["fxgraph_cache_hit"],
-                      "fxgraph_cache_miss": inductor["fxgraph_cache_miss"], "output": output.tolist()}), flush=True)
+                      "fxgraph_cache_hit": lookups["hit"], "fxgraph_cache_miss": lookups["miss"],
+                      "output": output.tolist()}), flush=True)
 
 
 if __name__ == "__main__":

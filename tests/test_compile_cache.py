@@ -255,6 +255,7 @@ def test_the_cli_says_what_the_compile_cache_did_and_splits_its_start_up(tmp_pat
     cache = summary["compile_cache"]
     assert cache["status"] == "miss" and Path(cache["entry"]) == folder / f"{cache['key']}{compile_cache.ENTRY_SUFFIX}"
     assert f"ditrun: compile cache: no entry {cache['entry']}" in proc.stdout
+    assert cache["fx_graph_cache"] == {"hit": 0, "miss": 0, "bypass": 0}  # aot_eager: no Inductor graph
     rank = summary["startup_by_rank"][0]
     assert rank["compile_cache"] == "miss" and rank["graphs_s"] is None  # no CUDA graphs on a CPU
     for part in ("references_s", "build_s", "compile_s", "compile_cache_s"):

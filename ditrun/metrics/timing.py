@@ -217,8 +217,9 @@ class Startup:
 
     Its parts (``PARTS``; None where a run has none): within loading, the reference pass
     (``references_s``, the BF16 reference edits made or read) and the model's build and weight load
-    (``build_s``); within the first steps, compiling (``compile_s``: every compilation of the run, each
-    timed where it runs, so mostly the first edit's) and capturing CUDA graphs (``graphs_s``); and
+    (``build_s``); within the first steps, compiling (``compile_s``: the compiler backend's time, summed
+    over the run's compilations, so mostly the first edit's; Dynamo's tracing is not in it) and capturing
+    CUDA graphs (``graphs_s``); and
     the compile cache's reads and writes (``compile_cache_s``). ``notes`` carry what the parts did
     (``compile_cache``: hit, miss, ...)."""
 

@@ -38,6 +38,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -176,6 +177,16 @@ def read_entry(path: Path, key: str) -> bytes:
     return artifacts
 
 
+def graph_cache_lookups() -> dict[str, int]:
+    """Inductor's FX-graph cache lookups in this process (``hit``, ``miss``, ``bypass``: a graph it cannot cache);
+    empty where nothing compiled (Dynamo never imported)."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    return {what: int(counters["inductor"][f"fxgraph_cache_{what}"]) for what in ("hit", "miss", "bypass")}
+
+
 def _artifact_keys(info) -> frozenset:
     """The artifacts a ``torch.compiler`` ``CacheInfo`` names, as (type, key) pairs."""
     return frozenset((kind, key) for kind, keys in info.artifacts.items() for key in keys)
@@ -254,10 +265,11 @@ class CompileCache:
         return True
 
     def fields(self) -> dict:
-        """The summary's ``compile_cache``: what happened, and the entry's key and path."""
+        """The summary's ``compile_cache``: what happened, the entry's key and path, and what Inductor's graph cache
+        found (a hit for every graph compiled after a load, where the entry held it)."""
         return {"status": self.status, "written": self.written, "artifacts": len(self.stored),
                 "key": self.key if self.path is not None else None,
-                "entry": str(self.path) if self.path is not None else None}
+                "entry": str(self.path) if self.path is not None else None, "fx_graph_cache": graph_cache_lookups()}
 
     def _say(self, what: str) -> None:
         if self.announce:
