@@ -28,6 +28,10 @@
 #                                                            0.3), LIMIT edits each; ditrun report over the
 #                                                            four; then the step cache's GPU tests. SETTINGS: a quoted
 #                                                            subset of "none static14 static10 first_block")
+#   bash benchmarks/gpu_suite.sh startup [LIMIT] [STEPS]  (one GPU: precision=fp8_all through the CLI at the published
+#                                                            shape three ways: cold, warm on the same node, a fresh
+#                                                            node loading the compile cache the cold run wrote; LIMIT
+#                                                            edits (default 2), STEPS steps (default 28); < 9 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -121,6 +125,38 @@ if [[ $what == cache ]]; then
   python3 -m ditrun report "$runs" --baseline none --out "$OUT/cache_report" 2>&1 | tail -3
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_step_cache.py 2>&1 \
     | tee "$OUT/tests_cache.log" | tail -4
+fi
+if [[ $what == startup ]]; then
+  # docs/PERFORMANCE.md#the-compile-cache. Each run's Inductor cache (and Triton's, inside it) stands for a node's:
+  # node a's is empty for the cold run and warm for the next; node b's is empty, with the cold run's entry in the
+  # shared compile cache. The first edit carries the start-up; warmup_excess_s is its excess over a steady edit.
+  runs=/tmp/startup-runs; rm -rf "$runs"; unset TRITON_CACHE_DIR
+  common=(model=flux-dev workload=benchmark "workload.limit=${2:-2}" "workload.steps=${3:-28}" precision=fp8_all
+          metrics.ssim=false metrics.report=false wandb.mode=disabled progress=false)
+  for run in "cold a $runs/shared 250" "warm a off 140" "fresh b $runs/shared 140"; do
+    read -r name node cache limit_s <<< "$run"
+    date +"%T $name" | tee -a "$OUT/startup_runs.log"
+    TORCHINDUCTOR_CACHE_DIR="$runs/inductor-$node" timeout "$limit_s" python3 -m ditrun "${common[@]}" \
+      model.compile_cache="$cache" hydra.run.dir="$runs/$name" 2>&1 | tee -a "$OUT/startup_runs.log" \
+      | grep -E "compile cache|median DiT"
+    cp "$runs/$name/summary.json" "$OUT/startup_summary_$name.json"
+  done
+  python3 - "$OUT" <<'EOF' | tee "$OUT/startup_cache.md"
+import json, sys
+cells = ("startup_s_max", "warmup_excess_s", "compile_s_max", "graphs_s_max", "build_s_max", "compile_cache_s_max",
+         "dit_s_median")
+print("| run | compile cache | start-up s | first edit's excess s | compile s | graphs s | build s | cache s | DiT s / edit |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for name in ("cold", "warm", "fresh"):
+    try:
+        summary = json.load(open(f"{sys.argv[1]}/startup_summary_{name}.json"))
+    except OSError:
+        print(f"| {name} | (no summary) |")
+        continue
+    status = (summary.get("compile_cache") or {}).get("status")
+    print(f"| {name} | {status} | " + " | ".join("-" if summary.get(c) is None else f"{summary[c]:.2f}" for c in cells)
+          + " |")
+EOF
 fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \

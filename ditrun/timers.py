@@ -6,7 +6,9 @@ when the edit ends, so timing never stalls the pipeline.
 
 Start-up of a rank = process start to its first denoising step, split into the phases a scaling
 model needs (``Startup``): imports and config, the rendezvous (what grows with the node count),
-and loading (prompts, references, model build). What the numbers are summed and summarised into is
+and loading (prompts, references, model build); and into the parts a user asks about (where the first
+minute goes): the reference pass, the model's build and weight load, compiling, CUDA-graph capture and
+the compile cache's reads and writes. What the numbers are summed and summarised into is
 ``metrics/timing.py``.
 """
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 
@@ -139,12 +142,22 @@ def process_age_s() -> Optional[float]:
 class Startup:
     """This process's start-up, in seconds: the process's age when ditrun's launch began
     (``imports_s``), the rendezvous and process-group set-up (``rendezvous_s``), loading
-    (``load_s``) and the age at the first denoising step (``startup_s``)."""
+    (``load_s``) and the age at the first denoising step (``startup_s``).
+
+    Its parts (``PARTS``; None where a run has none): within loading, the reference pass
+    (``references_s``, the BF16 reference edits made or read) and the model's build and weight load
+    (``build_s``); within the first steps, compiling (``compile_s``: the compiler backend's time, summed
+    over the run's compilations, so mostly the first edit's; Dynamo's tracing is not in it) and capturing
+    CUDA graphs (``graphs_s``); and
+    the compile cache's reads and writes (``compile_cache_s``). ``notes`` carry what the parts did
+    (``compile_cache``: hit, miss, ...)."""
 
     PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
+    PARTS = ("references_s", "build_s", "compile_s", "graphs_s", "compile_cache_s")
 
     def __init__(self):
-        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES)
+        self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES + self.PARTS)
+        self.notes: dict[str, str] = {}
         self._begun: dict[str, float] = {}
 
     def begin(self, phase: str) -> None:
@@ -153,13 +166,22 @@ class Startup:
     def end(self, phase: str) -> None:
         self.fields[phase] = time.perf_counter() - self._begun.pop(phase)
 
+    @contextmanager
+    def adding(self, part: str) -> Iterator[None]:
+        """Add the seconds of the block to ``part`` (a part that runs many times: each compilation)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.fields[part] = (self.fields[part] or 0.0) + time.perf_counter() - start
+
     def at_age(self, phase: str) -> None:
         """Record the process's age as ``phase`` the first time only (the first step, not every step)."""
         if self.fields[phase] is None:
             self.fields[phase] = process_age_s()
 
     def report(self, rank: int = 0) -> dict:
-        return {"rank": rank, "host": socket.gethostname(), **self.fields}
+        return {"rank": rank, "host": socket.gethostname(), **self.fields, **self.notes}
 
 
 # One process, one start: the launcher, the worker and the step loop each record their phase.

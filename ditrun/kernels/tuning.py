@@ -18,6 +18,7 @@ import torch
 from ditrun.devices import device_name
 from ditrun.user_cache import user_cache_dir
 from ditrun.kernels.linear import LINEAR_BACKENDS, LinearBackend, LinearFormat, fast_backends
+from ditrun.user_cache import user_cache_dir
 
 BACKEND_MODES = {
     "auto": "the tuned choice where the table has one, else the preferred fast backend, else emulation",

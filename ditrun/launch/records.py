@@ -104,6 +104,7 @@ def run_summary(run, records: list[dict], wall_s: float, stopped: Optional[RunSt
         **timing.cache_summary(records),
         "wall_s": wall_s,
         **timing.startup_summary(startup or []),
+        "compile_cache": run.compile_cache.fields() if run.compile_cache is not None else None,
         "peak_memory_bytes": peak_memory_bytes(run.device_dtype.device),
         "device": device_name(run.device_dtype.device),
         "dtype": run.device_dtype.dtype_note,

@@ -40,6 +40,8 @@ from ditrun.metrics.progress import Progress
 from ditrun.model.build import build_model, model_geometry, plan_precision, precision_label, select_device_dtype
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import vae_folder
+from ditrun.inference import compile_cache
+from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import layout_velocity, prepare_transports
@@ -79,6 +81,7 @@ class Run:
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
         self.built = None
+        self.compile_cache: Optional[compile_cache.CompileCache] = None  # once the model is built (``load``)
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
         # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
         self.session = uuid.uuid4().hex[:12]
@@ -95,7 +98,7 @@ class Run:
         """``compile_region()`` inside ``solo("compile")``; None when a stop signal ended it (``CompilePlan.guard``:
         the model knows nothing of stops)."""
         try:
-            with self.solo(job, "compile"):
+            with self.solo(job, "compile"), STARTUP.adding("compile_s"):
                 return compile_region()
         except RunStopped:
             return None
@@ -105,7 +108,10 @@ class Run:
         # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
         self.edits = self._prompts(job)
         # References next: their model is freed before the measured one is built.
-        self.references = self._references(job) if cfg.metrics.ssim else None
+        if cfg.metrics.ssim:
+            STARTUP.begin("references_s")
+            self.references = self._references(job)
+            STARTUP.end("references_s")
         # Seeded random weights make structured noise: scored against a correct edit, that is drift, not quality.
         self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None and cfg.model.path}
         reset_peak_memory(self.device_dtype.device)
@@ -118,12 +124,33 @@ class Run:
         # Compiling happens inside the first steps, each region alone between the step's exchanges.
         speed = dataclasses.replace(self.speed, guard=functools.partial(self.compile_guarded, job))
         with self.solo(job, "build"):
+            STARTUP.begin("build_s")
             self.built = build_model(cfg.model, self.device_dtype, self.precision, announce=self.layout.rank == 0,
                                      speed=speed)
             self.model = self.built.model
             self.codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path),
                                            self.device_dtype.device, self.device_dtype.dtype)
+            STARTUP.end("build_s")
+        self._open_compile_cache()
         job.barrier("loaded")
+
+    def _open_compile_cache(self) -> None:
+        """This run's compile-cache entry, loaded before the first compiled forward (``inference/compile_cache.py``)."""
+        self.compile_cache = compile_cache.for_run(self.cfg, self.speed, self.device_dtype, self.geometry, self.precision,
+                                                   self.built.details, self.layout.plan, self.edits, self.layout.rank)
+        if self.compile_cache.folder is not None:
+            with STARTUP.adding("compile_cache_s"):
+                STARTUP.notes["compile_cache"] = self.compile_cache.load()
+
+    def after_edit(self) -> None:
+        """Global rank 0 writes the compile-cache entry when the edit compiled what it lacks; every rank notes the
+        time its CUDA graphs took to record."""
+        if self.compile_cache.writer and self.compile_cache.folder is not None:
+            with STARTUP.adding("compile_cache_s"):
+                self.compile_cache.save()
+        if self.speed.graphs:
+            parts = self.built.parts
+            STARTUP.fields["graphs_s"] = capture_seconds(self.built.forward, parts.head, parts.tail)
 
     def _prompts(self, job: LocalJob) -> list[Edit]:
         """The edits with their prompts' embeddings files: global rank 0 encodes, then every rank gets them."""
@@ -288,6 +315,7 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
             if record is not None:
                 files.append_record(records_file, record)
                 logger.log_edit(record)
+            state.after_edit()
             progress.advance()
     return None
 

@@ -3,12 +3,16 @@
 DiT time of an edit = the sum of its denoising steps (both CFG branches, every layer, the
 transport's waits); preparing the inputs (image load, VAE encode, prompt embeddings) and the
 VAE decode are timed apart as ``encode_s`` and ``decode_s``. The clocks are ``ditrun/timers.py``'s.
+
+Start-up: each rank's split (``timers.Startup``: phases and the parts a user asks about) summarised over ranks.
 """
 
 from __future__ import annotations
 
 import statistics
 from typing import Optional
+
+from ditrun.timers import Startup
 
 
 def edit_timing(step_s: list[float], exposed: dict, breakdown: bool = False) -> dict:
@@ -79,14 +83,21 @@ def warmup_excess(warmup_records: list[dict], step_s: Optional[float]) -> Option
     return max(0.0, sum(warm) - step_s * len(warm))
 
 
+def _median_and_max(by_rank: list[dict], field: str) -> dict:
+    values = [r[field] for r in by_rank if r.get(field) is not None]
+    return {f"{field}_median": float(statistics.median(values)) if values else None,
+            f"{field}_max": max(values) if values else None}
+
+
 def startup_summary(by_rank: list[dict]) -> dict:
-    """The run summary's start-up fields: median and slowest rank, and every rank's split."""
-    ready = [r["startup_s"] for r in by_rank if r.get("startup_s") is not None]
+    """The run summary's start-up fields: median and slowest rank of the start-up and of each of its parts
+    (``Startup.PARTS``; None where no rank had the part), and every rank's split."""
     met = [r["rendezvous_s"] for r in by_rank if r.get("rendezvous_s") is not None]
+    parts = {name: value for part in Startup.PARTS for name, value in _median_and_max(by_rank, part).items()}
     return {
-        "startup_s_median": float(statistics.median(ready)) if ready else None,
-        "startup_s_max": max(ready) if ready else None,
+        **_median_and_max(by_rank, "startup_s"),
         "rendezvous_s_max": max(met) if met else None,
+        **parts,
         "startup_by_rank": sorted(by_rank, key=lambda r: r["rank"]),
     }
 

@@ -31,8 +31,9 @@ called: ``model/graphs.py`` replays the forward from CUDA graphs (``BuiltModel.f
 Compiled code is checked against the eager model in tests (CPU inductor) and in
 ``benchmarks/vs_diffusers.py`` (GPU). Inductor's FX-graph and autotuning caches persist across
 processes (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``), so only the first
-process on a node pays the full compile; the warm-up edits (``metrics.warmup_edits``) carry it
-and the summary reports it apart (``compile_s``).
+process on a node pays the full compile, and ``model.compile_cache`` (``inference/compile_cache.py``)
+carries them to every node; the warm-up edits (``metrics.warmup_edits``) carry the compile, and the
+summary reports it apart (``warmup_excess_s``, and ``compile_s`` among the start-up's parts).
 """
 
 from __future__ import annotations

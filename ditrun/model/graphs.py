@@ -24,6 +24,7 @@ The graph's results are those of the forward it recorded: the same kernels on th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
@@ -78,6 +79,8 @@ class GraphedForward:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         self.failed = False
+        self.capture_s = 0.0
+        """Seconds spent recording graphs (the capture itself; the warm-up forwards before it compile)."""
 
     def __call__(self, **inputs) -> torch.Tensor:
         inputs = dict(sorted(inputs.items()))  # one order of the leaves, whatever the caller's order of keywords
@@ -116,8 +119,15 @@ class GraphedForward:
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):  # the heartbeat thread runs on
             output = self.model(**call)
         torch.cuda.empty_cache()  # the warm-ups' blocks: the graph's pool holds what replays need
+        self.capture_s += time.perf_counter() - start
         return _Graph(graph, _tensors(call), output)
+
+
+def capture_seconds(*forwards: Callable) -> float:
+    """Seconds the ``GraphedForward``s among ``forwards`` spent recording graphs."""
+    return sum(forward.capture_s for forward in forwards if isinstance(forward, GraphedForward))

@@ -17,6 +17,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -98,8 +99,9 @@ def output_path(out_dir: Path, name: str) -> Path:
 
 
 def _temporary(path: Path) -> Path:
-    """A name in the same directory that no other process uses (the rename is then atomic)."""
-    return path.with_name(f"{TEMPORARY_PREFIX}{os.getpid()}.{path.name}")
+    """A name in the same directory that no other process uses (the rename is then atomic), on any node of a
+    shared file system (process ids repeat across nodes)."""
+    return path.with_name(f"{TEMPORARY_PREFIX}{socket.gethostname()}.{os.getpid()}.{path.name}")
 
 
 def write_file(path: Path, data: bytes) -> str:
