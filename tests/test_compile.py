@@ -251,6 +251,7 @@ def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
     assert graphed.graphs == {}
 
 
+@pytest.mark.slow
 def test_importing_the_worker_costs_no_dynamo_import():
     """Importing torch._dynamo takes 2.4 s; a process that imports the worker and never compiles (every CPU rank)
     must not pay that, so nothing the kernels define at import time may reach it."""
@@ -259,6 +260,7 @@ def test_importing_the_worker_costs_no_dynamo_import():
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
     """``load.draw_random_weights`` assigns its tensors (as a checkpoint's are): the weights ``Module.to_empty``
@@ -292,6 +294,7 @@ def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""

@@ -103,6 +103,7 @@ def _attention_until_killed(rank, world, victim, rounds):
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_killed_peer_is_named_within_the_timeout(world):
@@ -122,6 +123,7 @@ def _unprepared(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_exchanges_must_be_prepared():
     run_ranks(_unprepared, 2)
@@ -160,6 +162,7 @@ def _hold_a_slot(rank, world):
     return [t.unique().tolist() for t in seen]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_slot_is_not_overwritten_before_its_release():
     assert run_ranks(_hold_a_slot, 2) == [[[0.0], [1.0], [2.0]]] * 2
@@ -178,6 +181,7 @@ def _release_out_of_order(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_received_slots_are_released_in_order():
     run_ranks(_release_out_of_order, 2)

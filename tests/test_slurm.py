@@ -17,6 +17,8 @@ import yaml
 from ditrun.launch.env import expand_hostlist
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")

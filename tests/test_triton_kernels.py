@@ -156,6 +156,7 @@ def check_v_codes(device: str = "cpu") -> None:
     torch.library.opcheck(fp8_v_codes_op, (fp8_exact.transpose(1, 2),))
 
 
+@pytest.mark.slow
 def test_triton_kernels_in_the_cpu_interpreter():
     pytest.importorskip("triton")
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
