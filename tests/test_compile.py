@@ -117,6 +117,7 @@ def test_gpu_epilogue_ops_round_no_worse_than_the_unfused_gemms():
     assert relative_error(two.float(), exact) <= 2.5 * relative_error(one.float(), exact)
 
 
+@pytest.mark.slow
 def test_fusion_leaves_quantized_projections_to_their_own_stack():
     fused = _built("fp8")
     # Q, K, V are one quantized stack already and the MLP is FP8: nothing plain is left to fuse.
@@ -124,6 +125,7 @@ def test_fusion_leaves_quantized_projections_to_their_own_stack():
     assert fused.model.single_transformer_blocks[0].fused_in is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     """The run's attention compiles into each block; any other attention (a layout's, which exchanges)
@@ -153,6 +155,7 @@ def ditrun_test_counting(graph, example_inputs):
     return graph.forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
 def test_blocks_of_one_class_compile_once(guarded):
     """Every block of a class runs the graph its first block compiled (a backend per block would make Dynamo
@@ -170,6 +173,7 @@ def test_blocks_of_one_class_compile_once(guarded):
     assert len(COMPILED_GRAPHS) == 2 * 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", ["fp8", "krea"])  # krea: MX repack, stacked FP8, INT8-QK attention
 def test_quantized_models_trace_as_one_graph_per_half(precision):

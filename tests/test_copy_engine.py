@@ -57,6 +57,7 @@ def compare_transports(tmp_path, world: int, configs, backend: str = "gloo") -> 
     assert torch.equal(latents(out_dirs[1], found["edit"]), latents(out_dirs[0], expected["edit"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
@@ -65,6 +66,7 @@ def test_copy_engine_equals_collective(tmp_path, world, layout, head_groups):
     assert_bitwise_equal(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout, world", [("ulysses", 4), ("cfg_split", 4), ("cfg_batch", 2)])
 def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
@@ -72,6 +74,7 @@ def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
     assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("node_size", [1, 2])
 def test_peers_on_other_nodes_go_through_the_collective(tmp_path, node_size):

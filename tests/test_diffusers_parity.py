@@ -91,6 +91,7 @@ def _ditrun_latents(transformer_dir, vae_dir, image_file, embeds_file, true_cfg_
                        STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("guidance_embeds", [True, False], ids=["guidance-embed", "no-guidance-embed"])
 @pytest.mark.parametrize("true_cfg_scale", [3.0, 1.0], ids=["true-cfg", "no-true-cfg"])

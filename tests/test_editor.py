@@ -103,7 +103,7 @@ def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
     """On the trained weights MXFP4 moves the image: with ``metrics.min_ssim_pct`` above what it keeps, the run
     exits 1 with the sentence naming the key."""
     out = tmp_path / "run"
-    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=128", "workload.height=128",
+    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=64", "workload.height=64",
                   "workload.steps=4", "metrics.min_ssim_pct=99.9", "metrics.quality=rerun", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
                   timeout=280)
     assert proc.returncode == 1, proc.stderr

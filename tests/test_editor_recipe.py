@@ -205,6 +205,7 @@ def _dit_case():
     return model, lambda fn: fn(model, xt, ref, embeds, pooled, sigma, target, ids, txt_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [_vae_case, _dit_case], ids=["vae", "dit"])
 def test_the_compiled_step_computes_what_the_eager_step_does(case):
     """Each phase's loss through ``--compile aot_eager``, which traces it as inductor would (dynamo, AOT autograd;
