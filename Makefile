@@ -1,4 +1,4 @@
-# The two commands: `make run` (the default job) and `make test` (the whole suite).
+# `make run` (the default job), `make test` (the whole suite) and `make test-quick` (the quick tier).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the Slurm tests need (a one-node cluster started by slurm/local-cluster.sh).
 SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 
-.PHONY: run test install system-packages clean
+.PHONY: run test test-quick install system-packages clean
 
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
@@ -18,6 +18,11 @@ run: $(STAMP)
 # FILE_SECONDS; --no-loadscope-reorder keeps that order).
 test: system-packages $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
+
+# The quick tier, to run after each change: every test but those marked `slow` (those that start processes: the
+# command, ranks, a Slurm cluster, a training; or compile, or run whole edits), so it needs no Slurm and no MPI.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 install: system-packages $(STAMP)
 

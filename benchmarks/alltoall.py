@@ -16,9 +16,9 @@ stream from ``start`` to the end of ``wait``. Bandwidth counts the bytes sent to
 
 The interference table runs a bf16 8192^3 GEMM and a Flux-sized SDPA attention alone, then
 beside a transfer of ~1.2 GB in flight on each transport (started with the kernel: a GPU sleep
-holds both until the host has issued everything), and prints the ratio (target: the
-copy engine's <= 1.05 and below the collective's). Exits 0 with a message without 2 GPUs
-(or 1 GPU with ``--share-gpu``).
+holds both until the host has issued everything), and prints the ratio (the measured ratios
+and their reading: docs/PERFORMANCE.md). Exits 0 with a message without 2 GPUs (or 1 GPU with
+``--share-gpu``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ def transports_for(share_gpu: bool) -> tuple[str, ...]:
 HEADS, HEAD_DIM, TEXT = 24, 128, 512
 # (label, output side in pixels, reference side in pixels)
 EDITS = [("1 MP", 1024, 1024), ("4 MP out + 1 MP ref", 2048, 1024)]
-TARGET_SLOWDOWN = 1.05
 
 
 def joint_tokens(out_side: int, ref_side: int) -> int:
@@ -263,15 +262,13 @@ def print_tables(report: dict) -> None:
           "the same with the host's issuing hidden behind a GPU sleep; host us: host time to issue send_buffer + "
           "start + wait + release)")
     print(f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
-          f"(kernel time beside an in-flight transfer / alone; target copy_engine <= {TARGET_SLOWDOWN})")
+          f"(kernel time beside an in-flight transfer / alone)")
     for r in report["slowdown"]:
         ratio = {t: r[f"{t}_ms"] / r["alone_ms"] for t in TRANSPORTS if f"{t}_ms" in r}
-        verdict = "ok" if ratio["copy_engine"] <= TARGET_SLOWDOWN and ratio["copy_engine"] < ratio.get(
-            "collective", float("inf")) else "MISSED"
         shown = {t: f"{ratio[t]:.3f}x" if t in ratio else "-" for t in TRANSPORTS}
         outlasted = " ".join(f"{t} {r[t + '_outlasted_ms']:+.2f}" for t in TRANSPORTS if t + "_outlasted_ms" in r)
         print(f"{r['kernel']:<28} {r['alone_ms']:>9.3f} {shown['collective']:>18} {shown['copy_engine']:>19}"
-              f"   {verdict:<6}  transfer outlasted kernel by ms: {outlasted}")
+              f"   transfer outlasted kernel by ms: {outlasted}")
     print("(a negative 'outlasted' means the transfer ended before the kernel: the ratio then understates it)")
     print("\nprofile of one 1 MP qkv exchange (rank 0):")
     for name, found in report["profile"].items():

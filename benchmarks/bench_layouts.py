@@ -3,20 +3,20 @@ against ``single``, FLUX.1-dev geometry, random bf16 weights.
 
 With an SP group of one nothing is exchanged, so any difference is what the parallel path
 adds on its own: slicing the inputs into shards, the attention wrapper, the velocity gather
-and, with head groups, one attention call per group. The target is at most 3% over
-``single``. Layouts are timed in alternation (A, B, C, A, B, C, ...) so that clock and
-thermal drift hit all of them alike; each row is the median of ``--repeats`` steps.
+and, with head groups, one attention call per group. Layouts are timed in alternation
+(A, B, C, A, B, C, ...) so that clock and thermal drift hit all of them alike; each row is the
+median of ``--repeats`` steps.
 
     python benchmarks/bench_layouts.py --width 1024 --height 1024 --out results/bench
 
 ``--world 2`` instead runs two ranks (one per GPU; ``--share-gpu``: both on GPU 0 over a gloo
 process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run and in alternation,
 every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
-``single`` on the same inputs: the relative error of the guided velocity (bf16 tolerance),
+``single`` on the same inputs: the relative error of the guided velocity,
 whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
-transfer, and the DiT time of a ``--steps``-step edit. Targets checked in the table:
-``ulysses`` with 2 head groups over ``copy_engine`` exposes <= 1.5% of its DiT time and is at
-least 5% faster than over ``collective``.
+transfer, and the DiT time of a ``--steps``-step edit. The last line gives ``ulysses`` with 2 head
+groups over ``copy_engine``: its exposed share of the DiT time and how much faster it is than over
+``collective``. The measured numbers and their reading: docs/PERFORMANCE.md.
 
     python benchmarks/bench_layouts.py --world 2 --out results/bench
     python benchmarks/bench_layouts.py --world 2 --layouts ulysses cfg_batch --head-groups 1 2 4
@@ -60,7 +60,6 @@ from timing import gpu_and_backlog_s  # noqa: E402
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
 ROWS = [("single", 1), ("ulysses", 1), ("ulysses", 2), ("cfg_batch", 1)]
-TARGET_PCT = 3.0
 
 
 class LayoutArgs:
@@ -166,9 +165,7 @@ def print_table(report: dict) -> None:
         print(f"{row['layout']:<10} {row['head_groups']:>11} {row['step_s']:>8.4f} {row['overhead_pct']:>+9.1f}% "
               f"{row['max_rel_error_vs_single']:>11.1e}")
     ulysses = next(r for r in report["rows"] if (r["layout"], r["head_groups"]) == ("ulysses", 1))
-    verdict = "within" if ulysses["overhead_pct"] <= TARGET_PCT else "OVER"
-    print(f"ulysses (P=1, 1 head group) vs single: {ulysses['overhead_pct']:+.1f}%, {verdict} the "
-          f"{TARGET_PCT:.0f}% target")
+    print(f"ulysses (P=1, 1 head group) vs single: {ulysses['overhead_pct']:+.1f}%")
 
 
 
@@ -184,9 +181,6 @@ def multi_rows(layouts, head_groups, share_gpu: bool) -> list:
     rows = [SINGLE_ROW] + [(name, groups, transport) for name in layouts for groups in head_groups
                            for transport in TRANSPORTS]
     return [row for row in rows if not share_gpu or row == SINGLE_ROW or row[2] == "copy_engine"]
-BF16_TOLERANCE = 5e-2
-"""Max |difference| / max |single| of a bf16 guided velocity (other kernels for other shapes)."""
-TARGET_EXPOSED_PCT, TARGET_SPEEDUP_PCT = 1.5, 5.0
 
 
 def multi_gpu(args) -> int:
@@ -264,12 +258,11 @@ def print_multi(report: dict) -> None:
           f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps")
     print("backlog ms = GPU work left when the host had issued the step; about 0 means the GPU waited for the host")
     print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'backlog ms':>10} {'DiT s':>7} {'exposed':>8} "
-          f"{'rel. err':>9} {'bf16 ok':>7} {'= collective':>12}  exposed % by kind")
+          f"{'rel. err':>9} {'= collective':>12}  exposed % by kind")
     for r in report["rows"]:
-        ok = "yes" if r["max_rel_error_vs_single"] <= BF16_TOLERANCE else "NO"
         print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['backlog_ms']:>10.2f} "
               f"{r['dit_s']:>7.3f} "
-              f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} {ok:>7} "
+              f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} "
               f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}  "
               + " ".join(f"{kind} {pct:.1f}" for kind, pct in r["exposed_pct_by_kind"].items()))
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
@@ -280,10 +273,8 @@ def print_multi(report: dict) -> None:
         print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (no NCCL row on a shared GPU)")
         return
     faster = 100 * (1 - copy["dit_s"] / coll["dit_s"])
-    print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (target <= "
-          f"{TARGET_EXPOSED_PCT}%: {'met' if copy['exposed_pct'] <= TARGET_EXPOSED_PCT else 'MISSED'}), DiT time "
-          f"{faster:+.1f}% below collective (target >= {TARGET_SPEEDUP_PCT}%: "
-          f"{'met' if faster >= TARGET_SPEEDUP_PCT else 'MISSED'})")
+    print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}%, DiT time {faster:+.1f}% below "
+          "collective")
 
 
 if __name__ == "__main__":

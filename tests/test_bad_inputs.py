@@ -175,6 +175,7 @@ def _hydra_cases(tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("table", [_number_cases, _image_cases, _workload_file_cases, _embedding_cases,
                                    _checkpoint_cases, _hydra_cases], ids=lambda t: t.__name__[1:-6])
@@ -217,6 +218,7 @@ def test_grey_alpha_and_boolean_pictures_become_rgb(tmp_path):
     assert horse.shape == (1, 3, 32, 48) and horse.min() == 0 and horse.max() == 1  # True -> 1, False -> 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_grey_alpha_png_and_boolean_image_run_end_to_end(tmp_path):
     grey = (np.arange(64 * 64) % 251).astype(np.uint8).reshape(64, 64)
@@ -233,6 +235,7 @@ def test_grey_alpha_png_and_boolean_image_run_end_to_end(tmp_path):
     assert [r["edit"] for r in records] == ["la", "horse"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_hydra_flags_sweeps_and_debug_keep_working(tmp_path):
     sweep = ["-m", *QUICK, "workload.steps=1,abc", f"hydra.sweep.dir={tmp_path / 'sweep'}"]

@@ -60,6 +60,7 @@ def rows_of(text: str) -> dict[str, list[str]]:
     return {line.split()[0].rstrip(":"): line.split() for line in text.splitlines()[1:] if line[:1].isdigit()}
 
 
+@pytest.mark.slow
 def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
     text, report = write_report(make_sweep(tmp_path))
     rows = rows_of(text)
@@ -80,6 +81,7 @@ def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
     assert image.ndim == 3 and image.shape[0] > 100 and image.std() > 0
 
 
+@pytest.mark.slow
 def test_the_target_and_the_measure_come_from_the_runs_or_the_command_line(tmp_path, capsys):
     make_sweep(tmp_path, min_pct=99.0)
     text, _ = write_report(tmp_path)  # the runs' metrics.min_ssim_pct: only the uncached fp8_all run is fast enough
@@ -94,6 +96,7 @@ def test_the_target_and_the_measure_come_from_the_runs_or_the_command_line(tmp_p
     assert "    ditrun precision=fp8_all cache=static 'cache.compute_steps=[0,2,4]'" in text.splitlines()
 
 
+@pytest.mark.slow
 def test_target_quality_is_a_share_of_the_references_psnr_against_the_correct_edit(tmp_path):
     make_sweep(tmp_path, quality_key="target")
     text, _ = write_report(tmp_path)
@@ -146,6 +149,7 @@ def test_runs_of_another_model_or_reference_are_listed_apart_and_never_chosen(tm
     assert "Fastest run that meets it: `0: model=editor`" in text
 
 
+@pytest.mark.slow
 def test_incomplete_and_unreadable_runs_are_listed_never_chosen(tmp_path):
     """A run whose summary an earlier run wrote (``run_id`` differs from run.json's), one that never wrote a
     summary, one with edits missing, and a summary that is not JSON: each is listed with its reason."""
@@ -216,6 +220,7 @@ def test_a_wrong_reference_setting_is_one_sentence(override, message):
     assert str(err.value) == message
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_real_sweep_chooses_the_run_that_keeps_quality_and_logs_the_table(tmp_path, tmp_path_factory):
     """On a CPU the uncached run is the BF16 output itself (SSIM 1, 100%); a run that computes only the first

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from skimage import io
 
+pytestmark = pytest.mark.slow
+
 SMALL = ["workload.width=64", "workload.height=48", "workload.steps=2", "workload.limit=2", "wandb.mode=disabled"]
 
 

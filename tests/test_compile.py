@@ -117,6 +117,7 @@ def test_gpu_epilogue_ops_round_no_worse_than_the_unfused_gemms():
     assert relative_error(two.float(), exact) <= 2.5 * relative_error(one.float(), exact)
 
 
+@pytest.mark.slow
 def test_fusion_leaves_quantized_projections_to_their_own_stack():
     fused = _built("fp8")
     # Q, K, V are one quantized stack already and the MLP is FP8: nothing plain is left to fuse.
@@ -124,6 +125,7 @@ def test_fusion_leaves_quantized_projections_to_their_own_stack():
     assert fused.model.single_transformer_blocks[0].fused_in is None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     """The run's attention compiles into each block; any other attention (a layout's, which exchanges)
@@ -153,6 +155,7 @@ def ditrun_test_counting(graph, example_inputs):
     return graph.forward
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("guarded", [False, True], ids=["plain", "guarded"])
 def test_blocks_of_one_class_compile_once(guarded):
     """Every block of a class runs the graph its first block compiled (a backend per block would make Dynamo
@@ -170,6 +173,7 @@ def test_blocks_of_one_class_compile_once(guarded):
     assert len(COMPILED_GRAPHS) == 2 * 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", ["fp8", "krea"])  # krea: MX repack, stacked FP8, INT8-QK attention
 def test_quantized_models_trace_as_one_graph_per_half(precision):
@@ -251,6 +255,7 @@ def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
     assert graphed.graphs == {}
 
 
+@pytest.mark.slow
 def test_importing_the_worker_costs_no_dynamo_import():
     """Importing torch._dynamo takes 2.4 s; a process that imports the worker and never compiles (every CPU rank)
     must not pay that, so nothing the kernels define at import time may reach it."""
@@ -259,6 +264,7 @@ def test_importing_the_worker_costs_no_dynamo_import():
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
     """``load.draw_random_weights`` assigns its tensors (as a checkpoint's are): the weights ``Module.to_empty``
@@ -292,6 +298,7 @@ def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
     assert imported.stdout.strip() == "False", imported.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""

@@ -57,6 +57,7 @@ def compare_transports(tmp_path, world: int, configs, backend: str = "gloo") -> 
     assert torch.equal(latents(out_dirs[1], found["edit"]), latents(out_dirs[0], expected["edit"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
@@ -65,6 +66,7 @@ def test_copy_engine_equals_collective(tmp_path, world, layout, head_groups):
     assert_bitwise_equal(tmp_path, world, f"layout={layout}", f"layout.head_groups={head_groups}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout, world", [("ulysses", 4), ("cfg_split", 4), ("cfg_batch", 2)])
 def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
@@ -72,6 +74,7 @@ def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
     assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("node_size", [1, 2])
 def test_peers_on_other_nodes_go_through_the_collective(tmp_path, node_size):
@@ -103,6 +106,7 @@ def _attention_until_killed(rank, world, victim, rounds):
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_killed_peer_is_named_within_the_timeout(world):
@@ -122,6 +126,7 @@ def _unprepared(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_exchanges_must_be_prepared():
     run_ranks(_unprepared, 2)
@@ -160,6 +165,7 @@ def _hold_a_slot(rank, world):
     return [t.unique().tolist() for t in seen]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_slot_is_not_overwritten_before_its_release():
     assert run_ranks(_hold_a_slot, 2) == [[[0.0], [1.0], [2.0]]] * 2
@@ -178,6 +184,7 @@ def _release_out_of_order(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_received_slots_are_released_in_order():
     run_ranks(_release_out_of_order, 2)

@@ -76,6 +76,7 @@ def _exchanges(log: list) -> list:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_each_lane_gets_qkv_before_attention_out_and_one_compute_mark_per_exchange():
     layers = 3
@@ -108,6 +109,7 @@ def _routes_after(rank, world, layers):
     return len(prepared), len(transport.routes), same_views
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_prepare_makes_every_view_the_exchanges_use():
     # 2 plans x 2 head groups x 2 slots, all made in prepare; three layers later, no new one.
@@ -127,6 +129,7 @@ def _foreign_send(rank, world):
     return got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_send_tensor_of_the_callers_own_is_delivered():
     assert run_ranks(_foreign_send, 2) == [[[0.0, 1.0], [10.0, 11.0], [20.0, 21.0]]] * 2

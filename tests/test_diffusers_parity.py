@@ -92,6 +92,7 @@ def _ditrun_latents(transformer_dir, vae_dir, image_file, embeds_file, true_cfg_
                        STEPS)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("guidance_embeds", [True, False], ids=["guidance-embed", "no-guidance-embed"])
 @pytest.mark.parametrize("true_cfg_scale", [3.0, 1.0], ids=["true-cfg", "no-true-cfg"])
@@ -152,6 +153,7 @@ def _pipeline_folder(folder, guidance_embeds: bool):
     return pipe
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     """model.path = a whole pipeline folder: the prompt and the negative "" are encoded once by its
@@ -178,6 +180,7 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     assert torch.equal(latents(tmp_path / "again", "e"), latents(tmp_path / "run", "e"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_an_unset_text_len_is_the_folders_and_gives_diffusers_default_run(tmp_path):
     """The command without ``workload.text_len`` on a FLUX.1-style folder (its T5 tokenizer says 512, as FLUX.1's
@@ -245,6 +248,7 @@ def _run_with_own_cache(rank, world, tmp_path):
                       tmp_path / "two")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_pipeline_prompts_are_encoded_on_rank_0_and_sent_to_the_others(tmp_path):
     from launching import latents, tiny_config

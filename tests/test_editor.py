@@ -31,6 +31,7 @@ def _records(out: Path) -> dict:
     return {r["edit"]: r for r in map(json.loads, (out / "edits.jsonl").read_text().splitlines())}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_folder_reproduces_its_held_out_results(tmp_path):
     """Two held-out pictures through the ``ditrun`` command on the CPU (fp32): PSNR against the correct edit
@@ -64,6 +65,7 @@ def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int,
     return latents, np.round(picture * 255).astype(np.uint8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("true_cfg_scale", [2.5, 1.0], ids=["true-cfg", "no-true-cfg"])
 def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
@@ -95,12 +97,13 @@ def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
     assert np.abs(image.astype(int) - expected_image.astype(int)).max() <= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
     """On the trained weights MXFP4 moves the image: with ``metrics.min_ssim_pct`` above what it keeps, the run
     exits 1 with the sentence naming the key."""
     out = tmp_path / "run"
-    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=128", "workload.height=128",
+    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=64", "workload.height=64",
                   "workload.steps=4", "metrics.min_ssim_pct=99.9", "metrics.quality=rerun", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
                   timeout=280)
     assert proc.returncode == 1, proc.stderr

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,11 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from ditrun.model.dit import FluxDiT  # noqa: E402
+from ditrun.model.presets import PRESETS  # noqa: E402
 from recipes.editor.config import TrainConfig  # noqa: E402
 from recipes.editor.data import Crops, DeadLeaves  # noqa: E402
-from recipes.editor.dit import dit_loss, make_dit, positions  # noqa: E402
+from recipes.editor.dit import dit_loss, positions  # noqa: E402
 from recipes.editor.phases import compiled  # noqa: E402
 from recipes.editor.train import EXIT_STOPPED, EXIT_USAGE, main  # noqa: E402
 from recipes.editor.vae import make_vae, vae_loss  # noqa: E402
@@ -81,6 +84,7 @@ def test_an_existing_folder_is_refused_unless_replace_is_given(tmp_path, capsys)
     assert _tree(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["editor"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
     """A phase's checkpoint must agree with the resuming command on what trains that phase: another VAE learning
     rate is one sentence; another DiT length is not the VAE's business (a VAE-only command hands its VAE on)."""
@@ -98,6 +102,7 @@ def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
     assert torch.load(checkpoints / "dit.pt", weights_only=True)["step"] == 0
 
 
+@pytest.mark.slow
 def test_a_failed_training_leaves_the_folder_unchanged(tmp_path):
     """A VAE folder whose weights are not safetensors fails the training after the text encoders were written
     (into the folder being built, not into --out): the folder given with --replace is byte for byte unchanged."""
@@ -113,6 +118,7 @@ def test_a_failed_training_leaves_the_folder_unchanged(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken_vae", "editor", "editor.training"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
     """Ctrl-C (SIGINT) or a scheduler's SIGTERM while the new folder is being built: --out keeps its bytes and
@@ -134,6 +140,7 @@ def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["editor", "editor.training"]
 
 
+@pytest.mark.slow
 def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
     """2 VAE steps and 2 DiT steps straight, against the same training stopped by --max-steps after 1 step (in the
     VAE), resumed for 2 more (the VAE's last, the DiT's first), then resumed to the end: the same losses at every
@@ -153,6 +160,7 @@ def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
     assert _tree(tmp_path / "split") == _tree(tmp_path / "straight")
 
 
+@pytest.mark.slow
 def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
     """The command as a user runs it, half of each VAE batch dead leaves: the folder loads in diffusers; the losses
     and the measurements during training went to losses.jsonl and an offline W&B run; eval.json holds the
@@ -185,8 +193,9 @@ def _vae_case():
 
 
 def _dit_case():
+    """The editor's DiT with one block of each kind: the trace of its 4 + 8 is the same two blocks' code unrolled."""
     torch.manual_seed(0)
-    model = make_dit(torch.device("cpu")).train()
+    model = FluxDiT(replace(PRESETS["editor"], num_layers=1, num_single_layers=1)).train()
     with torch.no_grad():  # adaLN-zero starts with zero gradients for most weights: move off zero first
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -196,6 +205,7 @@ def _dit_case():
     return model, lambda fn: fn(model, xt, ref, embeds, pooled, sigma, target, ids, txt_ids)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [_vae_case, _dit_case], ids=["vae", "dit"])
 def test_the_compiled_step_computes_what_the_eager_step_does(case):
     """Each phase's loss through ``--compile aot_eager``, which traces it as inductor would (dynamo, AOT autograd;

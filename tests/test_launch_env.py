@@ -37,6 +37,7 @@ def test_slurm_step_gives_ranks_first_host_and_a_port_from_the_job_id():
     assert env.port_from_job_id("4242", "1") != info.master_port
 
 
+@pytest.mark.slow
 def test_the_batch_script_is_not_a_task():
     """sbatch sets SLURM_PROCID=0 and SLURM_NTASKS in the batch script too; only srun makes ranks."""
     batch = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4",

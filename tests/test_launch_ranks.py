@@ -90,6 +90,7 @@ def join_all(procs, results, timeout=60):
     return {r: p.exitcode for r, p in procs.items()}, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_ranks_meet_reduce_and_share_rank_0s_results_dir():
     procs, results, _ = start_ranks(range(3), 3, make_cfg(3), reduce_work)
@@ -103,6 +104,7 @@ def test_ranks_meet_reduce_and_share_rank_0s_results_dir():
         assert summary["threads"] >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_rendezvous_timeout_names_the_address_and_the_missing_ranks():
     cfg = make_cfg(6, rendezvous_timeout_s=3.0)
@@ -116,6 +118,7 @@ def test_rendezvous_timeout_names_the_address_and_the_missing_ranks():
     assert "ranks 2, 4" in out[3][1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_rank_without_rank_0_names_rank_0():
     procs, results, port = start_ranks([1], 2, make_cfg(2, rendezvous_timeout_s=1.0), reduce_work)
@@ -125,6 +128,7 @@ def test_a_rank_without_rank_0_names_rank_0():
     assert "rank 0, which hosts it, did not arrive" in out[1][1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_taken_port_is_named_with_the_key_that_moves_it():
     with socket.socket() as busy:
@@ -137,6 +141,7 @@ def test_a_taken_port_is_named_with_the_key_that_moves_it():
     assert f"rank 0 cannot listen on 127.0.0.1:{port}" in out[0][1] and "launcher.master_port" in out[0][1]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_one_failing_rank_stops_every_rank_and_is_named(capfd):
     start = time.monotonic()
@@ -164,6 +169,7 @@ def test_format_ranks():
     assert format_ranks([7, 1, 2, 3, 9]) == "ranks 1-3, 7, 9"
 
 
+@pytest.mark.slow
 def test_the_spawner_names_the_rank_that_vanished_not_its_victims():
     """A rank killed outright reports nothing; the ranks whose connections it broke report errors
     of their own, and the ones a watchdog stopped exit 3: the vanished rank is the one named."""

@@ -18,6 +18,8 @@ from ditrun.launch.env import free_port
 from launching import (SIX, TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, records, run,
                        single_reference, six_edits)
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):

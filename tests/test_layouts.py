@@ -51,6 +51,7 @@ def check_equal_to_single(out_dir, single_run, layout: str, world: int) -> list[
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
@@ -64,6 +65,7 @@ def test_layout_equals_single(tmp_path, single_run, world, layout, head_groups):
         assert record["exposed_transfer_pct"] == pytest.approx(100 * record["exposed_transfer_s"] / record["dit_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout, world", [("single", 2), ("ulysses", 4), ("cfg_batch", 4), ("cfg_split", 4)])
 def test_replicas_share_the_edits(tmp_path, single_run, layout, world):
@@ -72,11 +74,13 @@ def test_replicas_share_the_edits(tmp_path, single_run, layout, world):
     assert sorted(r["replica"] for r in found) == [0, 1]  # one edit per replica
 
 
+@pytest.mark.slow
 def test_single_records_no_exposed_transfer(single_run):
     for record in records(single_run):
         assert record["exposed_transfer_s"] == 0.0 and record["exposed_transfer_pct"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch"])
 def test_one_worker_layouts_equal_single(tmp_path, single_run, layout):
     """The parallel code paths on one process (SP group of one) give the same latents."""
@@ -91,6 +95,7 @@ CLI_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", CLI_LAYOUTS)
 def test_cli_runs_a_layout_on_four_spawned_ranks(tmp_path, single_run, name):
@@ -138,6 +143,7 @@ def _run_and_report(rank, world, cfg, out_dir):
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_every_rank_refuses_a_bad_layout_before_building_anything(tmp_path):
     cfg = make_config("layout=ulysses", "model.num_attention_heads=3", "launcher.world=2")
@@ -146,6 +152,7 @@ def test_every_rank_refuses_a_bad_layout_before_building_anything(tmp_path):
     assert not (tmp_path / results.EDITS_FILE).exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_reports_a_bad_layout_as_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ditrun", "layout=cfg_split", "launcher.world=3",

@@ -112,6 +112,7 @@ def _run_worker(rank, world, cfg, out_dir):
     return worker.run(cfg, out_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_rank_ulysses_records_its_exposed_transfer_by_kind_and_head_group(tmp_path):
     from hydra import compose, initialize_config_module
@@ -231,6 +232,7 @@ def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "edits.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     # fp32 DiT against a bf16 reference: a real, small loss of quality (on a CPU two runs agree exactly).
@@ -259,6 +261,7 @@ def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     assert [r["ssim"] for r in _records(sweep / "0")] == [r["ssim"] for r in records]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory):
     refs = reference_dir(tmp_path_factory)
@@ -280,6 +283,7 @@ def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory)
     assert not (tmp_path / "none").exists()  # no reference was made
 
 
+@pytest.mark.slow
 def test_records_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_path):
     """``git_revision``: the short commit of a clean checkout, "+modified" once a tracked file changes (an untracked
     one does not count), "unknown" outside a checkout."""

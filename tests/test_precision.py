@@ -164,6 +164,7 @@ def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_wha
     assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["reference"]
 
 
+@pytest.mark.slow
 def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close():
     built, cfg, placement = _quantized_model("bf16")
     assert not any(isinstance(m, L.QuantizedLinear) for m in built.model.modules())
@@ -228,6 +229,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, fmt", [("emulation", "fp8"), ("emulation", "mxfp6"), ("fp8_rowwise", "fp8"),
                                           ("mx_repack_fp8", "mxfp8"), ("mx_repack_fp8", "mxfp6"),
                                           ("mx_repack_fp8", "mxfp4"), ("mx_scaled_mm", "mxfp8"),
@@ -244,6 +246,7 @@ def test_activation_quantizers_compile_without_graph_breaks(backend, fmt):
         assert _same_bits(got, want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v_format", ["bf16", "fp8", "mxfp6"])
 def test_attention_operand_quantization_compiles_without_graph_breaks(v_format):
     from ditrun.kernels.attention import operand_tensors
@@ -413,6 +416,7 @@ def test_dispatch_table_round_trip_and_untuned_shapes_say_so_once(tmp_path, caps
     assert DispatchTable(CPU, "emulation").candidates(L.LINEAR_FORMATS.get("fp8", "t")) == ["emulation"]
 
 
+@pytest.mark.slow
 def test_tune_saves_a_choice_per_real_shape_that_later_builds_load(tmp_path, capsys):
     from ditrun.tune import tune
 

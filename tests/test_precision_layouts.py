@@ -16,6 +16,8 @@ from launching import (MAX_QUANTIZED_RELATIVE_ERROR, assert_same_latents, ditrun
                        tiny_config)
 from ranks import run_ranks
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def singles(tmp_path_factory):

@@ -96,6 +96,7 @@ def single_uneven(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_cli_ulysses_on_three_ranks_with_a_smaller_reference_equals_single(tmp_path, single_uneven):
     out = tmp_path / "run"
@@ -108,6 +109,7 @@ def _run_worker(rank, world, cfg, out_dir):
     return worker.run(cfg, out_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch"])
 def test_true_cfg_off_layouts_equal_single(tmp_path, layout):
@@ -154,6 +156,7 @@ def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
         prompts.prompt_cache(edits, cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("layout", ["cfg_batch", "cfg_split"])
 def test_cfg_layouts_with_a_smaller_reference_equal_single(tmp_path, single_uneven, layout):

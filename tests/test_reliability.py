@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from skimage import io as iio
 from ditrun.results import rundir
 from ditrun.results.files import TEMPORARY_PREFIX
 from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
+
+pytestmark = pytest.mark.slow
 
 FAST = ["metrics.ssim=false", "metrics.report=false", "launcher.stop_timeout_s=10"]
 # Six edits large enough that a run is still busy when a signal arrives.
@@ -172,10 +175,19 @@ def test_runs_started_at_once_in_one_directory_never_record_an_edit_twice(tmp_pa
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)
 
 
-def test_torn_and_foreign_lines_are_set_aside_and_their_edits_redone(tmp_path):
+@pytest.fixture(scope="module")
+def two_edits(tmp_path_factory) -> Path:
+    """A finished run of two edits, which each test copies and then damages or reruns."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    result = run(ditrun_command(*FAST, "workload.limit=2", f"hydra.run.dir={out}"), 120, out.parent)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_torn_and_foreign_lines_are_set_aside_and_their_edits_redone(tmp_path, two_edits):
     out = tmp_path / "run"
+    shutil.copytree(two_edits, out)
     args = ["workload.limit=2", f"hydra.run.dir={out}"]
-    assert run(ditrun_command(*FAST, *args), 120, tmp_path).returncode == 0
     edits = out / "edits.jsonl"
     text = edits.read_text()
     edits.write_text('{"not": "a record"}\n' + text[:-60])  # a foreign line, and a crash mid-write
@@ -189,9 +201,9 @@ def test_torn_and_foreign_lines_are_set_aside_and_their_edits_redone(tmp_path):
     assert json.loads((out / "summary.json").read_text())["complete"] is True
 
 
-def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path):
+def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, two_edits):
     out = tmp_path / "run"
-    assert run(ditrun_command(*FAST, f"hydra.run.dir={out}"), 120, tmp_path).returncode == 0
+    shutil.copytree(two_edits, out)
     changed = run(ditrun_command(*FAST, f"hydra.run.dir={out}", "workload.steps=3", "workload.seed=5"), 90,
                   tmp_path)
     assert changed.returncode == 2

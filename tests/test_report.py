@@ -10,6 +10,8 @@ from ditrun.metrics.report import write_report
 from ditrun_cli import PLAIN, TINY, ditrun, reference_dir
 from test_wandb import run_contents
 
+pytestmark = pytest.mark.slow
+
 
 def _chart_ok(path):
     image = io.imread(path)

@@ -53,6 +53,7 @@ def warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ditrun: warning: reference cache entry")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_damaged_reference_entries_are_named_discarded_and_made_again(tmp_path):
     refs = tmp_path / "refs"
@@ -90,6 +91,7 @@ def test_damaged_reference_entries_are_named_discarded_and_made_again(tmp_path):
     assert "the references of all 4 edits come from" in third.stdout and not warnings(third.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_ssim_above_the_rerun_is_a_broken_reference_never_a_pass(tmp_path):
     """An entry whose files are what its writer wrote (checksums match) but whose rerun is not a rerun of this edit:
@@ -120,6 +122,7 @@ def test_an_ssim_above_the_rerun_is_a_broken_reference_never_a_pass(tmp_path):
     assert [r["ssim_pct_of_rerun"] for r in records(out)] == [100.0, 100.0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes_nothing(tmp_path):
     out, refs = tmp_path / "run", tmp_path / "refs"
@@ -150,6 +153,7 @@ def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes
     assert "resuming, 1 edits already in edits.jsonl are skipped" in same.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_held_directory_keeps_its_hydra_files_and_a_run_writes_its_own(tmp_path):
     """Spawned ranks (rank 0 writes them after its checks) and a multirun's jobs each get their .hydra files."""
@@ -178,6 +182,7 @@ def test_a_held_directory_keeps_its_hydra_files_and_a_run_writes_its_own(tmp_pat
         assert yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())["workload"]["steps"] == steps
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_directory(tmp_path):
     out, refs = tmp_path / "run", tmp_path / "refs"
@@ -198,6 +203,7 @@ def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_director
     assert (summary(out)["edits"], summary(out)["complete"]) == (4, True)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_resumed_runs_first_edit_is_its_warm_up_and_not_in_the_medians(tmp_path):
     """Each process compiles and warms up on its first edit: after a resume, the medians leave out the first edit of
@@ -213,6 +219,7 @@ def test_a_resumed_runs_first_edit_is_its_warm_up_and_not_in_the_medians(tmp_pat
     assert summary(out)["dit_s_median"] == pytest.approx(sum(steady) / 2, rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_checked(tmp_path):
     """A results directory from before ``run.json`` (or one whose file was deleted) keeps the per-record check."""
@@ -229,6 +236,7 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
     assert json.loads((out / rundir.RUN_FILE).read_text())["edits"] == ["astronaut", "coffee"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is_not(tmp_path):
     """A cache key changes the run's results, so another value is a foreign run; ``metrics.quality`` only judges them.

@@ -24,6 +24,8 @@ from skimage import io
 from ditrun.results.files import TEMPORARY_PREFIX, edit_outputs
 from ditrun_cli import TINY, ditrun, reference_dir
 
+pytestmark = pytest.mark.slow
+
 COMMON = [*TINY, "wandb.mode=disabled", "progress=false"]
 QUICK = [*COMMON, "metrics.ssim=false", "metrics.report=false"]
 # Ids that were the names of the run's own files (the report's charts, summary, records), or of a temporary.
@@ -80,10 +82,24 @@ def test_edit_ids_named_like_the_runs_own_files_keep_their_outputs(tmp_path, tmp
     assert json.loads((out / "summary.json").read_text())["complete"] is True
 
 
-def test_missing_truncated_or_changed_outputs_are_redone_on_resume(tmp_path):
+@pytest.fixture(scope="module")
+def three_edits(tmp_path_factory) -> Path:
+    """A finished run of three edits, which each test copies and then rewrites or damages."""
+    out = tmp_path_factory.mktemp("three") / "run"
+    result = ditrun(*QUICK, "workload.limit=3", f"hydra.run.dir={out}", cwd=out.parent)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
     out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
+def test_missing_truncated_or_changed_outputs_are_redone_on_resume(tmp_path, three_edits):
+    out = copy_of(three_edits, tmp_path)
     args = [*QUICK, "workload.limit=3", f"hydra.run.dir={out}"]
-    assert ditrun(*args, cwd=tmp_path).returncode == 0
     first = {r["edit"]: r for r in records(out)}
     png = out / first["astronaut"]["image"]
     png.write_bytes(png.read_bytes()[:100])  # truncated

@@ -44,12 +44,14 @@ def _sample(seed, scale=2.5, steps=3):
         return denoise(velocity, inputs.noise, steps)
 
 
+@pytest.mark.slow
 def test_same_seed_same_output_and_seed_matters():
     a, b, c = _sample(0), _sample(0), _sample(1)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)
 
 
+@pytest.mark.slow
 def test_guidance_scale_one_is_the_conditional_branch():
     """With scale 1, true CFG reduces to the conditional prediction: check against a direct loop."""
     geo, inputs = _edit_inputs(2)
@@ -74,6 +76,7 @@ def test_reference_tokens_follow_the_kontext_convention():
     assert kw["hidden_states"].shape[1] == 2 * n and kw["guidance"] is None
 
 
+@pytest.mark.slow
 def test_reference_image_changes_the_edit():
     geo, inputs = _edit_inputs(4)
     model = random_model(geo, seed=0)
@@ -92,6 +95,7 @@ def test_pack_unpack_and_linear_latent_map_roundtrip():
     torch.testing.assert_close(codec.decode(codec.encode(flat)), flat, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_true_cfg_off_runs_one_branch_per_step():
     """Without negative embeddings (true_cfg_scale <= 1) each step is one conditional forward."""
     geo, inputs = _edit_inputs(5)

@@ -88,6 +88,7 @@ def check_properties(model: dict) -> None:
             assert at["makespan_s"]["23"] == pytest.approx(at["startup_s"] + at["makespan_compute_s"]["23"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_committed_inputs_give_the_properties_and_reproduce_the_measured_points(tmp_path):
     model, done = run_script(tmp_path, "--no-default-runs")
@@ -110,6 +111,7 @@ def test_committed_inputs_give_the_properties_and_reproduce_the_measured_points(
     assert "### published Kontext workload" in done.stdout and "**31.9 M**" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_tiny_cpu_runs_feed_a_scenario_of_their_own(tmp_path, tiny_runs):
     single, ulysses = tiny_runs
@@ -131,6 +133,7 @@ def test_tiny_cpu_runs_feed_a_scenario_of_their_own(tmp_path, tiny_runs):
     assert f"measured runs on {device}" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_encode_and_decode_count_only_where_real_vae_weights_ran(tmp_path, tiny_runs):
     single = tiny_runs[0]
@@ -150,6 +153,7 @@ def test_encode_and_decode_count_only_where_real_vae_weights_ran(tmp_path, tiny_
         assert model.latency_s(scenario, cell) == pytest.approx(summary["dit_s_median"] + (fixed or 0.0), rel=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_startup_file_is_fitted_and_its_absence_is_said(tmp_path):
     missing, done = run_script(tmp_path, "--no-default-runs", "--startup", str(tmp_path / "none.json"))
@@ -162,6 +166,7 @@ def test_startup_file_is_fitted_and_its_absence_is_said(tmp_path):
     assert fitted.seconds(64) == pytest.approx(3.0 + 0.5 * 64, rel=1e-12)
 
 
+@pytest.mark.slow
 def test_emulated_nodes_start_up_grows_by_the_rendezvous_cost_per_rank_only(tmp_path):
     """Emulated nodes share one machine's cores: only one node's start-up and the store's cost per rank
     carry over to a real cluster."""

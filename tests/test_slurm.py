@@ -17,6 +17,8 @@ import yaml
 from ditrun.launch.env import expand_hostlist
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SCRIPT = REPO / "slurm" / "local-cluster.sh"
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
@@ -83,14 +85,15 @@ def test_hostlists_expand_like_scontrol(cluster):
         assert expand_hostlist(hostlist) == expected
 
 
-SBATCH_RUNS = [(4, "ulysses"), (4, "cfg_split")]
-"""The rendered template's jobs; two-task jobs of every layout run in the submitit sweep below, with the same
-check against ``single``."""
+SBATCH_RUNS = [(4, "cfg_split")]
+"""The rendered template's job here: two SP groups of two; two-task jobs of every layout run in the submitit sweep
+below, with the same check against ``single``, and the same template runs ``ulysses`` on four ranks (two nodes) in
+test_slurm_nodes.py."""
 
 
 @pytest.fixture(scope="module")
 def sbatch_runs(cluster, tmp_path_factory):
-    """Both jobs submitted at once (4 + 4 tasks fit the node's 8 CPUs)."""
+    """The jobs submitted at once (the node declares 8 CPUs)."""
     folder = tmp_path_factory.mktemp("sbatch")
     scripts = {tasks: render_script(folder / f"ditrun-{tasks}.sbatch", tasks) for tasks, _ in SBATCH_RUNS}
     jobs = {(tasks, layout): submit(cluster, scripts[tasks], folder / f"{layout}-{tasks}", *TINY, f"layout={layout}")

@@ -24,6 +24,8 @@ from launching import SIX, TINY, assert_same_latents, quiet_env, records, single
 from test_launchers import start_rank
 from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm, submit, wait_for_jobs
 
+pytestmark = pytest.mark.slow
+
 NODES = 2
 CPUS_PER_NODE = 6
 SBATCH_TASKS = 2  # per node

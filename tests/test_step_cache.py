@@ -60,6 +60,7 @@ def single_adaptive(tmp_path_factory):
 # One process
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_threshold_zero_equals_no_cache_bitwise(tmp_path, compiled):
@@ -73,6 +74,7 @@ def test_threshold_zero_equals_no_cache_bitwise(tmp_path, compiled):
     assert cached["cache_computed"] == {"cond": list(range(STEPS)), "uncond": list(range(STEPS))}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_caching_changes_the_result_and_the_summary_counts_it(single_adaptive, tmp_path):
     out, record = single_adaptive
@@ -85,6 +87,7 @@ def test_caching_changes_the_result_and_the_summary_counts_it(single_adaptive, t
     assert summary["steps_cached_median"] == record["steps_cached"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_cached_run_equals_eager_with_the_same_decisions(single_adaptive, tmp_path):
     """The cached steps run the compiled first block only; decisions and latents are the eager run's."""
@@ -109,6 +112,7 @@ def test_static_mask_is_the_configured_steps(keys, steps, expected):
     assert static_mask(CacheConfig(name="static", **keys), steps) == expected
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_static_run_computes_exactly_the_listed_steps(tmp_path):
     record = run_single(tmp_path, "cache=static", "cache.compute_steps=[0,2,3]")
@@ -147,6 +151,7 @@ def test_cache_mistakes_are_one_sentence(overrides, message):
     assert str(err.value) == message
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_runs_a_static_cache_and_refuses_a_bad_mask_in_one_line(tmp_path):
     bad = run(ditrun_command(*BASE, "cache=static", "cache.compute_steps=[1,2]", f"hydra.run.dir={tmp_path / 'bad'}"),
@@ -165,6 +170,7 @@ def test_cli_runs_a_static_cache_and_refuses_a_bad_mask_in_one_line(tmp_path):
 # Layouts: 2 and 4 gloo ranks against ``single`` with the same decisions
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_split"])
@@ -177,6 +183,7 @@ def test_adaptive_cache_in_a_layout_equals_single(tmp_path, single_adaptive, lay
     assert relative_error(latents(tmp_path, "astronaut"), latents(out, "astronaut")) <= MAX_RELATIVE_ERROR
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 4])
 def test_batched_cfg_cache_equals_single_with_its_decisions(tmp_path, world):
@@ -190,6 +197,7 @@ def test_batched_cfg_cache_equals_single_with_its_decisions(tmp_path, world):
     assert error <= MAX_RELATIVE_ERROR
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("layout", ["ulysses", "cfg_batch", "cfg_split"])
 def test_static_cache_with_no_block_in_a_layout_equals_single(tmp_path, layout):
@@ -219,6 +227,7 @@ def _decisions(rank, world, layout_name, changes):
     return policy.computes(2, summed, 0), policy.computes(2, alone, 0), summed
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sp_group_reduction_makes_every_rank_decide_alike():
     # Rank 0's tokens changed by 0.5, rank 1's by 0.01: alone they would disagree.
@@ -229,6 +238,7 @@ def test_sp_group_reduction_makes_every_rank_decide_alike():
     assert results[0][2] == results[1][2] == pytest.approx((3 * 0.5 + 4 * 0.01) / 7)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_split_cfg_groups_decide_apart():
     # cfg_split on 4 ranks: SP groups {0, 1} (conditional) and {2, 3} (unconditional).

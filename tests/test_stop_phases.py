@@ -25,6 +25,8 @@ from PIL import Image
 from launching import ditrun_command, quiet_env, run
 from test_reliability import wait_until_gone
 
+pytestmark = pytest.mark.slow
+
 FAST = ["metrics.report=false", "launcher.stop_timeout_s=60"]
 SPAWNED = ["launcher.world=2", "layout=ulysses"]
 

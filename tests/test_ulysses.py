@@ -36,6 +36,7 @@ def _sharded_attention(rank, world, lengths, head_groups, name="collective"):
     return out, sorted(waits["by_kind"]), sorted(waits["by_group"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["collective", "copy_engine"])
 @pytest.mark.parametrize("lengths, head_groups", [([5, 4], 1), ([5, 4], 3), ([4, 3, 3], 2), ([3, 0, 2], 1)])
@@ -56,6 +57,7 @@ def _gather(rank, world, sizes):
     return all_gather_rows(transport, rows, sizes, "gather")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_all_gather_rows_with_uneven_sizes():
     outs = run_ranks(_gather, 3, ([2, 0, 1],))
@@ -83,6 +85,7 @@ def _raises(rank, world):
     dist.barrier()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_rank_harness_reports_a_failing_rank():
     with pytest.raises(RankFailed, match="rank 1 broke"):
@@ -119,6 +122,7 @@ def _pipeline_order(rank, world):
     return log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_head_groups_overlap_exchange_with_attention():
     """Group g+1's exchange starts before group g is awaited; each output is sent back before the next wait."""

@@ -8,6 +8,8 @@ import pytest
 
 from ditrun_cli import ditrun, reference_dir
 
+pytestmark = pytest.mark.slow
+
 # One held-out picture at the size the editor was trained at, quietly.
 ONE_EDIT = ["workload.limit=1", "wandb.mode=disabled", "progress=false"]
 

@@ -13,6 +13,8 @@ from wandb.proto import wandb_internal_pb2
 
 from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
 
+pytestmark = pytest.mark.slow
+
 NET_AUDIT = Path(__file__).parent / "netaudit"
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
