@@ -32,6 +32,8 @@
 #                                                            shape three ways: cold, warm on the same node, a fresh
 #                                                            node loading the compile cache the cold run wrote; LIMIT
 #                                                            edits (default 2), STEPS steps (default 28); < 9 min)
+#   bash benchmarks/gpu_suite.sh editor                   (one GPU: the trained editor's precision table and its cache table
+#                                                            at 28 steps, judged by ditrun report; ~8 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -45,6 +47,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
+# Pure-Python packages that have no wheel (hydra's antlr4 runtime), carried as an unpacked folder.
+[[ -d .site ]] && export PYTHONPATH=$PWD/.site:$PYTHONPATH
 what=${1:-all}
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/gpu.txt"
@@ -157,6 +161,25 @@ for name in ("cold", "warm", "fresh"):
     print(f"| {name} | {status} | " + " | ".join("-" if summary.get(c) is None else f"{summary[c]:.2f}" for c in cells)
           + " |")
 EOF
+fi
+if [[ $what == editor ]]; then
+  # docs/PRECISION.md#quality-on-a-trained-model and docs/CACHE.md#on-the-trained-editor-which-cache-to-choose: the
+  # default model and workload (four held-out pictures, 256x256). Eager: the tables are about quality.
+  common=(model.compile=off wandb.mode=disabled progress=false)
+  python3 -m ditrun -m precision=bf16,fp8,fp8_all,mxfp8,mxfp6,mxfp4,krea "${common[@]}" \
+    hydra.sweep.dir=/tmp/editor-precision 2>&1 | tee "$OUT/editor_precision.log" | tail -4
+  python3 benchmarks/quality_table.py /tmp/editor-precision --json "$OUT/quality_editor_h200.json" \
+    | tee "$OUT/quality_editor_h200.md"
+  # The step caches at the published step count, every run judged against the uncached BF16 run of the sweep.
+  sweep=/tmp/editor-cache; rm -rf "$sweep"
+  python3 -m ditrun -m precision=bf16,fp8_all workload.steps=28 cache=none "${common[@]}" \
+    hydra.sweep.dir="$sweep/none" 2>&1 | tee "$OUT/editor_cache.log" | tail -2
+  python3 -m ditrun -m precision=bf16,fp8_all workload.steps=28 cache=static cache.compute_every=2,3,4 "${common[@]}" \
+    hydra.sweep.dir="$sweep/static" 2>&1 | tee -a "$OUT/editor_cache.log" | tail -2
+  python3 -m ditrun -m precision=bf16,fp8_all workload.steps=28 cache=first_block cache.threshold=0.08,0.15,0.3 \
+    "${common[@]}" hydra.sweep.dir="$sweep/first_block" 2>&1 | tee -a "$OUT/editor_cache.log" | tail -2
+  python3 -m ditrun report "$sweep" 2>&1 | tail -3
+  cp "$sweep/report.md" "$OUT/cache_editor_h200.md"
 fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \
