@@ -383,6 +383,17 @@ def test_fused_fp8_attention_matches_its_reference():
 
 
 @pytest.mark.gpu
+def test_the_fp8_pv_reference_compiles_with_inductor_on_the_gpu():
+    """Where no fused FP8 attention runs (no cuDNN frontend), compiled models run the reference through Inductor."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 300, 2, 64, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
+    operands = fp8_pv_operands(q, k, v)
+    want = fp8_pv_reference(*operands, 0.125, chunk=128).float()
+    got = torch.compile(lambda *a: fp8_pv_reference(*a, 0.125, chunk=128).float(), fullgraph=True)(*operands)
+    assert relative_error(got, want) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_fast_linear_backends_match_the_emulation(fmt):
     device = torch.device("cuda")

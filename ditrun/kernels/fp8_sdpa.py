@@ -85,15 +85,15 @@ def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, chunk: i
     maximum of the keys it has seen, so its P values (and their rounding) differ slightly."""
     q, k, v = (t.float().transpose(1, 2) for t in (q8, k8, v8))  # [B, H, S, D]
     s_scale = (scales[0] * scales[1] * sm_scale).float()
-    out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=q8.device)  # [B, S, H, D]
+    chunks = []  # joined at the end: Inductor cannot fill an uninitialised FP8 buffer that slices are written into
     for start in range(0, q.shape[2], chunk):
         rows = slice(start, start + chunk)
         scores = (q[:, :, rows] @ k.transpose(-1, -2)) * s_scale
         p = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
         p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
         o = (p8 @ v) * (scales[2] * scales[3] / p.sum(dim=-1, keepdim=True))  # in units of the output's scale
-        out[:, rows] = formats.round_to_grid(o, "fp8_e4m3").transpose(1, 2).to(torch.float8_e4m3fn)
-    return out
+        chunks.append(formats.round_to_grid(o, "fp8_e4m3").transpose(1, 2).to(torch.float8_e4m3fn))
+    return torch.cat(chunks, dim=1)  # [B, S, H, D]
 
 
 # ---------------------------------------------------------------------------------------------
