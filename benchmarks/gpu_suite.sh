@@ -28,10 +28,11 @@
 #                                                            0.3), LIMIT edits each; ditrun report over the
 #                                                            four; then the step cache's GPU tests. SETTINGS: a quoted
 #                                                            subset of "none static14 static10 first_block")
-#   bash benchmarks/gpu_suite.sh startup [LIMIT] [STEPS]  (one GPU: precision=fp8_all through the CLI at the published
-#                                                            shape three ways: cold, warm on the same node, a fresh
-#                                                            node loading the compile cache the cold run wrote; LIMIT
-#                                                            edits (default 2), STEPS steps (default 28); < 9 min)
+#   bash benchmarks/gpu_suite.sh startup [LIMIT] [STEPS] [RUNS]  (one GPU: precision=fp8_all through the CLI at the
+#                                                            published shape three ways: cold, warm on the same node, a
+#                                                            fresh node loading the compile cache the cold run wrote;
+#                                                            LIMIT edits (default 2), STEPS steps (default 28), RUNS a
+#                                                            quoted subset of "cold warm fresh"; < 9 min)
 #   bash benchmarks/gpu_suite.sh editor                   (one GPU: the trained editor's precision table and its cache table
 #                                                            at 28 steps, judged by ditrun report; ~8 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
@@ -139,11 +140,16 @@ if [[ $what == startup ]]; then
           metrics.ssim=false metrics.report=false wandb.mode=disabled progress=false)
   for run in "cold a $runs/shared 250" "warm a off 140" "fresh b $runs/shared 140"; do
     read -r name node cache limit_s <<< "$run"
+    [[ " ${4:-cold warm fresh} " == *" $name "* ]] || continue
     date +"%T $name" | tee -a "$OUT/startup_runs.log"
     TORCHINDUCTOR_CACHE_DIR="$runs/inductor-$node" timeout "$limit_s" python3 -m ditrun "${common[@]}" \
       model.compile_cache="$cache" hydra.run.dir="$runs/$name" 2>&1 | tee -a "$OUT/startup_runs.log" \
       | grep -E "compile cache|median DiT"
     cp "$runs/$name/summary.json" "$OUT/startup_summary_$name.json"
+    # The Triton kernels in the node's cache after the run, by name (Inductor's are triton_*; ditrun's custom ops'
+    # are named after their functions).
+    find "$runs/inductor-$node/triton" -name "__grp__*.json" 2>/dev/null | sed 's/.*__grp__//; s/\.json$//' \
+      | sed -E 's/_[0-9]+$//' | sort | uniq -c | sort -rn | head -30 > "$OUT/startup_kernels_$name.txt"
   done
   python3 - "$OUT" <<'EOF' | tee "$OUT/startup_cache.md"
 import json, sys

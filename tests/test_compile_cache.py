@@ -5,6 +5,7 @@ Each job is a real process (``compile_cache_job.py``: a small model through Indu
 its own empty ``TORCHINDUCTOR_CACHE_DIR``, as a job that lands on a fresh node has.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -20,7 +22,8 @@ from ditrun.launch import checks
 from ditrun import timers
 from ditrun.metrics import timing
 from ditrun.inference import compile_cache
-from ditrun.inference.compile_cache import BadEntry, CompileCache, read_entry, write_entry
+from ditrun.inference.compile_cache import (BadEntry, CompileCache, Entry, kernel_folders, pack_kernels, read_entry,
+                                            unpack_kernels, write_entry)
 from ditrun.model.compile import CompilePlan
 from launching import ditrun_command, quiet_env, run, tiny_config
 
@@ -73,7 +76,7 @@ def test_two_jobs_writing_at_once_leave_one_whole_entry(first_jobs):
     assert all(job["fxgraph_cache_miss"] >= 1 and "ditrun: compile cache: wrote" in job["console"] for job in jobs)
     assert jobs[0]["output"] == jobs[1]["output"] and jobs[0]["key"] == jobs[1]["key"]
     assert _only_entry(folder) == Path(jobs[0]["entry"])
-    assert read_entry(Path(jobs[0]["entry"]), jobs[0]["key"])
+    assert read_entry(Path(jobs[0]["entry"]), jobs[0]["key"]).artifacts
 
 
 @pytest.mark.timeout(2 * JOB_TIMEOUT_S)
@@ -99,7 +102,7 @@ def test_a_truncated_entry_is_discarded_with_a_warning_and_written_again(first_j
     assert (job["status"], job["wrote"]) == ("discarded", True)
     assert f"ditrun: warning: compile cache entry {entry} discarded: truncated or corrupt" in job["console"]
     assert job["output"] == first["output"]
-    assert read_entry(_only_entry(folder), job["key"])  # whole again
+    assert read_entry(_only_entry(folder), job["key"]).artifacts  # whole again
 
 
 @pytest.mark.timeout(120)
@@ -107,15 +110,15 @@ def test_an_entry_read_while_two_processes_rewrite_it_is_always_whole(tmp_path):
     """Many writes of entries of 1 to 3 MiB from two processes, read meanwhile: every read is one writer's whole
     entry (the rename replaces it at once), and no temporary file is left."""
     entry = tmp_path / f"k{compile_cache.ENTRY_SUFFIX}"
-    code = ("import sys; from pathlib import Path; from ditrun.inference.compile_cache import write_entry; "
-            "me = int(sys.argv[2]); "
-            "[write_entry(Path(sys.argv[1]), 'k', {'writer': me}, bytes([me]) * (i % 3 + 1) * 2**20) for i in range(40)]")
+    code = ("import sys; from pathlib import Path; from ditrun.inference.compile_cache import Entry, write_entry; "
+            "me = int(sys.argv[2]); [write_entry(Path(sys.argv[1]), 'k', {'writer': me}, "
+            "Entry(bytes([me]) * (i % 3 + 1) * 2**20)) for i in range(40)]")
     writers = [subprocess.Popen([sys.executable, "-c", code, str(entry), str(me)], env=quiet_env(),
                                 stderr=subprocess.PIPE, text=True) for me in (1, 2)]
     reads, deadline = set(), time.monotonic() + 100
     while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
         try:
-            artifacts = read_entry(entry, "k")
+            artifacts = read_entry(entry, "k").artifacts
         except FileNotFoundError:
             continue
         assert len(set(artifacts)) == 1 and len(artifacts) % 2**20 == 0
@@ -123,7 +126,7 @@ def test_an_entry_read_while_two_processes_rewrite_it_is_always_whole(tmp_path):
     for writer in writers:
         assert writer.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, writer.stderr.read()
     assert reads and [p.name for p in tmp_path.iterdir()] == [entry.name]
-    assert read_entry(entry, "k")
+    assert read_entry(entry, "k").artifacts
 
 
 def _header(**changes) -> bytes:
@@ -132,17 +135,18 @@ def _header(**changes) -> bytes:
 
     artifacts = b"artifacts"
     header = {"format": compile_cache.FORMAT, "key": "k", "torch": torch.__version__, "bytes": len(artifacts),
-              "sha256": hashlib.sha256(artifacts).hexdigest(), **changes}
+              "sha256": hashlib.sha256(artifacts).hexdigest(), "artifacts_bytes": len(artifacts), **changes}
     return json.dumps(header).encode() + b"\n" + artifacts
 
 
 @pytest.mark.parametrize("data, why", [
     (b"\x00\x01 not an entry", "not a ditrun compile-cache entry"),
+    (_header(format="ditrun-compile-cache/1"), "it is of another format (ditrun-compile-cache/1; this ditrun reads"),
     (_header(key="another"), "it belongs to another key or torch version"),
     (_header(torch="0.1"), "it belongs to another key or torch version (0.1)"),
     (_header()[:-1], "truncated or corrupt (8 of 9 bytes"),
     (_header()[:-1] + b"S", "truncated or corrupt (9 of 9 bytes, checksum differs)"),
-], ids=["garbage", "another key", "another torch", "truncated", "corrupt"])
+], ids=["garbage", "older format", "another key", "another torch", "truncated", "corrupt"])
 def test_a_bad_entry_is_discarded_with_a_warning(tmp_path, capsys, data, why):
     entry = tmp_path / "k.ditrun-compile"
     entry.write_bytes(data)
@@ -156,8 +160,77 @@ def test_a_bad_entry_is_discarded_with_a_warning(tmp_path, capsys, data, why):
 
 def test_artifacts_pytorch_cannot_read_are_discarded(tmp_path, capsys):
     cache = CompileCache(tmp_path, {"model": "unreadable"}, writer=True)
-    write_entry(cache.path, cache.key, cache.described, b"not PyTorch's serialised artifacts")
+    write_entry(cache.path, cache.key, cache.described, Entry(b"not PyTorch's serialised artifacts"))
     assert cache.load() == "discarded" and "PyTorch could not" in capsys.readouterr().out
+
+
+def _triton_kernel(root: Path, monkeypatch, name: str) -> str:
+    """A kernel folder as Triton's own cache manager writes one (its files, then their list), under ``root``;
+    returns the folder's name."""
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
+    key = hashlib.sha256(name.encode()).hexdigest()[:52]
+    manager = FileCacheManager(key)
+    files = {f"{name}.{kind}": manager.put(f"{kind} of {name}".encode(), f"{name}.{kind}")
+             for kind in ("source", "ttir", "cubin", "json")}
+    manager.put_group(f"{name}.json", files)
+    return key
+
+
+def _triton_finds(root: Path, monkeypatch, key: str, name: str) -> Optional[dict]:
+    """What Triton's cache manager finds of kernel ``name`` in folder ``key`` under ``root`` (None: a miss)."""
+    from triton.runtime.cache import FileCacheManager
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
+    return FileCacheManager(key).get_group(f"{name}.json")
+
+
+def test_triton_kernels_compiled_by_the_job_travel_in_the_entry(tmp_path, monkeypatch, capsys):
+    """The writer carries the kernel folders that appeared in its Triton cache after it loaded (not the node's
+    older ones); a reader on another node gets them, whole, where Triton's own cache manager finds them."""
+    node_a, node_b, shared = tmp_path / "a", tmp_path / "b", tmp_path / "shared"
+    older = _triton_kernel(node_a, monkeypatch, "older_kernel")
+    writer = CompileCache(shared, {"model": "x"}, writer=True, kernels_dir=node_a)
+    assert writer.load() == "miss"
+    compiled = _triton_kernel(node_a, monkeypatch, "rowwise_fp8_kernel")
+    assert writer.save() and writer.fields()["triton_kernels"] == 1
+    assert "1 Triton kernels" in capsys.readouterr().out
+    assert not writer.save()  # nothing new
+
+    reader = CompileCache(shared, {"model": "x"}, kernels_dir=node_b)
+    assert reader.load() == "hit" and kernel_folders(node_b) == {compiled}
+    found = _triton_finds(node_b, monkeypatch, compiled, "rowwise_fp8_kernel")
+    assert found and all(Path(path).parent == node_b / compiled for path in found.values())
+    assert Path(found["rowwise_fp8_kernel.cubin"]).read_bytes() == b"cubin of rowwise_fp8_kernel"
+    assert _triton_finds(node_b, monkeypatch, older, "older_kernel") is None
+    assert not [p for p in node_b.iterdir() if p.name.startswith("tmp.")]
+
+    # A reader that compiles another kernel and writes: the entry keeps the first job's kernel too.
+    reader.writer = True
+    extra = _triton_kernel(node_b, monkeypatch, "attention_kernel")
+    assert reader.save() and kernel_folders(node_b) == {compiled, extra}
+    third = CompileCache(shared, {"model": "x"}, kernels_dir=tmp_path / "c")
+    assert third.load() == "hit" and kernel_folders(tmp_path / "c") == {compiled, extra}
+
+
+def test_an_entry_whose_triton_kernels_are_not_kernel_files_is_discarded(tmp_path, capsys):
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo("../outside")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    cache = CompileCache(tmp_path / "shared", {"model": "x"}, kernels_dir=tmp_path / "node")
+    write_entry(cache.path, cache.key, cache.described, Entry(b"", buffer.getvalue()))
+    assert cache.load() == "discarded"
+    assert "its Triton kernels hold '../outside', not a kernel's file" in capsys.readouterr().out
+    assert not (tmp_path / "outside").exists()
+    with pytest.raises(BadEntry, match="cannot be read"):
+        unpack_kernels(b"not a tar", tmp_path / "node")
+    assert pack_kernels(tmp_path, set()) == b""
 
 
 def test_no_entry_is_a_miss_and_off_does_nothing(tmp_path, capsys):

@@ -7,8 +7,19 @@ serialises every artifact this process compiled or found in its caches (Inductor
 autotuning results), and ``torch.compiler.load_cache_artifacts`` puts them into another process's local caches
 before it compiles; Inductor then finds its graphs there and compiles none of them.
 
+PyTorch's artifacts do not hold every Triton kernel a job compiles (the variants Inductor's coordinate-descent
+tuning compiles, the kernels ditrun's custom ops launch): Triton compiles those at their first run into its
+cache folder, which
+Inductor points into the node's Inductor cache (``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``) unless
+``TRITON_CACHE_DIR`` is set. On a GPU an entry therefore also carries the Triton kernels this job compiled or
+loaded: every kernel folder of that cache folder (one per kernel and specialisation, named by Triton's hash of
+its source, options and target) that was not there before the job, unpacked into the reader's Triton cache
+folder where missing, its file list (``__grp__*.json``) pointed at the new place. Kernels the node already had
+before the job are not carried.
+
 An entry is one file, ``<model.compile_cache>/<key>.ditrun-compile``: a line of JSON (the format, the key, what
-the key describes, the torch version, the size and sha256 of the rest), then PyTorch's serialised artifacts.
+the key describes, the torch version, the size and sha256 of the rest, the artifacts' size), then PyTorch's
+serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; empty on a CPU).
 
 * **Key**: the sha256 of everything that changes the compiled code (``describe_run``): the torch, Triton,
   CUDA/HIP and Python versions; the device (name, capability and multiprocessors, or the CPU's architecture and
@@ -24,8 +35,9 @@ the key describes, the torch version, the size and sha256 of the rest), then PyT
   The file is written under a temporary name in its folder, flushed and renamed over the entry
   (``results.write_file``): a reader sees an old entry or a new one, whole, and two jobs writing at once leave
   the one that renamed last.
-* **Bad entries**: a file that does not parse, whose size or checksum differs, whose header names another key
-  or torch version, or whose artifacts PyTorch cannot read, is discarded with a warning (left in place, and
+* **Bad entries**: a file that does not parse, whose size or checksum differs, whose header names another
+  format, key or torch version, whose Triton part holds anything but kernel files, or whose artifacts PyTorch
+  cannot read, is discarded with a warning (left in place, and
   replaced by the writer's entry after its first edit); the run compiles as if there were none.
 """
 
@@ -35,10 +47,14 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
+import re
+import shutil
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -51,7 +67,7 @@ from ditrun.model.compile import CompilePlan
 from ditrun.user_cache import user_cache_dir
 from ditrun.workload.inputs import edit_tokens
 
-FORMAT = "ditrun-compile-cache/1"
+FORMAT = "ditrun-compile-cache/2"
 ENTRY_SUFFIX = ".ditrun-compile"
 AUTO, OFF = "auto", "off"
 STATUSES = {
@@ -137,7 +153,8 @@ def for_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, details: 
     """The run's entry (``describe_run``'s arguments); global rank 0 writes it and says what it did."""
     folder = cache_dir(getattr(cfg.model, "compile_cache", AUTO)) if plan.compile else None
     described = describe_run(cfg, plan, device_dtype, geometry, precision, details, layout, edits) if folder is not None else {}
-    return CompileCache(folder, described, writer=rank == 0, announce=rank == 0)
+    kernels_dir = claim_triton_cache_dir(device_dtype.device) if folder is not None else None
+    return CompileCache(folder, described, writer=rank == 0, announce=rank == 0, kernels_dir=kernels_dir)
 
 
 def entry_key(described: dict) -> str:
@@ -152,28 +169,121 @@ class BadEntry(Exception):
     """An entry that cannot be used; the message says why, in a few words."""
 
 
-def write_entry(path: Path, key: str, described: dict, artifacts: bytes) -> None:
+@dataclass(frozen=True)
+class Entry:
+    artifacts: bytes
+    """PyTorch's serialised cache artifacts (``torch.compiler.save_cache_artifacts``)."""
+    kernels: bytes = b""
+    """Triton kernel folders, a gzip'd tar (``pack_kernels``); empty when there are none."""
+
+
+def write_entry(path: Path, key: str, described: dict, entry: Entry) -> None:
     """The entry, whole, at ``path`` (a temporary file in its folder, flushed, renamed over it)."""
-    header = {"format": FORMAT, "key": key, "torch": torch.__version__, "bytes": len(artifacts),
-              "sha256": hashlib.sha256(artifacts).hexdigest(), "described": described}
-    write_file(path, json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + artifacts)
+    payload = entry.artifacts + entry.kernels
+    header = {"format": FORMAT, "key": key, "torch": torch.__version__, "bytes": len(payload),
+              "sha256": hashlib.sha256(payload).hexdigest(), "artifacts_bytes": len(entry.artifacts),
+              "described": described}
+    write_file(path, json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
 
 
-def read_entry(path: Path, key: str) -> bytes:
-    """The artifacts of the entry at ``path``; ``BadEntry`` when it is not a whole entry of ``key``."""
+def read_entry(path: Path, key: str) -> Entry:
+    """The entry at ``path``; ``BadEntry`` when it is not a whole entry of ``key``."""
     data = path.read_bytes()
-    line, newline, artifacts = data.partition(b"\n")
+    line, newline, payload = data.partition(b"\n")
     try:
         header = json.loads(line) if newline else None
     except ValueError:
         header = None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
+    if not isinstance(header, dict) or not str(header.get("format", "")).startswith("ditrun-compile-cache/"):
         raise BadEntry("not a ditrun compile-cache entry")
+    if header["format"] != FORMAT:
+        raise BadEntry(f"it is of another format ({header['format']}; this ditrun reads {FORMAT})")
     if header.get("key") != key or header.get("torch") != torch.__version__:
         raise BadEntry(f"it belongs to another key or torch version ({header.get('torch')})")
-    if header.get("bytes") != len(artifacts) or header.get("sha256") != hashlib.sha256(artifacts).hexdigest():
-        raise BadEntry(f"truncated or corrupt ({len(artifacts)} of {header.get('bytes')} bytes, checksum differs)")
-    return artifacts
+    if header.get("bytes") != len(payload) or header.get("sha256") != hashlib.sha256(payload).hexdigest():
+        raise BadEntry(f"truncated or corrupt ({len(payload)} of {header.get('bytes')} bytes, checksum differs)")
+    split = header.get("artifacts_bytes")
+    if not isinstance(split, int) or not 0 <= split <= len(payload):
+        raise BadEntry("its header does not say where the artifacts end")
+    return Entry(payload[:split], payload[split:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton's kernels
+
+_KERNEL_FOLDER = re.compile(r"[A-Za-z0-9_-]{8,128}")
+"""A kernel folder's name in Triton's cache (its hash, base32 or hex)."""
+
+
+def claim_triton_cache_dir(device: torch.device) -> Optional[Path]:
+    """Triton's cache folder for this process on ``device`` (a GPU; None otherwise): ``TRITON_CACHE_DIR`` when set,
+    else the one Inductor would set on its first compiled kernel, set now so that the kernels ditrun's custom ops
+    compile before that land there too."""
+    if device.type != "cuda":
+        return None
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(index)
+    return Path(os.environ["TRITON_CACHE_DIR"])
+
+
+def kernel_folders(root: Optional[Path]) -> frozenset:
+    """The names of the whole kernel folders under ``root`` (those with a file list, ``__grp__*.json``)."""
+    if root is None or not root.is_dir():
+        return frozenset()
+    return frozenset(p.name for p in root.iterdir() if _KERNEL_FOLDER.fullmatch(p.name) and p.is_dir()
+                     and any(child.name.startswith("__grp__") for child in p.iterdir()))
+
+
+def pack_kernels(root: Path, names) -> bytes:
+    """The kernel folders ``names`` under ``root`` (their files, not Triton's temporary folders), a gzip'd tar."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
+        for name in sorted(names):
+            for file in sorted((root / name).iterdir()):
+                if file.is_file() and not file.is_symlink() and file.name != "lock":
+                    tar.add(file, arcname=f"{name}/{file.name}", recursive=False)
+    return buffer.getvalue() if names else b""
+
+
+def unpack_kernels(data: bytes, root: Path) -> frozenset:
+    """Put the kernel folders of ``data`` (``pack_kernels``) under ``root`` where missing, each whole (written
+    under a temporary name, renamed into place) and its file lists pointed at ``root``; returns every folder
+    ``data`` holds. ``BadEntry`` when it is not such a tar."""
+    if not data:
+        return frozenset()
+    folders: dict[str, dict[str, bytes]] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            for member in tar:
+                folder, _, name = member.name.partition("/")
+                if not (member.isfile() and _KERNEL_FOLDER.fullmatch(folder) and name
+                        and re.fullmatch(r"[^/\\]+", name) and name not in (".", "..")):
+                    raise BadEntry(f"its Triton kernels hold {member.name!r}, not a kernel's file")
+                folders.setdefault(folder, {})[name] = tar.extractfile(member).read()
+    except (tarfile.TarError, OSError, EOFError) as err:
+        raise BadEntry(f"its Triton kernels cannot be read ({type(err).__name__}: {err})") from err
+    root.mkdir(parents=True, exist_ok=True)
+    for folder, files in folders.items():
+        if kernel_folders(root) >= {folder}:
+            continue
+        temporary = root / f"tmp.ditrun.{os.getpid()}.{folder}"
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        for name, content in files.items():
+            if name.startswith("__grp__"):
+                listed = json.loads(content).get("child_paths", {})
+                content = json.dumps({"child_paths": {child: str(root / folder / Path(path).name)
+                                                      for child, path in listed.items()}}).encode()
+            (temporary / name).write_bytes(content)
+        shutil.rmtree(root / folder, ignore_errors=True)  # a folder without its file list: Triton would recompile
+        try:
+            temporary.rename(root / folder)
+        except OSError:  # another process put it there meanwhile
+            shutil.rmtree(temporary, ignore_errors=True)
+    return frozenset(folders)
 
 
 def graph_cache_lookups() -> dict[str, int]:
@@ -208,6 +318,12 @@ class CompileCache:
     """The artifacts of the entry as this process last loaded or wrote it."""
     written: int = 0
     """Times this process wrote the entry."""
+    kernels_dir: Optional[Path] = None
+    """Triton's cache folder of this process (``claim_triton_cache_dir``); None carries no Triton kernels."""
+    kernels_before: frozenset = field(default_factory=frozenset)
+    """The kernel folders that were there before ``load``: the node's, not this job's."""
+    kernels_stored: frozenset = field(default_factory=frozenset)
+    """The kernel folders of the entry as this process last loaded or wrote it."""
 
     @functools.cached_property
     def key(self) -> str:
@@ -218,9 +334,11 @@ class CompileCache:
         return None if self.folder is None else self.folder / f"{self.key}{ENTRY_SUFFIX}"
 
     def load(self) -> str:
-        """Put the entry's artifacts into this process's local caches; returns ``status``."""
+        """Put the entry's artifacts into this process's local caches (its Triton kernels into Triton's cache
+        folder); returns ``status``."""
         if self.path is None:
             return self.status
+        self.kernels_before = kernel_folders(self.kernels_dir)
         try:
             info = self._load()
         except FileNotFoundError:
@@ -231,14 +349,19 @@ class CompileCache:
             print(f"ditrun: warning: compile cache entry {self.path} discarded: {why}; compiling as without one",
                   flush=True)
         else:
-            self.status, self.stored = "hit", _artifact_keys(info)
-            self._say(f"loaded {self.path} ({len(self.stored)} artifacts)")
+            self.status, self.stored = "hit", _artifact_keys(info) if info is not None else frozenset()
+            kernels = f", {len(self.kernels_stored)} Triton kernels" if self.kernels_stored else ""
+            self._say(f"loaded {self.path} ({len(self.stored)} artifacts{kernels})")
         return self.status
 
     def _load(self):
-        artifacts = read_entry(self.path, self.key)
+        entry = read_entry(self.path, self.key)
+        if self.kernels_dir is not None:
+            self.kernels_stored = unpack_kernels(entry.kernels, self.kernels_dir)
+        if not entry.artifacts:  # only Triton kernels (nothing PyTorch caches compiled)
+            return None
         try:
-            info = torch.compiler.load_cache_artifacts(artifacts)
+            info = torch.compiler.load_cache_artifacts(entry.artifacts)
         except Exception as err:  # noqa: BLE001 - whatever PyTorch fails on, the run compiles without the entry
             raise BadEntry(f"PyTorch could not load its artifacts ({type(err).__name__}: {err})") from err
         if info is None:
@@ -246,27 +369,36 @@ class CompileCache:
         return info
 
     def save(self) -> bool:
-        """Write the entry when this process is its writer and compiled (or found) artifacts it lacks; whether it
-        wrote. Cheap when there is nothing new: PyTorch serialises each artifact once per process."""
+        """Write the entry when this process is its writer and compiled (or found) artifacts or Triton kernels it
+        lacks; whether it wrote. Cheap when there is nothing new: PyTorch serialises each artifact once per
+        process."""
         if self.path is None or not self.writer:
             return False
         saved = torch.compiler.save_cache_artifacts()
-        if saved is None or _artifact_keys(saved[1]) <= self.stored:
+        kernels = (kernel_folders(self.kernels_dir) - self.kernels_before) | self.kernels_stored
+        new_artifacts = saved is not None and not _artifact_keys(saved[1]) <= self.stored
+        if not new_artifacts and kernels <= self.kernels_stored:
             return False
-        artifacts, info = saved
+        artifacts, info = saved if saved is not None else (b"", None)
+        kernels = {name for name in kernels if (self.kernels_dir / name).is_dir()}
         try:
-            write_entry(self.path, self.key, self.described, artifacts)
+            entry = Entry(artifacts, pack_kernels(self.kernels_dir, kernels) if kernels else b"")
+            write_entry(self.path, self.key, self.described, entry)
         except OSError as err:  # a full or read-only shared folder costs later jobs their compile, not this run
             print(f"ditrun: warning: compile cache entry {self.path} not written: {err}", flush=True)
             return False
-        self.stored, self.written = _artifact_keys(info), self.written + 1
-        self._say(f"wrote {self.path} ({len(self.stored)} artifacts, {len(artifacts) / 2**20:.1f} MiB)")
+        self.stored = _artifact_keys(info) if info is not None else frozenset()
+        self.kernels_stored, self.written = frozenset(kernels), self.written + 1
+        size = (len(entry.artifacts) + len(entry.kernels)) / 2**20
+        carried = f", {len(kernels)} Triton kernels" if kernels else ""
+        self._say(f"wrote {self.path} ({len(self.stored)} artifacts{carried}, {size:.1f} MiB)")
         return True
 
     def fields(self) -> dict:
         """The summary's ``compile_cache``: what happened, the entry's key and path, and what Inductor's graph cache
         found (a hit for every graph compiled after a load, where the entry held it)."""
         return {"status": self.status, "written": self.written, "artifacts": len(self.stored),
+                "triton_kernels": len(self.kernels_stored),
                 "key": self.key if self.path is not None else None,
                 "entry": str(self.path) if self.path is not None else None, "fx_graph_cache": graph_cache_lookups()}
 
