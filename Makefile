@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the Slurm tests need (a one-node cluster started by slurm/local-cluster.sh).
 SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 
-.PHONY: run test test-quick install system-packages clean
+.PHONY: run test test-quick lint format install system-packages clean
 
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
@@ -16,13 +16,22 @@ run: $(STAMP)
 # local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores.
 # Files go out longest first (tests/conftest.py's
 # FILE_SECONDS; --no-loadscope-reorder keeps that order).
-test: system-packages $(STAMP)
+test: system-packages $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # The quick tier, to run after each change: every test but those marked `slow` (those that start processes: the
 # command, ranks, a Slurm cluster, a training; or compile, or run whole edits), so it needs no Slurm and no MPI.
-test-quick: $(STAMP)
+test-quick: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(PYTEST_ARGS)
+
+# ruff's lint and format checks (pyproject.toml's [tool.ruff]); `make format` rewrites the files it would change.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 install: system-packages $(STAMP)
 

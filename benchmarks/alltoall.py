@@ -40,8 +40,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ditrun.config import TransportConfig  # noqa: E402
-from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.parallel.ulysses import attention_plans, even_splits  # noqa: E402
+from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.transport.base import ExchangePlan  # noqa: E402
 from ditrun.transport.registry import make_transport  # noqa: E402
 
@@ -51,6 +51,8 @@ TRANSPORTS = ("collective", "copy_engine")
 def transports_for(share_gpu: bool) -> tuple[str, ...]:
     """NCCL needs one GPU per rank: two ranks sharing a GPU measure the copy engine alone."""
     return ("copy_engine",) if share_gpu else TRANSPORTS
+
+
 HEADS, HEAD_DIM, TEXT = 24, 128, 512
 # (label, output side in pixels, reference side in pixels)
 EDITS = [("1 MP", 1024, 1024), ("4 MP out + 1 MP ref", 2048, 1024)]
@@ -88,8 +90,13 @@ def hold_gpu(cycles: int) -> None:
 def stream_plan(world: int) -> ExchangePlan:
     """A transfer kept in flight beside a kernel: independent exchanges of ~50 MB to each peer."""
     rows = 65536
-    return ExchangePlan("in_flight", tuple((rows,) * world for _ in range(world)), (3, 1, 1, 128), torch.bfloat16,
-                        head_groups=IN_FLIGHT_EXCHANGES)
+    return ExchangePlan(
+        "in_flight",
+        tuple((rows,) * world for _ in range(world)),
+        (3, 1, 1, 128),
+        torch.bfloat16,
+        head_groups=IN_FLIGHT_EXCHANGES,
+    )
 
 
 def peer_bytes(plan: ExchangePlan, rank: int) -> int:
@@ -145,7 +152,10 @@ def kernels(device) -> dict:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     tokens = joint_tokens(1024, 1024)
     q, k, v = (torch.randn(1, HEADS // 2, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16) for _ in range(3))
-    return {"GEMM bf16 8192^3": lambda: a @ b, f"SDPA {HEADS // 2} heads x {tokens} tokens": lambda: F.scaled_dot_product_attention(q, k, v)}
+    return {
+        "GEMM bf16 8192^3": lambda: a @ b,
+        f"SDPA {HEADS // 2} heads x {tokens} tokens": lambda: F.scaled_dot_product_attention(q, k, v),
+    }
 
 
 def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> tuple[float, float]:
@@ -192,7 +202,8 @@ def profile_exchange(transport, plan: ExchangePlan, out: Path, name: str) -> dic
         if event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             by_cat.setdefault(event["cat"], []).append(event["name"])
     return {cat: sorted(set(names)) for cat, names in by_cat.items()} | {
-        f"{cat}_count": len(names) for cat, names in by_cat.items()}
+        f"{cat}_count": len(names) for cat, names in by_cat.items()
+    }
 
 
 def rank_main(rank: int, world: int, args, port: int) -> None:
@@ -200,14 +211,23 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
     torch.cuda.set_device(device)
     init_ranks(rank, world, port, device, args.share_gpu)
     timer = ExposedTransfer(device)
-    transports = {name: make_transport(TransportConfig(name=name), dist.group.WORLD, timer, device, 120.0)
-                  for name in transports_for(args.share_gpu)}
+    transports = {
+        name: make_transport(TransportConfig(name=name), dist.group.WORLD, timer, device, 120.0)
+        for name in transports_for(args.share_gpu)
+    }
     plans = flux_plans(world)
     bulk = stream_plan(world)
     for transport in transports.values():
         transport.prepare([plan for _, _, plan in plans] + [bulk])
-    report = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "world": world,
-              "share_gpu": args.share_gpu, "exchanges": [], "slowdown": [], "profile": {}}
+    report = {
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "world": world,
+        "share_gpu": args.share_gpu,
+        "exchanges": [],
+        "slowdown": [],
+        "profile": {},
+    }
     for label, groups, plan in plans:
         row = {"edit": label, "kind": plan.kind, "head_groups": groups, "peer_mb": peer_bytes(plan, rank) / 1e6}
         for name, transport in transports.items():
@@ -233,8 +253,13 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
 
 def init_ranks(rank: int, world: int, port: int, device: torch.device, share_gpu: bool) -> None:
     backend = "gloo" if share_gpu else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            **({} if share_gpu else {"device_id": device}))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        **({} if share_gpu else {"device_id": device}),
+    )
 
 
 def _ms(row: dict, transport: str, suffix: str = "_ms") -> str:
@@ -246,34 +271,48 @@ def _us(row: dict, transport: str) -> str:
 
 
 def print_tables(report: dict) -> None:
-    print(f"\nall-to-all over {report['world']} ranks on {report['device']}"
-          f"{' (one GPU shared, CUDA IPC)' if report['share_gpu'] else ''}, torch {report['torch']}")
-    print(f"{'edit':<20} {'exchange':<14} {'groups':>6} {'to peer MB':>10} {'collective ms':>14} {'GB/s':>7} "
-          f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8} {'GPU ms: collective':>19} {'copy_engine':>12} "
-          f"{'host us: collective':>20} {'copy_engine':>12}")
+    print(
+        f"\nall-to-all over {report['world']} ranks on {report['device']}"
+        f"{' (one GPU shared, CUDA IPC)' if report['share_gpu'] else ''}, torch {report['torch']}"
+    )
+    print(
+        f"{'edit':<20} {'exchange':<14} {'groups':>6} {'to peer MB':>10} {'collective ms':>14} {'GB/s':>7} "
+        f"{'copy_engine ms':>15} {'GB/s':>7} {'speedup':>8} {'GPU ms: collective':>19} {'copy_engine':>12} "
+        f"{'host us: collective':>20} {'copy_engine':>12}"
+    )
     for r in report["exchanges"]:
         gbps = {t: f"{r['peer_mb'] / r[t + '_ms']:.0f}" if t + "_ms" in r else "-" for t in TRANSPORTS}
         speedup = f"{r['collective_ms'] / r['copy_engine_ms']:.2f}x" if "collective_ms" in r else "-"
-        print(f"{r['edit']:<20} {r['kind']:<14} {r['head_groups']:>6} {r['peer_mb']:>10.1f} "
-              f"{_ms(r, 'collective'):>14} {gbps['collective']:>7} {_ms(r, 'copy_engine'):>15} "
-              f"{gbps['copy_engine']:>7} {speedup:>8} {_ms(r, 'collective', '_gpu_ms'):>19} "
-              f"{_ms(r, 'copy_engine', '_gpu_ms'):>12} {_us(r, 'collective'):>20} {_us(r, 'copy_engine'):>12}")
-    print("(ms: CUDA events on the compute stream from before start to after wait, host issue included; GPU ms: "
-          "the same with the host's issuing hidden behind a GPU sleep; host us: host time to issue send_buffer + "
-          "start + wait + release)")
-    print(f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
-          f"(kernel time beside an in-flight transfer / alone)")
+        print(
+            f"{r['edit']:<20} {r['kind']:<14} {r['head_groups']:>6} {r['peer_mb']:>10.1f} "
+            f"{_ms(r, 'collective'):>14} {gbps['collective']:>7} {_ms(r, 'copy_engine'):>15} "
+            f"{gbps['copy_engine']:>7} {speedup:>8} {_ms(r, 'collective', '_gpu_ms'):>19} "
+            f"{_ms(r, 'copy_engine', '_gpu_ms'):>12} {_us(r, 'collective'):>20} {_us(r, 'copy_engine'):>12}"
+        )
+    print(
+        "(ms: CUDA events on the compute stream from before start to after wait, host issue included; GPU ms: "
+        "the same with the host's issuing hidden behind a GPU sleep; host us: host time to issue send_buffer + "
+        "start + wait + release)"
+    )
+    print(
+        f"\n{'kernel':<28} {'alone ms':>9} {'beside collective':>18} {'beside copy_engine':>19}   "
+        f"(kernel time beside an in-flight transfer / alone)"
+    )
     for r in report["slowdown"]:
         ratio = {t: r[f"{t}_ms"] / r["alone_ms"] for t in TRANSPORTS if f"{t}_ms" in r}
         shown = {t: f"{ratio[t]:.3f}x" if t in ratio else "-" for t in TRANSPORTS}
         outlasted = " ".join(f"{t} {r[t + '_outlasted_ms']:+.2f}" for t in TRANSPORTS if t + "_outlasted_ms" in r)
-        print(f"{r['kernel']:<28} {r['alone_ms']:>9.3f} {shown['collective']:>18} {shown['copy_engine']:>19}"
-              f"   transfer outlasted kernel by ms: {outlasted}")
+        print(
+            f"{r['kernel']:<28} {r['alone_ms']:>9.3f} {shown['collective']:>18} {shown['copy_engine']:>19}"
+            f"   transfer outlasted kernel by ms: {outlasted}"
+        )
     print("(a negative 'outlasted' means the transfer ended before the kernel: the ratio then understates it)")
     print("\nprofile of one 1 MP qkv exchange (rank 0):")
     for name, found in report["profile"].items():
-        print(f"  {name}: {found.get('gpu_memcpy_count', 0)} memcpy, {found.get('kernel_count', 0)} kernels "
-              f"{found.get('kernel', [])}")
+        print(
+            f"  {name}: {found.get('gpu_memcpy_count', 0)} memcpy, {found.get('kernel_count', 0)} kernels "
+            f"{found.get('kernel', [])}"
+        )
 
 
 def free_port() -> int:

@@ -28,12 +28,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.kernels.attention import (ATTENTION_KERNELS, choose_implementation, fp8_v_codes,  # noqa: E402
-                                     gluon_unavailable, int8qk_attention_op, quantize_operands, quantize_v)
-from ditrun.kernels import fp8_sdpa  # noqa: E402
-from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op  # noqa: E402
 from gemm import CUDA, print_table, relative_error  # noqa: E402
 from timing import time_ms  # noqa: E402
+
+from ditrun.kernels import fp8_sdpa  # noqa: E402
+from ditrun.kernels.attention import (  # noqa: E402
+    ATTENTION_KERNELS,
+    choose_implementation,
+    fp8_v_codes,
+    gluon_unavailable,
+    int8qk_attention_op,
+    quantize_operands,
+    quantize_v,
+)
+from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op  # noqa: E402
 
 ERROR_QUERIES = 2048
 
@@ -60,8 +68,9 @@ class Inputs:
 
     def __init__(self, s: int, heads: int, head_dim: int, repeats: int, calls: int = 1):
         g = torch.Generator(device="cuda").manual_seed(0)
-        self.q, self.k, self.v = (torch.randn(1, s, heads, head_dim, device="cuda", generator=g,
-                                              dtype=torch.bfloat16) for _ in range(3))
+        self.q, self.k, self.v = (
+            torch.randn(1, s, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3)
+        )
         self.k = self.k + 0.5 * torch.randn(1, 1, heads, head_dim, device="cuda", generator=g, dtype=torch.bfloat16)
         self.exact = fp32_reference(self.q, self.k, self.v)
         self.s, self.flops, self.repeats, self.calls = s, 4 * s * s * heads * head_dim, repeats, calls
@@ -80,8 +89,14 @@ class Inputs:
         except Exception as failure:  # noqa: BLE001 - an optional row says why it could not run and goes on
             if not optional:
                 raise
-            return {"S": str(self.s), "kernel": kernel, "ms": "-", "TF/s": "-", "vs sdpa": "-",
-                    "error": failure_text(failure)}
+            return {
+                "S": str(self.s),
+                "kernel": kernel,
+                "ms": "-",
+                "TF/s": "-",
+                "vs sdpa": "-",
+                "error": failure_text(failure),
+            }
         return self._row(kernel, ms, err)
 
     def sdpa_row(self, error: bool = True) -> dict[str, str]:
@@ -90,8 +105,14 @@ class Inputs:
         return self._row("sdpa bf16", self.base, err)
 
     def _row(self, kernel: str, ms: float, err: str) -> dict[str, str]:
-        return {"S": str(self.s), "kernel": kernel, "ms": f"{ms:.3f}", "TF/s": f"{self.flops / ms / 1e9:.0f}",
-                "vs sdpa": f"{self.base / ms:.2f}x", "error": err}
+        return {
+            "S": str(self.s),
+            "kernel": kernel,
+            "ms": f"{ms:.3f}",
+            "TF/s": f"{self.flops / ms / 1e9:.0f}",
+            "vs sdpa": f"{self.base / ms:.2f}x",
+            "error": err,
+        }
 
 
 def bench(s: int, heads: int, head_dim: int, repeats: int, calls: int = 1) -> list[dict[str, str]]:
@@ -107,25 +128,45 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, calls: int = 1) -> li
             if implementation == "gluon" and v_format == "fp8":  # the FP8 P @ V takes V's codes
                 v_operand, v_scale = fp8_v_codes(o.v)
             args = (o.q, o.q_scale, o.k, o.k_scale, v_operand, sm_scale, implementation, v_scale)
-            rows.append(x.row(f"int8qk {implementation} kernel only ({v_format} V)",
-                              lambda args=args: int8qk_attention_op(*args).transpose(1, 2)))
+            rows.append(
+                x.row(
+                    f"int8qk {implementation} kernel only ({v_format} V)",
+                    lambda args=args: int8qk_attention_op(*args).transpose(1, 2),
+                )
+            )
     fp8_pv = fp8_pv_operands(q, k, v)  # the vendor's fused FP8 kernel (cuDNN here) on operands quantized beforehand
-    rows.append(x.row(f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
-                      lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, sm_scale), fp8_pv[3], torch.bfloat16),
-                      optional=True))
+    rows.append(
+        x.row(
+            f"fp8_pv kernel only ({fp8_sdpa.BACKEND})",
+            lambda: dequantize_output(fp8_sdpa_op(*fp8_pv, sm_scale), fp8_pv[3], torch.bfloat16),
+            optional=True,
+        )
+    )
     for name, kernel in ATTENTION_KERNELS.items():
         if not kernel.quantized:
             continue
         implementation = choose_implementation(kernel, CUDA, head_dim, fast=True)
         attention = kernel.make(implementation)
-        rows.append(x.row(f"{name} ({implementation})", lambda attention=attention: attention(q, k, v),
-                          optional=implementation == "reference"))
+        rows.append(
+            x.row(
+                f"{name} ({implementation})",
+                lambda attention=attention: attention(q, k, v),
+                optional=implementation == "reference",
+            )
+        )
     return rows
 
 
 # The Triton kernel's configurations --configs compares: (BLOCK_M, BLOCK_N, warps, stages).
-TILE_CONFIGS = [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-                 (128, 128, 8, 3), (64, 64, 4, 3)]
+TILE_CONFIGS = [
+    (128, 64, 4, 3),
+    (128, 64, 4, 2),
+    (128, 64, 8, 3),
+    (128, 64, 8, 4),
+    (128, 128, 8, 2),
+    (128, 128, 8, 3),
+    (64, 64, 4, 3),
+]
 
 
 def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[str, str]]:
@@ -139,14 +180,22 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
     rows = [x.sdpa_row(error=False)]
     int8 = quantize_operands(q, k, v, "bf16")
     v_bf16, v_fp8 = v.transpose(1, 2).contiguous(), quantize_v(v.transpose(1, 2), "fp8").contiguous()
-    variants = {"bf16 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_bf16),
-                "fp8 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_fp8)}
+    variants = {
+        "bf16 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_bf16),
+        "fp8 V": (int8.q, int8.q_scale, int8.k, int8.k_scale, v_fp8),
+    }
     for name, operands in variants.items():
         for bm, bn, warps, stages in TILE_CONFIGS:
             config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-            rows.append(x.row(f"{name} [{bm}x{bn} w{warps} s{stages}]",
-                              lambda operands=operands, config=config: flash_attention(
-                                  *operands, 1 / math.sqrt(head_dim), config).transpose(1, 2), optional=True))
+            rows.append(
+                x.row(
+                    f"{name} [{bm}x{bn} w{warps} s{stages}]",
+                    lambda operands=operands, config=config: flash_attention(
+                        *operands, 1 / math.sqrt(head_dim), config
+                    ).transpose(1, 2),
+                    optional=True,
+                )
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -157,11 +206,16 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--calls", type=int, default=5,
-                        help="back-to-back calls per timing: each call's host launch overlaps the previous call's GPU "
-                             "work, as in a model (1: the launch counts too)")
-    parser.add_argument("--configs", action="store_true",
-                        help="only the Triton kernel's operand variants x tile configurations")
+    parser.add_argument(
+        "--calls",
+        type=int,
+        default=5,
+        help="back-to-back calls per timing: each call's host launch overlaps the previous call's GPU "
+        "work, as in a model (1: the launch counts too)",
+    )
+    parser.add_argument(
+        "--configs", action="store_true", help="only the Triton kernel's operand variants x tile configurations"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")

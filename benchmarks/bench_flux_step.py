@@ -25,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from timing import cuda_time  # noqa: E402
+
 from ditrun.model import from_pretrained  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
-from timing import cuda_time  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 
@@ -58,9 +59,14 @@ def build_diffusers_checkpoint(folder: Path):
     g = FLUX_DEV
     with torch.device("cuda"):
         model = FluxTransformer2DModel(
-            num_layers=g.num_layers, num_single_layers=g.num_single_layers, attention_head_dim=g.attention_head_dim,
-            num_attention_heads=g.num_attention_heads, joint_attention_dim=g.joint_attention_dim,
-            pooled_projection_dim=g.pooled_projection_dim, guidance_embeds=True, axes_dims_rope=g.axes_dims_rope,
+            num_layers=g.num_layers,
+            num_single_layers=g.num_single_layers,
+            attention_head_dim=g.attention_head_dim,
+            num_attention_heads=g.num_attention_heads,
+            joint_attention_dim=g.joint_attention_dim,
+            pooled_projection_dim=g.pooled_projection_dim,
+            guidance_embeds=True,
+            axes_dims_rope=g.axes_dims_rope,
         )
     model = model.to(torch.bfloat16).eval().requires_grad_(False)
     start = time.perf_counter()
@@ -110,8 +116,13 @@ def main() -> int:
         return 0
 
     torch.backends.cuda.matmul.allow_tf32 = True
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "width": args.width, "height": args.height, "text_len": args.text_len}
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "width": args.width,
+        "height": args.height,
+        "text_len": args.text_len,
+    }
     results["matmul_ceiling_tflops"] = matmul_ceiling_tflops()
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         folder = Path(tmp) / "flux-dev-random"
@@ -141,15 +152,21 @@ def main() -> int:
     results["rows"] = rows
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
 
-    print(f"\nFLUX.1-dev geometry, {args.width}x{args.height} edit ({n_img} image+reference tokens, "
-          f"{args.text_len} text), bf16, {results['device']}, torch {results['torch']}")
-    print(f"checkpoint {results['checkpoint_gb']:.1f} GB: diffusers save {results['save_s']:.1f} s, "
-          f"ditrun from_pretrained {results['load_s']:.1f} s; output rel. error vs diffusers "
-          f"{results['rel_err_vs_diffusers']:.2e}")
+    print(
+        f"\nFLUX.1-dev geometry, {args.width}x{args.height} edit ({n_img} image+reference tokens, "
+        f"{args.text_len} text), bf16, {results['device']}, torch {results['torch']}"
+    )
+    print(
+        f"checkpoint {results['checkpoint_gb']:.1f} GB: diffusers save {results['save_s']:.1f} s, "
+        f"ditrun from_pretrained {results['load_s']:.1f} s; output rel. error vs diffusers "
+        f"{results['rel_err_vs_diffusers']:.2e}"
+    )
     print(f"{'model':<10} {'forward s':>10} {'CFG step s':>11} {'TFLOP/s':>8} {'% of GEMM ceiling':>18}")
     for name, row in rows.items():
-        print(f"{name:<10} {row['forward_s']:>10.4f} {row['cfg_step_s']:>11.4f} {row['tflops']:>8.0f} "
-              f"{row['pct_of_ceiling']:>17.0f}%")
+        print(
+            f"{name:<10} {row['forward_s']:>10.4f} {row['cfg_step_s']:>11.4f} {row['tflops']:>8.0f} "
+            f"{row['pct_of_ceiling']:>17.0f}%"
+        )
     print(f"bf16 GEMM ceiling (8192^3, random data): {results['matmul_ceiling_tflops']:.0f} TFLOP/s")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

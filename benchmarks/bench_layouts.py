@@ -10,7 +10,8 @@ median of ``--repeats`` steps.
     python benchmarks/bench_layouts.py --width 1024 --height 1024 --out results/bench
 
 ``--world 2`` instead runs two ranks (one per GPU; ``--share-gpu``: both on GPU 0 over a gloo
-process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run and in alternation,
+process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run and in
+alternation,
 every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
 ``single`` on the same inputs: the relative error of the guided velocity,
 whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
@@ -46,16 +47,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.timers import ExposedTransfer  # noqa: E402
+from timing import gpu_and_backlog_s  # noqa: E402
+
+from ditrun.config import TransportConfig  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.load import random_model  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
 from ditrun.model.sampler import EditInputs, PlainForward  # noqa: E402
 from ditrun.parallel.cfg import layout_velocity, prepare_transports  # noqa: E402
 from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
-from ditrun.config import TransportConfig  # noqa: E402
+from ditrun.timers import ExposedTransfer  # noqa: E402
 from ditrun.transport.registry import make_transport  # noqa: E402
-from timing import gpu_and_backlog_s  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
@@ -79,22 +81,31 @@ def edit_inputs(width: int, height: int, text_len: int) -> EditInputs:
         return torch.randn(*shape, generator=gen, device="cuda")
 
     return EditInputs(
-        noise=randn(1, n, 64), ref_latents=randn(1, n, 64), img_ids=token_ids(h, w, 0, "cuda"),
-        ref_ids=token_ids(h, w, 1, "cuda"), prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
-        pooled=randn(1, FLUX_DEV.pooled_projection_dim), neg_prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
-        neg_pooled=randn(1, FLUX_DEV.pooled_projection_dim), txt_ids=torch.zeros(text_len, 3, device="cuda"),
+        noise=randn(1, n, 64),
+        ref_latents=randn(1, n, 64),
+        img_ids=token_ids(h, w, 0, "cuda"),
+        ref_ids=token_ids(h, w, 1, "cuda"),
+        prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
+        pooled=randn(1, FLUX_DEV.pooled_projection_dim),
+        neg_prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
+        neg_pooled=randn(1, FLUX_DEV.pooled_projection_dim),
+        txt_ids=torch.zeros(text_len, 3, device="cuda"),
     )
 
 
-def step_function(model, inputs: EditInputs, name: str, head_groups: int, world: int = 1,
-                  transport: str = "collective", timer=None):
+def step_function(
+    model, inputs: EditInputs, name: str, head_groups: int, world: int = 1, transport: str = "collective", timer=None
+):
     """One CFG step's velocity under ``name`` over ``world`` ranks (every rank calls this, in one order)."""
-    layout = build_layout(plan_layout(LayoutArgs(name, head_groups), world if name != "single" else 1,
-                                      FLUX_DEV.num_attention_heads))
+    layout = build_layout(
+        plan_layout(LayoutArgs(name, head_groups), world if name != "single" else 1, FLUX_DEV.num_attention_heads)
+    )
     device = torch.device("cuda", torch.cuda.current_device())
     timer = timer or ExposedTransfer(device)
-    transports = {axis: make_transport(TransportConfig(name=transport), layout.groups[axis], timer, device, 120.0)
-                  for axis in ("sp", "cfg")}
+    transports = {
+        axis: make_transport(TransportConfig(name=transport), layout.groups[axis], timer, device, 120.0)
+        for axis in ("sp", "cfg")
+    }
     dtype = next(model.parameters()).dtype
     velocity = layout_velocity(layout, transports, PlainForward(model), inputs, 2.5, 3.5, dtype)
     prepare_transports(layout, transports, inputs, FLUX_DEV, dtype)  # outside every timed call
@@ -111,15 +122,26 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=1, help="2: the layouts x transports on two ranks")
     parser.add_argument("--share-gpu", action="store_true", help="with --world 2: both ranks on GPU 0")
     parser.add_argument("--steps", type=int, default=4, help="steps per edit for the DiT time column")
-    parser.add_argument("--layouts", nargs="+", default=list(MULTI_LAYOUTS), choices=MULTI_LAYOUTS,
-                        help="with --world 2: the layouts to compare")
-    parser.add_argument("--head-groups", nargs="+", type=int, default=[1, 2],
-                        help="with --world 2: the head groups of each layout (24 heads / 2 ranks: 1, 2, 3, 4, 6, 12)")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=list(MULTI_LAYOUTS),
+        choices=MULTI_LAYOUTS,
+        help="with --world 2: the layouts to compare",
+    )
+    parser.add_argument(
+        "--head-groups",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="with --world 2: the head groups of each layout (24 heads / 2 ranks: 1, 2, 3, 4, 6, 12)",
+    )
     args = parser.parse_args()
     needed = 1 if args.world == 1 or args.share_gpu else args.world
     if torch.cuda.device_count() < needed:
-        print(f"bench_layouts: needs {needed} CUDA/ROCm GPU(s), {torch.cuda.device_count()} visible; "
-              "nothing to measure.")
+        print(
+            f"bench_layouts: needs {needed} CUDA/ROCm GPU(s), {torch.cuda.device_count()} visible; nothing to measure."
+        )
         return 0
     if args.world > 1:
         return multi_gpu(args)
@@ -148,25 +170,42 @@ def summarise(times: dict, outputs: dict, args) -> dict:
     for (name, groups), samples in times.items():
         step_s = statistics.median(samples)
         error = ((outputs[(name, groups)] - reference).abs().max() / reference.abs().max()).item()
-        rows.append({"layout": name, "head_groups": groups, "step_s": step_s,
-                     "overhead_pct": 100 * (step_s / base - 1), "max_rel_error_vs_single": error})
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "width": args.width,
-            "height": args.height, "text_len": args.text_len, "repeats": args.repeats,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "rows": rows}
+        rows.append(
+            {
+                "layout": name,
+                "head_groups": groups,
+                "step_s": step_s,
+                "overhead_pct": 100 * (step_s / base - 1),
+                "max_rel_error_vs_single": error,
+            }
+        )
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "width": args.width,
+        "height": args.height,
+        "text_len": args.text_len,
+        "repeats": args.repeats,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "rows": rows,
+    }
 
 
 def print_table(report: dict) -> None:
     n = (report["width"] // 16) * (report["height"] // 16)
-    print(f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit "
-          f"({n} output + {n} reference tokens, {report['text_len']} text), one CFG step (both branches), "
-          f"{report['device']}, torch {report['torch']}, median of {report['repeats']}")
+    print(
+        f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit "
+        f"({n} output + {n} reference tokens, {report['text_len']} text), one CFG step (both branches), "
+        f"{report['device']}, torch {report['torch']}, median of {report['repeats']}"
+    )
     print(f"{'layout':<10} {'head groups':>11} {'step s':>8} {'vs single':>10} {'rel. error':>11}")
     for row in report["rows"]:
-        print(f"{row['layout']:<10} {row['head_groups']:>11} {row['step_s']:>8.4f} {row['overhead_pct']:>+9.1f}% "
-              f"{row['max_rel_error_vs_single']:>11.1e}")
+        print(
+            f"{row['layout']:<10} {row['head_groups']:>11} {row['step_s']:>8.4f} {row['overhead_pct']:>+9.1f}% "
+            f"{row['max_rel_error_vs_single']:>11.1e}"
+        )
     ulysses = next(r for r in report["rows"] if (r["layout"], r["head_groups"]) == ("ulysses", 1))
     print(f"ulysses (P=1, 1 head group) vs single: {ulysses['overhead_pct']:+.1f}%")
-
 
 
 # -- two ranks: every layout x transport x head groups against single ---------------------------------
@@ -178,8 +217,9 @@ SINGLE_ROW = ("single", 1, "collective")
 
 def multi_rows(layouts, head_groups, share_gpu: bool) -> list:
     """``single`` (the reference) and every layout x head groups x transport asked for, in timing order."""
-    rows = [SINGLE_ROW] + [(name, groups, transport) for name in layouts for groups in head_groups
-                           for transport in TRANSPORTS]
+    rows = [SINGLE_ROW] + [
+        (name, groups, transport) for name in layouts for groups in head_groups for transport in TRANSPORTS
+    ]
     return [row for row in rows if not share_gpu or row == SINGLE_ROW or row[2] == "copy_engine"]
 
 
@@ -197,8 +237,13 @@ def multi_gpu_rank(rank: int, args, port: int) -> None:
     device = torch.device("cuda", 0 if args.share_gpu else rank)
     torch.cuda.set_device(device)
     backend = "gloo" if args.share_gpu else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
-                            **({} if args.share_gpu else {"device_id": device}))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=args.world,
+        **({} if args.share_gpu else {"device_id": device}),
+    )
     model = random_model(FLUX_DEV, seed=0, dtype=torch.bfloat16, device=device)
     inputs = edit_inputs(args.width, args.height, args.text_len)
     rows = multi_rows(args.layouts, args.head_groups, args.share_gpu)
@@ -240,31 +285,54 @@ def summarise_multi(times: dict, exposed: dict, outputs: dict, args, backlog: di
         step_s = statistics.median(times[row])
         error = ((outputs[row] - reference).abs().max() / reference.abs().max()).item()
         twin = outputs.get((name, groups, "collective"))
-        rows.append({"layout": name, "head_groups": groups, "transport": transport, "step_s": step_s,
-                     "backlog_ms": 1e3 * statistics.median(backlog[row]),
-                     "dit_s": args.steps * step_s,
-                     "exposed_pct": 100 * statistics.median(e["total_s"] for e in exposed[row]) / step_s,
-                     "exposed_pct_by_kind": by_kind_pct(exposed[row], step_s),
-                     "max_rel_error_vs_single": error,
-                     "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin))})
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "world": args.world,
-            "share_gpu": args.share_gpu, "width": args.width, "height": args.height, "text_len": args.text_len,
-            "repeats": args.repeats, "steps": args.steps, "rows": rows}
+        rows.append(
+            {
+                "layout": name,
+                "head_groups": groups,
+                "transport": transport,
+                "step_s": step_s,
+                "backlog_ms": 1e3 * statistics.median(backlog[row]),
+                "dit_s": args.steps * step_s,
+                "exposed_pct": 100 * statistics.median(e["total_s"] for e in exposed[row]) / step_s,
+                "exposed_pct_by_kind": by_kind_pct(exposed[row], step_s),
+                "max_rel_error_vs_single": error,
+                "bitwise_as_collective": None if twin is None else bool(torch.equal(outputs[row], twin)),
+            }
+        )
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "world": args.world,
+        "share_gpu": args.share_gpu,
+        "width": args.width,
+        "height": args.height,
+        "text_len": args.text_len,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "rows": rows,
+    }
 
 
 def print_multi(report: dict) -> None:
-    print(f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit, "
-          f"{report['world']} ranks on {report['device']}{' (one GPU shared)' if report['share_gpu'] else ''}, "
-          f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps")
+    print(
+        f"\nFLUX.1-dev geometry, random bf16 weights, {report['width']}x{report['height']} edit, "
+        f"{report['world']} ranks on {report['device']}{' (one GPU shared)' if report['share_gpu'] else ''}, "
+        f"torch {report['torch']}, median of {report['repeats']} CFG steps, DiT s = {report['steps']} steps"
+    )
     print("backlog ms = GPU work left when the host had issued the step; about 0 means the GPU waited for the host")
-    print(f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'backlog ms':>10} {'DiT s':>7} {'exposed':>8} "
-          f"{'rel. err':>9} {'= collective':>12}  exposed % by kind")
+    print(
+        f"{'layout':<10} {'groups':>6} {'transport':<12} {'step s':>8} {'backlog ms':>10} {'DiT s':>7} {'exposed':>8} "
+        f"{'rel. err':>9} {'= collective':>12}  exposed % by kind"
+    )
     for r in report["rows"]:
-        print(f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} {r['backlog_ms']:>10.2f} "
-              f"{r['dit_s']:>7.3f} "
-              f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} "
-              f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}  "
-              + " ".join(f"{kind} {pct:.1f}" for kind, pct in r["exposed_pct_by_kind"].items()))
+        print(
+            f"{r['layout']:<10} {r['head_groups']:>6} {r['transport']:<12} {r['step_s']:>8.4f} "
+            f"{r['backlog_ms']:>10.2f} "
+            f"{r['dit_s']:>7.3f} "
+            f"{r['exposed_pct']:>7.1f}% {r['max_rel_error_vs_single']:>9.1e} "
+            f"{({True: 'yes', False: 'no', None: '-'})[r['bitwise_as_collective']]:>12}  "
+            + " ".join(f"{kind} {pct:.1f}" for kind, pct in r["exposed_pct_by_kind"].items())
+        )
     find = {(r["layout"], r["head_groups"], r["transport"]): r for r in report["rows"]}
     copy, coll = find.get(("ulysses", 2, "copy_engine")), find.get(("ulysses", 2, "collective"))
     if copy is None:
@@ -273,8 +341,10 @@ def print_multi(report: dict) -> None:
         print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}% (no NCCL row on a shared GPU)")
         return
     faster = 100 * (1 - copy["dit_s"] / coll["dit_s"])
-    print(f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}%, DiT time {faster:+.1f}% below "
-          "collective")
+    print(
+        f"ulysses, 2 head groups, copy_engine: exposed {copy['exposed_pct']:.1f}%, DiT time {faster:+.1f}% below "
+        "collective"
+    )
 
 
 if __name__ == "__main__":

@@ -26,9 +26,21 @@ PUBLISHED_S = {"published BF16 baseline (MI355X)": 22.9, "published optimized (M
 
 
 def run_ditrun(model: str, limit: int, steps: int, out: Path, extra: list[str]) -> dict:
-    command = [sys.executable, "-m", "ditrun", "workload=benchmark", f"model={model}", f"workload.limit={limit}",
-               f"workload.steps={steps}", "metrics.ssim=false", "metrics.report=false", "wandb.mode=disabled",
-               "progress=false", f"hydra.run.dir={out}", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "ditrun",
+        "workload=benchmark",
+        f"model={model}",
+        f"workload.limit={limit}",
+        f"workload.steps={steps}",
+        "metrics.ssim=false",
+        "metrics.report=false",
+        "wandb.mode=disabled",
+        "progress=false",
+        f"hydra.run.dir={out}",
+        *extra,
+    ]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, check=True)
     return json.loads((out / "summary.json").read_text())
@@ -55,9 +67,11 @@ def main() -> None:
     summary = run_ditrun(args.model, args.limit, args.steps, run_dir, args.extra)
     rows = table(summary, args.steps)
     w = summary["config"]["workload"]
-    print(f"\nworkload=benchmark: {summary['edits']} edits, {w['width']}x{w['height']} output + {w['ref_width']}x"
-          f"{w['ref_height']} reference, {w['text_len']} text tokens, true_cfg_scale {w['true_cfg_scale']}, "
-          f"{args.steps} steps, model={args.model}, random weights ({summary['dtype']})")
+    print(
+        f"\nworkload=benchmark: {summary['edits']} edits, {w['width']}x{w['height']} output + {w['ref_width']}x"
+        f"{w['ref_height']} reference, {w['text_len']} text tokens, true_cfg_scale {w['true_cfg_scale']}, "
+        f"{args.steps} steps, model={args.model}, random weights ({summary['dtype']})"
+    )
     print(f"{'run':<58} {'DiT s / edit @28':>16} {'s / step':>9} {'ours / it':>9}")
     for row in rows:
         print(f"{row[0]:<58} {row[1]:>16} {row[2]:>9} {row[3]:>9}")

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import timing  # noqa: E402
-from ditrun.kernels import linear as L  # noqa: E402
 from timing import time_ms  # noqa: E402
+
+from ditrun.kernels import linear as L  # noqa: E402
 
 # Flux (FLUX.1-dev) linears: (name, K, N). Q/K/V(+gate) are one stacked GEMM; the single-stream
 # block's proj_out takes [attention, MLP] = 3072 + 12288 channels.
@@ -128,16 +129,28 @@ def tiling_rows(m: int, repeats: int, time_ms) -> list[dict[str, str]]:
         x = torch.randn(m, k, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(k)).to(torch.bfloat16)
         io_bytes = 3 * x.numel()
         defaults = {kernel: T.default_tiling(k, kernel) for kernel in ("fp8", "mx")}
-        cases = {str(t) + "".join(f" (default {kernel})" for kernel, d in defaults.items() if t == d):
-                 (lambda t=t: T.rowwise_fp8(x, dtype, tiling=t),
-                  lambda t=t: T.mx_repack_fp8(x, element, 32, "rceil", headroom, tiling=t))
-                 for t in T.candidate_tilings(k) + list(defaults.values())}
+        cases = {
+            str(t) + "".join(f" (default {kernel})" for kernel, d in defaults.items() if t == d): (
+                lambda t=t: T.rowwise_fp8(x, dtype, tiling=t),
+                lambda t=t: T.mx_repack_fp8(x, element, 32, "rceil", headroom, tiling=t),
+            )
+            for t in T.candidate_tilings(k) + list(defaults.values())
+        }
         times = {name: [time_ms(fn, repeats) for fn in fns] for name, fns in cases.items()}
         best = [min(ms[i] for ms in times.values()) for i in range(2)]
         for name, ms in times.items():
-            rows.append({"M": str(m), "K": str(k), "tiling": name, **{
-                f"{kind} ms": f"{ms[i]:.4f} ({io_bytes / ms[i] / 1e9:.2f} TB/s){' *' if ms[i] == best[i] else ''}"
-                for i, kind in enumerate(("fp8", "mxfp6 repack"))}})
+            rows.append(
+                {
+                    "M": str(m),
+                    "K": str(k),
+                    "tiling": name,
+                    **{
+                        f"{kind} ms": f"{ms[i]:.4f} ({io_bytes / ms[i] / 1e9:.2f} TB/s)"
+                        + (" *" if ms[i] == best[i] else "")
+                        for i, kind in enumerate(("fp8", "mxfp6 repack"))
+                    },
+                }
+            )
     return rows
 
 
@@ -153,19 +166,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--formats", nargs="*", default=["fp8", "fp8_fast", "mxfp8", "mxfp6", "mxfp4"],
-                        help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists")
-    parser.add_argument("--tilings", action="store_true",
-                        help="only the Triton activation quantizers, every candidate tiling, per K of the Flux linears")
-    parser.add_argument("--timing", choices=("graph", "calls", "single"), default="graph",
-                        help="graph: --calls calls replayed as one CUDA graph (the GPU's time); calls: launched back "
-                             "to back (host included); single: one call at a time")
+    parser.add_argument(
+        "--formats",
+        nargs="*",
+        default=["fp8", "fp8_fast", "mxfp8", "mxfp6", "mxfp4"],
+        help="linear formats; NAME_fast: that format on its fast-accumulation backend where one exists",
+    )
+    parser.add_argument(
+        "--tilings",
+        action="store_true",
+        help="only the Triton activation quantizers, every candidate tiling, per K of the Flux linears",
+    )
+    parser.add_argument(
+        "--timing",
+        choices=("graph", "calls", "single"),
+        default="graph",
+        help="graph: --calls calls replayed as one CUDA graph (the GPU's time); calls: launched back "
+        "to back (host included); single: one call at a time",
+    )
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gemm.py needs a CUDA/ROCm GPU")
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"{'ROCm ' + torch.version.hip if torch.version.hip else 'CUDA ' + str(torch.version.cuda)}")
+    print(
+        f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"{'ROCm ' + torch.version.hip if torch.version.hip else 'CUDA ' + str(torch.version.cuda)}"
+    )
     print(f"timing: {args.timing}" + (f", {args.calls} calls" if args.timing != "single" else ""))
     timed = timer(args.timing, args.calls)
     if args.tilings:
@@ -174,8 +200,15 @@ def main() -> None:
     rows = []
     for m in args.m:
         for name, k, n in FLUX_SHAPES:
-            rows.append({"M": str(m), "linear": name, "K": str(k), "N": str(n),
-                         **bench_shape(m, k, n, args.repeats, args.formats, timings(args.timing, args.calls))})
+            rows.append(
+                {
+                    "M": str(m),
+                    "linear": name,
+                    "K": str(k),
+                    "N": str(n),
+                    **bench_shape(m, k, n, args.repeats, args.formats, timings(args.timing, args.calls)),
+                }
+            )
     print_table(rows)
 
 

@@ -55,8 +55,9 @@ def gpu_test_files(paths: list[str]) -> dict[str, int]:
         if "::" in line:
             counts[line.split("::", 1)[0]] += 1
     if not counts:
-        sys.exit(f"gpu_tests: no gpu tests collected under {' '.join(paths)}:\n{proc.stdout[-2000:]}"
-                 f"{proc.stderr[-2000:]}")
+        sys.exit(
+            f"gpu_tests: no gpu tests collected under {' '.join(paths)}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     return dict(counts)
 
 
@@ -81,15 +82,29 @@ def run_file(path: str, collected: int, timeout_s: float) -> FileResult:
     result = FileResult(path, collected)
     with tempfile.TemporaryDirectory() as tmp:
         xml_path = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "-rs",
-                   f"--junitxml={xml_path}", path]
+        command = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "gpu",
+            "-rs",
+            f"--junitxml={xml_path}",
+            path,
+        ]
         start = time.monotonic()
         try:
             proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
             result.log, returncode = proc.stdout + proc.stderr, proc.returncode
         except subprocess.TimeoutExpired as expired:
-            result.log = (expired.stdout or b"").decode(errors="replace") if isinstance(expired.stdout, bytes) \
+            result.log = (
+                (expired.stdout or b"").decode(errors="replace")
+                if isinstance(expired.stdout, bytes)
                 else (expired.stdout or "")
+            )
             result.note, returncode = f"timed out after {timeout_s:.0f} s", None
         result.seconds = time.monotonic() - start
         if xml_path.exists():
@@ -102,14 +117,19 @@ def run_file(path: str, collected: int, timeout_s: float) -> FileResult:
 
 
 def table(results: list[FileResult], header: str) -> str:
-    lines = [header, "", "| file | passed | failed | skipped | s | skipped because |",
-             "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        header,
+        "",
+        "| file | passed | failed | skipped | s | skipped because |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in results:
         why = "; ".join(filter(None, [r.note, *r.skip_reasons]))
         lines.append(f"| {r.path} | {r.passed} | {r.failed} | {r.skipped} | {r.seconds:.0f} | {why} |")
     total = [sum(getattr(r, name) for r in results) for name in ("passed", "failed", "skipped")]
-    lines.append(f"| all {len(results)} files | {total[0]} | {total[1]} | {total[2]} | "
-                 f"{sum(r.seconds for r in results):.0f} | |")
+    lines.append(
+        f"| all {len(results)} files | {total[0]} | {total[1]} | {total[2]} | {sum(r.seconds for r in results):.0f} | |"
+    )
     return "\n".join(lines)
 
 
@@ -140,8 +160,11 @@ def main() -> int:
         if left <= 0:
             return FileResult(path, collected, note="not started: --budget-s spent")
         result = run_file(path, collected, min(args.timeout_s, left))
-        print(f"{path}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped "
-              f"({result.seconds:.0f} s) {result.note}", flush=True)
+        print(
+            f"{path}: {result.passed} passed, {result.failed} failed, {result.skipped} skipped "
+            f"({result.seconds:.0f} s) {result.note}",
+            flush=True,
+        )
         return result
 
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -41,8 +41,15 @@ def measure_forward(model, geometry, side: int, text_len: int, device, dtype) ->
         torch.cuda.reset_peak_memory_stats(device)
     before = peak_bytes(device) if device.type == "cpu" else torch.cuda.memory_allocated(device)
     with torch.inference_mode():
-        model(x, text, pooled, torch.ones(1, device=device), ids, torch.zeros(text_len, 3, device=device),
-              guidance=torch.ones(1, device=device) if geometry.guidance_embeds else None)
+        model(
+            x,
+            text,
+            pooled,
+            torch.ones(1, device=device),
+            ids,
+            torch.zeros(text_len, 3, device=device),
+            guidance=torch.ones(1, device=device) if geometry.guidance_embeds else None,
+        )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return text_len + image_tokens, peak_bytes(device) - before
@@ -61,15 +68,19 @@ def main() -> None:
     params = parameter_count(geometry)
     model = random_model(geometry, dtype=dtype, device=device)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else params * element
-    print(f"{args.preset} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"{args.dtype}; free now {free_bytes(device) / GIB:.1f} GiB; weights estimated "
-          f"{params * element / GIB:.2f} GiB, allocated {weights / GIB:.2f} GiB")
+    print(
+        f"{args.preset} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+        f"{args.dtype}; free now {free_bytes(device) / GIB:.1f} GiB; weights estimated "
+        f"{params * element / GIB:.2f} GiB, allocated {weights / GIB:.2f} GiB"
+    )
     print(f"{'size':>6} {'tokens':>8} {'estimated GiB':>14} {'measured GiB':>13} {'est/measured':>13}")
     for side in args.sizes:
         tokens, measured = measure_forward(model, geometry, side, args.text_len, device, dtype)
         estimated = estimate(geometry, tokens, side * side, element, element, params).activations
-        print(f"{side:>6} {tokens:>8} {estimated / GIB:>14.3f} {measured / GIB:>13.3f} "
-              f"{estimated / max(measured, 1):>13.2f}")
+        print(
+            f"{side:>6} {tokens:>8} {estimated / GIB:>14.3f} {measured / GIB:>13.3f} "
+            f"{estimated / max(measured, 1):>13.2f}"
+        )
 
 
 if __name__ == "__main__":

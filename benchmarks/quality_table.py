@@ -13,7 +13,6 @@ import json
 import statistics
 from pathlib import Path
 
-
 # The published study (FLUX.1-Kontext-dev on MI355X): % of the BF16 rerun's SSIM (rerun SSIM 0.962).
 STUDY_PCT_OF_RERUN = {"fp8": 99.2, "mxfp6": 98.3, "mxfp4": 89.2}
 
@@ -30,27 +29,40 @@ def rows(sweep: Path) -> list[dict]:
         records = [json.loads(line) for line in (summary_file.parent / "edits.jsonl").read_text().splitlines() if line]
         name = summary["config"]["precision"]["name"]
         target, target_bf16 = summary.get("psnr_target_median"), summary.get("psnr_target_bf16_median")
-        out.append({
-            "precision": name, "ran": records[0]["precision"], "dit_s_median": summary.get("dit_s_median"),
-            "ssim": _median(records, "ssim"), "ssim_rerun": _median(records, "ssim_rerun"),
-            "ssim_pct_of_rerun": _median(records, "ssim_pct_of_rerun"), "psnr_target": target,
-            "psnr_target_bf16": target_bf16, "edits_right_share": summary.get("edits_right_share"),
-            "target_pct_of_bf16": 100 * target / target_bf16 if target and target_bf16 else None,
-            "study_pct_of_rerun": STUDY_PCT_OF_RERUN.get(name), "device": summary.get("device"),
-        })
+        out.append(
+            {
+                "precision": name,
+                "ran": records[0]["precision"],
+                "dit_s_median": summary.get("dit_s_median"),
+                "ssim": _median(records, "ssim"),
+                "ssim_rerun": _median(records, "ssim_rerun"),
+                "ssim_pct_of_rerun": _median(records, "ssim_pct_of_rerun"),
+                "psnr_target": target,
+                "psnr_target_bf16": target_bf16,
+                "edits_right_share": summary.get("edits_right_share"),
+                "target_pct_of_bf16": 100 * target / target_bf16 if target and target_bf16 else None,
+                "study_pct_of_rerun": STUDY_PCT_OF_RERUN.get(name),
+                "device": summary.get("device"),
+            }
+        )
     return out
 
 
 def markdown(table: list[dict]) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     share = lambda v: "-" if v is None else f"{100 * v:.0f}%"  # noqa: E731
-    lines = ["| precision | SSIM vs BF16 | BF16 rerun | % of rerun | PSNR vs correct edit, dB "
-             "| % of BF16's | edits right | study's % of rerun |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| precision | SSIM vs BF16 | BF16 rerun | % of rerun | PSNR vs correct edit, dB "
+        "| % of BF16's | edits right | study's % of rerun |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in table:
-        lines.append(f"| {r['precision']} | {fmt(r['ssim'], '.4f')} | {fmt(r['ssim_rerun'], '.4f')} | "
-                     f"{fmt(r['ssim_pct_of_rerun'], '.2f')} | {fmt(r['psnr_target'], '.2f')} | "
-                     f"{fmt(r['target_pct_of_bf16'], '.1f')} | {share(r['edits_right_share'])} | "
-                     f"{fmt(r['study_pct_of_rerun'], '.1f')} |")
+        lines.append(
+            f"| {r['precision']} | {fmt(r['ssim'], '.4f')} | {fmt(r['ssim_rerun'], '.4f')} | "
+            f"{fmt(r['ssim_pct_of_rerun'], '.2f')} | {fmt(r['psnr_target'], '.2f')} | "
+            f"{fmt(r['target_pct_of_bf16'], '.1f')} | {share(r['edits_right_share'])} | "
+            f"{fmt(r['study_pct_of_rerun'], '.1f')} |"
+        )
     return "\n".join(lines)
 
 

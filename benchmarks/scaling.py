@@ -129,8 +129,9 @@ class Point:
 
 def point_shape(entry: dict) -> Shape:
     """The shape of a measured.json entry: output and reference [width, height], text tokens, true CFG."""
-    return Shape(image_tokens(*entry["out"]), image_tokens(*entry["ref"]), int(entry["text_tokens"]),
-                 bool(entry["true_cfg"]))
+    return Shape(
+        image_tokens(*entry["out"]), image_tokens(*entry["ref"]), int(entry["text_tokens"]), bool(entry["true_cfg"])
+    )
 
 
 def point_from_measured(entry: dict) -> Point:
@@ -138,8 +139,19 @@ def point_from_measured(entry: dict) -> Point:
     dit_s, steps = float(entry["dit_s"]), int(entry["steps"])
     shape = point_shape(entry)
     exposed_s = dit_s * float(entry["exposed_transfer_pct"]) / 100.0
-    return Point(entry["device"], shape, entry["layout"], int(entry["gpus"]), int(entry["head_groups"]),
-                 entry["precision"], entry["transport"], dit_s / steps, exposed_s / steps, steps, entry["source"])
+    return Point(
+        entry["device"],
+        shape,
+        entry["layout"],
+        int(entry["gpus"]),
+        int(entry["head_groups"]),
+        entry["precision"],
+        entry["transport"],
+        dit_s / steps,
+        exposed_s / steps,
+        steps,
+        entry["source"],
+    )
 
 
 def point_from_run(run_dir: Path) -> Point:
@@ -149,21 +161,40 @@ def point_from_run(run_dir: Path) -> Point:
     config, settings = summary["config"], record["settings"]
     edit, geometry = settings["edit"], settings["geometry"]
     replicas = int(config["layout"]["replicas"])
-    shape = Shape(image_tokens(edit["width"], edit["height"]), image_tokens(edit["ref_width"], edit["ref_height"]),
-                  int(settings["text_len"]), float(settings["true_cfg_scale"]) > 1.0)
+    shape = Shape(
+        image_tokens(edit["width"], edit["height"]),
+        image_tokens(edit["ref_width"], edit["ref_height"]),
+        int(settings["text_len"]),
+        float(settings["true_cfg_scale"]) > 1.0,
+    )
     steps = int(record["steps"])
     heads = int(geometry["num_attention_heads"])
     # Without VAE weights the encode and decode are a linear stand-in: not a cost a real edit has.
-    fixed_s = ((summary.get("encode_s_median") or 0.0) + (summary.get("decode_s_median") or 0.0)
-               if settings.get("vae") else None)
-    return Point(summary["device"], shape, config["layout"]["name"], int(summary["world"]) // replicas,
-                 int(config["layout"]["head_groups"]), summary["precision"], config["transport"]["name"],
-                 summary["dit_s_median"] / steps,
-                 (summary.get("exposed_transfer_s_median") or 0.0) / steps, steps,
-                 f"run directory {run_dir} (git {summary.get('git')}, torch {summary.get('torch')})",
-                 Geometry(int(geometry["num_layers"]) + int(geometry["num_single_layers"]), heads,
-                          heads * int(geometry["attention_head_dim"])),
-                 4 if settings["dtype"] == "fp32" else BF16_BYTES, fixed_s)
+    fixed_s = (
+        (summary.get("encode_s_median") or 0.0) + (summary.get("decode_s_median") or 0.0)
+        if settings.get("vae")
+        else None
+    )
+    return Point(
+        summary["device"],
+        shape,
+        config["layout"]["name"],
+        int(summary["world"]) // replicas,
+        int(config["layout"]["head_groups"]),
+        summary["precision"],
+        config["transport"]["name"],
+        summary["dit_s_median"] / steps,
+        (summary.get("exposed_transfer_s_median") or 0.0) / steps,
+        steps,
+        f"run directory {run_dir} (git {summary.get('git')}, torch {summary.get('torch')})",
+        Geometry(
+            int(geometry["num_layers"]) + int(geometry["num_single_layers"]),
+            heads,
+            heads * int(geometry["attention_head_dim"]),
+        ),
+        4 if settings["dtype"] == "fp32" else BF16_BYTES,
+        fixed_s,
+    )
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -215,16 +246,26 @@ class Startup:
 # startup.json's field names, first found wins: the job waits for its slowest rank, so max before median.
 STARTUP_LISTS = ("points", "rows", "results", "runs")
 STARTUP_NODES = ("nodes", "num_nodes", "n_nodes")
-STARTUP_SECONDS = ("startup_s_max", "max_startup_s", "startup_max_s", "startup_s", "startup_s_median",
-                   "median_startup_s")
+STARTUP_SECONDS = (
+    "startup_s_max",
+    "max_startup_s",
+    "startup_max_s",
+    "startup_s",
+    "startup_s_median",
+    "median_startup_s",
+)
 
 
 def load_startup(path: Path) -> Startup:
     if not path.is_file():
-        return Startup(FALLBACK_STARTUP_S, 0.0, {},
-                       f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} is missing: assumed "
-                       f"{FALLBACK_STARTUP_S:.0f} s at every node count (process start, imports, device "
-                       "initialisation and rendezvous; not measured)")
+        return Startup(
+            FALLBACK_STARTUP_S,
+            0.0,
+            {},
+            f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} is missing: assumed "
+            f"{FALLBACK_STARTUP_S:.0f} s at every node count (process start, imports, device "
+            "initialisation and rendezvous; not measured)",
+        )
     data = json.loads(path.read_text())
     rows = data if isinstance(data, list) else next((data[k] for k in STARTUP_LISTS if k in data), [])
     measured = {}
@@ -235,15 +276,22 @@ def load_startup(path: Path) -> Startup:
         if nodes is not None and seconds is not None:
             measured[int(nodes)] = float(seconds)
     if not measured:
-        raise ValueError(f"{path}: no point with one of {STARTUP_NODES} and one of {STARTUP_SECONDS} under one of "
-                         f"{STARTUP_LISTS} (docs/SCALING.md, 'startup.json, as read here')")
+        raise ValueError(
+            f"{path}: no point with one of {STARTUP_NODES} and one of {STARTUP_SECONDS} under one of "
+            f"{STARTUP_LISTS} (docs/SCALING.md, 'startup.json, as read here')"
+        )
     about = data.get("device", "") if isinstance(data, dict) else ""
     meeting = data.get("fits", {}).get("store_meeting_s") if isinstance(data, dict) else None
     if meeting and 1 in measured and data.get("machine", "").find("emulated") >= 0:
         return _startup_from_one_node(measured, meeting, path.name)
     base, slope = _line(list(measured), list(measured.values()))
-    return Startup(base, slope, measured, f"{path.name} ({about or 'device not stated'}): points at nodes "
-                   f"{sorted(measured)}, fitted as {base:.2f} s + {slope:.3f} s x nodes")
+    return Startup(
+        base,
+        slope,
+        measured,
+        f"{path.name} ({about or 'device not stated'}): points at nodes "
+        f"{sorted(measured)}, fitted as {base:.2f} s + {slope:.3f} s x nodes",
+    )
 
 
 def _startup_from_one_node(measured: dict, meeting: dict, name: str) -> Startup:
@@ -252,12 +300,16 @@ def _startup_from_one_node(measured: dict, meeting: dict, name: str) -> Startup:
     the rendezvous: one store, a fixed number of requests per rank. So: one node's measured start-up,
     plus the store meeting's measured cost per rank for the other nodes' ranks."""
     per_node = meeting["per_rank_s"] * GPUS_PER_NODE
-    return Startup(measured[1] - per_node, per_node, measured,
-                   f"{name}: one node's measured start-up {measured[1]:.2f} s (process start to first step, slowest "
-                   f"rank) + {meeting['per_rank_s'] * 1e3:.2f} ms per rank of ditrun's store meeting (measured with "
-                   f"up to {meeting.get('ranks', '?')} ranks) x {GPUS_PER_NODE} ranks per node; the emulated "
-                   f"2- and 4-node points ({', '.join(f'{measured[n]:.1f} s' for n in sorted(measured) if n > 1)}) "
-                   "share two cores, so their growth is that machine's, not the protocol's")
+    return Startup(
+        measured[1] - per_node,
+        per_node,
+        measured,
+        f"{name}: one node's measured start-up {measured[1]:.2f} s (process start to first step, slowest "
+        f"rank) + {meeting['per_rank_s'] * 1e3:.2f} ms per rank of ditrun's store meeting (measured with "
+        f"up to {meeting.get('ranks', '?')} ranks) x {GPUS_PER_NODE} ranks per node; the emulated "
+        f"2- and 4-node points ({', '.join(f'{measured[n]:.1f} s' for n in sorted(measured) if n > 1)}) "
+        "share two cores, so their growth is that machine's, not the protocol's",
+    )
 
 
 def _first(row: dict, keys: tuple):
@@ -293,15 +345,31 @@ def load_inputs(measured_file: Path, run_dirs: list[Path], startup_file: Path) -
     for run_dir in run_dirs:
         point = point_from_run(run_dir)
         if not point.modelled_transport:
-            print(f"scaling: {run_dir} left out: transport={point.transport} (the model's all-to-all is the "
-                  "collective's)", file=sys.stderr)
+            print(
+                f"scaling: {run_dir} left out: transport={point.transport} (the model's all-to-all is the "
+                "collective's)",
+                file=sys.stderr,
+            )
             continue
         points[point.key] = point  # a run directory replaces a doc-only number of the same configuration
-    geometry = Geometry(geo["num_layers"] + geo["num_single_layers"], geo["num_attention_heads"],
-                        geo["num_attention_heads"] * geo["attention_head_dim"], geo["linears_per_forward"])
+    geometry = Geometry(
+        geo["num_layers"] + geo["num_single_layers"],
+        geo["num_attention_heads"],
+        geo["num_attention_heads"] * geo["attention_head_dim"],
+        geo["linears_per_forward"],
+    )
     link = {data["alltoall"]["device"]: fit_link(data["alltoall"])}
-    return Inputs(points, data.get("published", {}), geometry, link, data["kernels"], data["precisions"],
-                  data["first_edit_extra_s"], data["weights_load_s"], load_startup(startup_file))
+    return Inputs(
+        points,
+        data.get("published", {}),
+        geometry,
+        link,
+        data["kernels"],
+        data["precisions"],
+        data["first_edit_extra_s"],
+        data["weights_load_s"],
+        load_startup(startup_file),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,8 +415,15 @@ def exchange_plan(layout: str, gpus: int, shape: Shape) -> tuple[int, int, int]:
     return 1, 0, 0
 
 
-def transfer_step_ms(link: LinkFit, scenario_geometry: Geometry, element_bytes: int, shape: Shape,
-                     layout: str, gpus: int, head_groups: int) -> float:
+def transfer_step_ms(
+    link: LinkFit,
+    scenario_geometry: Geometry,
+    element_bytes: int,
+    shape: Shape,
+    layout: str,
+    gpus: int,
+    head_groups: int,
+) -> float:
     """All-to-all milliseconds of one denoising step on one rank, if nothing overlapped them.
 
     Per attention each rank sends (P-1)/P of its shard of S/P tokens twice: Q, K, V (3 x hidden
@@ -428,8 +503,18 @@ class Model:
 
     def exposed_fraction(self, ref: Point) -> float:
         """Exposed / modelled all-to-all time of the reference point (0 when it has no all-to-all)."""
-        total = transfer_step_ms(self.link(ref.device), self.geometry_of(ref), ref.element_bytes, ref.shape,
-                                 ref.layout, ref.gpus, ref.head_groups) / 1e3
+        total = (
+            transfer_step_ms(
+                self.link(ref.device),
+                self.geometry_of(ref),
+                ref.element_bytes,
+                ref.shape,
+                ref.layout,
+                ref.gpus,
+                ref.head_groups,
+            )
+            / 1e3
+        )
         return ref.exposed_step_s / total if total > 0 else 0.0
 
     def efficiency(self, ref: Point, one_gpu_s: float) -> float:
@@ -466,8 +551,11 @@ class Model:
         if point.layout != "cfg_split":
             return measured
         ref_sp = exchange_plan(point.layout, point.gpus, point.shape)[0]
-        return (measured / self.sp_efficiency(point.device, point.shape, ref_sp)
-                * self.sp_efficiency(point.device, scenario.shape, sp))
+        return (
+            measured
+            / self.sp_efficiency(point.device, point.shape, ref_sp)
+            * self.sp_efficiency(point.device, scenario.shape, sp)
+        )
 
     def exposed_s(self, scenario: Scenario, point: Point, layout: str, gpus: int, head_groups: int) -> float:
         """Exposed transfer per step: the reference's exposed fraction of the modelled all-to-all time.
@@ -477,14 +565,20 @@ class Model:
         Ulysses' exposed fraction.
         """
         link = self.link(scenario.device)
-        modelled = transfer_step_ms(link, scenario.geometry, scenario.element_bytes, scenario.shape, layout, gpus,
-                                    head_groups) / 1e3
+        modelled = (
+            transfer_step_ms(link, scenario.geometry, scenario.element_bytes, scenario.shape, layout, gpus, head_groups)
+            / 1e3
+        )
         if layout != "cfg_split":
             return self.exposed_fraction(point) * modelled
         ulysses = self.reference(scenario.device, "ulysses", scenario.shape)
         fraction = self.exposed_fraction(ulysses[0]) if ulysses is not None else 0.0
-        ref_modelled = transfer_step_ms(link, self.geometry_of(point), point.element_bytes, point.shape, layout,
-                                        point.gpus, point.head_groups) / 1e3
+        ref_modelled = (
+            transfer_step_ms(
+                link, self.geometry_of(point), point.element_bytes, point.shape, layout, point.gpus, point.head_groups
+            )
+            / 1e3
+        )
         fixed = max(0.0, point.exposed_step_s - fraction * ref_modelled)
         return fixed * scenario.shape.out_tokens / point.shape.out_tokens + fraction * modelled
 
@@ -492,8 +586,11 @@ class Model:
 
     def fixed_s(self, scenario: Scenario) -> Optional[float]:
         """Encode + decode seconds per edit measured with real VAE weights at this shape; None: not measured."""
-        found = [p.fixed_s for p in self.inputs.points.values()
-                 if (p.device, p.shape) == (scenario.device, scenario.shape) and p.fixed_s is not None]
+        found = [
+            p.fixed_s
+            for p in self.inputs.points.values()
+            if (p.device, p.shape) == (scenario.device, scenario.shape) and p.fixed_s is not None
+        ]
         return min(found) if found else None
 
     def latency_s(self, scenario: Scenario, cell: Cell) -> float:
@@ -540,10 +637,27 @@ LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
 def builtin_scenarios(inputs: Inputs) -> list[Scenario]:
     load = inputs.weights_load["s"]
     return [
-        Scenario("published Kontext workload (conf/workload/benchmark.yaml): 2048x2048 output, 1024x1024 reference, "
-                 "28 steps", "NVIDIA H200", PUBLISHED, 28, ("bf16", "fp8", "krea"), inputs.geometry, BF16_BYTES, load),
-        Scenario("1 MP Kontext edit with true CFG (the shape of the 2-GPU measurements), 28 steps", "NVIDIA H200",
-                 ONE_MP_CFG, 28, ("bf16", "fp8"), inputs.geometry, BF16_BYTES, load),
+        Scenario(
+            "published Kontext workload (conf/workload/benchmark.yaml): 2048x2048 output, 1024x1024 reference, "
+            "28 steps",
+            "NVIDIA H200",
+            PUBLISHED,
+            28,
+            ("bf16", "fp8", "krea"),
+            inputs.geometry,
+            BF16_BYTES,
+            load,
+        ),
+        Scenario(
+            "1 MP Kontext edit with true CFG (the shape of the 2-GPU measurements), 28 steps",
+            "NVIDIA H200",
+            ONE_MP_CFG,
+            28,
+            ("bf16", "fp8"),
+            inputs.geometry,
+            BF16_BYTES,
+            load,
+        ),
     ]
 
 
@@ -560,8 +674,18 @@ def run_scenarios(inputs: Inputs, builtin: list[Scenario]) -> list[Scenario]:
         # A built-in shape on another device (an MI355X run of the published workload) keeps its steps and load.
         like = next((s for s in builtin if s.shape == shape), None)
         steps, load = (like.steps, like.weights_load_s) if like else (points[0].steps, 0.0)
-        scenarios.append(Scenario(f"measured runs on {device}: {shape.label()}, {steps} steps", device, shape, steps,
-                                  precisions, points[0].geometry, points[0].element_bytes, load))
+        scenarios.append(
+            Scenario(
+                f"measured runs on {device}: {shape.label()}, {steps} steps",
+                device,
+                shape,
+                steps,
+                precisions,
+                points[0].geometry,
+                points[0].element_bytes,
+                load,
+            )
+        )
     return scenarios
 
 
@@ -586,15 +710,27 @@ def as_json(model: Model, scenarios: list[Scenario]) -> dict:
     for scenario in scenarios:
         cells = []
         for cell in model_cells(model, scenario):
-            by_nodes = {n: {"replicas": model.replicas(n, cell.gpus), "throughput": model.throughput(scenario, cell, n),
-                            "round_s": model.makespan_s(scenario, cell, n, model.replicas(n, cell.gpus), startup=False),
-                            "startup_s": model.startup_s(scenario, cell.precision, n),
-                            "makespan_s": {e: model.makespan_s(scenario, cell, n, e) for e in WORKLOADS},
-                            "makespan_compute_s": {e: model.makespan_s(scenario, cell, n, e, startup=False)
-                                                   for e in WORKLOADS}} for n in NODES}
+            by_nodes = {
+                n: {
+                    "replicas": model.replicas(n, cell.gpus),
+                    "throughput": model.throughput(scenario, cell, n),
+                    "round_s": model.makespan_s(scenario, cell, n, model.replicas(n, cell.gpus), startup=False),
+                    "startup_s": model.startup_s(scenario, cell.precision, n),
+                    "makespan_s": {e: model.makespan_s(scenario, cell, n, e) for e in WORKLOADS},
+                    "makespan_compute_s": {e: model.makespan_s(scenario, cell, n, e, startup=False) for e in WORKLOADS},
+                }
+                for n in NODES
+            }
             cells.append({**cell.__dict__, "latency_s": model.latency_s(scenario, cell), "nodes": by_nodes})
-        out["scenarios"].append({"name": scenario.name, "device": scenario.device, "steps": scenario.steps,
-                                 "shape": scenario.shape.__dict__, "cells": cells})
+        out["scenarios"].append(
+            {
+                "name": scenario.name,
+                "device": scenario.device,
+                "steps": scenario.steps,
+                "shape": scenario.shape.__dict__,
+                "cells": cells,
+            }
+        )
     return out
 
 
@@ -632,11 +768,14 @@ def assumptions(model: Model) -> list[str]:
         f"Weights load (built-in FLUX.1-dev scenarios): {inputs.weights_load['s']} s, {inputs.weights_load['source']}; "
         "assumed the same on every node (each node reads its own copy at that speed).",
         "First-edit warm-up per precision (once per run, replicas warm up in parallel): "
-        + "; ".join(f"{p} {v['s']} s ({v['source']})" for p, v in inputs.first_edit_extra.items()) + ".",
+        + "; ".join(f"{p} {v['s']} s ({v['source']})" for p, v in inputs.first_edit_extra.items())
+        + ".",
     ]
     for device, link in inputs.link.items():
-        lines.append(f"All-to-all on {device}: {link.latency_ms * 1e3:.0f} us + MB / {link.gb_per_s:.0f} GB/s, "
-                     f"fitted to {link.source}.")
+        lines.append(
+            f"All-to-all on {device}: {link.latency_ms * 1e3:.0f} us + MB / {link.gb_per_s:.0f} GB/s, "
+            f"fitted to {link.source}."
+        )
     return lines
 
 
@@ -667,11 +806,19 @@ def per_edit_table(model: Model, scenario: Scenario, cells: list[Cell]) -> str:
     for cell in cells:
         latency = model.latency_s(scenario, cell)
         exposed_pct = 100.0 * cell.exposed_step_s / cell.step_s
-        rows.append([row_label(cell), cell.precision, mark(f"{cell.step_s:.4f}", cell.measured),
-                     mark(fmt_s(latency), cell.measured), f"{exposed_pct:.1f}%",
-                     f"{model.throughput(scenario, cell, 1):.3f}"])
-    return md_table(["layout", "precision", "s / step", "latency s / edit", "exposed", "edits/s per node (x nodes)"],
-                    rows)
+        rows.append(
+            [
+                row_label(cell),
+                cell.precision,
+                mark(f"{cell.step_s:.4f}", cell.measured),
+                mark(fmt_s(latency), cell.measured),
+                f"{exposed_pct:.1f}%",
+                f"{model.throughput(scenario, cell, 1):.3f}",
+            ]
+        )
+    return md_table(
+        ["layout", "precision", "s / step", "latency s / edit", "exposed", "edits/s per node (x nodes)"], rows
+    )
 
 
 def makespan_table(model: Model, scenario: Scenario, cells: list[Cell], edits: int) -> str:
@@ -705,39 +852,72 @@ def derived_table(model: Model, scenarios: list[Scenario]) -> str:
                 continue
             point, one_gpu = ref
             fraction = model.exposed_fraction(point) if layout != "cfg_split" else None
-            rows.append([scenario.name.split(":")[0].split(" (")[0], layout,
-                         f"{point.gpus} GPUs, G={point.head_groups}, {point.precision}, {point.shape.tokens} tokens"
-                         f"{', true CFG' if point.shape.true_cfg else ''}", f"{one_gpu / point.step_s:.2f}x",
-                         f"{model.efficiency(point, one_gpu):.3f}", "-" if fraction is None else f"{fraction:.2f}"])
+            rows.append(
+                [
+                    scenario.name.split(":")[0].split(" (")[0],
+                    layout,
+                    f"{point.gpus} GPUs, G={point.head_groups}, {point.precision}, {point.shape.tokens} tokens"
+                    f"{', true CFG' if point.shape.true_cfg else ''}",
+                    f"{one_gpu / point.step_s:.2f}x",
+                    f"{model.efficiency(point, one_gpu):.3f}",
+                    "-" if fraction is None else f"{fraction:.2f}",
+                ]
+            )
     return md_table(["scenario", "layout", "reference point (measured)", "speedup", "e", "f"], rows)
 
 
 def render(model: Model, scenarios: list[Scenario]) -> str:
-    parts = ["### Assumptions (generated)", "", *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)], "",
-             "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that, + encode and "
-             "decode where measured); every "
-             "other cell is modelled. Makespans include start-up, weights load and warm-up; throughput per node "
-             "excludes them. A makespan marked * is one round: there are at least as many replicas as edits, "
-             "so more nodes cannot shorten it.", "",
-             "Taken from each layout's reference point (e: compute efficiency; f: exposed share of the modelled "
-             "all-to-all time, which can exceed 1 since the exposed time also holds the velocity gather and waits "
-             "for a slower peer; cfg_split's reference has no all-to-all: its exposed seconds are kept, and its "
-             "all-to-all at P = g/2 takes Ulysses' f):", "", derived_table(model, scenarios), ""]
+    parts = [
+        "### Assumptions (generated)",
+        "",
+        *[f"{i}. {a}" for i, a in enumerate(assumptions(model), 1)],
+        "",
+        "Cells in **bold with M** are measured points (s / step as measured; latency = steps x that, + encode and "
+        "decode where measured); every "
+        "other cell is modelled. Makespans include start-up, weights load and warm-up; throughput per node "
+        "excludes them. A makespan marked * is one round: there are at least as many replicas as edits, "
+        "so more nodes cannot shorten it.",
+        "",
+        "Taken from each layout's reference point (e: compute efficiency; f: exposed share of the modelled "
+        "all-to-all time, which can exceed 1 since the exposed time also holds the velocity gather and waits "
+        "for a slower peer; cfg_split's reference has no all-to-all: its exposed seconds are kept, and its "
+        "all-to-all at P = g/2 takes Ulysses' f):",
+        "",
+        derived_table(model, scenarios),
+        "",
+    ]
     for scenario in scenarios:
         cells = model_cells(model, scenario)
         fixed = model.fixed_s(scenario)
         fixed_text = "excluded (not measured)" if fixed is None else f"{fixed:.3f} s, measured"
-        parts += [f"### {scenario.name}", "", f"{scenario.device}; {scenario.shape.label()} (S = "
-                  f"{scenario.shape.tokens} per forward); VAE and text encoders per edit: {fixed_text}."
-                  + ("" if scenario.shape.true_cfg else " True CFG off: `cfg_batch` runs as `ulysses` (one branch, "
-                     "batch 1) and `cfg_split` is refused, so neither has rows.") + published_line(model, scenario),
-                  "", "Per edit (does not depend on the node count):", "", per_edit_table(model, scenario, cells), ""]
+        parts += [
+            f"### {scenario.name}",
+            "",
+            f"{scenario.device}; {scenario.shape.label()} (S = "
+            f"{scenario.shape.tokens} per forward); VAE and text encoders per edit: {fixed_text}."
+            + (
+                ""
+                if scenario.shape.true_cfg
+                else " True CFG off: `cfg_batch` runs as `ulysses` (one branch, "
+                "batch 1) and `cfg_split` is refused, so neither has rows."
+            )
+            + published_line(model, scenario),
+            "",
+            "Per edit (does not depend on the node count):",
+            "",
+            per_edit_table(model, scenario, cells),
+            "",
+        ]
         if not cells:
             continue
         for edits in WORKLOADS:
             what = "makespan s" + (" (edits/s over the whole run)" if edits >= 1000 else "")
-            parts += [f"{edits:,} edits, {what}, nodes x 8 GPUs:", "",
-                      makespan_table(model, scenario, cells, edits), ""]
+            parts += [
+                f"{edits:,} edits, {what}, nodes x 8 GPUs:",
+                "",
+                makespan_table(model, scenario, cells, edits),
+                "",
+            ]
     return "\n".join(parts)
 
 
@@ -750,8 +930,9 @@ def write_docs(text: str, doc: Path = DOC_FILE) -> None:
     doc.write_text(pattern.sub(lambda _: f"{BEGIN_MARK}\n{text}\n{END_MARK}", current))
 
 
-def build(measured: Path = MEASURED_FILE, run_dirs: Optional[list[Path]] = None,
-          startup: Path = STARTUP_FILE) -> tuple[Model, list[Scenario]]:
+def build(
+    measured: Path = MEASURED_FILE, run_dirs: Optional[list[Path]] = None, startup: Path = STARTUP_FILE
+) -> tuple[Model, list[Scenario]]:
     """The model of these inputs and its scenarios: the built-in ones, then one per other measured shape."""
     inputs = load_inputs(measured, find_run_dirs([RUNS_DIR]) if run_dirs is None else run_dirs, startup)
     builtin = builtin_scenarios(inputs)
@@ -771,8 +952,15 @@ MEASURE_RUNS = (
     ("ulysses-p4-g2-bf16", 4, ("layout=ulysses", "layout.head_groups=2")),
     ("ulysses-p8-g3-bf16", 8, ("layout=ulysses", "layout.head_groups=3")),
 )
-MEASURE_BASE = ("workload=benchmark", "model=flux-dev", "workload.limit=2", "metrics.ssim=false",
-                "metrics.report=false", "wandb.mode=disabled", "progress=false")
+MEASURE_BASE = (
+    "workload=benchmark",
+    "model=flux-dev",
+    "workload.limit=2",
+    "metrics.ssim=false",
+    "metrics.report=false",
+    "wandb.mode=disabled",
+    "progress=false",
+)
 RUN_FILES = ("summary.json", "edits.jsonl")
 
 
@@ -795,8 +983,16 @@ def measure(out: Path, steps: int, only: list[str], timeout_s: float) -> list[Pa
             print(f"scaling: {name} not run ({gpus} GPUs needed, {visible} visible)", file=sys.stderr)
             continue
         run_dir = Path(tempfile.mkdtemp(prefix=f"scaling-{name}-"))
-        command = [sys.executable, "-m", "ditrun", *MEASURE_BASE, f"workload.steps={steps}", f"launcher.world={gpus}",
-                   *overrides, f"hydra.run.dir={run_dir}"]
+        command = [
+            sys.executable,
+            "-m",
+            "ditrun",
+            *MEASURE_BASE,
+            f"workload.steps={steps}",
+            f"launcher.world={gpus}",
+            *overrides,
+            f"hydra.run.dir={run_dir}",
+        ]
         print("$", " ".join(command), file=sys.stderr, flush=True)
         try:
             done = subprocess.run(command, env=env, timeout=timeout_s)
@@ -825,10 +1021,19 @@ def prediction_table(before: Model, scenarios: list[Scenario], run_dirs: list[Pa
         cell = before.cell(scenario, point.layout, point.gpus, point.precision) if scenario else None
         predicted = "-" if cell is None else mark(f"{cell.step_s:.4f}", cell.measured) + f" (G={cell.head_groups})"
         ratio = "-" if cell is None else f"{point.step_s / cell.step_s:.3f}"
-        rows.append([run_dir.name, f"{point.layout} x{point.gpus}, G={point.head_groups}, {point.precision}",
-                     predicted, f"{point.step_s:.4f}", f"{100 * point.exposed_step_s / point.step_s:.1f}%", ratio])
-    return md_table(["run", "configuration", "model before it, s / step", "measured s / step", "exposed",
-                     "measured / model"], rows)
+        rows.append(
+            [
+                run_dir.name,
+                f"{point.layout} x{point.gpus}, G={point.head_groups}, {point.precision}",
+                predicted,
+                f"{point.step_s:.4f}",
+                f"{100 * point.exposed_step_s / point.step_s:.1f}%",
+                ratio,
+            ]
+        )
+    return md_table(
+        ["run", "configuration", "model before it, s / step", "measured s / step", "exposed", "measured / model"], rows
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -838,20 +1043,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--startup", type=Path, default=STARTUP_FILE)
     parser.add_argument("--no-default-runs", action="store_true", help=f"do not read {RUNS_DIR.relative_to(ROOT)}/")
     parser.add_argument("--json", type=Path, help="also write every cell as JSON here")
-    parser.add_argument("--write-docs", action="store_true",
-                        help=f"regenerate the tables in {DOC_FILE.relative_to(ROOT)}")
-    parser.add_argument("--measure", type=Path, metavar="DIR",
-                        help="GPU: first run the published shape in every configuration the GPUs allow, keep the run "
-                             "directories under DIR and print each beside the model's prediction without it")
+    parser.add_argument(
+        "--write-docs", action="store_true", help=f"regenerate the tables in {DOC_FILE.relative_to(ROOT)}"
+    )
+    parser.add_argument(
+        "--measure",
+        type=Path,
+        metavar="DIR",
+        help="GPU: first run the published shape in every configuration the GPUs allow, keep the run "
+        "directories under DIR and print each beside the model's prediction without it",
+    )
     parser.add_argument("--steps", type=int, default=6, help="--measure: denoising steps per edit (2 edits a run)")
-    parser.add_argument("--only", nargs="*", default=[], help="--measure: only these of " +
-                        ", ".join(name for name, _, _ in MEASURE_RUNS))
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        default=[],
+        help="--measure: only these of " + ", ".join(name for name, _, _ in MEASURE_RUNS),
+    )
     parser.add_argument("--run-timeout", type=float, default=300.0, help="--measure: seconds per ditrun run")
     args = parser.parse_args(argv)
     run_dirs = find_run_dirs(args.runs + ([] if args.no_default_runs else [RUNS_DIR]))
     if not args.startup.is_file():
-        print(f"scaling: {args.startup} is missing; start-up assumed {FALLBACK_STARTUP_S:.0f} s at every node count",
-              file=sys.stderr)
+        print(
+            f"scaling: {args.startup} is missing; start-up assumed {FALLBACK_STARTUP_S:.0f} s at every node count",
+            file=sys.stderr,
+        )
     new_runs = measure(args.measure, args.steps, args.only, args.run_timeout) if args.measure else []
     model, scenarios = build(args.measured, run_dirs + new_runs, args.startup)
     text = render(model, scenarios)

@@ -74,9 +74,19 @@ from ditrun.launch.rendezvous import meet
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER = REPO / "slurm" / "local-cluster.sh"
 RESULT = REPO / "benchmarks" / "results" / "startup.json"
-TINY = ["model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
-        "workload.text_len=7", "wandb.mode=disabled", "progress=false", "device=cpu", "metrics.ssim=false",
-        "metrics.report=false", "layout=single"]
+TINY = [
+    "model.num_attention_heads=8",
+    "workload.width=32",
+    "workload.height=48",
+    "workload.steps=2",
+    "workload.text_len=7",
+    "wandb.mode=disabled",
+    "progress=false",
+    "device=cpu",
+    "metrics.ssim=false",
+    "metrics.report=false",
+    "layout=single",
+]
 PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
 TARGET_RANKS = 512  # 64 nodes x 8 GPUs: the scale docs/SCALING.md models
 
@@ -91,15 +101,34 @@ def run_once(nodes: int, tasks_per_node: int, work: Path) -> list[dict]:
     """Every rank's start-up split, from one ditrun run on a fresh cluster of ``nodes`` nodes."""
     state, out = work / "cluster", work / "run"
     state.mkdir(parents=True)
-    subprocess.run([str(CLUSTER), "start", str(state), str(tasks_per_node), str(nodes)], check=True,
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [str(CLUSTER), "start", str(state), str(tasks_per_node), str(nodes)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     try:
         world = nodes * tasks_per_node
         proc = subprocess.run(
-            ["srun", f"-N{nodes}", f"--ntasks-per-node={tasks_per_node}", "--kill-on-bad-exit=1",
-             sys.executable, "-m", "ditrun", f"hydra.run.dir={out}", *TINY, f"layout.replicas={world}",
-             f"workload.limit={world}"],
-            cwd=work, capture_output=True, text=True, timeout=600, env=job_env(state / "slurm.conf"))
+            [
+                "srun",
+                f"-N{nodes}",
+                f"--ntasks-per-node={tasks_per_node}",
+                "--kill-on-bad-exit=1",
+                sys.executable,
+                "-m",
+                "ditrun",
+                f"hydra.run.dir={out}",
+                *TINY,
+                f"layout.replicas={world}",
+                f"workload.limit={world}",
+            ],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=job_env(state / "slurm.conf"),
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"ditrun on {nodes} node(s) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return json.loads((out / "summary.json").read_text())["startup_by_rank"]
@@ -131,8 +160,10 @@ def fit(rows: list[dict], key: str) -> tuple[float, float]:
 # rendezvous is the protocol's own cost (sign-in, rank 0's verdict, the process group's set-up);
 # the first to arrive also waits for the last one, so the slowest is the cost plus the skew of
 # the ranks' start (on this machine: imports competing for two cores).
-FITS = {"rendezvous_s_min": "rendezvous, protocol (last rank to arrive)",
-        "rendezvous_s_max": "rendezvous, slowest rank (protocol + arrival skew)"}
+FITS = {
+    "rendezvous_s_min": "rendezvous, protocol (last rank to arrive)",
+    "rendezvous_s_max": "rendezvous, slowest rank (protocol + arrival skew)",
+}
 
 
 def extrapolate(rows: list[dict], key: str, label: str) -> dict:
@@ -177,13 +208,19 @@ def _listens(port: int) -> bool:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("nodes", "ranks", "imports s med/max", "rendezvous s min/med/max", "load s med",
-              "start-up s med/max")
+    header = ("nodes", "ranks", "imports s med/max", "rendezvous s min/med/max", "load s med", "start-up s med/max")
     lines = [header]
     for r in rows:
-        lines.append((str(r["nodes"]), str(r["ranks"]), f"{r['imports_s_median']:.2f} / {r['imports_s_max']:.2f}",
-                      f"{r['rendezvous_s_min']:.3f} / {r['rendezvous_s_median']:.3f} / {r['rendezvous_s_max']:.3f}",
-                      f"{r['load_s_median']:.2f}", f"{r['startup_s_median']:.2f} / {r['startup_s_max']:.2f}"))
+        lines.append(
+            (
+                str(r["nodes"]),
+                str(r["ranks"]),
+                f"{r['imports_s_median']:.2f} / {r['imports_s_max']:.2f}",
+                f"{r['rendezvous_s_min']:.3f} / {r['rendezvous_s_median']:.3f} / {r['rendezvous_s_max']:.3f}",
+                f"{r['load_s_median']:.2f}",
+                f"{r['startup_s_median']:.2f} / {r['startup_s_max']:.2f}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     for line in lines:
         print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
@@ -194,12 +231,18 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--tasks-per-node", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="runs per node count; the median run is kept")
-    parser.add_argument("--store-ranks", type=int, nargs="*", default=[8, 64, 256, 512],
-                        help="rank counts for the rendezvous alone, threads as ranks")
+    parser.add_argument(
+        "--store-ranks",
+        type=int,
+        nargs="*",
+        default=[8, 64, 256, 512],
+        help="rank counts for the rendezvous alone, threads as ranks",
+    )
     parser.add_argument("--out", type=Path, default=RESULT)
     args = parser.parse_args()
-    store = [{"ranks": n, "meeting_s": statistics.median(store_meeting_s(n) for _ in range(3))}
-             for n in args.store_ranks]
+    store = [
+        {"ranks": n, "meeting_s": statistics.median(store_meeting_s(n) for _ in range(3))} for n in args.store_ranks
+    ]
     rows = []
     for nodes in args.nodes:
         runs = []
@@ -213,17 +256,25 @@ def main() -> int:
     for entry in store:
         print(f"  {entry['ranks']:4d} ranks: {entry['meeting_s']:.3f} s")
     if len(store) > 1:
-        fits["store_meeting_s"] = extrapolate([{"ranks": e["ranks"], "meeting_s": e["meeting_s"]} for e in store],
-                                              "meeting_s", "rendezvous alone")
+        fits["store_meeting_s"] = extrapolate(
+            [{"ranks": e["ranks"], "meeting_s": e["meeting_s"]} for e in store], "meeting_s", "rendezvous alone"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "machine": f"{os.cpu_count()} CPU cores, emulated nodes (slurm/local-cluster.sh), tiny model on the CPU",
-        "measured": time.strftime("%Y-%m-%d", time.gmtime()),
-        "tasks_per_node": args.tasks_per_node,
-        "rows": rows,
-        "store_meeting": store,
-        "fits": fits,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "machine": f"{os.cpu_count()} CPU cores, emulated nodes (slurm/local-cluster.sh), "
+                "tiny model on the CPU",
+                "measured": time.strftime("%Y-%m-%d", time.gmtime()),
+                "tasks_per_node": args.tasks_per_node,
+                "rows": rows,
+                "store_meeting": store,
+                "fits": fits,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"written: {args.out}")
     return 0
 

@@ -67,7 +67,7 @@ def in_turns(names: list, repeats: int):
     before: the GPU's clock and temperature, which drift while it works, then weigh on every case alike rather than
     on whichever ran first."""
     for round_ in range(repeats):
-        yield from names[round_ % len(names):] + names[:round_ % len(names)]
+        yield from names[round_ % len(names) :] + names[: round_ % len(names)]
 
 
 def interleaved_graph_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:

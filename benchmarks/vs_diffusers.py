@@ -53,14 +53,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ditrun.config import register_configs  # noqa: E402
-from ditrun.config import precision_presets  # noqa: E402
+from bench_flux_step import forward_flops, nothing_to_measure  # noqa: E402  (the same FLOP count)
+from timing import cuda_time  # noqa: E402
+
+from ditrun.config import (
+    precision_presets,  # noqa: E402
+    register_configs,  # noqa: E402
+)
 from ditrun.model.build import build_model, plan_precision, select_device_dtype  # noqa: E402
 from ditrun.model.compile import plan_compile  # noqa: E402
 from ditrun.model.latents import token_ids  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
-from bench_flux_step import forward_flops, nothing_to_measure  # noqa: E402  (the same FLOP count)
-from timing import cuda_time  # noqa: E402
 
 FLUX_DEV = PRESETS["flux-dev"]
 TEXT = 512
@@ -71,8 +74,15 @@ SHAPES = {  # total tokens -> (output side px, reference side px or 0): 1 MP = 1
 }
 PRESETS_HERE = sorted(precision_presets(), key=lambda name: (name != "bf16", name))
 """The precision presets, bf16 first: one ditrun mode each."""
-MODES = ("diffusers", "ditrun", *(f"ditrun-{preset}" for preset in PRESETS_HERE), "ditrun-bf16-regions",
-         "ditrun-fp8_all-regions", "diffusers-compiled", "diffusers-torchao-fp8")
+MODES = (
+    "diffusers",
+    "ditrun",
+    *(f"ditrun-{preset}" for preset in PRESETS_HERE),
+    "ditrun-bf16-regions",
+    "ditrun-fp8_all-regions",
+    "diffusers-compiled",
+    "diffusers-torchao-fp8",
+)
 PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 
 
@@ -88,8 +98,9 @@ def gemm_ceilings(n: int = 8192) -> dict[str, float]:
     ones = torch.ones(n, 1, device="cuda")
     flops = 2 * n**3
     bf16 = statistics.median(cuda_time(lambda: a @ b, 3, 10))
-    fp8 = statistics.median(cuda_time(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(),
-                                                                out_dtype=torch.bfloat16), 3, 10))
+    fp8 = statistics.median(
+        cuda_time(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16), 3, 10)
+    )
     return {"bf16": flops / bf16 / 1e12, "fp8_rowwise": flops / fp8 / 1e12}
 
 
@@ -129,9 +140,12 @@ def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
             attention.append((event.key[:120], round(ms, 2), event.count))
         else:
             gemms.append((event.key[:120], round(ms, 2), event.count))
-    return {**totals, "top_rest": sorted(rest, key=lambda item: -item[1])[:top],
-            "attention_kernels": sorted(attention, key=lambda item: -item[1]),
-            "top_gemm": sorted(gemms, key=lambda item: -item[1])[:top]}
+    return {
+        **totals,
+        "top_rest": sorted(rest, key=lambda item: -item[1])[:top],
+        "attention_kernels": sorted(attention, key=lambda item: -item[1]),
+        "top_gemm": sorted(gemms, key=lambda item: -item[1])[:top],
+    }
 
 
 def kernel_text(name: str, ms: float, *calls: int) -> str:
@@ -154,9 +168,15 @@ def diffusers_model():
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = FluxTransformer2DModel(
-            num_layers=g.num_layers, num_single_layers=g.num_single_layers, attention_head_dim=g.attention_head_dim,
-            num_attention_heads=g.num_attention_heads, joint_attention_dim=g.joint_attention_dim,
-            pooled_projection_dim=g.pooled_projection_dim, guidance_embeds=True, axes_dims_rope=g.axes_dims_rope)
+            num_layers=g.num_layers,
+            num_single_layers=g.num_single_layers,
+            attention_head_dim=g.attention_head_dim,
+            num_attention_heads=g.num_attention_heads,
+            joint_attention_dim=g.joint_attention_dim,
+            pooled_projection_dim=g.pooled_projection_dim,
+            guidance_embeds=True,
+            axes_dims_rope=g.axes_dims_rope,
+        )
     return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
@@ -173,8 +193,11 @@ def make_inputs(tokens: int) -> dict:
         hidden_states=torch.randn(1, img_ids.shape[0], 64, generator=gen, **bf16),
         encoder_hidden_states=torch.randn(1, TEXT, FLUX_DEV.joint_attention_dim, generator=gen, **bf16),
         pooled_projections=torch.randn(1, FLUX_DEV.pooled_projection_dim, generator=gen, **bf16),
-        timestep=torch.tensor([0.6], device="cuda"), img_ids=img_ids,
-        txt_ids=torch.zeros(TEXT, 3, device="cuda"), guidance=torch.tensor([3.5], device="cuda"))
+        timestep=torch.tensor([0.6], device="cuda"),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(TEXT, 3, device="cuda"),
+        guidance=torch.tensor([3.5], device="cuda"),
+    )
 
 
 def ditrun_config(mode: str, overrides: list[str]):
@@ -186,8 +209,7 @@ def ditrun_config(mode: str, overrides: list[str]):
     eager = ["model.compile=off"] if mode == "ditrun" else []
     register_configs()
     with initialize_config_module("ditrun.conf", version_base="1.3"):
-        return compose("config", overrides=["model=flux-dev", f"precision={preset}", "device=cuda", *eager,
-                                            *overrides])
+        return compose("config", overrides=["model=flux-dev", f"precision={preset}", "device=cuda", *eager, *overrides])
 
 
 def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Callable, dict]:
@@ -196,7 +218,9 @@ def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Call
     cfg = ditrun_config(mode, overrides)
     device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
     plan = plan_precision(cfg.precision, device_dtype.device)
-    built = build_model(cfg.model, device_dtype, plan, weights=weights, speed=plan_compile(cfg.model, device_dtype.device))
+    built = build_model(
+        cfg.model, device_dtype, plan, weights=weights, speed=plan_compile(cfg.model, device_dtype.device)
+    )
     forward, attention = built.forward, built.attention
     ran = {"precision": cfg.precision.name, **built.details}
     if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
@@ -248,9 +272,19 @@ class ClockSampler:
         self.process = None
         if shutil.which("nvidia-smi") and torch.version.cuda:
             self.process = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100",
-                 "-i", str(torch.cuda.current_device())], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True)
+                [
+                    "nvidia-smi",
+                    "--query-gpu=clocks.sm,power.draw",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    "100",
+                    "-i",
+                    str(torch.cuda.current_device()),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         return self
 
     def __exit__(self, *exc) -> None:
@@ -259,15 +293,28 @@ class ClockSampler:
             return
         self.process.terminate()
         out, _ = self.process.communicate(timeout=10)
-        samples = [[float(v) for v in line.split(",")] for line in out.splitlines() if line.count(",") == 1
-                   and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))]
+        samples = [
+            [float(v) for v in line.split(",")]
+            for line in out.splitlines()
+            if line.count(",") == 1 and all(v.strip().replace(".", "", 1).isdigit() for v in line.split(","))
+        ]
         if samples:
-            self.result = {"sm_mhz": statistics.mean(s[0] for s in samples),
-                           "watts": statistics.mean(s[1] for s in samples), "samples": len(samples)}
+            self.result = {
+                "sm_mhz": statistics.mean(s[0] for s in samples),
+                "watts": statistics.mean(s[1] for s in samples),
+                "samples": len(samples),
+            }
 
 
-def measure(mode: str, forward: Callable, tokens_list: list[int], references: dict, repeats: int,
-            profile: bool, ran: Optional[dict] = None) -> list[Row]:
+def measure(
+    mode: str,
+    forward: Callable,
+    tokens_list: list[int],
+    references: dict,
+    repeats: int,
+    profile: bool,
+    ran: Optional[dict] = None,
+) -> list[Row]:
     rows = []
     for tokens in tokens_list:
         inputs = make_inputs(tokens)
@@ -282,16 +329,23 @@ def measure(mode: str, forward: Callable, tokens_list: list[int], references: di
             with ClockSampler() as clocks:
                 seconds = statistics.median(cuda_time(lambda: forward(inputs), 2, repeats))
             kernels = kernel_breakdown(lambda: forward(inputs)) if profile else {}
-        rows.append(Row(mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels, clocks.result,
-                        ran or {}))
+        rows.append(
+            Row(
+                mode, tokens, seconds, first, relative_error(out, references[tokens]), kernels, clocks.result, ran or {}
+            )
+        )
         clock_text = f"  SM {clocks.result['sm_mhz']:.0f} MHz, {clocks.result['watts']:.0f} W" if clocks.result else ""
-        print(f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
-              f"first call {first:6.1f} s{clock_text}", flush=True)
+        print(
+            f"  {mode:<22} {tokens:>6} tokens: {seconds * 1e3:8.1f} ms  error {rows[-1].error:.2e}  "
+            f"first call {first:6.1f} s{clock_text}",
+            flush=True,
+        )
     return rows
 
 
-def run_modes(modes: list[str], tokens_list: list[int], repeats: int, profile: bool,
-              overrides: list[str]) -> tuple[list[Row], dict]:
+def run_modes(
+    modes: list[str], tokens_list: list[int], repeats: int, profile: bool, overrides: list[str]
+) -> tuple[list[Row], dict]:
     theirs = diffusers_model()
     weights = dict(theirs.state_dict())
     rows, references, skipped = [], {}, {}
@@ -330,19 +384,30 @@ def ratio(rows: list[Row], row: Row, peer: str) -> Optional[float]:
 
 def print_tables(rows: list[Row], ceilings: dict) -> None:
     """One table: every mode at every shape, against the GEMM ceilings and each peer."""
-    print(f"\nGEMM ceilings (8192^3, random data): BF16 {ceilings['bf16']:.0f} TFLOP/s, "
-          f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s")
-    header = ("| tokens | mode | ms | TFLOP/s | % BF16 ceil. | error vs diffusers eager | x diffusers | "
-              "x diffusers compiled | x torchao fp8 | attention ms | GEMM ms | rest ms | compile s |")
+    print(
+        f"\nGEMM ceilings (8192^3, random data): BF16 {ceilings['bf16']:.0f} TFLOP/s, "
+        f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s"
+    )
+    header = (
+        "| tokens | mode | ms | TFLOP/s | % BF16 ceil. | error vs diffusers eager | x diffusers | "
+        "x diffusers compiled | x torchao fp8 | attention ms | GEMM ms | rest ms | compile s |"
+    )
     print("\n" + header + "\n" + "|---" * (header.count("|") - 1) + "|")
     for row in sorted(rows, key=lambda r: (r.tokens, MODES.index(r.mode))):
         tflops = forward_flops(row.tokens - TEXT, TEXT) / row.seconds / 1e12
         ratios = [ratio(rows, row, peer) for peer in PEERS]
         k = row.kernels
-        cells = [str(row.tokens), row.mode, f"{row.seconds * 1e3:.1f}", f"{tflops:.0f}",
-                 f"{100 * tflops / ceilings['bf16']:.0f}", f"{row.error:.2e}",
-                 *[f"{r:.2f}x" if r else "-" for r in ratios],
-                 *[f"{k[kind]:.1f}" if k else "-" for kind in ("attention", "gemm", "rest")], f"{row.compile_s:.1f}"]
+        cells = [
+            str(row.tokens),
+            row.mode,
+            f"{row.seconds * 1e3:.1f}",
+            f"{tflops:.0f}",
+            f"{100 * tflops / ceilings['bf16']:.0f}",
+            f"{row.error:.2e}",
+            *[f"{r:.2f}x" if r else "-" for r in ratios],
+            *[f"{k[kind]:.1f}" if k else "-" for kind in ("attention", "gemm", "rest")],
+            f"{row.compile_s:.1f}",
+        ]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -353,32 +418,51 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
     parser.add_argument("--out", type=Path, default=None, help="write vs_diffusers.json here")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="Hydra overrides for every ditrun mode (e.g. model.compile_tuning=false)")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Hydra overrides for every ditrun mode (e.g. model.compile_tuning=false)",
+    )
     args = parser.parse_args()
     if nothing_to_measure("vs_diffusers"):
         return 0
     if "diffusers" not in args.modes:
         args.modes.insert(0, "diffusers")  # the reference every error is measured against
     ceilings = gemm_ceilings()
-    print(f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
-          f"tokens {args.tokens}, overrides {args.set}", flush=True)
+    print(
+        f"vs_diffusers: {torch.cuda.get_device_name()}, torch {torch.__version__}, modes {args.modes}, "
+        f"tokens {args.tokens}, overrides {args.set}",
+        flush=True,
+    )
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile, args.set)
     print_tables(rows, ceilings)
     biggest = max(args.tokens)
-    for title, key in (("Costliest kernels outside attention and GEMMs (ms)", "top_rest"),
-                       ("Kernels counted as attention (name, ms, calls)", "attention_kernels"),
-                       ("Costliest GEMM kernels (name, ms, calls)", "top_gemm")):
+    for title, key in (
+        ("Costliest kernels outside attention and GEMMs (ms)", "top_rest"),
+        ("Kernels counted as attention (name, ms, calls)", "attention_kernels"),
+        ("Costliest GEMM kernels (name, ms, calls)", "top_gemm"),
+    ):
         print(f"\n{title}, largest shape:")
         for row in rows:
             if row.tokens == biggest and row.kernels:
                 print(f"  {row.mode}: " + "; ".join(kernel_text(*kernel) for kernel in row.kernels[key]))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "vs_diffusers.json").write_text(json.dumps({
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings_tflops": ceilings,
-            "overrides": args.set, "skipped": skipped,
-            "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows]}, indent=2))
+        (args.out / "vs_diffusers.json").write_text(
+            json.dumps(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "ceilings_tflops": ceilings,
+                    "overrides": args.set,
+                    "skipped": skipped,
+                    "rows": [{**row.__dict__, "compile_s": row.compile_s} for row in rows],
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

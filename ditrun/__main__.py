@@ -80,8 +80,14 @@ def _hydra_files(cfg):
     hydra = HydraConfig.instance().cfg  # {"hydra": ...}, as Hydra saves it
     if hydra.hydra.output_subdir is not None:
         return None
-    return HydraFiles(HYDRA_DIR, {"config.yaml": OmegaConf.to_yaml(cfg), "hydra.yaml": OmegaConf.to_yaml(hydra),
-                                 "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task)})
+    return HydraFiles(
+        HYDRA_DIR,
+        {
+            "config.yaml": OmegaConf.to_yaml(cfg),
+            "hydra.yaml": OmegaConf.to_yaml(hydra),
+            "overrides.yaml": OmegaConf.to_yaml(hydra.hydra.overrides.task),
+        },
+    )
 
 
 def _user_error(err: BaseException, sentence: str | None = None) -> None:

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import yaml
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
-import yaml
 
 from ditrun.editor import FOLDER as EDITOR_FOLDER
 

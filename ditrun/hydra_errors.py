@@ -19,8 +19,13 @@ from typing import Iterator, Optional
 
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import (ConfigAttributeError, ConfigKeyError, InterpolationResolutionError,
-                              MissingMandatoryValue, ValidationError)
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    ValidationError,
+)
 
 from ditrun.errors import UserError
 
@@ -107,8 +112,10 @@ def check_composed(cfg) -> None:
         raise UserError(f"{err.full_key} cannot be resolved: {_first_line(err)}")
     extra = next(_unread_keys(cfg, ""), None)
     if extra is not None:
-        raise UserError(f"{extra} is not a ditrun setting (added with +{extra}=...); ditrun would ignore it, so "
-                        "remove it (ditrun --cfg job lists every key).")
+        raise UserError(
+            f"{extra} is not a ditrun setting (added with +{extra}=...); ditrun would ignore it, so "
+            "remove it (ditrun --cfg job lists every key)."
+        )
 
 
 def _unread_keys(node, prefix: str) -> Iterator[str]:

@@ -1,12 +1,12 @@
-"""The first code a spawned rank runs (``launch/spawn.py`` starts it, ``launch/rank.py`` runs the rank): stop signals are caught before anything
-heavy is imported.
+"""The first code a spawned rank runs (``launch/spawn.py`` starts it, ``launch/rank.py`` runs the rank): stop signals
+are caught before anything heavy is imported.
 
 A spawned interpreter spends its first seconds importing torch and the rest. A stop signal that
 arrived then would raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
 outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank would fail
 with whatever the half-done import left behind (a lazy loader's ``RecursionError``, say) instead
-of stopping. So this module (the standard library and ``stop_signals.py`` only: what the spawn unpickles first) notes stop
-signals from its first instruction and then tells the supervisor it is ready, and only then does
+of stopping. So this module (the standard library and ``stop_signals.py`` only: what the spawn unpickles first)
+notes stop signals from its first instruction and then tells the supervisor it is ready, and only then does
 the supervisor relay its own stop signals to the rank (``spawn.Relay``); the notes go to the
 rank's stop request once that exists, and the rank stops at its first step boundary like any
 stopped rank. A signal sent straight to a rank in the first instants of its interpreter, before

@@ -67,8 +67,9 @@ def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple
         if key not in seen:
             seen[key] = (module, rows.detach().clone())
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules()
-               if isinstance(m, QuantizedLinear)]
+    handles = [
+        m.register_forward_pre_hook(hook, with_kwargs=True) for m in model.modules() if isinstance(m, QuantizedLinear)
+    ]
     try:
         run_once()
     finally:
@@ -79,6 +80,7 @@ def capture_linear_inputs(model: torch.nn.Module, run_once) -> dict[tuple, tuple
 
 def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.device) -> tuple[str, dict[str, str]]:
     """The fastest backend matching the emulation on ``x``, and a note per candidate (ms or why not)."""
+
     def call(name):
         return lambda: module.matmul(x, name)
 
@@ -113,19 +115,24 @@ def tune(cfg) -> DispatchTable:
     built = build_model(cfg.model, device_dtype, plan, announce=False, table=candidates)
     geometry = model_geometry(cfg.model)
     edit = resolve_edits(cfg.workload)[0]
-    codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device_dtype.device,
-                              device_dtype.dtype)
+    codec = make_latent_codec(
+        vae_folder(cfg.model.path, cfg.workload.vae_path), device_dtype.device, device_dtype.dtype
+    )
     inputs = edit_inputs(edit, codec, geometry, cfg.workload, device_dtype.device, device_dtype.dtype)
     guidance = cfg.workload.guidance_scale if geometry.guidance_embeds else None
-    velocity = sequential_cfg_velocity(built.model, inputs, cfg.workload.true_cfg_scale, guidance, device_dtype.dtype,
-                                       attention=built.attention)
+    velocity = sequential_cfg_velocity(
+        built.model, inputs, cfg.workload.true_cfg_scale, guidance, device_dtype.dtype, attention=built.attention
+    )
     with torch.inference_mode():
         captured = capture_linear_inputs(built.model, lambda: velocity(inputs.noise, 1.0))
         for (fmt, bucket, k, n), (module, x) in sorted(captured.items()):
             chosen, notes = choose_backend(module, x, device_dtype.device)
             table.entries[entry_key(fmt, bucket, k, n, device_key(device_dtype.device))] = chosen
-            print(f"{fmt:<10} M~{bucket:<6} K={k:<6} N={n:<6} -> {chosen:<14} "
-                  + "  ".join(f"{name}: {note}" for name, note in notes.items()), flush=True)
+            print(
+                f"{fmt:<10} M~{bucket:<6} K={k:<6} N={n:<6} -> {chosen:<14} "
+                + "  ".join(f"{name}: {note}" for name, note in notes.items()),
+                flush=True,
+            )
     table.save(plan.tuning_file)
     print(f"dispatch table: {plan.tuning_file} ({len(captured)} shapes tuned)", flush=True)
     return table

@@ -48,9 +48,20 @@ def main() -> None:
         _wait_for_the_other(args.together)
     wrote = cache.save()
     lookups = cache.fields()["fx_graph_cache"]
-    print(json.dumps({"status": status, "wrote": wrote, "entry": str(cache.path), "key": cache.key,
-                      "fxgraph_cache_hit": lookups["hit"], "fxgraph_cache_miss": lookups["miss"],
-                      "output": output.tolist()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "status": status,
+                "wrote": wrote,
+                "entry": str(cache.path),
+                "key": cache.key,
+                "fxgraph_cache_hit": lookups["hit"],
+                "fxgraph_cache_miss": lookups["miss"],
+                "output": output.tolist(),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -14,12 +14,30 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # test` runs two xdist workers with `--dist loadfile --no-loadscope-reorder`: workers take whole files in
 # collection order, so the collection puts the longest files first and the short ones fill in at the
 # end (longest first). xdist's own order, by number of tests, could leave a long file for last.
-FILE_SECONDS = {"test_reliability.py": 344, "test_editor.py": 200, "test_editor_recipe.py": 250, "test_slurm.py": 244, "test_slurm_nodes.py": 244,
-                "test_launchers.py": 221, "test_run_outputs.py": 200, "test_compile.py": 119, "test_layouts.py": 105,
-                "test_copy_engine.py": 103, "test_multinode_launchers.py": 93, "test_bad_inputs.py": 62,
-                "test_precision_layouts.py": 57, "test_metrics.py": 55, "test_precision.py": 54,
-                "test_cli.py": 45, "test_verdicts.py": 150, "test_choice.py": 60, "test_triton_kernels.py": 35, "test_wandb.py": 34, "test_reference_size.py": 31,
-                "test_stop_phases.py": 380}  # its tests one by one, summed
+FILE_SECONDS = {
+    "test_reliability.py": 344,
+    "test_editor.py": 200,
+    "test_editor_recipe.py": 250,
+    "test_slurm.py": 244,
+    "test_slurm_nodes.py": 244,
+    "test_launchers.py": 221,
+    "test_run_outputs.py": 200,
+    "test_compile.py": 119,
+    "test_layouts.py": 105,
+    "test_copy_engine.py": 103,
+    "test_multinode_launchers.py": 93,
+    "test_bad_inputs.py": 62,
+    "test_precision_layouts.py": 57,
+    "test_metrics.py": 55,
+    "test_precision.py": 54,
+    "test_cli.py": 45,
+    "test_verdicts.py": 150,
+    "test_choice.py": 60,
+    "test_triton_kernels.py": 35,
+    "test_wandb.py": 34,
+    "test_reference_size.py": 31,
+    "test_stop_phases.py": 380,
+}  # its tests one by one, summed
 
 
 def pytest_collection_modifyitems(config, items):

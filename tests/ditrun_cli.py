@@ -16,8 +16,14 @@ def ditrun(*args, cwd, env=None, timeout=200, prefix=(), unset=()):
     """Run the command; ``env`` adds variables, ``unset`` removes those whose names start with one of its prefixes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     env = {k: v for k, v in env.items() if not k.startswith(tuple(unset))}
-    return subprocess.run([*prefix, sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "ditrun", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def without_network() -> tuple[str, ...]:
@@ -39,8 +45,12 @@ def strace_prefix(log) -> tuple[str, ...]:
     """A command prefix recording every connect/send system call of the command and its children (Python
     or not: W&B's wandb-core is a Go binary) into ``log``, where strace exists and may trace; empty elsewhere."""
     try:
-        ok = subprocess.run(["strace", "-f", "-qq", "-e", "trace=connect", "true"], capture_output=True,
-                            timeout=10).returncode == 0
+        ok = (
+            subprocess.run(
+                ["strace", "-f", "-qq", "-e", "trace=connect", "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         ok = False
     return ("strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(log)) if ok else ()

@@ -23,8 +23,18 @@ from ditrun.launch import worker
 from ditrun.results.files import edit_outputs
 
 VENV_BIN = Path(sys.executable).parent
-TINY = ["model=tiny", "model.num_attention_heads=8", "workload.width=32", "workload.height=48", "workload.steps=2",
-        "workload.text_len=7", "workload.limit=1", "wandb.mode=disabled", "progress=false", "device=cpu"]
+TINY = [
+    "model=tiny",
+    "model.num_attention_heads=8",
+    "workload.width=32",
+    "workload.height=48",
+    "workload.steps=2",
+    "workload.text_len=7",
+    "workload.limit=1",
+    "wandb.mode=disabled",
+    "progress=false",
+    "device=cpu",
+]
 MAX_RELATIVE_ERROR = 1e-5
 # Quantized runs: layouts run the same rows in batches of other shapes (cfg_batch stacks both CFG
 # branches), so compiled kernels may differ by an fp32 ulp, which can move a value across a
@@ -85,8 +95,9 @@ def latents(out_dir: Path, edit: str):
     return load_file(str(out_dir / edit_outputs(edit)["latents"]))["latents"]
 
 
-def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int,
-                        bound: float = MAX_RELATIVE_ERROR) -> None:
+def assert_same_latents(
+    out_dir: Path, reference: Path, layout: str, world: int, bound: float = MAX_RELATIVE_ERROR
+) -> None:
     """Every edit of ``out_dir`` recorded once, by ``layout`` on ``world`` ranks, with the reference's latents."""
     found = records(out_dir)
     expected = [r["edit"] for r in records(reference)]
@@ -97,5 +108,3 @@ def assert_same_latents(out_dir: Path, reference: Path, layout: str, world: int,
         assert error <= bound, f"{record['edit']}: relative error {error:.2e}"
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["world"] == world and summary["edits"] == len(expected)
-
-

@@ -39,8 +39,10 @@ def why_no_emulated_nodes() -> Optional[str]:
     except (OSError, subprocess.SubprocessError) as err:
         return f"cannot run `unshare --uts` to emulate nodes ({err})"
     if probe.returncode != 0 or probe.stdout.strip() != "ditrun-probe":
-        return (f"`unshare --uts` cannot give a process its own host name here (needs root or unprivileged "
-                f"user namespaces): {probe.stderr.strip() or probe.stdout.strip()}")
+        return (
+            f"`unshare --uts` cannot give a process its own host name here (needs root or unprivileged "
+            f"user namespaces): {probe.stderr.strip() or probe.stdout.strip()}"
+        )
     return None
 
 

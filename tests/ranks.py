@@ -34,14 +34,18 @@ class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback."""
 
 
-def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: float, results,
-               backend: str) -> None:
+def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: float, results, backend: str) -> None:
     try:
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=collective_timeout))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
         try:
             value = fn(rank, world, *args)
         finally:
@@ -51,8 +55,15 @@ def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: 
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: float = 60.0,
-              collective_timeout: float = 30.0, backend: str = "gloo", lost: Sequence[int] = ()) -> list:
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int,
+    args: Sequence = (),
+    timeout: float = 60.0,
+    collective_timeout: float = 30.0,
+    backend: str = "gloo",
+    lost: Sequence[int] = (),
+) -> list:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each run on its own rank.
 
     Ranks in ``lost`` are expected to die without a result (a test of how the others cope): their
@@ -62,8 +73,14 @@ def run_ranks(fn: Callable[..., Any], world: int, args: Sequence = (), timeout: 
     results = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="ranks-")
     store = os.path.join(folder, "store")
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world, tuple(args), store, collective_timeout, results, backend),
-                         daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, r, world, tuple(args), store, collective_timeout, results, backend),
+            daemon=True,
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -88,8 +105,9 @@ def _collect(procs, results, world: int, timeout: float, lost: set) -> list:
             dead = {r for r, p in enumerate(procs) if r not in values and r not in lost and not p.is_alive()}
             if dead & suspects:
                 gone = sorted(dead & suspects)
-                raise RankFailed(f"rank(s) {gone} exited without a result (exit codes "
-                                 f"{[procs[r].exitcode for r in gone]}).")
+                raise RankFailed(
+                    f"rank(s) {gone} exited without a result (exit codes {[procs[r].exitcode for r in gone]})."
+                )
             suspects = dead
             if time.monotonic() > deadline:
                 missing = sorted(set(range(world)) - set(values) - lost)

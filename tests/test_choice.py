@@ -9,30 +9,63 @@ import json
 
 import pytest
 import yaml
+from ditrun_cli import TINY, ditrun, reference_dir
 from skimage import io
+from test_wandb import run_contents
 
 from ditrun.metrics import quality
 from ditrun.metrics.choice import pareto_front
 from ditrun.metrics.report import main as report_main
 from ditrun.metrics.report import write_report
-from ditrun_cli import TINY, ditrun, reference_dir
-from test_wandb import run_contents
 
 
-def fake_run(path, precision, cache, dit_s, ssim, psnr_target=None, steps=28, computed=None, quality_key="rerun",
-             min_pct=None, overrides=(), model="editor", right=1.0, reference_steps=28):
+def fake_run(
+    path,
+    precision,
+    cache,
+    dit_s,
+    ssim,
+    psnr_target=None,
+    steps=28,
+    computed=None,
+    quality_key="rerun",
+    min_pct=None,
+    overrides=(),
+    model="editor",
+    right=1.0,
+    reference_steps=28,
+):
     """A sweep job's directory as ditrun and Hydra write it: summary.json, edits.jsonl, .hydra/overrides.yaml."""
     (path / ".hydra").mkdir(parents=True)
-    config = {"model": {"preset": model}, "layout": {"name": "single"}, "precision": {"name": precision},
-              "transport": {"name": "collective"}, "cache": {"name": cache}, "launcher": {"world": 1},
-              "workload": {"steps": steps}, "metrics": {"quality": quality_key, "min_ssim_pct": min_pct}}
-    summary = {"config": config, "precision": precision, "dit_s_median": dit_s, "ssim_median": ssim,
-               "ssim_rerun_median": 1.0, "ssim_pct_of_rerun_median": 100 * ssim,
-               "steps_computed_median": steps if computed is None else computed, "complete": True,
-               "reference": {"steps": reference_steps, "true_cfg_scale": "off"}}
+    config = {
+        "model": {"preset": model},
+        "layout": {"name": "single"},
+        "precision": {"name": precision},
+        "transport": {"name": "collective"},
+        "cache": {"name": cache},
+        "launcher": {"world": 1},
+        "workload": {"steps": steps},
+        "metrics": {"quality": quality_key, "min_ssim_pct": min_pct},
+    }
+    summary = {
+        "config": config,
+        "precision": precision,
+        "dit_s_median": dit_s,
+        "ssim_median": ssim,
+        "ssim_rerun_median": 1.0,
+        "ssim_pct_of_rerun_median": 100 * ssim,
+        "steps_computed_median": steps if computed is None else computed,
+        "complete": True,
+        "reference": {"steps": reference_steps, "true_cfg_scale": "off"},
+    }
     if psnr_target is not None:
-        summary.update(psnr_target_median=psnr_target, psnr_target_bf16_median=20.0, edits_right_share=right,
-                       edits_right_share_bf16=1.0, margin_db_median=psnr_target - 17.0)
+        summary.update(
+            psnr_target_median=psnr_target,
+            psnr_target_bf16_median=20.0,
+            edits_right_share=right,
+            edits_right_share_bf16=1.0,
+            margin_db_median=psnr_target - 17.0,
+        )
     (path / "summary.json").write_text(json.dumps(summary))
     (path / "edits.jsonl").write_text(json.dumps({"edit": "a", "dit_s": dit_s, "ssim": ssim}) + "\n")
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
@@ -42,7 +75,7 @@ def fake_run(path, precision, cache, dit_s, ssim, psnr_target=None, steps=28, co
 SWEEP = [
     ("0", "bf16", "none", 10.0, 1.000, 20.00, 28),
     ("1", "fp8_all", "none", 6.0, 0.995, 19.95, 28),
-    ("2", "fp8_all", "static", 3.0, 0.930, 19.25, 14),       # fastest, but below the target on every measure
+    ("2", "fp8_all", "static", 3.0, 0.930, 19.25, 14),  # fastest, but below the target on every measure
     ("3", "fp8_all", "first_block", 4.0, 0.985, 19.75, 19),  # the fastest that meets 98%
     ("4", "mxfp4", "none", 5.0, 0.900, 17.50, 28),
 ]
@@ -50,8 +83,9 @@ SWEEP = [
 
 def make_sweep(root, **settings):
     for job, precision, cache, dit_s, ssim, target, computed in SWEEP:
-        overrides = [f"precision={precision}", f"cache={cache}"] + (["cache.compute_steps=[0,2,4]"] if cache == "static"
-                                                                    else [])
+        overrides = [f"precision={precision}", f"cache={cache}"] + (
+            ["cache.compute_steps=[0,2,4]"] if cache == "static" else []
+        )
         fake_run(root / job, precision, cache, dit_s, ssim, target, computed=computed, overrides=overrides, **settings)
     return root
 
@@ -68,10 +102,14 @@ def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
     assert rows["3"][-2:] == ["98.50", "fastest"] and rows["1"][-2:] == ["99.50", "yes"]
     assert rows["3"][-7:-2] == ["first_block", "19/28", "19.75", "+2.75", "100%"]
     assert rows["0"][-7:-2] == ["none", "28/28", "20.00", "+3.00", "100%"]
-    assert "Baseline (full quality: nothing quantized, no cache, 28 steps, true CFG off): `0: precision=bf16 " \
-           "cache=none`" in text
-    assert "Quality target: SSIM against the BF16 output, as a share of a second BF16 run's at least 98% of the " \
-           "full-quality reference's (metrics.quality=rerun); 3 of 5 judged runs meet it." in text
+    assert (
+        "Baseline (full quality: nothing quantized, no cache, 28 steps, true CFG off): `0: precision=bf16 "
+        "cache=none`" in text
+    )
+    assert (
+        "Quality target: SSIM against the BF16 output, as a share of a second BF16 run's at least 98% of the "
+        "full-quality reference's (metrics.quality=rerun); 3 of 5 judged runs meet it." in text
+    )
     assert "Fastest run that meets it: `3: precision=fp8_all cache=first_block` (4.0000 s/edit, 98.50%)." in text
     assert "    ditrun precision=fp8_all cache=first_block" in text.splitlines()
     markdown = report.read_text()
@@ -87,8 +125,10 @@ def test_the_target_and_the_measure_come_from_the_runs_or_the_command_line(tmp_p
     text, _ = write_report(tmp_path)  # the runs' metrics.min_ssim_pct: only the uncached fp8_all run is fast enough
     assert "Fastest run that meets it: `1: precision=fp8_all cache=none`" in text
     assert report_main([str(tmp_path), "--target-pct", "90"]) == 0  # 90%: the static run's 93% meets it
-    assert "Fastest run that meets it: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`" \
-           in capsys.readouterr().out
+    assert (
+        "Fastest run that meets it: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`"
+        in capsys.readouterr().out
+    )
     text, _ = write_report(tmp_path, target_pct=100.5)
     assert "No run meets the target." in text
     # The command quotes what a shell would expand.
@@ -113,22 +153,36 @@ def test_a_run_with_fewer_edits_right_never_meets_the_target(tmp_path):
     """The static run's PSNR is within 2% of the reference's, but one of its two edits no longer beats doing
     nothing or a wrong edit: it fails whatever its percentage, and the next fastest is chosen."""
     for job, precision, cache, dit_s, ssim, _, computed in SWEEP[:3]:
-        fake_run(tmp_path / job, precision, cache, dit_s, ssim, 19.9, computed=computed, quality_key="target",
-                 right=0.5 if cache == "static" else 1.0, overrides=[f"precision={precision}", f"cache={cache}"])
+        fake_run(
+            tmp_path / job,
+            precision,
+            cache,
+            dit_s,
+            ssim,
+            19.9,
+            computed=computed,
+            quality_key="target",
+            right=0.5 if cache == "static" else 1.0,
+            overrides=[f"precision={precision}", f"cache={cache}"],
+        )
     text, _ = write_report(tmp_path)
     assert rows_of(text)["2"][-2:] == ["99.50", "no"]
-    assert ("Fails whatever its score: `2: precision=fp8_all cache=static`: 50% of its edits beat doing nothing and "
-            "every wrong edit (margin above 0 dB), against 100% for the full-quality reference.") in text
+    assert (
+        "Fails whatever its score: `2: precision=fp8_all cache=static`: 50% of its edits beat doing nothing and "
+        "every wrong edit (margin above 0 dB), against 100% for the full-quality reference."
+    ) in text
     assert "Fastest run that meets it: `1: precision=fp8_all cache=none`" in text
 
 
 def test_target_quality_without_correct_edits_says_so_in_one_sentence(tmp_path):
-    for job, precision, cache, dit_s, ssim, _, computed in SWEEP[:2]:
+    for job, precision, cache, dit_s, ssim, _, _computed in SWEEP[:2]:
         fake_run(tmp_path / job, precision, cache, dit_s, ssim, quality_key="target")
     text, report = write_report(tmp_path)
-    sentence = ("No run can be judged: metrics.quality=target and no edit is scored against a correct result: the "
-                "workload names no edit's target (or every target equals its input); use metrics.quality=rerun or "
-                "bf16.")
+    sentence = (
+        "No run can be judged: metrics.quality=target and no edit is scored against a correct result: the "
+        "workload names no edit's target (or every target equals its input); use metrics.quality=rerun or "
+        "bf16."
+    )
     assert sentence in text and sentence in report.read_text()
     assert "Fastest" not in text and all(row[-2:] == ["-", "-"] for row in rows_of(text).values())
 
@@ -141,10 +195,14 @@ def test_runs_of_another_model_or_reference_are_listed_apart_and_never_chosen(tm
     fake_run(tmp_path / "1", "bf16", "none", 0.5, 1.0, model="tiny", overrides=["model=tiny"])
     fake_run(tmp_path / "2", "bf16", "none", 1.0, 1.0, steps=2, reference_steps=2, overrides=["workload.steps=2"])
     text, _ = write_report(tmp_path)
-    assert "Not judged: `1: model=tiny`: not comparable: another model (model.preset: tiny, the baseline's " \
-           "editor)." in text
-    assert "Not judged: `2: workload.steps=2`: not comparable: another reference (reference.steps: 2, the " \
-           "baseline's 28)." in text
+    assert (
+        "Not judged: `1: model=tiny`: not comparable: another model (model.preset: tiny, the baseline's "
+        "editor)." in text
+    )
+    assert (
+        "Not judged: `2: workload.steps=2`: not comparable: another reference (reference.steps: 2, the "
+        "baseline's 28)." in text
+    )
     assert rows_of(text)["1"][-3:] == ["-", "not", "comparable"]
     assert "Fastest run that meets it: `0: model=editor`" in text
 
@@ -163,11 +221,15 @@ def test_incomplete_and_unreadable_runs_are_listed_never_chosen(tmp_path):
     rows = rows_of(text)
     assert rows["3"][-1] == "incomplete" and rows["1"][-1] == "incomplete" and rows["2"][-1] == "unreadable"
     assert rows["5"][-1] == "incomplete"
-    assert ("Not judged: `3: precision=fp8_all cache=first_block`: incomplete: its last run wrote no summary (it is running, or crashed or was killed); "
-            "the summary there is an earlier run's.") in text
+    assert (
+        "Not judged: `3: precision=fp8_all cache=first_block`: incomplete: its last run wrote no summary (it is running, or crashed or was killed); "
+        "the summary there is an earlier run's."
+    ) in text
     assert "Not judged: `1: precision=fp8_all cache=none`: incomplete: 1 of 2 edits recorded." in text
-    assert ("Not judged: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`: unreadable: summary.json "
-            "cannot be read (JSONDecodeError).") in text
+    assert (
+        "Not judged: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`: unreadable: summary.json "
+        "cannot be read (JSONDecodeError)."
+    ) in text
     assert "Not judged: `5`: incomplete: no summary: its run did not finish (0 of 2 edits)." in text
     assert "Fastest run that meets it: `0" in text  # the only complete run that meets the target
     assert "**incomplete**" in report.read_text()
@@ -179,41 +241,62 @@ def test_pareto_front_keeps_the_runs_nothing_beats():
 
 
 def test_gate_measures():
-    summary = {"ssim_median": 0.97, "ssim_rerun_median": 0.99, "ssim_pct_of_rerun_median": 97.0 / 0.99,
-               "psnr_target_median": 19.5, "psnr_target_bf16_median": 20.0, "edits_right_share": 1.0,
-               "edits_right_share_bf16": 1.0}
+    summary = {
+        "ssim_median": 0.97,
+        "ssim_rerun_median": 0.99,
+        "ssim_pct_of_rerun_median": 97.0 / 0.99,
+        "psnr_target_median": 19.5,
+        "psnr_target_bf16_median": 20.0,
+        "edits_right_share": 1.0,
+        "edits_right_share_bf16": 1.0,
+    }
     assert quality.gate_failure(summary, 97.0, "bf16") is None
-    assert quality.gate_failure(summary, 97.5, "bf16") == ("quality gate failed: median SSIM against the BF16 output "
-                                                           "(the reference's own is 1) is 97.00% of the full-quality "
-                                                           "reference's, below metrics.min_ssim_pct=97.5.")
+    assert quality.gate_failure(summary, 97.5, "bf16") == (
+        "quality gate failed: median SSIM against the BF16 output "
+        "(the reference's own is 1) is 97.00% of the full-quality "
+        "reference's, below metrics.min_ssim_pct=97.5."
+    )
     assert quality.gate_failure(summary, 97.5, "target") is None  # 19.5 / 20 = 97.5%
     assert quality.gate_failure(summary, 98.0, "target") == (
         "quality gate failed: median PSNR against the correct edit 19.50 dB is 97.50% of the full-quality "
-        "reference's 20.00 dB, below metrics.min_ssim_pct=98.")
+        "reference's 20.00 dB, below metrics.min_ssim_pct=98."
+    )
     assert quality.gate_failure({"ssim_median": 0.9}, 98.0, "target") == (
         "metrics.min_ssim_pct=98 is set but metrics.quality=target and no edit is scored against a correct result: "
-        "the workload names no edit's target (or every target equals its input); use metrics.quality=rerun or bf16.")
+        "the workload names no edit's target (or every target equals its input); use metrics.quality=rerun or bf16."
+    )
 
 
 def test_an_unknown_quality_measure_is_one_sentence():
-    from ditrun.launch import checks
     from launching import tiny_config
+
+    from ditrun.launch import checks
 
     with pytest.raises(ValueError) as err:
         checks.check_run_config(tiny_config("metrics.quality=lpips"))
-    assert str(err.value) == ("metrics.quality='lpips' is not a known quality measure; allowed: auto, rerun, bf16, "
-                              "target.")
+    assert str(err.value) == (
+        "metrics.quality='lpips' is not a known quality measure; allowed: auto, rerun, bf16, target."
+    )
 
 
-@pytest.mark.parametrize("override, message", [
-    ("metrics.reference_steps=0", "metrics.reference_steps=0 must be 1 or more (or unset for the run's own "
-                                  "workload.steps)."),
-    ("metrics.reference_true_cfg_scale=nan", "metrics.reference_true_cfg_scale=nan must be a finite number (or unset "
-                                             "for the run's own workload.true_cfg_scale)."),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "metrics.reference_steps=0",
+            "metrics.reference_steps=0 must be 1 or more (or unset for the run's own workload.steps).",
+        ),
+        (
+            "metrics.reference_true_cfg_scale=nan",
+            "metrics.reference_true_cfg_scale=nan must be a finite number (or unset "
+            "for the run's own workload.true_cfg_scale).",
+        ),
+    ],
+)
 def test_a_wrong_reference_setting_is_one_sentence(override, message):
-    from ditrun.launch import checks
     from launching import tiny_config
+
+    from ditrun.launch import checks
 
     with pytest.raises(ValueError) as err:
         checks.check_run_config(tiny_config(override))
@@ -227,10 +310,20 @@ def test_a_real_sweep_chooses_the_run_that_keeps_quality_and_logs_the_table(tmp_
     of 4 steps, and no block on the others, is not. Its own report judges both against 98%; asked for 100%, the
     report can choose the uncached run only, whichever was faster."""
     sweep = tmp_path / "sweep"
-    proc = ditrun("-m", *TINY, "workload.steps=4", "metrics.quality=bf16", "wandb.mode=offline",
-                  "cache=none,static", "cache.blocks=0", "cache.compute_steps=[0]",
-                  f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.sweep.dir={sweep}",
-                  cwd=tmp_path, timeout=360)
+    proc = ditrun(
+        "-m",
+        *TINY,
+        "workload.steps=4",
+        "metrics.quality=bf16",
+        "wandb.mode=offline",
+        "cache=none,static",
+        "cache.blocks=0",
+        "cache.compute_steps=[0]",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=360,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "metrics.quality=bf16); 2 of 2 judged runs meet it." in proc.stdout  # the sweep's end-of-run report
     summaries = [json.loads((sweep / j / "summary.json").read_text()) for j in "01"]

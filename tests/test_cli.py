@@ -16,8 +16,9 @@ SMALL = ["workload.width=64", "workload.height=48", "workload.steps=2", "workloa
 
 def ditrun(*args, cwd, timeout=240):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "ditrun", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_default_run_writes_images_records_and_summary(tmp_path):
@@ -46,11 +47,17 @@ def test_config_typo_fails_in_hydra_before_work(tmp_path):
     assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("edits.jsonl"))
 
 
-@pytest.mark.parametrize("override, message", [
-    ("workload.width=100", "edit 'astronaut' has width=100 (workload.width); it must be a positive multiple of 16."),
-    ("model.preset=huge", "model.preset='huge' is unknown; allowed: tiny, small, editor, flux-dev."),
-    ("model.path=/nonexistent", "model.path='/nonexistent' is not a folder"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "workload.width=100",
+            "edit 'astronaut' has width=100 (workload.width); it must be a positive multiple of 16.",
+        ),
+        ("model.preset=huge", "model.preset='huge' is unknown; allowed: tiny, small, editor, flux-dev."),
+        ("model.path=/nonexistent", "model.path='/nonexistent' is not a folder"),
+    ],
+)
 def test_user_mistakes_are_one_sentence(tmp_path, override, message):
     proc = ditrun(override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert proc.returncode == 2

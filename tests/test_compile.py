@@ -14,16 +14,25 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import (
+    MAX_QUANTIZED_RELATIVE_ERROR,
+    MAX_RELATIVE_ERROR,
+    assert_same_latents,
+    ditrun_command,
+    records,
+    relative_error,
+    run,
+    single_reference,
+    tiny_config,
+)
 
 from ditrun.config import ModelConfig
 from ditrun.errors import UserError
-from ditrun.model.build import DeviceDtype, build_model, plan_precision
 from ditrun.kernels import epilogue
+from ditrun.model.build import DeviceDtype, build_model, plan_precision
 from ditrun.model.compile import CompilePlan, fuse_epilogues, fuse_projections, plan_compile
 from ditrun.model.dit import GeluLinear, JoinedLinear, StackedLinear, gelu_activation, no_activation, sdpa_attention
 from ditrun.model.graphs import GraphedForward
-from launching import (MAX_QUANTIZED_RELATIVE_ERROR, MAX_RELATIVE_ERROR, assert_same_latents, ditrun_command, records,
-                       relative_error, run, single_reference, tiny_config)
 
 CPU = DeviceDtype(torch.device("cpu"), torch.float32, "fp32")
 DEBUG_BACKEND = ["model.compile=on", "model.compile_backend=aot_eager"]
@@ -31,11 +40,15 @@ DEBUG_BACKEND = ["model.compile=on", "model.compile_backend=aot_eager"]
 
 def _inputs(seed: int = 0, n_img: int = 48, n_txt: int = 12) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return dict(hidden_states=torch.randn(1, n_img, 64, generator=g),
-                encoder_hidden_states=torch.randn(1, n_txt, 64, generator=g),
-                pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.4]),
-                img_ids=torch.randint(0, 8, (n_img, 3), generator=g).float(), txt_ids=torch.zeros(n_txt, 3),
-                guidance=torch.tensor([3.5]))
+    return dict(
+        hidden_states=torch.randn(1, n_img, 64, generator=g),
+        encoder_hidden_states=torch.randn(1, n_txt, 64, generator=g),
+        pooled_projections=torch.randn(1, 32, generator=g),
+        timestep=torch.tensor([0.4]),
+        img_ids=torch.randint(0, 8, (n_img, 3), generator=g).float(),
+        txt_ids=torch.zeros(n_txt, 3),
+        guidance=torch.tensor([3.5]),
+    )
 
 
 def _built(precision: str = "bf16", variant: str = "flux", speed=None):
@@ -94,8 +107,9 @@ def test_epilogue_ops_are_the_linears_they_replace():
     got = epilogue.joined_linear(x, hidden, w_out[:, :24].contiguous(), w_out[:, 24:].contiguous(), b[:24])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.library.opcheck(epilogue.linear_gelu, (x, w, b))
-    torch.library.opcheck(epilogue.joined_linear, (x, hidden, w_out[:, :24].contiguous(),
-                                                   w_out[:, 24:].contiguous(), b[:24]))
+    torch.library.opcheck(
+        epilogue.joined_linear, (x, hidden, w_out[:, :24].contiguous(), w_out[:, 24:].contiguous(), b[:24])
+    )
 
 
 @pytest.mark.gpu
@@ -105,12 +119,12 @@ def test_gpu_epilogue_ops_round_no_worse_than_the_unfused_gemms():
     projection's extra rounding of the partial sum stays within two BF16 roundings of the one-GEMM result."""
     g = torch.Generator(device="cuda").manual_seed(11)
     x = torch.randn(1, 1000, 3072, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(12288, 3072, device="cuda", generator=g) / 3072 ** 0.5).bfloat16()
+    w = (torch.randn(12288, 3072, device="cuda", generator=g) / 3072**0.5).bfloat16()
     b = (torch.randn(12288, device="cuda", generator=g) * 0.1).bfloat16()
     exact = F.gelu(F.linear(x.float(), w.float(), b.float()), approximate="tanh")
     fused, unfused = epilogue.linear_gelu(x, w, b), F.gelu(F.linear(x, w, b), approximate="tanh")
     assert relative_error(fused.float(), exact) <= relative_error(unfused.float(), exact)
-    w_out = (torch.randn(3072, 3072 + 12288, device="cuda", generator=g) / 15360 ** 0.5).bfloat16()
+    w_out = (torch.randn(3072, 3072 + 12288, device="cuda", generator=g) / 15360**0.5).bfloat16()
     exact = F.linear(torch.cat([x, fused], -1).float(), w_out.float(), b[:3072].float())
     one = F.linear(torch.cat([x, fused], -1), w_out, b[:3072])
     two = epilogue.joined_linear(x, fused, w_out[:, :3072].contiguous(), w_out[:, 3072:].contiguous(), b[:3072])
@@ -134,8 +148,12 @@ def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     compiled = _built(speed=CompilePlan(compile=True, fuse=True))
     # The GELU MLPs (2 single blocks, 2 MLPs in each of 2 double blocks) in their GEMMs' epilogues; then each
     # single block's q, k, v and each double block's streams' q, k, v stacked.
-    assert compiled.details["compile"] == {"mode": "compiled", "gelu_epilogues": 6, "fused_linears": 18,
-                                           "compiled_blocks": 4}
+    assert compiled.details["compile"] == {
+        "mode": "compiled",
+        "gelu_epilogues": 6,
+        "fused_linears": 18,
+        "compiled_blocks": 4,
+    }
     inputs = _inputs()
     with torch.no_grad():
         want = eager.model(**inputs)
@@ -190,12 +208,15 @@ def test_quantized_models_trace_as_one_graph_per_half(precision):
     assert relative_error(halves, want) < MAX_RELATIVE_ERROR
 
 
-@pytest.mark.parametrize("override, message", [
-    ("model.compile=yes", "model.compile='yes' is unknown; allowed: auto, on, off."),
-    ("model.fuse=maybe", "model.fuse='maybe' is unknown; allowed: auto, on, off."),
-    ("model.cuda_graphs=always", "model.cuda_graphs='always' is unknown; allowed: auto, on, off."),
-    ("model.cuda_graphs=on", "model.cuda_graphs=on needs a GPU, and device is cpu; allowed here: auto, off."),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.compile=yes", "model.compile='yes' is unknown; allowed: auto, on, off."),
+        ("model.fuse=maybe", "model.fuse='maybe' is unknown; allowed: auto, on, off."),
+        ("model.cuda_graphs=always", "model.cuda_graphs='always' is unknown; allowed: auto, on, off."),
+        ("model.cuda_graphs=on", "model.cuda_graphs=on needs a GPU, and device is cpu; allowed here: auto, off."),
+    ],
+)
 def test_compile_mistakes_are_one_sentence(override, message):
     with pytest.raises(UserError) as err:
         plan_compile(tiny_config(override).model, CPU.device)
@@ -203,8 +224,11 @@ def test_compile_mistakes_are_one_sentence(override, message):
 
 
 def test_an_unknown_compile_backend_is_named():
-    with pytest.raises(UserError, match=r"model.compile_backend='fastest' is not a torch.compile backend here; "
-                                        r"allowed: .*inductor"):
+    with pytest.raises(
+        UserError,
+        match=r"model.compile_backend='fastest' is not a torch.compile backend here; "
+        r"allowed: .*inductor",
+    ):
         plan_compile(tiny_config("model.compile=on", "model.compile_backend=fastest").model, CPU.device)
 
 
@@ -213,8 +237,11 @@ def test_fp8_all_is_the_fast_path_and_tunes_on_gpus_only():
     attention, inductor's tuning and CUDA graphs on GPUs; CPUs compile untuned (nothing of inductor's to tune);
     a key set on the command line still wins over the preset's."""
     cfg = tiny_config("precision=fp8_all")
-    assert (cfg.precision.name, cfg.precision.backend, cfg.precision.attention) == ("fp8_all", "fp8_rowwise_fast",
-                                                                                   "fp8_pv")
+    assert (cfg.precision.name, cfg.precision.backend, cfg.precision.attention) == (
+        "fp8_all",
+        "fp8_rowwise_fast",
+        "fp8_pv",
+    )
     assert plan_compile(cfg.model, torch.device("cuda")).label == "compiled, tuned, CUDA graphs"
     assert not plan_compile(tiny_config("precision=fp8_all", "model.compile=on").model, torch.device("cpu")).tuning
     assert not tiny_config("precision=fp8_all", "model.compile_tuning=false").model.compile_tuning
@@ -259,8 +286,12 @@ def test_graphed_forward_runs_cpu_calls_and_exchanging_attention_as_they_are():
 def test_importing_the_worker_costs_no_dynamo_import():
     """Importing torch._dynamo takes 2.4 s; a process that imports the worker and never compiles (every CPU rank)
     must not pay that, so nothing the kernels define at import time may reach it."""
-    imported = subprocess.run([sys.executable, "-c", "import sys, ditrun.launch.worker; "
-                               "print('torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=120)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, ditrun.launch.worker; print('torch._dynamo' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert imported.stdout.strip() == "False", imported.stderr
 
 
@@ -292,8 +323,10 @@ def test_random_weights_are_to_emptys_without_importing_sympy(dtype):
     for name, param in ours.named_parameters():
         assert param.dtype == dtype and torch.equal(param, expected.pop(name)), name
     assert not expected
-    code = ("import sys; from ditrun.model.load import random_model; from ditrun.model.presets import PRESETS; "
-            "random_model(PRESETS['tiny']); print('sympy' in sys.modules)")
+    code = (
+        "import sys; from ditrun.model.load import random_model; from ditrun.model.presets import PRESETS; "
+        "random_model(PRESETS['tiny']); print('sympy' in sys.modules)"
+    )
     imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert imported.stdout.strip() == "False", imported.stderr
 
@@ -304,13 +337,20 @@ def test_cli_compiled_ulysses_on_two_ranks_equals_eager_single(tmp_path):
     """The whole path: the CLI, two spawned ranks, the exchanges between the compiled halves, FP8."""
     reference = single_reference(tmp_path / "single", "precision=fp8", "metrics.report=false")
     out = tmp_path / "run"
-    proc = run(ditrun_command("precision=fp8", "layout=ulysses", "launcher.world=2", *DEBUG_BACKEND,
-                              f"hydra.run.dir={out}"), 200, tmp_path)
+    proc = run(
+        ditrun_command("precision=fp8", "layout=ulysses", "launcher.world=2", *DEBUG_BACKEND, f"hydra.run.dir={out}"),
+        200,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert_same_latents(out, reference, "ulysses", 2, MAX_QUANTIZED_RELATIVE_ERROR)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["precision_detail"]["compile"] == {"mode": "compiled (aot_eager)", "gelu_epilogues": 0,
-                                                      "fused_linears": 0, "compiled_blocks": 4}
+    assert summary["precision_detail"]["compile"] == {
+        "mode": "compiled (aot_eager)",
+        "gelu_epilogues": 0,
+        "fused_linears": 0,
+        "compiled_blocks": 4,
+    }
     assert "warmup_excess_s" in summary and len(records(out)) == 1
 
 
@@ -322,6 +362,7 @@ GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false", "workload.limi
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "krea"])
 def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
     from launching import latents
+
     from ditrun.launch import worker
 
     eager = worker.run(tiny_config(f"precision={precision}", "model.compile=off", *GPU), tmp_path / "eager")
@@ -347,13 +388,22 @@ def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path):
     the same run eager. The FLUX.1-dev head (128 channels, the Gluon kernel's) in one block of each kind, 8 heads;
     128 x 128 images: enough tokens for the Hopper kernel."""
     from launching import latents
+
     from ditrun.launch import worker
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 P @ V is the Hopper (sm_90) Gluon kernel's")
-    run = ["model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=bf16",
-           "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128", *GPU]
-    eager = worker.run(tiny_config(*run, "model.compile=off"), tmp_path / "eager")
+    run = [
+        "model=flux-dev",
+        "model.num_layers=1",
+        "model.num_single_layers=1",
+        "precision=bf16",
+        "precision.attention=int8qk_fp8v",
+        "workload.width=128",
+        "workload.height=128",
+        *GPU,
+    ]
+    worker.run(tiny_config(*run, "model.compile=off"), tmp_path / "eager")
     try:
         compiled = worker.run(tiny_config(*run), tmp_path / "compiled")
     finally:
@@ -376,10 +426,22 @@ def test_gpu_int8qk_attention_at_a_sequence_off_the_key_scales_tma_boundary_thro
     edits."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the INT8-QK Gluon kernel is the Hopper (sm_90) one")
-    proc = run(ditrun_command("model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=bf16",
-                              "precision.attention=int8qk_fp8v", "workload.width=128", "workload.height=128",
-                              "model.compile=off", *GPU, f"hydra.run.dir={tmp_path / 'run'}"), timeout=280,
-               cwd=tmp_path)
+    proc = run(
+        ditrun_command(
+            "model=flux-dev",
+            "model.num_layers=1",
+            "model.num_single_layers=1",
+            "precision=bf16",
+            "precision.attention=int8qk_fp8v",
+            "workload.width=128",
+            "workload.height=128",
+            "model.compile=off",
+            *GPU,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ),
+        timeout=280,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["complete"] and summary["precision_detail"]["attention"]["backends"] == ["gluon"]
@@ -395,8 +457,13 @@ def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
     monkeypatch.setattr(graphs, "MAX_GRAPHS", 2)
     cuda = DeviceDtype(torch.device("cuda"), torch.bfloat16, "bf16")
     cfg = tiny_config("precision=fp8")
-    built = build_model(cfg.model, cuda, plan_precision(cfg.precision, cuda.device), announce=False,
-                        speed=CompilePlan(compile=True, fuse=True, graphs=True))
+    built = build_model(
+        cfg.model,
+        cuda,
+        plan_precision(cfg.precision, cuda.device),
+        announce=False,
+        speed=CompilePlan(compile=True, fuse=True, graphs=True),
+    )
     assert isinstance(built.forward, GraphedForward)
     with torch.inference_mode():
         for seed, n_img in ((0, 48), (1, 48), (2, 80), (3, 96)):

@@ -16,16 +16,24 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-
-from ditrun.errors import UserError
-from ditrun.launch import checks
-from ditrun import timers
-from ditrun.metrics import timing
-from ditrun.inference import compile_cache
-from ditrun.inference.compile_cache import (BadEntry, CompileCache, Entry, kernel_folders, pack_kernels, read_entry,
-                                            unpack_kernels, write_entry)
-from ditrun.model.compile import CompilePlan
 from launching import ditrun_command, quiet_env, run, tiny_config
+
+from ditrun import timers
+from ditrun.errors import UserError
+from ditrun.inference import compile_cache
+from ditrun.inference.compile_cache import (
+    BadEntry,
+    CompileCache,
+    Entry,
+    kernel_folders,
+    pack_kernels,
+    read_entry,
+    unpack_kernels,
+    write_entry,
+)
+from ditrun.launch import checks
+from ditrun.metrics import timing
+from ditrun.model.compile import CompilePlan
 
 JOB = Path(__file__).with_name("compile_cache_job.py")
 JOB_TIMEOUT_S = 240
@@ -34,8 +42,13 @@ COMPILED = CompilePlan(compile=True, fuse=True)
 
 def _start(folder: Path, inductor: Path, *extra: str) -> subprocess.Popen:
     env = quiet_env(TORCHINDUCTOR_CACHE_DIR=str(inductor))
-    return subprocess.Popen([sys.executable, str(JOB), str(folder), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, str(JOB), str(folder), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def _finish(job: subprocess.Popen) -> dict:
@@ -64,8 +77,7 @@ def _only_entry(folder: Path) -> Path:
 def first_jobs(tmp_path_factory) -> tuple[Path, list[dict]]:
     """Two first jobs at once: no entry, so each compiles, and both write the entry at the same moment."""
     folder, ready = tmp_path_factory.mktemp("compile-cache"), tmp_path_factory.mktemp("ready")
-    jobs = [_start(folder, tmp_path_factory.mktemp(f"inductor-first-{i}"), "--together", str(ready))
-            for i in range(2)]
+    jobs = [_start(folder, tmp_path_factory.mktemp(f"inductor-first-{i}"), "--together", str(ready)) for i in range(2)]
     return folder, [_finish(job) for job in jobs]
 
 
@@ -97,7 +109,7 @@ def test_a_truncated_entry_is_discarded_with_a_warning_and_written_again(first_j
     shutil.copytree(source, folder)
     entry = _only_entry(folder)
     whole = entry.read_bytes()
-    entry.write_bytes(whole[:len(whole) // 2])
+    entry.write_bytes(whole[: len(whole) // 2])
     job = _job(folder, tmp_path / "inductor")
     assert (job["status"], job["wrote"]) == ("discarded", True)
     assert f"ditrun: warning: compile cache entry {entry} discarded: truncated or corrupt" in job["console"]
@@ -110,11 +122,17 @@ def test_an_entry_read_while_two_processes_rewrite_it_is_always_whole(tmp_path):
     """Many writes of entries of 1 to 3 MiB from two processes, read meanwhile: every read is one writer's whole
     entry (the rename replaces it at once), and no temporary file is left."""
     entry = tmp_path / f"k{compile_cache.ENTRY_SUFFIX}"
-    code = ("import sys; from pathlib import Path; from ditrun.inference.compile_cache import Entry, write_entry; "
-            "me = int(sys.argv[2]); [write_entry(Path(sys.argv[1]), 'k', {'writer': me}, "
-            "Entry(bytes([me]) * (i % 3 + 1) * 2**20)) for i in range(40)]")
-    writers = [subprocess.Popen([sys.executable, "-c", code, str(entry), str(me)], env=quiet_env(),
-                                stderr=subprocess.PIPE, text=True) for me in (1, 2)]
+    code = (
+        "import sys; from pathlib import Path; from ditrun.inference.compile_cache import Entry, write_entry; "
+        "me = int(sys.argv[2]); [write_entry(Path(sys.argv[1]), 'k', {'writer': me}, "
+        "Entry(bytes([me]) * (i % 3 + 1) * 2**20)) for i in range(40)]"
+    )
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(entry), str(me)], env=quiet_env(), stderr=subprocess.PIPE, text=True
+        )
+        for me in (1, 2)
+    ]
     reads, deadline = set(), time.monotonic() + 100
     while any(w.poll() is None for w in writers) and time.monotonic() < deadline:
         try:
@@ -131,22 +149,37 @@ def test_an_entry_read_while_two_processes_rewrite_it_is_always_whole(tmp_path):
 
 def _header(**changes) -> bytes:
     import hashlib
+
     import torch
 
     artifacts = b"artifacts"
-    header = {"format": compile_cache.FORMAT, "key": "k", "torch": torch.__version__, "bytes": len(artifacts),
-              "sha256": hashlib.sha256(artifacts).hexdigest(), "artifacts_bytes": len(artifacts), **changes}
+    header = {
+        "format": compile_cache.FORMAT,
+        "key": "k",
+        "torch": torch.__version__,
+        "bytes": len(artifacts),
+        "sha256": hashlib.sha256(artifacts).hexdigest(),
+        "artifacts_bytes": len(artifacts),
+        **changes,
+    }
     return json.dumps(header).encode() + b"\n" + artifacts
 
 
-@pytest.mark.parametrize("data, why", [
-    (b"\x00\x01 not an entry", "not a ditrun compile-cache entry"),
-    (_header(format="ditrun-compile-cache/1"), "it is of another format (ditrun-compile-cache/1; this ditrun reads"),
-    (_header(key="another"), "it belongs to another key or torch version"),
-    (_header(torch="0.1"), "it belongs to another key or torch version (0.1)"),
-    (_header()[:-1], "truncated or corrupt (8 of 9 bytes"),
-    (_header()[:-1] + b"S", "truncated or corrupt (9 of 9 bytes, checksum differs)"),
-], ids=["garbage", "older format", "another key", "another torch", "truncated", "corrupt"])
+@pytest.mark.parametrize(
+    "data, why",
+    [
+        (b"\x00\x01 not an entry", "not a ditrun compile-cache entry"),
+        (
+            _header(format="ditrun-compile-cache/1"),
+            "it is of another format (ditrun-compile-cache/1; this ditrun reads",
+        ),
+        (_header(key="another"), "it belongs to another key or torch version"),
+        (_header(torch="0.1"), "it belongs to another key or torch version (0.1)"),
+        (_header()[:-1], "truncated or corrupt (8 of 9 bytes"),
+        (_header()[:-1] + b"S", "truncated or corrupt (9 of 9 bytes, checksum differs)"),
+    ],
+    ids=["garbage", "older format", "another key", "another torch", "truncated", "corrupt"],
+)
 def test_a_bad_entry_is_discarded_with_a_warning(tmp_path, capsys, data, why):
     entry = tmp_path / "k.ditrun-compile"
     entry.write_bytes(data)
@@ -172,8 +205,10 @@ def _triton_kernel(root: Path, monkeypatch, name: str) -> str:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(root))
     key = hashlib.sha256(name.encode()).hexdigest()[:52]
     manager = FileCacheManager(key)
-    files = {f"{name}.{kind}": manager.put(f"{kind} of {name}".encode(), f"{name}.{kind}")
-             for kind in ("source", "ttir", "cubin", "json")}
+    files = {
+        f"{name}.{kind}": manager.put(f"{kind} of {name}".encode(), f"{name}.{kind}")
+        for kind in ("source", "ttir", "cubin", "json")
+    }
     manager.put_group(f"{name}.json", files)
     return key
 
@@ -257,10 +292,13 @@ def _refused(value: str) -> str:
 def test_a_folder_that_cannot_hold_entries_is_one_sentence_before_any_work(tmp_path):
     file = tmp_path / "file"
     file.write_text("")
-    assert _refused(str(file)) == (f"model.compile_cache='{file}' is not a folder; give a folder (made when "
-                                   "missing), or off.")
-    assert _refused(f"{file}/sub") == (f"model.compile_cache='{file}/sub' cannot be made: {file} is not a folder; "
-                                       "give a folder (made when missing), or off.")
+    assert _refused(str(file)) == (
+        f"model.compile_cache='{file}' is not a folder; give a folder (made when missing), or off."
+    )
+    assert _refused(f"{file}/sub") == (
+        f"model.compile_cache='{file}/sub' cannot be made: {file} is not a folder; "
+        "give a folder (made when missing), or off."
+    )
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     if os.access(locked, os.W_OK):  # root may write anywhere; /proc/sys refuses even root
@@ -282,24 +320,42 @@ def _key(*overrides: str, details=None) -> str:
     cfg = tiny_config("model.compile=on", *overrides)
     geometry, device_dtype = model_geometry(cfg.model), select_device_dtype("cpu", cfg.model.dtype)
     plan = plan_layout(cfg.layout, cfg.launcher.world, geometry.num_attention_heads)
-    cache = compile_cache.for_run(cfg, COMPILED, device_dtype, geometry, plan_precision(cfg.precision, device_dtype.device),
-                                  details or {}, plan, resolve_edits(cfg.workload), rank=0)
+    cache = compile_cache.for_run(
+        cfg,
+        COMPILED,
+        device_dtype,
+        geometry,
+        plan_precision(cfg.precision, device_dtype.device),
+        details or {},
+        plan,
+        resolve_edits(cfg.workload),
+        rank=0,
+    )
     return cache.key
 
 
 def test_the_key_follows_what_changes_the_compiled_code():
     key = _key()
     assert _key() == key
-    changed = [_key("workload.width=48"), _key("workload.text_len=16"), _key("workload.true_cfg_scale=1"),
-               _key("model.num_layers=1"), _key("model.dtype=bf16"), _key("precision=fp8"),
-               _key("layout=cfg_batch"), _key(details={"attention": {"format": "int8qk"}})]
+    changed = [
+        _key("workload.width=48"),
+        _key("workload.text_len=16"),
+        _key("workload.true_cfg_scale=1"),
+        _key("model.num_layers=1"),
+        _key("model.dtype=bf16"),
+        _key("precision=fp8"),
+        _key("layout=cfg_batch"),
+        _key(details={"attention": {"format": "int8qk"}}),
+    ]
     assert len({key, *changed}) == len(changed) + 1
     assert _key("workload.seed=5", "model.weights_seed=3") == key  # the same shapes and code
 
 
 def test_the_summary_has_each_part_of_start_up_per_rank_and_overall():
-    by_rank = [{"rank": 1, "startup_s": 9.0, "build_s": 2.0, "compile_s": 6.0, "compile_cache": "hit"},
-               {"rank": 0, "startup_s": 7.0, "build_s": 1.0, "compile_s": 4.0, "compile_cache": "hit"}]
+    by_rank = [
+        {"rank": 1, "startup_s": 9.0, "build_s": 2.0, "compile_s": 6.0, "compile_cache": "hit"},
+        {"rank": 0, "startup_s": 7.0, "build_s": 1.0, "compile_s": 4.0, "compile_cache": "hit"},
+    ]
     summary = timing.startup_summary(by_rank)
     assert (summary["build_s_median"], summary["build_s_max"]) == (1.5, 2.0)
     assert (summary["compile_s_median"], summary["compile_s_max"]) == (5.0, 6.0)
@@ -321,9 +377,19 @@ def test_the_cli_says_what_the_compile_cache_did_and_splits_its_start_up(tmp_pat
     part of the start-up per rank and overall. Inductor's CPU code generation of the tiny model takes minutes on
     2 cores, so this run traces with ``aot_eager``; the processes above load and write entries with Inductor."""
     folder = tmp_path / "compile-cache"
-    proc = run(ditrun_command("model.compile=on", "model.compile_backend=aot_eager", f"model.compile_cache={folder}",
-                              "workload.limit=1", "metrics.report=false", f"output_dir={tmp_path / 'run'}"),
-               timeout=240, cwd=tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    proc = run(
+        ditrun_command(
+            "model.compile=on",
+            "model.compile_backend=aot_eager",
+            f"model.compile_cache={folder}",
+            "workload.limit=1",
+            "metrics.report=false",
+            f"output_dir={tmp_path / 'run'}",
+        ),
+        timeout=240,
+        cwd=tmp_path,
+        TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cache = summary["compile_cache"]

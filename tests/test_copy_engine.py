@@ -13,20 +13,26 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from launching import latents, records, tiny_config
+from ranks import run_ranks
+from test_ulysses import _qkv, world_transport
 
 from ditrun.launch import worker
 from ditrun.parallel.ulysses import UlyssesAttention
 from ditrun.transport.base import ExchangePlan, PeerLost, gather_plan
 from ditrun.transport.copy_engine import SlotLayout
-from launching import latents, records, tiny_config
-from ranks import run_ranks
-from test_ulysses import _qkv, world_transport
 
 # One double and one single block, three steps: every kind of exchange (Q/K/V and attention
 # outputs per head group: 2 to 4 a step; the velocity gather and the CFG swap: 1 a step) runs at
 # least 3 times, so each reuses a slot and waits for its credit.
-FAST = ["model.num_attention_heads=16", "model.num_layers=1", "model.num_single_layers=1", "workload.steps=3",
-        "metrics.ssim=false", "metrics.report=false"]
+FAST = [
+    "model.num_attention_heads=16",
+    "model.num_layers=1",
+    "model.num_single_layers=1",
+    "workload.steps=3",
+    "metrics.ssim=false",
+    "metrics.report=false",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -43,8 +49,10 @@ def _both_transports(rank, world, configs, out_dirs):
 
 def assert_bitwise_equal(tmp_path, world: int, *overrides: str) -> None:
     """``overrides`` under transport=collective and transport=copy_engine give the same bits."""
-    configs = [tiny_config(*FAST, f"launcher.world={world}", *overrides, f"transport={name}")
-               for name in ("collective", "copy_engine")]
+    configs = [
+        tiny_config(*FAST, f"launcher.world={world}", *overrides, f"transport={name}")
+        for name in ("collective", "copy_engine")
+    ]
     compare_transports(tmp_path, world, configs)
 
 
@@ -85,7 +93,7 @@ def test_peers_on_other_nodes_go_through_the_collective(tmp_path, node_size):
 def _attention_until_killed(rank, world, victim, rounds):
     """Ulysses attention again and again; the victim kills itself after starting an exchange."""
     transport = world_transport("copy_engine", timeout_s=3.0)
-    q, k, v = (t[:, 4 * rank:4 * rank + 4] for t in _qkv([4] * world, heads=8))
+    q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
     transport.prepare(attention.plans(q))
     if rank == victim:
@@ -197,8 +205,18 @@ def test_copy_engine_on_two_gpus_equals_collective(tmp_path, layout):
     """Symmetric memory, a stream per peer, stream write/wait-value flags: the same bits as NCCL."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    configs = [tiny_config(*FAST, "launcher.world=2", "device=cuda", "model.dtype=fp32", f"layout={layout}",
-                           "layout.head_groups=2", f"transport={name}") for name in ("collective", "copy_engine")]
+    configs = [
+        tiny_config(
+            *FAST,
+            "launcher.world=2",
+            "device=cuda",
+            "model.dtype=fp32",
+            f"layout={layout}",
+            "layout.head_groups=2",
+            f"transport={name}",
+        )
+        for name in ("collective", "copy_engine")
+    ]
     compare_transports(tmp_path, 2, configs, backend="nccl")
 
 
@@ -207,7 +225,9 @@ def test_transport_mistakes_are_one_sentence():
     from ditrun.errors import UserError
     from ditrun.transport.registry import check_transport
 
-    with pytest.raises(UserError, match=r"^transport='nccl' is not a known transport; allowed: collective, copy_engine\.$"):
+    with pytest.raises(
+        UserError, match=r"^transport='nccl' is not a known transport; allowed: collective, copy_engine\.$"
+    ):
         check_transport(TransportConfig(name="nccl"))
     with pytest.raises(UserError, match=r"^transport.chaos_s=-1"):
         check_transport(TransportConfig(name="copy_engine", chaos_s=-1))

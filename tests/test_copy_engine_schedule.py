@@ -10,12 +10,12 @@ waits behind an attention-output copy, every copy follows the one compute mark t
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
+from test_ulysses import _qkv, world_transport
 
 from ditrun.parallel.ulysses import UlyssesAttention
 from ditrun.transport.base import gather_plan
 from ditrun.transport.device import WaitLog
-from ranks import run_ranks
-from test_ulysses import _qkv, world_transport
 
 
 class RecordingLane:
@@ -57,7 +57,7 @@ def _record_lanes(transport) -> tuple[dict, list]:
 
 def _ulysses_lane_logs(rank, world, layers):
     transport = world_transport("copy_engine")
-    q, k, v = (t[:, 4 * rank:4 * rank + 4] for t in _qkv([4] * world, heads=8))
+    q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
     transport.prepare(attention.plans(q))
     logs, _ = _record_lanes(transport)
@@ -99,7 +99,7 @@ def test_each_lane_gets_qkv_before_attention_out_and_one_compute_mark_per_exchan
 
 def _routes_after(rank, world, layers):
     transport = world_transport("copy_engine")
-    q, k, v = (t[:, 4 * rank:4 * rank + 4] for t in _qkv([4] * world, heads=8))
+    q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
     transport.prepare(attention.plans(q))
     prepared = dict(transport.routes)

@@ -14,6 +14,8 @@ from safetensors.torch import save_file
 
 diffusers = pytest.importorskip("diffusers")
 
+from launching import relative_error  # noqa: E402
+
 from ditrun.config import WorkloadConfig  # noqa: E402
 from ditrun.model import from_pretrained  # noqa: E402
 from ditrun.model.latents import DiffusersVAE  # noqa: E402
@@ -21,7 +23,6 @@ from ditrun.model.load import checkpoint_geometry  # noqa: E402
 from ditrun.model.sampler import denoise, sequential_cfg_velocity  # noqa: E402
 from ditrun.workload.inputs import edit_inputs  # noqa: E402
 from ditrun.workload.manifest import resolve_edits  # noqa: E402
-from launching import relative_error  # noqa: E402
 
 WIDTH, HEIGHT, REF = 64, 48, 32  # output 4x3 tokens, reference 2x2 tokens
 STEPS, SEED, TEXT = 3, 1234, 5
@@ -36,8 +37,15 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 
 def _transformer(guidance_embeds: bool):
     model = diffusers.FluxTransformer2DModel(
-        num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=24,
-        pooled_projection_dim=12, guidance_embeds=guidance_embeds, axes_dims_rope=[4, 6, 6]).eval()
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=24,
+        pooled_projection_dim=12,
+        guidance_embeds=guidance_embeds,
+        axes_dims_rope=[4, 6, 6],
+    ).eval()
     _randomise(model, seed=1)
     return model
 
@@ -45,40 +53,77 @@ def _transformer(guidance_embeds: bool):
 def _vae():
     # Four blocks: diffusers' vae_scale_factor is 2 ** (blocks - 1) = 8, as Flux's.
     vae = diffusers.AutoencoderKL(
-        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8,) * 4, layers_per_block=1, latent_channels=16, norm_num_groups=4, sample_size=32,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False).eval()
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8,) * 4,
+        layers_per_block=1,
+        latent_channels=16,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    ).eval()
     _randomise(vae, seed=2)
     return vae
 
 
 def _embeddings(path) -> dict:
     gen = torch.Generator().manual_seed(3)
-    tensors = {"prompt_embeds": torch.randn(1, TEXT, 24, generator=gen),
-               "pooled_prompt_embeds": torch.randn(1, 12, generator=gen),
-               "negative_prompt_embeds": torch.randn(1, TEXT, 24, generator=gen),
-               "negative_pooled_prompt_embeds": torch.randn(1, 12, generator=gen)}
+    tensors = {
+        "prompt_embeds": torch.randn(1, TEXT, 24, generator=gen),
+        "pooled_prompt_embeds": torch.randn(1, 12, generator=gen),
+        "negative_prompt_embeds": torch.randn(1, TEXT, 24, generator=gen),
+        "negative_pooled_prompt_embeds": torch.randn(1, 12, generator=gen),
+    }
     save_file(tensors, path)
     return tensors
 
 
 def _diffusers_latents(transformer, vae, image, embeds, true_cfg_scale, guidance_scale):
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
-        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
-    pipe = diffusers.FluxKontextPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
-                                         text_encoder_2=None, tokenizer_2=None, transformer=transformer)
+        use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = diffusers.FluxKontextPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        transformer=transformer,
+    )
     pipe.set_progress_bar_config(disable=True)
     with torch.no_grad():
-        return pipe(image=image, height=HEIGHT, width=WIDTH, max_area=WIDTH * HEIGHT, num_inference_steps=STEPS,
-                    true_cfg_scale=true_cfg_scale, guidance_scale=guidance_scale, _auto_resize=False,
-                    generator=torch.Generator().manual_seed(SEED), output_type="latent", **embeds).images
+        return pipe(
+            image=image,
+            height=HEIGHT,
+            width=WIDTH,
+            max_area=WIDTH * HEIGHT,
+            num_inference_steps=STEPS,
+            true_cfg_scale=true_cfg_scale,
+            guidance_scale=guidance_scale,
+            _auto_resize=False,
+            generator=torch.Generator().manual_seed(SEED),
+            output_type="latent",
+            **embeds,
+        ).images
 
 
 def _ditrun_latents(transformer_dir, vae_dir, image_file, embeds_file, true_cfg_scale, guidance_scale):
-    workload = OmegaConf.merge(OmegaConf.structured(WorkloadConfig), {
-        "edits": [{"id": "e", "image": str(image_file), "prompt_embeds": str(embeds_file), "seed": SEED}],
-        "width": WIDTH, "height": HEIGHT, "steps": STEPS, "ref_resize": "none",
-        "true_cfg_scale": true_cfg_scale, "guidance_scale": guidance_scale})
+    workload = OmegaConf.merge(
+        OmegaConf.structured(WorkloadConfig),
+        {
+            "edits": [{"id": "e", "image": str(image_file), "prompt_embeds": str(embeds_file), "seed": SEED}],
+            "width": WIDTH,
+            "height": HEIGHT,
+            "steps": STEPS,
+            "ref_resize": "none",
+            "true_cfg_scale": true_cfg_scale,
+            "guidance_scale": guidance_scale,
+        },
+    )
     edit = resolve_edits(workload)[0]
     assert (edit.ref_width, edit.ref_height) == (REF, REF)
     geometry = checkpoint_geometry(transformer_dir)
@@ -88,8 +133,9 @@ def _ditrun_latents(transformer_dir, vae_dir, image_file, embeds_file, true_cfg_
     assert inputs.true_cfg == (true_cfg_scale > 1)
     guidance = guidance_scale if geometry.guidance_embeds else None
     with torch.no_grad():
-        return denoise(sequential_cfg_velocity(model, inputs, true_cfg_scale, guidance, torch.float32), inputs.noise,
-                       STEPS)
+        return denoise(
+            sequential_cfg_velocity(model, inputs, true_cfg_scale, guidance, torch.float32), inputs.noise, STEPS
+        )
 
 
 @pytest.mark.slow
@@ -105,8 +151,14 @@ def test_final_latents_equal_diffusers_kontext(tmp_path, guidance_embeds, true_c
     embeds = _embeddings(tmp_path / "embeds.safetensors")
 
     expected = _diffusers_latents(transformer, vae, Image.open(tmp_path / "ref.png"), embeds, true_cfg_scale, 2.0)
-    got = _ditrun_latents(tmp_path / "transformer", tmp_path / "vae", tmp_path / "ref.png",
-                          tmp_path / "embeds.safetensors", true_cfg_scale, 2.0)
+    got = _ditrun_latents(
+        tmp_path / "transformer",
+        tmp_path / "vae",
+        tmp_path / "ref.png",
+        tmp_path / "embeds.safetensors",
+        true_cfg_scale,
+        2.0,
+    )
     assert got.shape == expected.shape == (1, (WIDTH // 16) * (HEIGHT // 16), 64)
     assert relative_error(got, expected) <= 1e-4
 
@@ -121,8 +173,9 @@ def _clip_tokenizer(folder):
     folder.mkdir()
     (folder / "vocab.json").write_text(json.dumps(vocab))
     (folder / "merges.txt").write_text("#version: 0.2\n")
-    return CLIPTokenizer(vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"),
-                         model_max_length=77)
+    return CLIPTokenizer(
+        vocab_file=str(folder / "vocab.json"), merges_file=str(folder / "merges.txt"), model_max_length=77
+    )
 
 
 def _t5_tokenizer():
@@ -139,15 +192,31 @@ def _pipeline_folder(folder, guidance_embeds: bool):
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(5)
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=60, hidden_size=12, intermediate_size=24, num_hidden_layers=1,
-                                        num_attention_heads=2, max_position_embeddings=77, bos_token_id=0,
-                                        eos_token_id=1, pad_token_id=1)).eval()
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=60,
+            hidden_size=12,
+            intermediate_size=24,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=0,
+            eos_token_id=1,
+            pad_token_id=1,
+        )
+    ).eval()
     t5 = T5EncoderModel(T5Config(vocab_size=60, d_model=24, d_kv=8, d_ff=32, num_layers=1, num_heads=3)).eval()
     pipe = diffusers.FluxKontextPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                            base_image_seq_len=256, max_image_seq_len=4096),
-        vae=_vae(), text_encoder=clip, tokenizer=_clip_tokenizer(folder.parent / "clip_vocab"), text_encoder_2=t5,
-        tokenizer_2=_t5_tokenizer(), transformer=_transformer(guidance_embeds))
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+        ),
+        vae=_vae(),
+        text_encoder=clip,
+        tokenizer=_clip_tokenizer(folder.parent / "clip_vocab"),
+        text_encoder_2=t5,
+        tokenizer_2=_t5_tokenizer(),
+        transformer=_transformer(guidance_embeds),
+    )
     pipe.save_pretrained(folder, safe_serialization=True)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -165,10 +234,21 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
     with torch.no_grad():
-        expected = pipe(image=Image.open(tmp_path / "r.png"), prompt="make it red", negative_prompt="",
-                        height=HEIGHT, width=WIDTH, max_area=WIDTH * HEIGHT, num_inference_steps=STEPS,
-                        true_cfg_scale=2.0, guidance_scale=2.0, max_sequence_length=TEXT, _auto_resize=False,
-                        generator=torch.Generator().manual_seed(SEED), output_type="latent").images
+        expected = pipe(
+            image=Image.open(tmp_path / "r.png"),
+            prompt="make it red",
+            negative_prompt="",
+            height=HEIGHT,
+            width=WIDTH,
+            max_area=WIDTH * HEIGHT,
+            num_inference_steps=STEPS,
+            true_cfg_scale=2.0,
+            guidance_scale=2.0,
+            max_sequence_length=TEXT,
+            _auto_resize=False,
+            generator=torch.Generator().manual_seed(SEED),
+            output_type="latent",
+        ).images
     cache = tmp_path / "prompts"
     overrides = _pipeline_overrides(tmp_path, cache)
     worker.run(tiny_config(*overrides), tmp_path / "run")
@@ -193,15 +273,33 @@ def test_an_unset_text_len_is_the_folders_and_gives_diffusers_default_run(tmp_pa
     pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
     with torch.no_grad():
-        expected = pipe(image=Image.open(tmp_path / "r.png"), prompt="make it red", negative_prompt="",
-                        height=HEIGHT, width=WIDTH, max_area=WIDTH * HEIGHT, num_inference_steps=STEPS,
-                        true_cfg_scale=2.0, guidance_scale=2.0, _auto_resize=False,
-                        generator=torch.Generator().manual_seed(SEED), output_type="latent").images
-    overrides = [key for key in _pipeline_overrides(tmp_path, tmp_path / "prompts")
-                 if not key.startswith("workload.text_len")]
+        expected = pipe(
+            image=Image.open(tmp_path / "r.png"),
+            prompt="make it red",
+            negative_prompt="",
+            height=HEIGHT,
+            width=WIDTH,
+            max_area=WIDTH * HEIGHT,
+            num_inference_steps=STEPS,
+            true_cfg_scale=2.0,
+            guidance_scale=2.0,
+            _auto_resize=False,
+            generator=torch.Generator().manual_seed(SEED),
+            output_type="latent",
+        ).images
+    overrides = [
+        key for key in _pipeline_overrides(tmp_path, tmp_path / "prompts") if not key.startswith("workload.text_len")
+    ]
     out = tmp_path / "run"
-    proc = ditrun("model=tiny", "device=cpu", "wandb.mode=disabled", "progress=false", *overrides,
-                  f"hydra.run.dir={out}", cwd=tmp_path)
+    proc = ditrun(
+        "model=tiny",
+        "device=cpu",
+        "wandb.mode=disabled",
+        "progress=false",
+        *overrides,
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert relative_error(latents(out, "e"), expected) <= 1e-4
     workload = json.loads((out / "summary.json").read_text())["config"]["workload"]
@@ -215,11 +313,13 @@ def test_the_text_length_belongs_to_the_model(tmp_path):
     """``model.folders.model_text_len``: the editor's folder records the 32 tokens it was trained with; a folder whose
     tokenizer names no usable length takes diffusers' 512; without a pipeline folder, the stand-ins' 32."""
     from ditrun.editor import FOLDER
-    from recipes.editor.config import TrainConfig
     from ditrun.model.folders import model_text_len
+    from recipes.editor.config import TrainConfig
 
-    assert model_text_len(str(FOLDER)) == (TrainConfig().text_len, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
-                                                                    "(model_max_length)")
+    assert model_text_len(str(FOLDER)) == (
+        TrainConfig().text_len,
+        f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json (model_max_length)",
+    )
     folder = tmp_path / "flux"
     (folder / "transformer").mkdir(parents=True)
     (folder / "tokenizer_2").mkdir()
@@ -230,11 +330,20 @@ def test_the_text_length_belongs_to_the_model(tmp_path):
 
 
 def _pipeline_overrides(tmp_path, cache) -> list[str]:
-    return [f"model.path={tmp_path / 'kontext'}", f"workload.prompt_cache_dir={cache}", "metrics.ssim=false",
-            f"workload.width={WIDTH}", f"workload.height={HEIGHT}", f"workload.steps={STEPS}",
-            f"workload.text_len={TEXT}", "workload.ref_resize=none", "workload.true_cfg_scale=2.0",
-            "workload.guidance_scale=2.0", "metrics.report=false",
-            f"workload.edits=[{{id: e, image: '{tmp_path / 'r.png'}', prompt: make it red, seed: {SEED}}}]"]
+    return [
+        f"model.path={tmp_path / 'kontext'}",
+        f"workload.prompt_cache_dir={cache}",
+        "metrics.ssim=false",
+        f"workload.width={WIDTH}",
+        f"workload.height={HEIGHT}",
+        f"workload.steps={STEPS}",
+        f"workload.text_len={TEXT}",
+        "workload.ref_resize=none",
+        "workload.true_cfg_scale=2.0",
+        "workload.guidance_scale=2.0",
+        "metrics.report=false",
+        f"workload.edits=[{{id: e, image: '{tmp_path / 'r.png'}', prompt: make it red, seed: {SEED}}}]",
+    ]
 
 
 def _run_with_own_cache(rank, world, tmp_path):
@@ -244,8 +353,9 @@ def _run_with_own_cache(rank, world, tmp_path):
     from ditrun.launch import worker
 
     cache = tmp_path / f"prompts{rank}"
-    return worker.run(tiny_config(*_pipeline_overrides(tmp_path, cache), "layout=ulysses", "launcher.world=2"),
-                      tmp_path / "two")
+    return worker.run(
+        tiny_config(*_pipeline_overrides(tmp_path, cache), "layout=ulysses", "launcher.world=2"), tmp_path / "two"
+    )
 
 
 @pytest.mark.slow

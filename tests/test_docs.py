@@ -61,7 +61,7 @@ def links(path: Path) -> list[tuple[int, str]]:
     found = []
     for number, line in enumerate(prose(path.read_text()).splitlines(), 1):
         for match in LINK.finditer(CODE_SPAN.sub(lambda m: "x" * len(m.group(0)), line)):
-            target = line[match.start(1):match.end(1)]
+            target = line[match.start(1) : match.end(1)]
             if not re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 found.append((number, target))
     return found
@@ -88,16 +88,22 @@ def test_every_relative_link_and_anchor_resolves(doc):
 def test_a_missing_file_or_heading_is_found(tmp_path):
     (tmp_path / "b.md").write_text("# Many nodes\n\n## Many nodes\n")
     doc = tmp_path / "a.md"
-    doc.write_text("# Top\n[ok](b.md#many-nodes-1) [self](#top) [web](https://example.com/x#y) `[code](gone.md)`\n"
-                   "[gone](gone.md) [no heading](b.md#many-nodes-2) [no self](#bottom)\n```\n[fenced](gone.md)\n```\n")
-    assert broken_links(doc) == ["a.md:3: gone.md: no such file",
-                                 "a.md:3: b.md#many-nodes-2: no heading with that anchor in b.md",
-                                 "a.md:3: #bottom: no heading with that anchor in a.md"]
+    doc.write_text(
+        "# Top\n[ok](b.md#many-nodes-1) [self](#top) [web](https://example.com/x#y) `[code](gone.md)`\n"
+        "[gone](gone.md) [no heading](b.md#many-nodes-2) [no self](#bottom)\n```\n[fenced](gone.md)\n```\n"
+    )
+    assert broken_links(doc) == [
+        "a.md:3: gone.md: no such file",
+        "a.md:3: b.md#many-nodes-2: no heading with that anchor in b.md",
+        "a.md:3: #bottom: no heading with that anchor in a.md",
+    ]
 
 
 def test_the_slugs_are_githubs():
-    assert slug("Guarantees: nothing lost, nothing doubled, nothing escapes") == \
-        "guarantees-nothing-lost-nothing-doubled-nothing-escapes"
+    assert (
+        slug("Guarantees: nothing lost, nothing doubled, nothing escapes")
+        == "guarantees-nothing-lost-nothing-doubled-nothing-escapes"
+    )
     assert slug("ditrun against diffusers, one forward") == "ditrun-against-diffusers-one-forward"
     assert slug("The CLI's DiT time per edit, per preset") == "the-clis-dit-time-per-edit-per-preset"
     assert slug("Is the edit right? Against the correct edit") == "is-the-edit-right-against-the-correct-edit"
@@ -105,6 +111,7 @@ def test_the_slugs_are_githubs():
 
 
 # -- defaults ------------------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def config():
@@ -168,10 +175,12 @@ def quoted_defaults(doc: Path) -> list[tuple[str, str, str]]:
                 if marked:
                     found.append((f"{doc.name}: {row[0]}", key.group(1), marked.group(1)))
     flat = " ".join(prose(text).split())
-    inline = [r"`([a-z_]+(?:\.[a-z_]+)+)` (?:\w+ )?\((?:ditrun's )?default (`[^`]+`|[^ ;:),]+)",
-              r"`([a-z_]+(?:\.[a-z_]+)+)` \(`([^`]+)`: ",
-              r"`([a-z_]+(?:\.[a-z_]+)+)`: `([^`]+)` \(default\)",
-              r"`([a-z_]+(?:\.[a-z_]+)+)=([^`]+)` by default"]
+    inline = [
+        r"`([a-z_]+(?:\.[a-z_]+)+)` (?:\w+ )?\((?:ditrun's )?default (`[^`]+`|[^ ;:),]+)",
+        r"`([a-z_]+(?:\.[a-z_]+)+)` \(`([^`]+)`: ",
+        r"`([a-z_]+(?:\.[a-z_]+)+)`: `([^`]+)` \(default\)",
+        r"`([a-z_]+(?:\.[a-z_]+)+)=([^`]+)` by default",
+    ]
     for pattern in inline:
         found += [(f"{doc.name}: {m.group(0)}", m.group(1), m.group(2)) for m in re.finditer(pattern, flat)]
     return [(where, key, value) for where, key, value in found if not key.startswith("hydra.")]
@@ -187,8 +196,17 @@ def config_default(config, key: str):
 def test_the_docs_quote_defaults():
     """The patterns find the quotes they are meant to find (so the next test cannot pass by finding none)."""
     quoted = {key for doc in DOCS for _, key, _ in quoted_defaults(doc)}
-    assert {"layout.head_groups", "wandb.mode", "transport.node_size", "transport", "metrics.quality",
-            "metrics.warmup_edits", "workload.guidance_scale", "precision.backend", "model.compile"} <= quoted, quoted
+    assert {
+        "layout.head_groups",
+        "wandb.mode",
+        "transport.node_size",
+        "transport",
+        "metrics.quality",
+        "metrics.warmup_edits",
+        "workload.guidance_scale",
+        "precision.backend",
+        "model.compile",
+    } <= quoted, quoted
 
 
 def test_the_defaults_quoted_in_the_docs_are_the_configs(config):

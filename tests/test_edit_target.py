@@ -10,9 +10,8 @@ import torch
 
 from ditrun.editor.transforms import EDITS, apply
 from ditrun.metrics import quality
+from ditrun.metrics.target import PSNR_CAP_DB, delta_e, edit_target, make_target, psnr, target_fields, target_summary
 from ditrun.results.files import to_rgb8
-from ditrun.metrics.target import (PSNR_CAP_DB, delta_e, edit_target, make_target, psnr, target_fields,
-                                   target_summary)
 from ditrun.workload.edit import Edit
 from ditrun.workload.images import load_image
 
@@ -20,8 +19,18 @@ SIZE = 96
 
 
 def _edit(picture: str, target: str) -> Edit:
-    return Edit(index=0, id="e", image=picture, prompt="", seed=0, width=SIZE, height=SIZE, ref_width=SIZE,
-                ref_height=SIZE, target=target)
+    return Edit(
+        index=0,
+        id="e",
+        image=picture,
+        prompt="",
+        seed=0,
+        width=SIZE,
+        height=SIZE,
+        ref_width=SIZE,
+        ref_height=SIZE,
+        target=target,
+    )
 
 
 def _picture(name: str = "skimage:astronaut") -> torch.Tensor:
@@ -80,7 +89,7 @@ def test_a_candidate_equal_to_the_correct_result_is_no_candidate():
     assert mirror.equals_input
     flip = make_target(edits["upside_down"], symmetric, {n: p for n, p in edits.items() if n != "upside_down"})
     assert not flip.equals_input and "mirror" in flip.naive
-    both = np.concatenate([symmetric, symmetric[::-1]], axis=0)[: SIZE, :]
+    both = np.concatenate([symmetric, symmetric[::-1]], axis=0)[:SIZE, :]
     both = np.concatenate([both[: SIZE // 2], both[: SIZE // 2][::-1]], axis=0)
     four = {n: to_rgb8(apply(n, torch.from_numpy(both).permute(2, 0, 1)[None].float() / 255)) for n in EDITS}
     turned = make_target(four["upside_down"], both, {n: p for n, p in four.items() if n != "upside_down"})
@@ -105,8 +114,10 @@ def test_the_gate_fails_a_run_that_does_nothing_and_passes_a_correct_one():
     nothing = {**quality.quality_summary(records), "psnr_target_bf16_median": 1.0}  # a PSNR share far above 100%
     assert all(r["margin_db"] <= 0 < r["margin_db_bf16"] for r in records)
     message = quality.gate_failure(nothing, 98.0, "target")
-    assert message == ("quality gate failed: 0% of its edits beat doing nothing and every wrong edit (margin above "
-                       "0 dB), against 100% for the full-quality reference (metrics.quality=target).")
+    assert message == (
+        "quality gate failed: 0% of its edits beat doing nothing and every wrong edit (margin above "
+        "0 dB), against 100% for the full-quality reference (metrics.quality=target)."
+    )
     assert quality.gate_failure(quality.quality_summary(correct), 98.0, "target") is None
     assert quality.gate_failure(quality.quality_summary(correct), 98.0, "auto") is None
     assert quality.measure_name("auto", [quality.quality_summary(correct)]) == "target"

@@ -14,9 +14,10 @@ from skimage import io
 
 diffusers = pytest.importorskip("diffusers")
 
-from ditrun.editor import FOLDER, transforms  # noqa: E402
 from ditrun_cli import ditrun  # noqa: E402
 from launching import relative_error  # noqa: E402
+
+from ditrun.editor import FOLDER, transforms  # noqa: E402
 
 EVAL = json.loads((Path(__file__).resolve().parents[1] / "docs" / "editor" / "eval.json").read_text())
 QUIET = ["wandb.mode=disabled", "progress=false", "metrics.report=false"]
@@ -38,12 +39,30 @@ def test_the_folder_reproduces_its_held_out_results(tmp_path):
     within 1 dB of what the training's evaluation measured on its GPU (bf16) for the same picture, instruction,
     seed, steps and CFG scale, and each edit beats every naive candidate as it did there."""
     cases = [("skimage:camera", "pixelate"), ("skimage:chelsea", "sepia")]
-    manifest = _manifest(tmp_path / "m.jsonl", [
-        {"id": edit, "image": picture, "prompt": transforms.EDITS.get(edit, "edit").phrasings[0], "target": edit,
-         "seed": EVAL["pictures"].index(picture)} for picture, edit in cases])
+    manifest = _manifest(
+        tmp_path / "m.jsonl",
+        [
+            {
+                "id": edit,
+                "image": picture,
+                "prompt": transforms.EDITS.get(edit, "edit").phrasings[0],
+                "target": edit,
+                "seed": EVAL["pictures"].index(picture),
+            }
+            for picture, edit in cases
+        ],
+    )
     out = tmp_path / "run"
-    proc = ditrun("model=editor", f"workload.manifest={manifest}", f"workload.steps={EVAL['steps']}",
-                  "metrics.ssim=false", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path, timeout=380)
+    proc = ditrun(
+        "model=editor",
+        f"workload.manifest={manifest}",
+        f"workload.steps={EVAL['steps']}",
+        "metrics.ssim=false",
+        *QUIET,
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        timeout=380,
+    )
     assert proc.returncode == 0, proc.stderr
     records = _records(out)
     for picture, edit in cases:
@@ -57,9 +76,18 @@ def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int,
     pipe.set_progress_bar_config(disable=True)
     negative = {"negative_prompt": ""} if true_cfg_scale > 1 else {}
     with torch.no_grad():
-        common = dict(image=Image.open(image), prompt=prompt, height=height, width=width, max_area=width * height,
-                      num_inference_steps=steps, true_cfg_scale=true_cfg_scale, max_sequence_length=32,
-                      _auto_resize=False, **negative)
+        common = dict(
+            image=Image.open(image),
+            prompt=prompt,
+            height=height,
+            width=width,
+            max_area=width * height,
+            num_inference_steps=steps,
+            true_cfg_scale=true_cfg_scale,
+            max_sequence_length=32,
+            _auto_resize=False,
+            **negative,
+        )
         latents = pipe(**common, generator=torch.Generator().manual_seed(seed), output_type="latent").images
         picture = pipe(**common, generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
     return latents, np.round(picture * 255).astype(np.uint8)
@@ -75,19 +103,32 @@ def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
     width, height, steps, seed, prompt = 96, 64, 3, 7, "make it black and white"
     rgb = (np.random.default_rng(1).random((48, 64, 3)) * 255).astype(np.uint8)
     Image.fromarray(rgb).save(tmp_path / "ref.png")
-    expected_latents, expected_image = _diffusers_edit(tmp_path / "ref.png", prompt, true_cfg_scale, width, height,
-                                                       steps, seed)
+    expected_latents, expected_image = _diffusers_edit(
+        tmp_path / "ref.png", prompt, true_cfg_scale, width, height, steps, seed
+    )
     out = tmp_path / "run"
     edit = {"id": "e", "image": str(tmp_path / "ref.png"), "prompt": prompt, "seed": seed}
-    proc = ditrun("model=editor", f"workload.manifest={_manifest(tmp_path / 'm.jsonl', [edit])}",
-                  f"workload.width={width}", f"workload.height={height}", f"workload.steps={steps}",
-                  "workload.ref_resize=none", f"workload.true_cfg_scale={true_cfg_scale}",
-                  f"workload.prompt_cache_dir={tmp_path / 'prompts'}", "metrics.ssim=false", *QUIET,
-                  f"hydra.run.dir={out}", cwd=tmp_path, timeout=280)
+    proc = ditrun(
+        "model=editor",
+        f"workload.manifest={_manifest(tmp_path / 'm.jsonl', [edit])}",
+        f"workload.width={width}",
+        f"workload.height={height}",
+        f"workload.steps={steps}",
+        "workload.ref_resize=none",
+        f"workload.true_cfg_scale={true_cfg_scale}",
+        f"workload.prompt_cache_dir={tmp_path / 'prompts'}",
+        "metrics.ssim=false",
+        *QUIET,
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr
     workload = json.loads((out / "summary.json").read_text())["config"]["workload"]  # the folder's 32 tokens
-    assert (workload["text_len"], workload["text_len_from"]) == (32, f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json "
-                                                                     "(model_max_length)")
+    assert (workload["text_len"], workload["text_len_from"]) == (
+        32,
+        f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json (model_max_length)",
+    )
     record = _records(out)["e"]
     got = load_file(out / record["latents"])
     latents = next(iter(got.values()))
@@ -103,9 +144,20 @@ def test_a_precision_the_editor_cannot_keep_fails_the_gate(tmp_path):
     """On the trained weights MXFP4 moves the image: with ``metrics.min_ssim_pct`` above what it keeps, the run
     exits 1 with the sentence naming the key."""
     out = tmp_path / "run"
-    proc = ditrun("model=editor", "precision=mxfp4", "workload.limit=1", "workload.width=64", "workload.height=64",
-                  "workload.steps=4", "metrics.min_ssim_pct=99.9", "metrics.quality=rerun", *QUIET, f"hydra.run.dir={out}", cwd=tmp_path,
-                  timeout=280)
+    proc = ditrun(
+        "model=editor",
+        "precision=mxfp4",
+        "workload.limit=1",
+        "workload.width=64",
+        "workload.height=64",
+        "workload.steps=4",
+        "metrics.min_ssim_pct=99.9",
+        "metrics.quality=rerun",
+        *QUIET,
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        timeout=280,
+    )
     assert proc.returncode == 1, proc.stderr
     assert "metrics.min_ssim_pct=99.9" in proc.stderr and "quality gate failed" in proc.stderr
     record = next(iter(_records(out).values()))
@@ -123,8 +175,10 @@ def test_a_target_is_a_known_edit_or_an_image_file(tmp_path):
     from ditrun.workload.manifest import resolve_edits
 
     def edit(target):
-        workload = OmegaConf.merge(OmegaConf.structured(WorkloadConfig), {
-            "edits": [{"id": "e", "image": "skimage:coffee", "target": target}], "width": 64, "height": 32})
+        workload = OmegaConf.merge(
+            OmegaConf.structured(WorkloadConfig),
+            {"edits": [{"id": "e", "image": "skimage:coffee", "target": target}], "width": 64, "height": 32},
+        )
         return resolve_edits(workload)[0]
 
     inverted = target_image(edit("invert"))

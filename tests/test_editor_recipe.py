@@ -29,17 +29,56 @@ from recipes.editor.vae import make_vae, vae_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Two small training pictures, one held-out picture, a VAE of a few channels, 32x32 edits, no CFG in the judgement.
-TINY = ["--device", "cpu", "--seed", "3", "--size", "32", "--vae-crop", "32", "--vae-batch", "2",
-        "--vae-widths", "8,8,16,16", "--vae-norm-groups", "8", "--vae-lr", "0.003", "--dit-batch", "2",
-        "--dit-lr", "0.003", "--warmup", "2", "--pool", "4", "--eval-steps", "1", "--eval-cfg-scales", "1",
-        "--eval-every", "0", "--log-every", "1", "--train-pictures", "skimage:brick,sklearn:china.jpg",
-        "--eval-pictures", "skimage:astronaut", "--compile", "off", "--no-wandb"]
+TINY = [
+    "--device",
+    "cpu",
+    "--seed",
+    "3",
+    "--size",
+    "32",
+    "--vae-crop",
+    "32",
+    "--vae-batch",
+    "2",
+    "--vae-widths",
+    "8,8,16,16",
+    "--vae-norm-groups",
+    "8",
+    "--vae-lr",
+    "0.003",
+    "--dit-batch",
+    "2",
+    "--dit-lr",
+    "0.003",
+    "--warmup",
+    "2",
+    "--pool",
+    "4",
+    "--eval-steps",
+    "1",
+    "--eval-cfg-scales",
+    "1",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--train-pictures",
+    "skimage:brick,sklearn:china.jpg",
+    "--eval-pictures",
+    "skimage:astronaut",
+    "--compile",
+    "off",
+    "--no-wandb",
+]
 
 
 def _tree(folder: Path) -> dict:
     """Every file under ``folder`` by relative path -> sha256 of its bytes."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _existing_folder(parent: Path) -> Path:
@@ -55,19 +94,23 @@ def _losses(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "losses.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("bad, sentence", [
-    (["--size", "100"], "--size 100: must be a positive multiple of 16"),
-    (["--vae-batch", "0"], "--vae-batch 0: must be at least 1"),
-    (["--vae-steps", "-5"], "--vae-steps -5: must not be negative"),
-    (["--train-pictures", "skimage:brick,skimage:nope"], "skimage:nope is not a picture shipped"),
-    (["--vae-widths", "40,80,160,160"], "--vae-norm-groups 16: must divide every width"),
-    (["--vae-loss", "l2"], "--vae-loss l2: allowed: l1+mse, l1+ssim, l1+gradient"),
-    (["--dead-leaves", "1.5"], "--dead-leaves 1.5: must be between 0 and 1"),
-    (["--dit-stop-after", "20", "--dit-steps", "10"], "--dit-stop-after 20: must be at most --dit-steps 10"),
-    (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
-    (["--resume"], "--resume needs --checkpoint-dir"),
-    (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
-], ids=lambda value: value[0] if isinstance(value, list) else None)
+@pytest.mark.parametrize(
+    "bad, sentence",
+    [
+        (["--size", "100"], "--size 100: must be a positive multiple of 16"),
+        (["--vae-batch", "0"], "--vae-batch 0: must be at least 1"),
+        (["--vae-steps", "-5"], "--vae-steps -5: must not be negative"),
+        (["--train-pictures", "skimage:brick,skimage:nope"], "skimage:nope is not a picture shipped"),
+        (["--vae-widths", "40,80,160,160"], "--vae-norm-groups 16: must divide every width"),
+        (["--vae-loss", "l2"], "--vae-loss l2: allowed: l1+mse, l1+ssim, l1+gradient"),
+        (["--dead-leaves", "1.5"], "--dead-leaves 1.5: must be between 0 and 1"),
+        (["--dit-stop-after", "20", "--dit-steps", "10"], "--dit-stop-after 20: must be at most --dit-steps 10"),
+        (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
+    ],
+    ids=lambda value: value[0] if isinstance(value, list) else None,
+)
 def test_a_wrong_argument_is_one_sentence_before_any_work(tmp_path, capsys, bad, sentence):
     out = tmp_path / "editor"
     assert main(["--out", str(out), "--device", "cpu", *bad]) == EXIT_USAGE
@@ -89,8 +132,19 @@ def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
     """A phase's checkpoint must agree with the resuming command on what trains that phase: another VAE learning
     rate is one sentence; another DiT length is not the VAE's business (a VAE-only command hands its VAE on)."""
     checkpoints = tmp_path / "checkpoints"
-    args = ["--out", str(tmp_path / "editor"), *TINY, "--checkpoint-dir", str(checkpoints), "--vae-steps", "2",
-            "--dit-steps", "0", "--max-steps", "1"]
+    args = [
+        "--out",
+        str(tmp_path / "editor"),
+        *TINY,
+        "--checkpoint-dir",
+        str(checkpoints),
+        "--vae-steps",
+        "2",
+        "--dit-steps",
+        "0",
+        "--max-steps",
+        "1",
+    ]
     assert main(args) == EXIT_STOPPED
     capsys.readouterr()
     assert main([*args, "--resume", "--vae-lr", "0.002"]) == EXIT_USAGE
@@ -125,9 +179,25 @@ def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
     nothing is left beside it."""
     out = _existing_folder(tmp_path)
     before = _tree(out)
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.editor.train", "--out", str(out), "--replace", *TINY,
-                             "--vae-steps", "1000", "--dit-steps", "2"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "recipes.editor.train",
+            "--out",
+            str(out),
+            "--replace",
+            *TINY,
+            "--vae-steps",
+            "1000",
+            "--dit-steps",
+            "2",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".editor.*.partial/text_encoder_2/*.safetensors")) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -167,17 +237,38 @@ def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
     per-instruction summary; train.json the settings."""
     import diffusers
 
-    args = [a for a in TINY if a != "--no-wandb"] + ["--eval-every", "2", "--vae-steps", "2", "--dit-steps", "2",
-                                                     "--pool", "2", "--dead-leaves", "0.5"]  # the last value counts
-    proc = subprocess.run([sys.executable, "-m", "recipes.editor.train", "--out", str(tmp_path / "editor"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    args = [a for a in TINY if a != "--no-wandb"] + [
+        "--eval-every",
+        "2",
+        "--vae-steps",
+        "2",
+        "--dit-steps",
+        "2",
+        "--pool",
+        "2",
+        "--dead-leaves",
+        "0.5",
+    ]  # the last value counts
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.editor.train", "--out", str(tmp_path / "editor"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| all |" in proc.stdout and "vae round trip: median PSNR" in proc.stdout
     records = tmp_path / "editor.training"
     assert list((records / "wandb").glob("offline-run-*"))
     rows = _losses(records)
-    assert [(r["phase"], r["step"]) for r in rows] == [("vae", 0), ("vae", 1), ("vae", 1), ("dit", 0), ("dit", 1),
-                                                       ("dit", 1)]
+    assert [(r["phase"], r["step"]) for r in rows] == [
+        ("vae", 0),
+        ("vae", 1),
+        ("vae", 1),
+        ("dit", 0),
+        ("dit", 1),
+        ("dit", 1),
+    ]
     assert "vae/eval_psnr" in rows[2] and "dit/eval_margin" in rows[5]
     assert json.loads((records / "eval.json").read_text())["summary"]["true_cfg_scale=1"]["all"]["counted"] == 9
     assert json.loads((records / "train.json").read_text())["config"]["vae_widths"] == [8, 8, 16, 16]

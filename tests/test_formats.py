@@ -23,8 +23,11 @@ def all_codes(fmt: str) -> torch.Tensor:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal, NaN where NaN, and zeros with the same sign."""
-    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(
-        torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0)) and torch.equal(torch.signbit(a), torch.signbit(b))
+    return (
+        torch.equal(torch.isnan(a), torch.isnan(b))
+        and torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+        and torch.equal(torch.signbit(a), torch.signbit(b))
+    )
 
 
 @pytest.mark.parametrize("fmt", SPEC_VALUES)
@@ -128,7 +131,8 @@ def test_mx_scales_follow_the_rule_exactly(fmt, scale_mode):
 def test_mx_round_trip_zero_blocks_and_nan_blocks(fmt):
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(4, 96, generator=gen) * 2.0 ** torch.randint(-8, 8, (4, 3, 1), generator=gen).repeat_interleave(
-        32, 1).flatten(1)
+        32, 1
+    ).flatten(1)
     x[1, :32] = 0.0
     x[2, 40] = math.nan
     codes, scales = F.quantize_mx(x, fmt)
@@ -165,8 +169,10 @@ def test_fake_quantize_equals_quantize_then_dequantize(fmt, scale_mode):
     x = torch.randn(6, 128, generator=gen) * 2.0 ** torch.randint(-30, 30, (6, 128), generator=gen)
     x[0, :32] = 0.0
     x[1, 3], x[2, 70], x[3, 100] = math.nan, math.inf, -math.inf
-    assert same(F.fake_quantize(x, fmt, scale_mode=scale_mode),
-                F.dequantize_mx(*F.quantize_mx(x, fmt, scale_mode=scale_mode), fmt))
+    assert same(
+        F.fake_quantize(x, fmt, scale_mode=scale_mode),
+        F.dequantize_mx(*F.quantize_mx(x, fmt, scale_mode=scale_mode), fmt),
+    )
     if fmt.startswith("fp8"):  # per-row FP8 of finite rows (an infinite row has no meaningful fp32 scale)
         finite = x[[0, 4, 5]]
         assert same(F.fake_quantize_fp8(finite, fmt), F.dequantize_fp8(*F.quantize_fp8(finite, fmt), fmt))

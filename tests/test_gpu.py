@@ -16,12 +16,19 @@ def _inputs(device, dtype):
     geo = PRESETS["tiny"]
     n = 64
     ids = torch.stack([torch.zeros(n), torch.arange(n) // 8, torch.arange(n) % 8], dim=1)
-    kw = dict(hidden_states=torch.randn(1, n, 64, generator=gen),
-              encoder_hidden_states=torch.randn(1, 16, geo.joint_attention_dim, generator=gen),
-              pooled_projections=torch.randn(1, geo.pooled_projection_dim, generator=gen),
-              timestep=torch.tensor([0.5]), img_ids=ids, txt_ids=torch.zeros(16, 3), guidance=torch.tensor([4.0]))
-    return {k: v.to(device, dtype if v.is_floating_point() and k not in ("timestep", "guidance") else v.dtype)
-            for k, v in kw.items()}
+    kw = dict(
+        hidden_states=torch.randn(1, n, 64, generator=gen),
+        encoder_hidden_states=torch.randn(1, 16, geo.joint_attention_dim, generator=gen),
+        pooled_projections=torch.randn(1, geo.pooled_projection_dim, generator=gen),
+        timestep=torch.tensor([0.5]),
+        img_ids=ids,
+        txt_ids=torch.zeros(16, 3),
+        guidance=torch.tensor([4.0]),
+    )
+    return {
+        k: v.to(device, dtype if v.is_floating_point() and k not in ("timestep", "guidance") else v.dtype)
+        for k, v in kw.items()
+    }
 
 
 def test_from_pretrained_onto_gpu_in_bf16_matches_cpu_fp32(tmp_path):

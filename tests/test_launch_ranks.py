@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from ditrun.errors import UserError
 from ditrun.config import EditConfig, RunConfig
+from ditrun.errors import UserError
 from ditrun.launch import env, faults, run_as_rank, with_world
 from ditrun.launch.rendezvous import format_ranks
 
@@ -38,8 +38,12 @@ def make_cfg(ranks=1, **launcher):
 def reduce_work(cfg, out_dir, job, nodes):
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    return {"sum": total.item(), "out_dir": str(out_dir), "world": cfg.launcher.world,
-            "threads": torch.get_num_threads()}
+    return {
+        "sum": total.item(),
+        "out_dir": str(out_dir),
+        "world": cfg.launcher.world,
+        "threads": torch.get_num_threads(),
+    }
 
 
 def failing_work(cfg, out_dir, job, nodes):
@@ -134,8 +138,9 @@ def test_a_taken_port_is_named_with_the_key_that_moves_it():
     with socket.socket() as busy:
         busy.bind(("", 0))
         busy.listen()
-        procs, results, port = start_ranks([0], 2, make_cfg(2, rendezvous_timeout_s=2.0), reduce_work,
-                                           port=busy.getsockname()[1])
+        procs, results, port = start_ranks(
+            [0], 2, make_cfg(2, rendezvous_timeout_s=2.0), reduce_work, port=busy.getsockname()[1]
+        )
         codes, out = join_all(procs, results)
     assert codes[0] != 0
     assert f"rank 0 cannot listen on 127.0.0.1:{port}" in out[0][1] and "launcher.master_port" in out[0][1]

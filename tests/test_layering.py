@@ -31,7 +31,7 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
@@ -58,7 +58,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(node)
         for target in sorted(graph[node]):
             if state.get(target) == "open":
-                found.append(stack[stack.index(target):] + [target])
+                found.append(stack[stack.index(target) :] + [target])
             elif target not in state:
                 visit(target)
         stack.pop()
@@ -75,8 +75,17 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS = (
     # What everything shares and nothing of ditrun's: errors, registries, the clocks the transports, the step cache
     # and the worker read, dtype and device names, the user's cache folder, the stop signals, the editor's edits.
-    ("ditrun", "ditrun.errors", "ditrun.registry", "ditrun.timers", "ditrun.devices", "ditrun.user_cache",
-     "ditrun.stop_signals", "ditrun.editor", "ditrun.conf"),
+    (
+        "ditrun",
+        "ditrun.errors",
+        "ditrun.registry",
+        "ditrun.timers",
+        "ditrun.devices",
+        "ditrun.user_cache",
+        "ditrun.stop_signals",
+        "ditrun.editor",
+        "ditrun.conf",
+    ),
     # The config schema (and the precision presets it reads), and Hydra's errors in one sentence.
     ("ditrun.config", "ditrun.hydra_errors"),
     # Kernels know nothing of the model they serve.
@@ -106,8 +115,12 @@ LAYERS = (
 
 def layer_of(module: str) -> int:
     """The index in ``LAYERS`` of the longest prefix naming ``module`` (a folder names all its modules)."""
-    found = [(len(prefix), index) for index, names in enumerate(LAYERS) for prefix in names
-             if module == prefix or (prefix != "ditrun" and module.startswith(prefix + "."))]
+    found = [
+        (len(prefix), index)
+        for index, names in enumerate(LAYERS)
+        for prefix in names
+        if module == prefix or (prefix != "ditrun" and module.startswith(prefix + "."))
+    ]
     assert found, f"{module} is in no layer of LAYERS"
     return max(found)[1]
 
@@ -138,8 +151,11 @@ def test_each_layer_imports_only_from_itself_or_below():
 
 def test_the_kernels_import_nothing_from_the_model():
     graph = import_graph()
-    reaching_up = {name: sorted(t for t in targets if t.startswith("ditrun.model"))
-                   for name, targets in graph.items() if name.startswith("ditrun.kernels")}
+    reaching_up = {
+        name: sorted(t for t in targets if t.startswith("ditrun.model"))
+        for name, targets in graph.items()
+        if name.startswith("ditrun.kernels")
+    }
     assert {name: targets for name, targets in reaching_up.items() if targets} == {}
 
 
@@ -147,8 +163,11 @@ def test_the_model_does_not_reach_up_into_the_launch_metrics_or_workload():
     """``model/`` builds and runs the DiT; what a run decides (ranks, references, edits) is handed to it."""
     graph = import_graph()
     upward = ("ditrun.launch", "ditrun.metrics", "ditrun.workload", "ditrun.parallel", "ditrun.transport")
-    reaching_up = {name: sorted(t for t in targets if t.startswith(upward))
-                   for name, targets in graph.items() if name.startswith("ditrun.model")}
+    reaching_up = {
+        name: sorted(t for t in targets if t.startswith(upward))
+        for name, targets in graph.items()
+        if name.startswith("ditrun.model")
+    }
     assert {name: targets for name, targets in reaching_up.items() if targets} == {}
 
 
@@ -165,8 +184,10 @@ def _imports_anywhere(path: Path) -> set[str]:
 
 def test_the_package_never_imports_the_recipes():
     """``recipes/`` (the editor's training) depends on ditrun; the installed package runs without it."""
-    reaching = {name: sorted(n for n in _imports_anywhere(path) if n == "recipes" or n.startswith("recipes."))
-                for name, path in module_names().items()}
+    reaching = {
+        name: sorted(n for n in _imports_anywhere(path) if n == "recipes" or n.startswith("recipes."))
+        for name, path in module_names().items()
+    }
     assert {name: found for name, found in reaching.items() if found} == {}
     recipe = PACKAGE.parent / "recipes" / "editor" / "train.py"
     assert "recipes.editor.config" in _imports_anywhere(recipe)  # the check reads what it should

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from launching import assert_same_latents, ditrun_command, latents, records, relative_error, run, tiny_config
+from ranks import run_ranks
 
 from ditrun.launch import checks, worker
 from ditrun.results import files as results
-from launching import assert_same_latents, ditrun_command, latents, records, relative_error, run, tiny_config
-from ranks import run_ranks
 
 # Two edits, so that two replicas get one each.
 TWO_EDITS = ["workload.limit=2", "metrics.report=false"]
@@ -109,26 +109,59 @@ def test_cli_runs_a_layout_on_four_spawned_ranks(tmp_path, single_run, name):
         assert table[record["edit"]][1:4] == ["32x48", "2", f"{record['dit_s']:.3f}"]
 
 
-@pytest.mark.parametrize("overrides, world, message", [
-    (["layout=cfg_split"], 3, "layout=cfg_split needs an even number of workers per replica, but launcher.world=3 / "
-                              "layout.replicas=1 = 3; allowed launcher.world: multiples of 2."),
-    (["layout=ulysses"], 3, "model.num_attention_heads=8 is not divisible by the Ulysses degree 3 (layout=ulysses, "
-                            "launcher.world=3, layout.replicas=1); allowed launcher.world: 1, 2, 4, 8."),
-    (["layout=cfg_split", "model.num_attention_heads=6", "model.attention_head_dim=32"], 8,
-     "model.num_attention_heads=6 is not divisible by the Ulysses degree 4 (layout=cfg_split, launcher.world=8, "
-     "layout.replicas=1); allowed launcher.world: 2, 4, 6, 12."),
-    (["layout=ulysses", "layout.replicas=2"], 3, "launcher.world=3 is not a multiple of layout.replicas=2; "
-                                                 "allowed launcher.world: multiples of 2 (replicas x workers per replica)."),
-    (["layout=single"], 2, "layout=single runs one worker per replica, so launcher.world=2 must equal "
-                           "layout.replicas=1; use layout=ulysses, cfg_batch or cfg_split for more workers per replica."),
-    (["layout=ulysses", "layout.head_groups=3"], 2, "layout.head_groups=3 must divide the 4 heads per worker "
-                                                    "(model.num_attention_heads=8 / Ulysses degree 2); allowed: 1, 2, 4."),
-    (["layout.head_groups=2"], 1, "layout.head_groups=2 overlaps exchanges that layout=single does not have; "
-                                  "allowed with layout=single: 1."),
-    (["layout.name=ring"], 1, "layout='ring' is not a known layout; allowed: single, ulysses, cfg_batch, cfg_split."),
-    (["layout.replicas=0"], 1, "layout.replicas=0 must be a positive integer."),
-    (["layout=ulysses"], 0, "launcher.world=0 must be a positive integer."),
-])
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (
+            ["layout=cfg_split"],
+            3,
+            "layout=cfg_split needs an even number of workers per replica, but launcher.world=3 / "
+            "layout.replicas=1 = 3; allowed launcher.world: multiples of 2.",
+        ),
+        (
+            ["layout=ulysses"],
+            3,
+            "model.num_attention_heads=8 is not divisible by the Ulysses degree 3 (layout=ulysses, "
+            "launcher.world=3, layout.replicas=1); allowed launcher.world: 1, 2, 4, 8.",
+        ),
+        (
+            ["layout=cfg_split", "model.num_attention_heads=6", "model.attention_head_dim=32"],
+            8,
+            "model.num_attention_heads=6 is not divisible by the Ulysses degree 4 (layout=cfg_split, launcher.world=8, "
+            "layout.replicas=1); allowed launcher.world: 2, 4, 6, 12.",
+        ),
+        (
+            ["layout=ulysses", "layout.replicas=2"],
+            3,
+            "launcher.world=3 is not a multiple of layout.replicas=2; "
+            "allowed launcher.world: multiples of 2 (replicas x workers per replica).",
+        ),
+        (
+            ["layout=single"],
+            2,
+            "layout=single runs one worker per replica, so launcher.world=2 must equal "
+            "layout.replicas=1; use layout=ulysses, cfg_batch or cfg_split for more workers per replica.",
+        ),
+        (
+            ["layout=ulysses", "layout.head_groups=3"],
+            2,
+            "layout.head_groups=3 must divide the 4 heads per worker "
+            "(model.num_attention_heads=8 / Ulysses degree 2); allowed: 1, 2, 4.",
+        ),
+        (
+            ["layout.head_groups=2"],
+            1,
+            "layout.head_groups=2 overlaps exchanges that layout=single does not have; allowed with layout=single: 1.",
+        ),
+        (
+            ["layout.name=ring"],
+            1,
+            "layout='ring' is not a known layout; allowed: single, ulysses, cfg_batch, cfg_split.",
+        ),
+        (["layout.replicas=0"], 1, "layout.replicas=0 must be a positive integer."),
+        (["layout=ulysses"], 0, "launcher.world=0 must be a positive integer."),
+    ],
+)
 def test_bad_combinations_are_one_sentence(overrides, world, message):
     with pytest.raises(ValueError) as err:
         checks.check_run_config(make_config(*overrides), world)
@@ -155,8 +188,13 @@ def test_every_rank_refuses_a_bad_layout_before_building_anything(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cli_reports_a_bad_layout_as_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ditrun", "layout=cfg_split", "launcher.world=3",
-                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditrun", "layout=cfg_split", "launcher.world=3", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert proc.returncode == 2
     assert "ditrun: error: layout=cfg_split needs an even number of workers per replica" in proc.stderr
     assert "Traceback" not in proc.stderr

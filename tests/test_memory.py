@@ -6,11 +6,20 @@ import os
 
 import pytest
 import torch
-
-from ditrun.model.memory import (GIB, MemoryEstimate, OutOfMemoryError, activation_elements_per_token,
-                                 available_host_bytes, check_fits, estimate, free_bytes, parameter_count)
-from ditrun.model.presets import PRESETS
 from ditrun_cli import ditrun
+
+from ditrun.model.memory import (
+    GIB,
+    MemoryEstimate,
+    OutOfMemoryError,
+    activation_elements_per_token,
+    available_host_bytes,
+    check_fits,
+    estimate,
+    free_bytes,
+    parameter_count,
+)
+from ditrun.model.presets import PRESETS
 
 TINY = PRESETS["tiny"]
 
@@ -39,8 +48,11 @@ def test_estimate_counts_weights_activations_and_the_image_by_layout():
 def test_an_edit_that_cannot_fit_is_refused_naming_it():
     need = MemoryEstimate(weights=GIB, activations=3 * GIB, image=0)
     check_fits("ok", "64x64", 40, need, free=4 * GIB, device=torch.device("cpu"))
-    with pytest.raises(OutOfMemoryError, match=r"edit 'big' \(64x64, 40 tokens\) needs about 4.0 GiB per rank on "
-                                              r"cpu x 2 ranks sharing this machine's memory .* but only 5.0 GiB is free"):
+    with pytest.raises(
+        OutOfMemoryError,
+        match=r"edit 'big' \(64x64, 40 tokens\) needs about 4.0 GiB per rank on "
+        r"cpu x 2 ranks sharing this machine's memory .* but only 5.0 GiB is free",
+    ):
         check_fits("big", "64x64", 40, need, free=5 * GIB, device=torch.device("cpu"), ranks_here=2)
 
 
@@ -55,8 +67,15 @@ def test_free_memory_of_this_machine_is_positive_and_below_its_total():
 @pytest.mark.timeout(300)
 def test_an_edit_too_large_for_the_gpu_is_refused_before_the_model_is_built(tmp_path):
     # 131072 px square: 134 M tokens, about 800 GiB of activations for the tiny model in bf16.
-    proc = ditrun("device=cuda", "workload.width=131072", "workload.height=131072", "workload.limit=1",
-                  "wandb.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = ditrun(
+        "device=cuda",
+        "workload.width=131072",
+        "workload.height=131072",
+        "workload.limit=1",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "ditrun: error: edit 'astronaut' (131072x131072, 134217760 tokens) needs about" in proc.stderr
     assert "on cuda" in proc.stderr and "Traceback" not in proc.stderr and " edits on " not in proc.stdout

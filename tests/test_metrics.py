@@ -1,7 +1,7 @@
 """Timing fields, exposed transfer, SSIM, the BF16 reference cache and the quality gate."""
 
-import json
 import fcntl
+import json
 import os
 import select
 import struct
@@ -11,19 +11,18 @@ import threading
 import numpy as np
 import pytest
 import torch
+from ditrun_cli import TINY, ditrun, reference_dir
 from omegaconf import OmegaConf
 from skimage import data, transform
 
-from ditrun import metrics
+from ditrun import metrics, timers
 from ditrun.config import RunConfig
-from ditrun import timers
-from ditrun.metrics import quality, timing
-from ditrun.metrics.target import make_target, psnr
-from ditrun.metrics.progress import Progress
 from ditrun.inference.reference import Reference, reference_key
+from ditrun.metrics import quality, timing
+from ditrun.metrics.progress import Progress
+from ditrun.metrics.target import make_target, psnr
 from ditrun.model.presets import geometry_from_config
 from ditrun.workload.manifest import resolve_edits
-from ditrun_cli import TINY, ditrun, reference_dir
 
 
 def photo(size=64) -> np.ndarray:
@@ -78,8 +77,10 @@ def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
     assert quality.gate_failure(summary, None) is None
     assert quality.gate_failure(summary, 95.0) is None
     message = quality.gate_failure(summary, 97.5)
-    assert message == ("quality gate failed: median SSIM 0.9500 is 95.00% of the BF16 rerun SSIM 1.0000, "
-                       "below metrics.min_ssim_pct=97.5.")
+    assert message == (
+        "quality gate failed: median SSIM 0.9500 is 95.00% of the BF16 rerun SSIM 1.0000, "
+        "below metrics.min_ssim_pct=97.5."
+    )
 
 
 def test_a_layout_without_transport_has_zero_exposed_transfer_not_missing():
@@ -116,15 +117,27 @@ def _run_worker(rank, world, cfg, out_dir):
 @pytest.mark.timeout(120)
 def test_two_rank_ulysses_records_its_exposed_transfer_by_kind_and_head_group(tmp_path):
     from hydra import compose, initialize_config_module
+    from ranks import run_ranks
 
     from ditrun.config import register_configs
-    from ranks import run_ranks
 
     register_configs()
     with initialize_config_module("ditrun.conf", version_base="1.3"):
-        cfg = compose("config", overrides=[*TINY, "workload.limit=1", "layout=ulysses", "layout.head_groups=2",
-                                           "launcher.world=2", "metrics.transfer_breakdown=true", "metrics.ssim=false",
-                                           "metrics.report=false", "wandb.mode=disabled", "progress=false"])
+        cfg = compose(
+            "config",
+            overrides=[
+                *TINY,
+                "workload.limit=1",
+                "layout=ulysses",
+                "layout.head_groups=2",
+                "launcher.world=2",
+                "metrics.transfer_breakdown=true",
+                "metrics.ssim=false",
+                "metrics.report=false",
+                "wandb.mode=disabled",
+                "progress=false",
+            ],
+        )
     summaries = run_ranks(_run_worker, 2, (cfg, tmp_path), timeout=90)
     [record] = _records(tmp_path)
     by_kind, by_group = record["exposed_transfer_by_kind"], record["exposed_transfer_by_group"]
@@ -135,8 +148,10 @@ def test_two_rank_ulysses_records_its_exposed_transfer_by_kind_and_head_group(tm
 
 
 def test_medians_leave_out_each_replicas_warmup_edits():
-    records = [{"replica": rep, "dit_s": dit, "step_s": [dit], "exposed_transfer_s": 0.0, "exposed_transfer_pct": 0.0}
-               for rep, dit in ((0, 9.0), (1, 8.0), (0, 1.0), (1, 2.0), (0, 3.0))]
+    records = [
+        {"replica": rep, "dit_s": dit, "step_s": [dit], "exposed_transfer_s": 0.0, "exposed_transfer_pct": 0.0}
+        for rep, dit in ((0, 9.0), (1, 8.0), (0, 1.0), (1, 2.0), (0, 3.0))
+    ]
     summary = timing.timing_summary(records, warmup=1, replicas=2)
     assert summary["dit_s_median"] == 2.0  # of 1, 2, 3: the first edit of each replica is warm-up
     assert summary["images_per_s"] == 1.0  # two replicas each finishing an edit every 2 s
@@ -144,9 +159,11 @@ def test_medians_leave_out_each_replicas_warmup_edits():
 
 
 def test_startup_summary_takes_median_and_slowest_rank_and_keeps_every_rank():
-    by_rank = [{"rank": 2, "host": "n2", "startup_s": None, "rendezvous_s": 0.5},  # no edit left to run
-               {"rank": 1, "host": "n1", "startup_s": 3.0, "rendezvous_s": 0.5},
-               {"rank": 0, "host": "n1", "startup_s": 2.0, "rendezvous_s": 0.25}]
+    by_rank = [
+        {"rank": 2, "host": "n2", "startup_s": None, "rendezvous_s": 0.5},  # no edit left to run
+        {"rank": 1, "host": "n1", "startup_s": 3.0, "rendezvous_s": 0.5},
+        {"rank": 0, "host": "n1", "startup_s": 2.0, "rendezvous_s": 0.25},
+    ]
     summary = timing.startup_summary(by_rank)
     assert (summary["startup_s_median"], summary["startup_s_max"], summary["rendezvous_s_max"]) == (2.5, 3.0, 0.5)
     assert [r["rank"] for r in summary["startup_by_rank"]] == [0, 1, 2]
@@ -166,8 +183,14 @@ def test_startup_phases_are_recorded_once_from_the_process_start():
 
 
 def _cfg(*overrides):
-    edits = {"workload": {"edits": [{"id": "a", "image": "skimage:astronaut", "prompt": "p"},
-                                    {"id": "b", "image": "skimage:astronaut", "prompt": "p", "seed": 0}]}}
+    edits = {
+        "workload": {
+            "edits": [
+                {"id": "a", "image": "skimage:astronaut", "prompt": "p"},
+                {"id": "b", "image": "skimage:astronaut", "prompt": "p", "seed": 0},
+            ]
+        }
+    }
     return OmegaConf.merge(OmegaConf.structured(RunConfig), edits, OmegaConf.from_dotlist(list(overrides)))
 
 
@@ -180,18 +203,28 @@ def test_reference_key_names_what_decides_the_image_and_nothing_else():
     base = _key(_cfg())
     assert _key(_cfg(), index=1) == base  # another id, same image, prompt and seed
     assert _key(_cfg("layout.name=ulysses", "precision.name=mxfp4", "transport.name=copy_engine")) == base
-    for changed in ("workload.steps=3", "workload.width=128", "workload.seed=5", "model.weights_seed=1",
-                    "workload.true_cfg_scale=4.0", "workload.ref_resize=none", "model.num_layers=1"):
+    for changed in (
+        "workload.steps=3",
+        "workload.width=128",
+        "workload.seed=5",
+        "model.weights_seed=1",
+        "workload.true_cfg_scale=4.0",
+        "workload.ref_resize=none",
+        "model.num_layers=1",
+    ):
         assert _key(_cfg(changed)) != base, changed
     assert _key(_cfg(), dtype=torch.bfloat16) != base
 
 
-@pytest.mark.parametrize("override, message", [
-    ("metrics.reference_dtype=fp64", "metrics.reference_dtype='fp64' is unknown; allowed: bf16, fp16, fp32"),
-    ("wandb.mode=cloud", "wandb.mode='cloud' is unknown; allowed: offline, online, disabled."),
-    ("metrics.min_ssim_pct=0", "metrics.min_ssim_pct=0 must be a percentage above 0."),
-    ("metrics.warmup_edits=-1", "metrics.warmup_edits=-1 must be 0 or more."),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("metrics.reference_dtype=fp64", "metrics.reference_dtype='fp64' is unknown; allowed: bf16, fp16, fp32"),
+        ("wandb.mode=cloud", "wandb.mode='cloud' is unknown; allowed: offline, online, disabled."),
+        ("metrics.min_ssim_pct=0", "metrics.min_ssim_pct=0 must be a percentage above 0."),
+        ("metrics.warmup_edits=-1", "metrics.warmup_edits=-1 must be 0 or more."),
+    ],
+)
 def test_metrics_config_mistakes_are_one_sentence(override, message):
     with pytest.raises(ValueError) as err:
         metrics.check_config(_cfg(override))
@@ -237,8 +270,13 @@ def _records(run_dir):
 def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     # fp32 DiT against a bf16 reference: a real, small loss of quality (on a CPU two runs agree exactly).
     refs = reference_dir(tmp_path_factory)
-    common = [*TINY, "wandb.mode=disabled", f"metrics.reference_dir={refs}", "metrics.reference_dtype=bf16",
-              "model.dtype=fp32"]
+    common = [
+        *TINY,
+        "wandb.mode=disabled",
+        f"metrics.reference_dir={refs}",
+        "metrics.reference_dtype=bf16",
+        "model.dtype=fp32",
+    ]
     failed = ditrun(*common, "metrics.min_ssim_pct=99.99", f"hydra.run.dir={tmp_path / 'strict'}", cwd=tmp_path)
     assert failed.returncode == 1, failed.stderr
     records = _records(tmp_path / "strict")
@@ -265,8 +303,14 @@ def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory):
     refs = reference_dir(tmp_path_factory)
-    proc = ditrun(*TINY, "wandb.mode=disabled", f"metrics.reference_dir={refs}", "metrics.report=false",
-                  f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = ditrun(
+        *TINY,
+        "wandb.mode=disabled",
+        f"metrics.reference_dir={refs}",
+        "metrics.report=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     for r in _records(tmp_path / "run"):
         # Same computation as the reference on a CPU: identical images, SSIM exactly 1.
@@ -276,8 +320,14 @@ def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory)
     assert summary["ssim_median"] == 1.0 and summary["step_s_median"] > 0
     assert not (tmp_path / "run" / "report.md").exists()
 
-    off = ditrun(*TINY, "wandb.mode=disabled", "metrics.ssim=false", f"metrics.reference_dir={tmp_path / 'none'}",
-                 f"hydra.run.dir={tmp_path / 'off'}", cwd=tmp_path)
+    off = ditrun(
+        *TINY,
+        "wandb.mode=disabled",
+        "metrics.ssim=false",
+        f"metrics.reference_dir={tmp_path / 'none'}",
+        f"hydra.run.dir={tmp_path / 'off'}",
+        cwd=tmp_path,
+    )
     assert off.returncode == 0, off.stderr
     assert all(r["ssim"] is None for r in _records(tmp_path / "off"))
     assert not (tmp_path / "none").exists()  # no reference was made
@@ -292,8 +342,14 @@ def test_records_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_pa
     from ditrun.launch.records import git_revision
 
     def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
-                              capture_output=True, text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
 
     assert git_revision(tmp_path) == "unknown"
     git("init", "-q")

@@ -5,15 +5,32 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from ditrun.model import FluxDiT, from_pretrained, random_model, save_pretrained  # noqa: E402
-from ditrun.model.dit import DiTGeometry  # noqa: E402
 from launching import relative_error  # noqa: E402
 
+from ditrun.model import FluxDiT, from_pretrained, random_model, save_pretrained  # noqa: E402
+from ditrun.model.dit import DiTGeometry  # noqa: E402
+
 CONFIGS = [
-    dict(num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=4,
-         joint_attention_dim=48, pooled_projection_dim=24, guidance_embeds=True, axes_dims_rope=[8, 12, 12]),
-    dict(num_layers=1, num_single_layers=3, attention_head_dim=16, num_attention_heads=6,
-         joint_attention_dim=40, pooled_projection_dim=20, guidance_embeds=False, axes_dims_rope=[4, 6, 6]),
+    dict(
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=48,
+        pooled_projection_dim=24,
+        guidance_embeds=True,
+        axes_dims_rope=[8, 12, 12],
+    ),
+    dict(
+        num_layers=1,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=6,
+        joint_attention_dim=40,
+        pooled_projection_dim=20,
+        guidance_embeds=False,
+        axes_dims_rope=[4, 6, 6],
+    ),
 ]
 
 
@@ -27,7 +44,7 @@ def _randomise(module: torch.nn.Module, seed: int) -> None:
 def _inputs(cfg: dict, seed: int, n_img: int = 24, n_txt: int = 7):
     gen = torch.Generator().manual_seed(seed)
     img_ids = torch.stack([torch.zeros(n_img), torch.arange(n_img) // 6, torch.arange(n_img) % 6], dim=1)
-    img_ids[n_img // 2:, 0] = 1  # half the tokens play the Kontext reference image
+    img_ids[n_img // 2 :, 0] = 1  # half the tokens play the Kontext reference image
     return dict(
         hidden_states=torch.randn(2, n_img, 64, generator=gen),
         encoder_hidden_states=torch.randn(2, n_txt, cfg["joint_attention_dim"], generator=gen),

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from launching import latents, records, tiny_config
+from ranks import run_ranks
 
 from ditrun.config import TransportConfig
 from ditrun.errors import UserError
 from ditrun.launch import env, run_as_rank, worker
-from ditrun.timers import ExposedTransfer
 from ditrun.parallel.layout import LayoutPlan
 from ditrun.parallel.placement import Placement, node_names
+from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
-from launching import latents, records, tiny_config
-from ranks import run_ranks
 
 TWO_BY_TWO = ("n1", "n1", "n2", "n2")
 THREE_AND_ONE = ("n1", "n1", "n1", "n2")
@@ -39,7 +39,8 @@ def test_an_sp_group_on_two_nodes_is_refused_naming_nodes_ranks_and_what_fits():
     assert message == (
         "layout=ulysses with SP degree 4 would put SP group 0 (ranks 0-3) on nodes n1 (ranks 0-1) and n2 "
         "(ranks 2-3); an SP group must stay on one node: use an SP degree of at most 2 (layout.replicas=2; "
-        "the nodes hold 2 ranks each), or set layout.allow_cross_node_sp=true.")
+        "the nodes hold 2 ranks each), or set layout.allow_cross_node_sp=true."
+    )
 
 
 def test_uneven_nodes_name_the_split_group_and_the_node_sizes():
@@ -64,8 +65,15 @@ def test_what_fits_respects_the_head_count():
     assert "at most 2 (layout.replicas=6;" in message
 
 
-@pytest.mark.parametrize("plan", [LayoutPlan("cfg_split", 1, 2, 2, 1), LayoutPlan("ulysses", 2, 1, 2, 1),
-                                  LayoutPlan("single", 4, 1, 1, 1), LayoutPlan("cfg_batch", 2, 1, 2, 1)])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        LayoutPlan("cfg_split", 1, 2, 2, 1),
+        LayoutPlan("ulysses", 2, 1, 2, 1),
+        LayoutPlan("single", 4, 1, 1, 1),
+        LayoutPlan("cfg_batch", 2, 1, 2, 1),
+    ],
+)
 def test_cfg_pairs_and_replicas_may_span_nodes(plan):
     Placement(plan, TWO_BY_TWO).check(False, 8)
 
@@ -78,11 +86,15 @@ def test_allowed_explicitly_an_sp_group_may_span_nodes():
 
 def test_placement_text_lists_each_node_its_ranks_and_groups():
     text = Placement(LayoutPlan("cfg_split", 2, 2, 1, 1), TWO_BY_TWO).describe()
-    assert text == ("placement: n1: ranks 0-1 (replica 0: sp group 0 [cfg cond], sp group 1 [cfg uncond])\n"
-                    "           n2: ranks 2-3 (replica 1: sp group 2 [cfg cond], sp group 3 [cfg uncond])")
+    assert text == (
+        "placement: n1: ranks 0-1 (replica 0: sp group 0 [cfg cond], sp group 1 [cfg uncond])\n"
+        "           n2: ranks 2-3 (replica 1: sp group 2 [cfg cond], sp group 3 [cfg uncond])"
+    )
     text = Placement(LayoutPlan("ulysses", 1, 1, 4, 1), THREE_AND_ONE).describe()
-    assert text == ("placement: n1: ranks 0-2 (replica 0: sp group 0 (ranks 0-2 of 0-3))\n"
-                    "           n2: rank 3 (replica 0: sp group 0 (rank 3 of 0-3)); SP group(s) 0 span nodes")
+    assert text == (
+        "placement: n1: ranks 0-2 (replica 0: sp group 0 (ranks 0-2 of 0-3))\n"
+        "           n2: rank 3 (replica 0: sp group 0 (rank 3 of 0-3)); SP group(s) 0 span nodes"
+    )
 
 
 def test_a_host_name_the_launcher_numbers_twice_is_two_nodes():
@@ -93,12 +105,30 @@ def test_a_host_name_the_launcher_numbers_twice_is_two_nodes():
 
 
 def test_launchers_number_and_name_the_node():
-    torchrun = env.discover({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                             "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
+    torchrun = env.discover(
+        {
+            "RANK": "3",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "4",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29400",
+        }
+    )
     assert (torchrun.node_index, torchrun.node_name) == (1, None)
-    slurm = env.discover({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
-                          "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "1", "SLURMD_NODENAME": "n2",
-                          "SLURM_STEP_NODELIST": "n[1-2]"})
+    slurm = env.discover(
+        {
+            "SLURM_JOB_ID": "7",
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": "3",
+            "SLURM_LOCALID": "1",
+            "SLURM_STEP_NUM_TASKS": "4",
+            "SLURM_NODEID": "1",
+            "SLURMD_NODENAME": "n2",
+            "SLURM_STEP_NODELIST": "n[1-2]",
+        }
+    )
     assert (slurm.node_index, slurm.node_name, slurm.node) == (1, "n2", "n2")
 
 
@@ -121,10 +151,13 @@ def _rank_on(node: str, rank: int, world: int, port: int, cfg, results) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("nodes, overrides, refused", [
-    (TWO_BY_TWO, [], "SP group 0 (ranks 0-3) on nodes n1 (ranks 0-1) and n2 (ranks 2-3)"),
-    (THREE_AND_ONE, ["layout.replicas=2"], "SP group 1 (ranks 2-3) on nodes n1 (rank 2) and n2 (rank 3)"),
-])
+@pytest.mark.parametrize(
+    "nodes, overrides, refused",
+    [
+        (TWO_BY_TWO, [], "SP group 0 (ranks 0-3) on nodes n1 (ranks 0-1) and n2 (ranks 2-3)"),
+        (THREE_AND_ONE, ["layout.replicas=2"], "SP group 1 (ranks 2-3) on nodes n1 (rank 2) and n2 (rank 3)"),
+    ],
+)
 def test_ranks_of_two_hosts_refuse_a_split_sp_group_before_the_worker_starts(capfd, nodes, overrides, refused):
     cfg = tiny_config("layout=ulysses", "launcher.world=4", *overrides)
     port, results = env.free_port(), FORK.Queue()
@@ -147,21 +180,31 @@ def _both_transports_on(rank, world, configs, out_dirs, nodes, device_type):
     for cfg, out in zip(configs, out_dirs):
         worker.run(cfg, out, nodes=nodes)
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    transport = make_transport(TransportConfig(name="copy_engine"), dist.group.WORLD, ExposedTransfer(device), device,
-                               20.0, nodes)
+    transport = make_transport(
+        TransportConfig(name="copy_engine"), dist.group.WORLD, ExposedTransfer(device), device, 20.0, nodes
+    )
     return transport.local
 
 
 def compare_on_claimed_nodes(tmp_path, nodes, *overrides: str, backend: str = "gloo") -> list:
     """One SP group over ranks that claim ``nodes`` (allowed): collective, then copy_engine, on the same
     ranks; the copy engine's latents are the collective's, bit for bit. Returns each rank's map of local peers."""
-    fast = ["model.num_layers=1", "model.num_single_layers=1", "metrics.ssim=false", "metrics.report=false",
-            f"launcher.world={len(nodes)}", "layout=ulysses", "layout.allow_cross_node_sp=true", *overrides]
+    fast = [
+        "model.num_layers=1",
+        "model.num_single_layers=1",
+        "metrics.ssim=false",
+        "metrics.report=false",
+        f"launcher.world={len(nodes)}",
+        "layout=ulysses",
+        "layout.allow_cross_node_sp=true",
+        *overrides,
+    ]
     configs = [tiny_config(*fast, f"transport={name}") for name in ("collective", "copy_engine")]
     out_dirs = [tmp_path / "collective", tmp_path / "copy_engine"]
     device_type = "cuda" if backend == "nccl" else "cpu"
-    local = run_ranks(_both_transports_on, len(nodes), (configs, out_dirs, nodes, device_type), timeout=240,
-                      backend=backend)
+    local = run_ranks(
+        _both_transports_on, len(nodes), (configs, out_dirs, nodes, device_type), timeout=240, backend=backend
+    )
     [expected], [found] = records(out_dirs[0]), records(out_dirs[1])
     assert found["transport"] == "copy_engine"
     assert torch.equal(latents(out_dirs[1], found["edit"]), latents(out_dirs[0], expected["edit"]))

@@ -7,19 +7,19 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from launching import relative_error, tiny_config
 
 from ditrun import config
 from ditrun.errors import UserError
 from ditrun.kernels import formats
-from ditrun.kernels.fp8_sdpa import P_SCALE, fp8_pv_operands, fp8_pv_reference, fp8_sdpa_op
 from ditrun.kernels import linear as L
-from ditrun.kernels.attention import (ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands)
+from ditrun.kernels.attention import ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands
+from ditrun.kernels.fp8_sdpa import P_SCALE, fp8_pv_operands, fp8_pv_reference, fp8_sdpa_op
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
 from ditrun.model.build import build_model, plan_precision, precision_label, select_device_dtype
 from ditrun.model.components import COMPONENT_LINEARS, component_linears
 from ditrun.model.dit import FluxDiT, gelu_activation, sdpa_attention
 from ditrun.model.presets import geometry_from_config
-from launching import relative_error, tiny_config
 
 MX = ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"]
 QUANTIZED = ["fp8", *MX]
@@ -40,20 +40,36 @@ def test_config_docstrings_name_every_registered_choice():
         assert f"``{name}``" in source, name
 
 
-@pytest.mark.parametrize("override, message", [
-    ("precision.mlp=fp7", "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, "
-                          "mxfp6_e3m2, mxfp4."),
-    ("precision.attention=int4", "precision.attention='int4' is not a known attention kernel; allowed: bf16, "
-                                 "fp8_pv, int8qk, int8qk_fp8v, int8qk_mxfp6v."),
-    ("precision.backend=cuda", "precision.backend='cuda' is not a known linear backend; allowed: auto, fast, "
-                               "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, aiter_fp8."),
-    ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
-    ("precision.backend=fast", "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
-                               "use precision.backend=auto (exact emulation) or another format."),
-    ("precision.attention=fp8_pv precision.backend=fast precision.qkv=bf16 precision.mlp=bf16 precision.out=bf16",
-     "precision.backend=fast but precision.attention=fp8_pv needs a GPU (cuDNN's FP8 SDPA on NVIDIA sm_90+, AITER on "
-     "AMD gfx950); use precision.backend=auto or another kernel."),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "precision.mlp=fp7",
+            "precision.mlp='fp7' is not a known linear format; allowed: bf16, fp8, mxfp8, mxfp6, mxfp6_e3m2, mxfp4.",
+        ),
+        (
+            "precision.attention=int4",
+            "precision.attention='int4' is not a known attention kernel; allowed: bf16, "
+            "fp8_pv, int8qk, int8qk_fp8v, int8qk_mxfp6v.",
+        ),
+        (
+            "precision.backend=cuda",
+            "precision.backend='cuda' is not a known linear backend; allowed: auto, fast, "
+            "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, aiter_fp8.",
+        ),
+        ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
+        (
+            "precision.backend=fast",
+            "precision.backend=fast but precision.qkv=fp8 has no fast backend on cpu; "
+            "use precision.backend=auto (exact emulation) or another format.",
+        ),
+        (
+            "precision.attention=fp8_pv precision.backend=fast precision.qkv=bf16 precision.mlp=bf16 precision.out=bf16",
+            "precision.backend=fast but precision.attention=fp8_pv needs a GPU (cuDNN's FP8 SDPA on NVIDIA sm_90+, AITER on "
+            "AMD gfx950); use precision.backend=auto or another kernel.",
+        ),
+    ],
+)
 def test_precision_mistakes_are_one_sentence(override, message):
     cfg = tiny_config("precision=fp8", *override.split())
     with pytest.raises(UserError) as err:
@@ -62,10 +78,15 @@ def test_precision_mistakes_are_one_sentence(override, message):
 
 
 def test_labels_name_what_ran():
-    cases = {("bf16",): "fp32", ("fp8",): "fp8+fp32", ("krea",): "krea+fp32", ("fp8_all",): "fp8_all+fp32",
-             ("fp8_int8qk",): "fp8_int8qk+fp32",
-             ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32", ("fp8", "precision.attention=int8qk"):
-             "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32"}
+    cases = {
+        ("bf16",): "fp32",
+        ("fp8",): "fp8+fp32",
+        ("krea",): "krea+fp32",
+        ("fp8_all",): "fp8_all+fp32",
+        ("fp8_int8qk",): "fp8_int8qk+fp32",
+        ("bf16", "precision.mlp=mxfp6"): "mlp=mxfp6+fp32",
+        ("fp8", "precision.attention=int8qk"): "qkv=fp8,out=fp8,mlp=fp8,attention=int8qk+fp32",
+    }
     for overrides, label in cases.items():
         cfg = tiny_config(f"precision={overrides[0]}", *overrides[1:])
         assert precision_label(plan_precision(cfg.precision, CPU), "fp32") == label
@@ -82,8 +103,9 @@ def test_every_block_linear_but_the_modulation_has_one_component(variant):
         model = FluxDiT(geometry_from_config(tiny_config(f"model.variant={variant}").model))
     found = component_linears(model)
     covered = {n for names in found.values() for n in names}
-    blocks = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n
-              and ".norm" not in n}
+    blocks = {
+        n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "blocks." in n and ".norm" not in n
+    }
     assert covered == blocks
     per_double = {"qkv": 8 if variant == "krea3" else 6, "out": 2, "mlp": 4}
     per_single = {"qkv": 4 if variant == "krea3" else 3, "out": 0, "mlp": 2}
@@ -157,10 +179,12 @@ def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_wha
     lines = capsys.readouterr().out.splitlines()
     assert [line for line in lines if "precision.backend=fp8_rowwise_fast" in line] == [
         "ditrun: precision.backend=fp8_rowwise_fast needs torch._scaled_mm rowwise FP8 (sm89+, MI300+) here; fp8 runs "
-        "emulation."]
+        "emulation."
+    ]
     assert [line for line in lines if "precision.attention=fp8_pv" in line] == [
         "ditrun: precision.attention=fp8_pv runs as the torch reference here (needs a GPU (cuDNN's FP8 SDPA on NVIDIA "
-        "sm_90+, AITER on AMD gfx950))."]
+        "sm_90+, AITER on AMD gfx950))."
+    ]
     assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["reference"]
 
 
@@ -173,12 +197,19 @@ def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close()
         quantized, _, _ = _quantized_model(precision, "flux", *attention)
         assert quantized.details["mlp"]["backends"] == ["emulation"]
         # the presets' attention is SDPA (fp8) or INT8-QK (krea); no quantized attention runs fast on the CPU
-        assert quantized.details["attention"]["backends"] == ["sdpa" if precision == "fp8" and not attention
-                                                              else "reference"]
+        assert quantized.details["attention"]["backends"] == [
+            "sdpa" if precision == "fp8" and not attention else "reference"
+        ]
         hidden = torch.randn(1, 6, 64, generator=gen(4))
-        inputs = dict(hidden_states=hidden, encoder_hidden_states=torch.randn(1, 3, 64, generator=gen(5)),
-                      pooled_projections=torch.randn(1, 32, generator=gen(6)), timestep=torch.tensor([0.5]),
-                      img_ids=torch.zeros(6, 3), txt_ids=torch.zeros(3, 3), guidance=torch.tensor([3.5]))
+        inputs = dict(
+            hidden_states=hidden,
+            encoder_hidden_states=torch.randn(1, 3, 64, generator=gen(5)),
+            pooled_projections=torch.randn(1, 32, generator=gen(6)),
+            timestep=torch.tensor([0.5]),
+            img_ids=torch.zeros(6, 3),
+            txt_ids=torch.zeros(3, 3),
+            guidance=torch.tensor([3.5]),
+        )
         want = built.model(**inputs)
         got = quantized.model(**inputs, attention=quantized.attention)
         assert 0 < relative_error(got, want) < 0.1
@@ -230,10 +261,19 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend, fmt", [("emulation", "fp8"), ("emulation", "mxfp6"), ("fp8_rowwise", "fp8"),
-                                          ("mx_repack_fp8", "mxfp8"), ("mx_repack_fp8", "mxfp6"),
-                                          ("mx_repack_fp8", "mxfp4"), ("mx_scaled_mm", "mxfp8"),
-                                          ("mx_scaled_mm", "mxfp4")])
+@pytest.mark.parametrize(
+    "backend, fmt",
+    [
+        ("emulation", "fp8"),
+        ("emulation", "mxfp6"),
+        ("fp8_rowwise", "fp8"),
+        ("mx_repack_fp8", "mxfp8"),
+        ("mx_repack_fp8", "mxfp6"),
+        ("mx_repack_fp8", "mxfp4"),
+        ("mx_scaled_mm", "mxfp8"),
+        ("mx_scaled_mm", "mxfp4"),
+    ],
+)
 def test_activation_quantizers_compile_without_graph_breaks(backend, fmt):
     fmt = L.LINEAR_FORMATS.get(fmt, "fmt")
     quantize = type(L.LINEAR_BACKENDS.get(backend, "backend")()).quantize
@@ -337,8 +377,10 @@ def test_the_custom_op_equals_the_reference_and_compiles():
 # Fast linear backends against the emulation
 
 
-@pytest.mark.parametrize("fmt, backend", [("fp8", "fp8_rowwise"), ("mxfp8", "mx_repack_fp8"),
-                                          ("mxfp6", "mx_repack_fp8"), ("mxfp4", "mx_repack_fp8")])
+@pytest.mark.parametrize(
+    "fmt, backend",
+    [("fp8", "fp8_rowwise"), ("mxfp8", "mx_repack_fp8"), ("mxfp6", "mx_repack_fp8"), ("mxfp4", "mx_repack_fp8")],
+)
 def test_fast_backend_arithmetic_on_the_cpu_scaled_mm(fmt, backend):
     """The GPU backends' own code, run through torch._scaled_mm's CPU implementation (fp32 out)."""
     if not hasattr(torch, "_scaled_mm"):

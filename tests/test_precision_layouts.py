@@ -9,12 +9,21 @@ import json
 
 import pytest
 import torch
+from launching import (
+    MAX_QUANTIZED_RELATIVE_ERROR,
+    assert_same_latents,
+    ditrun_command,
+    latents,
+    records,
+    relative_error,
+    run,
+    single_reference,
+    tiny_config,
+)
+from ranks import run_ranks
 
 from ditrun.launch import worker
 from ditrun.model.components import LINEAR_COMPONENTS
-from launching import (MAX_QUANTIZED_RELATIVE_ERROR, assert_same_latents, ditrun_command, latents, records, relative_error, run, single_reference,
-                       tiny_config)
-from ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +35,9 @@ def singles(tmp_path_factory):
 
     def get(precision: str):
         if precision not in made:
-            made[precision] = single_reference(tmp_path_factory.mktemp(precision), f"precision={precision}",
-                                               "metrics.report=false")
+            made[precision] = single_reference(
+                tmp_path_factory.mktemp(precision), f"precision={precision}", "metrics.report=false"
+            )
         return made[precision]
 
     return get
@@ -37,8 +47,11 @@ def singles(tmp_path_factory):
 @pytest.mark.parametrize("precision, label", [("fp8", "fp8+fp32"), ("krea", "krea+fp32")])
 def test_cli_runs_a_precision_on_two_spawned_ulysses_ranks(tmp_path, singles, precision, label):
     out = tmp_path / "run"
-    proc = run(ditrun_command(f"precision={precision}", "layout=ulysses", "launcher.world=2", f"hydra.run.dir={out}"),
-               180, tmp_path)
+    proc = run(
+        ditrun_command(f"precision={precision}", "layout=ulysses", "launcher.world=2", f"hydra.run.dir={out}"),
+        180,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"precision {label}" in proc.stdout
     assert_same_latents(out, singles(precision), "ulysses", 2, MAX_QUANTIZED_RELATIVE_ERROR)
@@ -53,8 +66,9 @@ def _run_worker(rank, world, cfg, out_dir):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("precision, layout", [("mxfp6", "cfg_batch"), ("mxfp4", "cfg_split"), ("krea", "cfg_split"),
-                                               ("fp8_all", "ulysses")])
+@pytest.mark.parametrize(
+    "precision, layout", [("mxfp6", "cfg_batch"), ("mxfp4", "cfg_split"), ("krea", "cfg_split"), ("fp8_all", "ulysses")]
+)
 def test_precision_in_a_layout_on_two_ranks_equals_single(tmp_path, singles, precision, layout):
     # fp8_all's attention (fp8_pv) scales per call, so a ulysses rank's scales come from its own heads:
     # powers of two, they equal the single process's unless the halves' amax straddle a power of two.

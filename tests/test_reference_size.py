@@ -8,23 +8,30 @@ with 7 text tokens: over 3 Ulysses ranks output, reference and text all split un
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from launching import assert_same_latents, ditrun_command, run, tiny_config
 from omegaconf import OmegaConf
+from ranks import run_ranks
 
 from ditrun.config import WorkloadConfig, register_configs
-from ditrun.launch import checks, worker
 from ditrun.inference.reference import reference_key
+from ditrun.launch import checks, worker
 from ditrun.model.latents import LinearLatentMap
 from ditrun.model.presets import PRESETS
 from ditrun.workload.edit import WorkloadError
 from ditrun.workload.images import check_sources
 from ditrun.workload.inputs import edit_inputs, edit_tokens
 from ditrun.workload.manifest import check_config, resolve_edits
-from launching import assert_same_latents, ditrun_command, run, tiny_config
-from ranks import run_ranks
 
-UNEVEN = ["model=tiny",
-          "model.num_attention_heads=6", "model.attention_head_dim=32", "workload.width=80", "workload.height=32",
-          "workload.ref_width=64", "workload.ref_height=32", "metrics.report=false"]
+UNEVEN = [
+    "model=tiny",
+    "model.num_attention_heads=6",
+    "model.attention_head_dim=32",
+    "workload.width=80",
+    "workload.height=32",
+    "workload.ref_width=64",
+    "workload.ref_height=32",
+    "metrics.report=false",
+]
 
 
 def _workload(**kw):
@@ -41,15 +48,22 @@ def test_reference_size_rules(rule, size):
 
 def test_kontext_rule_picks_the_closest_aspect_ratio_and_none_rounds_down():
     # coffee is 600 wide, 400 high (aspect 1.5): Kontext's closest is 1248x832; none rounds to 592x400.
-    kontext, none = (resolve_edits(_workload(edits=[{"image": "skimage:coffee"}], ref_resize=rule))[0]
-                     for rule in ("kontext", "none"))
+    kontext, none = (
+        resolve_edits(_workload(edits=[{"image": "skimage:coffee"}], ref_resize=rule))[0]
+        for rule in ("kontext", "none")
+    )
     assert (kontext.ref_width, kontext.ref_height) == (1248, 832)
     assert (none.ref_width, none.ref_height) == (592, 400)
 
 
 def test_explicit_reference_size_wins_and_ids_lie_on_its_own_grid():
-    workload = _workload(edits=[{"image": "skimage:coffee", "ref_width": 64, "ref_height": 32}], width=48, height=32,
-                         ref_resize="kontext", text_len=4)
+    workload = _workload(
+        edits=[{"image": "skimage:coffee", "ref_width": 64, "ref_height": 32}],
+        width=48,
+        height=32,
+        ref_resize="kontext",
+        text_len=4,
+    )
     edit = resolve_edits(workload)[0]
     inputs = edit_inputs(edit, LinearLatentMap(), PRESETS["tiny"], workload, torch.device("cpu"))
     assert inputs.noise.shape[1] == 3 * 2 and inputs.ref_latents.shape[1] == 4 * 2
@@ -57,26 +71,33 @@ def test_explicit_reference_size_wins_and_ids_lie_on_its_own_grid():
     assert inputs.img_ids[:, 0].eq(0).all() and inputs.img_ids[:, 2].max() == 2
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"ref_width": 64}, "edit 'x' sets only one of ref_width and ref_height"),
-    ({"ref_width": 40, "ref_height": 32}, "edit 'x' has ref_width=40; it must be a positive multiple of 16."),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"ref_width": 64}, "edit 'x' sets only one of ref_width and ref_height"),
+        ({"ref_width": 40, "ref_height": 32}, "edit 'x' has ref_width=40; it must be a positive multiple of 16."),
+    ],
+)
 def test_bad_reference_sizes_name_the_edit(entry, message):
     with pytest.raises(WorkloadError, match=message):
         resolve_edits(_workload(edits=[{"id": "x", "image": "skimage:coffee", **entry}]))
 
 
 def test_bad_rules_are_one_sentence():
-    with pytest.raises(WorkloadError, match="workload.ref_resize='big' is not a reference size rule; allowed: "
-                                            "output, kontext, none."):
+    with pytest.raises(
+        WorkloadError, match="workload.ref_resize='big' is not a reference size rule; allowed: output, kontext, none."
+    ):
         check_config(_workload(ref_resize="big"))
     with pytest.raises(WorkloadError, match="workload.true_cfg_scale=nan must be a finite number."):
         check_config(_workload(true_cfg_scale=float("nan")))
 
 
 def test_cfg_split_without_true_cfg_is_refused():
-    with pytest.raises(ValueError, match="layout=cfg_split runs the unconditional branch on half the ranks, but "
-                                         "workload.true_cfg_scale=1.0 turns true CFG off"):
+    with pytest.raises(
+        ValueError,
+        match="layout=cfg_split runs the unconditional branch on half the ranks, but "
+        "workload.true_cfg_scale=1.0 turns true CFG off",
+    ):
         checks.check_run_config(tiny_config("layout=cfg_split", "workload.true_cfg_scale=1.0"), 2)
 
 
@@ -115,8 +136,9 @@ def _run_worker(rank, world, cfg, out_dir):
 def test_true_cfg_off_layouts_equal_single(tmp_path, layout):
     off = [*UNEVEN, "workload.true_cfg_scale=1.0", "metrics.ssim=false"]
     worker.run(tiny_config(*off), tmp_path / "single")
-    run_ranks(_run_worker, 2, (tiny_config(*off, f"layout={layout}", "launcher.world=2"), tmp_path / "two"),
-              timeout=120)
+    run_ranks(
+        _run_worker, 2, (tiny_config(*off, f"layout={layout}", "launcher.world=2"), tmp_path / "two"), timeout=120
+    )
     assert_same_latents(tmp_path / "two", tmp_path / "single", layout, 2)
 
 
@@ -141,9 +163,9 @@ def _composed(*overrides: str):
 
 
 def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
+    from ditrun.errors import UserError
     from ditrun.model import folders
     from ditrun.workload import prompts
-    from ditrun.errors import UserError
 
     (tmp_path / "transformer").mkdir()
     (tmp_path / "model_index.json").write_text("{}")
@@ -151,8 +173,11 @@ def test_pipeline_folder_without_text_encoders_is_one_sentence(tmp_path):
     edits = resolve_edits(cfg.workload)
     assert folders.transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
     assert folders.vae_folder(str(tmp_path), None) == str(tmp_path / "vae")
-    with pytest.raises(UserError, match="is a pipeline folder without text_encoder/, text_encoder_2/, tokenizer/, "
-                                        "tokenizer_2/; give every edit a prompt_embeds file"):
+    with pytest.raises(
+        UserError,
+        match="is a pipeline folder without text_encoder/, text_encoder_2/, tokenizer/, "
+        "tokenizer_2/; give every edit a prompt_embeds file",
+    ):
         prompts.prompt_cache(edits, cfg)
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
 from skimage import io as iio
 
 from ditrun.results import rundir
 from ditrun.results.files import TEMPORARY_PREFIX
-from launching import SIX, assert_same_latents, ditrun_command, quiet_env, records, run, single_reference, six_edits
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +43,14 @@ def six_reference(tmp_path_factory):
 def start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """``ditrun`` in a session of its own, output to files."""
     log = open(tmp_path / f"log-{time.monotonic_ns()}.txt", "w")
-    return subprocess.Popen(ditrun_command(*FAST, *overrides), cwd=tmp_path, env=quiet_env(), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        ditrun_command(*FAST, *overrides),
+        cwd=tmp_path,
+        env=quiet_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def session_processes(sid: int) -> list[int]:
@@ -57,7 +63,7 @@ def session_processes(sid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[3]) == sid and fields[0] != "Z":
             found.append(int(entry.name))
     return found
@@ -100,8 +106,6 @@ def ranks_of(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in cmdline:
             ranks.append(pid)
     return ranks
-
-
 
 
 @pytest.mark.timeout(240)
@@ -152,9 +156,11 @@ def test_a_run_refused_before_the_holder_names_itself_still_names_it(tmp_path):
     """The holder writes its name into the lock file just after taking the lock; a run refused in between waits
     for the name instead of reporting an unknown holder (seen once with two jobs on two Slurm nodes)."""
     lock_file = str(tmp_path / rundir.LOCK_FILE)
-    holder = (f"import fcntl, os, time; fd = os.open({lock_file!r}, os.O_RDWR | os.O_CREAT);"
-              "fcntl.lockf(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); print('locked', flush=True); time.sleep(0.3);"
-              "os.write(fd, b'host elsewhere pid 1'); time.sleep(30)")
+    holder = (
+        f"import fcntl, os, time; fd = os.open({lock_file!r}, os.O_RDWR | os.O_CREAT);"
+        "fcntl.lockf(fd, fcntl.LOCK_EX); os.ftruncate(fd, 0); print('locked', flush=True); time.sleep(0.3);"
+        "os.write(fd, b'host elsewhere pid 1'); time.sleep(30)"
+    )
     other = subprocess.Popen([sys.executable, "-c", holder], stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().strip() == "locked"
@@ -204,11 +210,11 @@ def test_torn_and_foreign_lines_are_set_aside_and_their_edits_redone(tmp_path, t
 def test_a_rerun_with_other_settings_is_refused_naming_them(tmp_path, two_edits):
     out = tmp_path / "run"
     shutil.copytree(two_edits, out)
-    changed = run(ditrun_command(*FAST, f"hydra.run.dir={out}", "workload.steps=3", "workload.seed=5"), 90,
-                  tmp_path)
+    changed = run(ditrun_command(*FAST, f"hydra.run.dir={out}", "workload.steps=3", "workload.seed=5"), 90, tmp_path)
     assert changed.returncode == 2
-    assert ("belongs to a run with other settings (workload.seed: 0 recorded, 5 now; workload.steps: 2 recorded, "
-            "3 now)") in changed.stderr
+    assert (
+        "belongs to a run with other settings (workload.seed: 0 recorded, 5 now; workload.steps: 2 recorded, 3 now)"
+    ) in changed.stderr
     assert "Traceback" not in changed.stderr
 
 
@@ -239,9 +245,19 @@ def test_an_edit_id_that_is_not_a_file_stem_is_refused(tmp_path, edit_id):
 
 @pytest.mark.timeout(120)
 def test_a_rank_stuck_at_the_end_fails_the_job_naming_it(tmp_path):
-    result = run(ditrun_command(*FAST, "launcher.world=2", "layout.replicas=2", "workload.limit=2",
-                                "launcher.fault.hang_rank=1", "launcher.collective_timeout_s=3",
-                                f"hydra.run.dir={tmp_path / 'run'}"), 100, tmp_path)
+    result = run(
+        ditrun_command(
+            *FAST,
+            "launcher.world=2",
+            "layout.replicas=2",
+            "workload.limit=2",
+            "launcher.fault.hang_rank=1",
+            "launcher.collective_timeout_s=3",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ),
+        100,
+        tmp_path,
+    )
     assert result.returncode == 1
     assert "rank 1 made no progress for 3 s (launcher.collective_timeout_s) while rank 0 had finished" in result.stderr
 
@@ -299,7 +315,7 @@ def test_soak_random_faults_then_reruns_give_every_edit_once_and_exact(tmp_path,
 def wait_for_ranks(process: subprocess.Popen, timeout: float = 60) -> list[int]:
     """The ranks' pids once both are running (or [] if the run ended first)."""
     deadline = time.monotonic() + timeout
-    while process.poll() is None and len(found := ranks_of(process.pid)) < 2:
+    while process.poll() is None and len(ranks_of(process.pid)) < 2:
         assert time.monotonic() < deadline, "the ranks did not start"
         time.sleep(0.05)
     return ranks_of(process.pid)

@@ -3,12 +3,12 @@
 import json
 
 import pytest
+from ditrun_cli import PLAIN, TINY, ditrun, reference_dir
 from skimage import io
+from test_wandb import run_contents
 
 from ditrun.metrics.report import main as report_main
 from ditrun.metrics.report import write_report
-from ditrun_cli import PLAIN, TINY, ditrun, reference_dir
-from test_wandb import run_contents
 
 pytestmark = pytest.mark.slow
 
@@ -21,8 +21,15 @@ def _chart_ok(path):
 @pytest.mark.timeout(400)
 def test_report_compares_the_three_runs_of_a_sweep(tmp_path, tmp_path_factory):
     sweep = tmp_path / "sweep"
-    proc = ditrun("-m", *TINY, "workload.steps=1,2,3", f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-                  f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=360)
+    proc = ditrun(
+        "-m",
+        *TINY,
+        "workload.steps=1,2,3",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=360,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"sweep report: {sweep / 'report.md'}" in proc.stdout  # written when the multirun ended
 
@@ -55,11 +62,21 @@ def test_report_compares_the_three_runs_of_a_sweep(tmp_path, tmp_path_factory):
 def _fake_run(path, layout, precision, world, dit_s, exposed_s, ssim):
     """A run directory as ditrun writes it (summary.json and edits.jsonl), with chosen numbers."""
     path.mkdir(parents=True)
-    config = {"layout": {"name": layout}, "precision": {"name": precision}, "transport": {"name": "collective"},
-              "launcher": {"world": world}}
-    summary = {"config": config, "dit_s_median": dit_s, "exposed_transfer_s_median": exposed_s,
-               "exposed_transfer_pct_median": 100 * exposed_s / dit_s, "ssim_median": ssim,
-               "ssim_rerun_median": 0.99 if ssim else None, "ssim_pct_of_rerun_median": ssim and 100 * ssim / 0.99}
+    config = {
+        "layout": {"name": layout},
+        "precision": {"name": precision},
+        "transport": {"name": "collective"},
+        "launcher": {"world": world},
+    }
+    summary = {
+        "config": config,
+        "dit_s_median": dit_s,
+        "exposed_transfer_s_median": exposed_s,
+        "exposed_transfer_pct_median": 100 * exposed_s / dit_s,
+        "ssim_median": ssim,
+        "ssim_rerun_median": 0.99 if ssim else None,
+        "ssim_pct_of_rerun_median": ssim and 100 * ssim / 0.99,
+    }
     (path / "summary.json").write_text(json.dumps(summary))
     record = {"edit": "a", "dit_s": dit_s, "exposed_transfer_s": exposed_s, "ssim": ssim}
     (path / "edits.jsonl").write_text(json.dumps(record) + "\n")
@@ -80,10 +97,13 @@ def test_speedup_is_against_the_single_process_bf16_run_and_needs_no_wandb(tmp_p
     assert report == tmp_path / "report.md" and "Speedup is relative to `c`" in report.read_text()
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p / "missing", "is not a directory; give a ditrun run or multirun directory."),
-    (lambda p: p, "holds no ditrun run (no summary.json or run.json in it or below it)."),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "missing", "is not a directory; give a ditrun run or multirun directory."),
+        (lambda p: p, "holds no ditrun run (no summary.json or run.json in it or below it)."),
+    ],
+)
 def test_report_of_a_directory_without_runs_is_one_sentence(tmp_path, capsys, make, message):
     assert report_main([str(make(tmp_path))]) == 2  # what `ditrun report PATH` exits with
     assert capsys.readouterr().err == f"ditrun: error: {make(tmp_path)} {message}\n"
@@ -97,12 +117,23 @@ def test_a_run_of_picture_files_draws_its_edits_and_a_moved_picture_leaves_a_bla
 
     io.imsave(tmp_path / "cat.png", data.chelsea()[::4, ::4])
     manifest = tmp_path / "edits.yaml"
-    manifest.write_text(json.dumps([{"id": "cat", "image": "cat.png", "prompt": "make it black and white",
-                                     "target": "grayscale"},
-                                    {"id": "rocket", "image": "skimage:rocket", "prompt": "invert the colours"}]))
+    manifest.write_text(
+        json.dumps(
+            [
+                {"id": "cat", "image": "cat.png", "prompt": "make it black and white", "target": "grayscale"},
+                {"id": "rocket", "image": "skimage:rocket", "prompt": "invert the colours"},
+            ]
+        )
+    )
     run_dir = tmp_path / "run"
-    done = ditrun(*TINY, f"workload.manifest={manifest}", "metrics.ssim=false", "wandb.mode=disabled",
-                  f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    done = ditrun(
+        *TINY,
+        f"workload.manifest={manifest}",
+        "metrics.ssim=false",
+        "wandb.mode=disabled",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in (run_dir / "edits.jsonl").read_text().splitlines()]
     assert [r["reference"] for r in records] == [str(tmp_path / "cat.png"), "skimage:rocket"]

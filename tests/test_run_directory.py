@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from ditrun_cli import TINY, ditrun
 from skimage import io
 
-from ditrun.results import rundir
 from ditrun.inference.reference import pixel_checksum
-from ditrun_cli import TINY, ditrun
+from ditrun.results import rundir
 
 COMMON = [*TINY, "wandb.mode=disabled", "progress=false", "metrics.report=false"]
 FOUR = "workload.limit=4"  # every edit of the default workload
@@ -45,8 +45,11 @@ def entries(refs: Path) -> dict[str, Path]:
 
 def snapshot(out: Path) -> dict[str, tuple[bytes, int]]:
     """Every file of the directory with its bytes and modification time, but the lock (its holder writes its name)."""
-    return {str(path.relative_to(out)): (path.read_bytes(), path.stat().st_mtime_ns)
-            for path in sorted(out.rglob("*")) if path.is_file() and path.name != rundir.LOCK_FILE}
+    return {
+        str(path.relative_to(out)): (path.read_bytes(), path.stat().st_mtime_ns)
+        for path in sorted(out.rglob("*"))
+        if path.is_file() and path.name != rundir.LOCK_FILE
+    }
 
 
 def warnings(stderr: str) -> list[str]:
@@ -132,8 +135,9 @@ def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes
     assert ".hydra/config.yaml" in before and ".hydra/overrides.yaml" in before and rundir.RUN_FILE in before
     manifest = tmp_path / "other.yaml"  # other ids: no edit of the directory's is asked for again
     manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in ("camera", "cat")]))
-    foreign = run_in(out, refs, f"workload.manifest={manifest}", "model.weights_seed=1", "workload.steps=3",
-                     cwd=tmp_path)
+    foreign = run_in(
+        out, refs, f"workload.manifest={manifest}", "model.weights_seed=1", "workload.steps=3", cwd=tmp_path
+    )
     assert foreign.returncode == 2, foreign.stderr
     assert foreign.stderr.count("ditrun: error:") == 1 and "Traceback" not in foreign.stderr
     assert f"ditrun: error: results directory {out} belongs to a run with other settings (" in foreign.stderr
@@ -166,16 +170,18 @@ def test_a_held_directory_keeps_its_hydra_files_and_a_run_writes_its_own(tmp_pat
     before = snapshot(out)
     lock = rundir.RunLock(out).acquire()
     try:
-        busy = run_in(out, refs, "launcher.world=2", "layout=ulysses", "metrics.ssim=false", "workload.limit=1",
-                      cwd=tmp_path)
+        busy = run_in(
+            out, refs, "launcher.world=2", "layout=ulysses", "metrics.ssim=false", "workload.limit=1", cwd=tmp_path
+        )
     finally:
         lock.release()
     assert busy.returncode == 2 and f"results directory {out} is in use by another ditrun run" in busy.stderr
     assert snapshot(out) == before
 
     sweep = tmp_path / "sweep"
-    multirun = ditrun("-m", *COMMON, "metrics.ssim=false", "workload.steps=1,2", f"hydra.sweep.dir={sweep}",
-                      cwd=tmp_path)
+    multirun = ditrun(
+        "-m", *COMMON, "metrics.ssim=false", "workload.steps=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
     assert multirun.returncode == 0, multirun.stderr
     for job, steps in (("0", 1), ("1", 2)):
         assert f"workload.steps={steps}" in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
@@ -228,8 +234,10 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
     (out / rundir.RUN_FILE).unlink()
     changed = run_in(out, refs, "metrics.ssim=false", "workload.steps=3", cwd=tmp_path)
     assert changed.returncode == 2
-    assert "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now; reference.steps: 2 recorded, 3 " \
-           "now)" in changed.stderr
+    assert (
+        "holds edit 'astronaut' made with other settings (steps: 2 recorded, 3 now; reference.steps: 2 recorded, 3 "
+        "now)" in changed.stderr
+    )
     assert not (out / rundir.RUN_FILE).exists()
     adopted = run_in(out, refs, "metrics.ssim=false", cwd=tmp_path)
     assert adopted.returncode == 0 and "resuming, 2 edits already in edits.jsonl are skipped" in adopted.stdout

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ditrun_cli import TINY, ditrun, reference_dir
 from skimage import io
 
 from ditrun.results.files import TEMPORARY_PREFIX, edit_outputs
-from ditrun_cli import TINY, ditrun, reference_dir
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +49,11 @@ def assert_outputs_match(out: Path, record: dict) -> None:
 
 def contents(out: Path) -> dict[str, bytes]:
     """Every result file's bytes (not the lock, which names its last holder, nor Hydra's files and log)."""
-    return {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()
-            and p.name not in (".ditrun.lock", "__main__.log") and ".hydra" not in p.relative_to(out).parts}
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for p in out.rglob("*")
+        if p.is_file() and p.name not in (".ditrun.lock", "__main__.log") and ".hydra" not in p.relative_to(out).parts
+    }
 
 
 def manifest(folder: Path, ids: list[str], image: str = "skimage:astronaut") -> str:
@@ -61,8 +64,13 @@ def manifest(folder: Path, ids: list[str], image: str = "skimage:astronaut") -> 
 
 def test_edit_ids_named_like_the_runs_own_files_keep_their_outputs(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
-    args = [*COMMON, "workload.limit=null", manifest(tmp_path, CLASHING_IDS),
-            f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.run.dir={out}"]
+    args = [
+        *COMMON,
+        "workload.limit=null",
+        manifest(tmp_path, CLASHING_IDS),
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.run.dir={out}",
+    ]
     first = ditrun(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     assert (out / "dit_time.png").is_file() and (out / "ssim.png").is_file()  # the report's charts, beside them
@@ -111,13 +119,16 @@ def test_missing_truncated_or_changed_outputs_are_redone_on_resume(tmp_path, thr
     rerun = ditrun(*args, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
     warnings = [line for line in rerun.stderr.splitlines() if line.startswith("ditrun: warning: edit ")]
-    assert sorted(warnings) == sorted([
-        f"ditrun: warning: edit 'astronaut': images/astronaut.png is damaged (its sha256 differs from the record's); "
-        "its record is moved to edits.rejected.jsonl and the edit runs again",
-        "ditrun: warning: edit 'chelsea': latents/chelsea.latents.safetensors is damaged (its sha256 differs from "
-        "the record's); its record is moved to edits.rejected.jsonl and the edit runs again",
-        "ditrun: warning: edit 'coffee': latents/coffee.latents.safetensors is missing; its record is moved to "
-        "edits.rejected.jsonl and the edit runs again"])
+    assert sorted(warnings) == sorted(
+        [
+            "ditrun: warning: edit 'astronaut': images/astronaut.png is damaged (its sha256 differs from the record's); "
+            "its record is moved to edits.rejected.jsonl and the edit runs again",
+            "ditrun: warning: edit 'chelsea': latents/chelsea.latents.safetensors is damaged (its sha256 differs from "
+            "the record's); its record is moved to edits.rejected.jsonl and the edit runs again",
+            "ditrun: warning: edit 'coffee': latents/coffee.latents.safetensors is missing; its record is moved to "
+            "edits.rejected.jsonl and the edit runs again",
+        ]
+    )
     assert "resuming" not in rerun.stdout
     redone = {r["edit"]: r for r in records(out)}
     assert sorted(redone) == sorted(first) and len(records(out)) == 3
@@ -168,8 +179,11 @@ def test_a_record_cut_short_by_a_full_disk_fails_naming_the_file_and_is_redone(t
     out = tmp_path / "run"
     # Long prompts (in each record's settings) make a record several times the size of a 32x32 PNG.
     edits = tmp_path / "edits.yaml"
-    edits.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}", "prompt": f"{name} " * 1000}
-                                     for name in ("astronaut", "coffee")]))
+    edits.write_text(
+        yaml.safe_dump(
+            [{"id": name, "image": f"skimage:{name}", "prompt": f"{name} " * 1000} for name in ("astronaut", "coffee")]
+        )
+    )
     args = [*QUICK, f"workload.manifest={edits}", "hydra.output_subdir=null", f"hydra.run.dir={out}"]
     assert ditrun(*args, "workload.limit=1", cwd=tmp_path).returncode == 0  # (Hydra's own files are above the limit)
     recorded = (out / "edits.jsonl").stat().st_size
@@ -198,8 +212,12 @@ def _png_chunk(kind: bytes, data: bytes) -> bytes:
 def _png_header(width: int, height: int) -> bytes:
     """A PNG whose header declares ``width`` x ``height`` RGB pixels, with (almost) none of them in it."""
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", header) + _png_chunk(b"IDAT", zlib.compress(b"\0"))
-            + _png_chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _png_chunk(b"IHDR", header)
+        + _png_chunk(b"IDAT", zlib.compress(b"\0"))
+        + _png_chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("kind", ["huge", "directory", "device"])
@@ -208,15 +226,22 @@ def test_an_image_that_cannot_be_read_is_one_sentence(tmp_path, kind):
     huge.write_bytes(_png_header(20000, 20000))
     (tmp_path / "folder.png").mkdir()
     image, sentence = {
-        "huge": (huge, f"edit 'x': image file '{huge}' is too large to decode safely (Image size (400000000 "
-                       "pixels) exceeds limit"),
-        "directory": (tmp_path / "folder.png", f"edit 'x': image file '{tmp_path / 'folder.png'}' is a directory; "
-                                               "give a file."),
-        "device": (Path("/dev/zero"), "edit 'x': image file '/dev/zero' is not a regular file (a device, pipe or "
-                                      "socket); give a file."),
+        "huge": (
+            huge,
+            f"edit 'x': image file '{huge}' is too large to decode safely (Image size (400000000 pixels) exceeds limit",
+        ),
+        "directory": (
+            tmp_path / "folder.png",
+            f"edit 'x': image file '{tmp_path / 'folder.png'}' is a directory; give a file.",
+        ),
+        "device": (
+            Path("/dev/zero"),
+            "edit 'x': image file '/dev/zero' is not a regular file (a device, pipe or socket); give a file.",
+        ),
     }[kind]
-    result = ditrun(*QUICK, manifest(tmp_path, ["x"], str(image)), f"hydra.run.dir={tmp_path / 'run'}",
-                    cwd=tmp_path, timeout=120)
+    result = ditrun(
+        *QUICK, manifest(tmp_path, ["x"], str(image)), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120
+    )
     assert result.returncode == 2, result.stderr
     assert f"ditrun: error: {sentence}" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run" / "edits.jsonl").exists()
@@ -230,8 +255,12 @@ def _read_only(folder: Path) -> tuple[str, ...]:
         return ()
     script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
     try:
-        ok = subprocess.run(["unshare", "-m", "sh", "-c", script, str(folder), "true"], capture_output=True,
-                            timeout=10).returncode == 0
+        ok = (
+            subprocess.run(
+                ["unshare", "-m", "sh", "-c", script, str(folder), "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         ok = False
     if not ok:
@@ -245,9 +274,12 @@ def test_a_read_only_results_directory_is_one_sentence(tmp_path, key):
     out.mkdir()
     result = ditrun(*QUICK, f"{key}={out}", cwd=tmp_path, prefix=_read_only(out))
     assert result.returncode == 2, result.stderr
-    assert re.search(rf"ditrun: error: the results directory cannot be written \((Read-only file system|Permission "
-                     rf"denied): {re.escape(str(out))}/\S+\); set hydra.run.dir \(or output_dir\) to a directory this "
-                     "user can write.", result.stderr), result.stderr
+    assert re.search(
+        rf"ditrun: error: the results directory cannot be written \((Read-only file system|Permission "
+        rf"denied): {re.escape(str(out))}/\S+\); set hydra.run.dir \(or output_dir\) to a directory this "
+        "user can write.",
+        result.stderr,
+    ), result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -258,15 +290,18 @@ def test_a_file_given_as_the_results_directory_is_one_sentence(tmp_path, key, be
     out = file / "run" if below else file
     result = ditrun(*QUICK, f"{key}={out}", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert (f"ditrun: error: the results directory {out} cannot be made: it, or a folder above it, is a file; set "
-            "hydra.run.dir (or output_dir) to a directory.") in result.stderr
+    assert (
+        f"ditrun: error: the results directory {out} cannot be made: it, or a folder above it, is a file; set "
+        "hydra.run.dir (or output_dir) to a directory."
+    ) in result.stderr
     assert "Traceback" not in result.stderr and file.read_text() == "a file"
 
 
 def test_images_per_s_counts_only_replicas_that_had_an_edit(tmp_path):
     out = tmp_path / "run"
-    result = ditrun(*QUICK, "workload.limit=1", "launcher.world=2", "layout.replicas=2", f"hydra.run.dir={out}",
-                    cwd=tmp_path)
+    result = ditrun(
+        *QUICK, "workload.limit=1", "launcher.world=2", "layout.replicas=2", f"hydra.run.dir={out}", cwd=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world"] == 2 and summary["edits"] == 1

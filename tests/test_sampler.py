@@ -14,9 +14,14 @@ def test_sigmas_match_diffusers_flux_scheduler():
     diffusers = pytest.importorskip("diffusers")
 
     for steps, seq_len in [(4, 256), (28, 4096), (8, 1024)]:
-        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5,
-                                                              max_shift=1.15, base_image_seq_len=256,
-                                                              max_image_seq_len=4096, shift=3.0)
+        scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+            shift=3.0,
+        )
         mu = 0.5 + (1.15 - 0.5) * (seq_len - 256) / (4096 - 256)  # FLUX.1: shift 0.5 at 256 tokens, 1.15 at 4096
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         np.testing.assert_allclose(flux_sigmas(steps, seq_len), scheduler.sigmas.numpy(), rtol=1e-6, atol=1e-7)
@@ -27,12 +32,15 @@ def _edit_inputs(seed=0, h=4, w=6):
     gen = torch.Generator().manual_seed(seed)
     n = (h // 2) * (w // 2)
     return geo, EditInputs(
-        noise=torch.randn(1, n, 64, generator=gen), ref_latents=torch.randn(1, n, 64, generator=gen),
-        img_ids=token_ids(h, w, 0), ref_ids=token_ids(h, w, 1),
+        noise=torch.randn(1, n, 64, generator=gen),
+        ref_latents=torch.randn(1, n, 64, generator=gen),
+        img_ids=token_ids(h, w, 0),
+        ref_ids=token_ids(h, w, 1),
         prompt=torch.randn(1, 5, geo.joint_attention_dim, generator=gen),
         pooled=torch.randn(1, geo.pooled_projection_dim, generator=gen),
         neg_prompt=torch.randn(1, 5, geo.joint_attention_dim, generator=gen),
-        neg_pooled=torch.randn(1, geo.pooled_projection_dim, generator=gen), txt_ids=torch.zeros(5, 3),
+        neg_pooled=torch.randn(1, geo.pooled_projection_dim, generator=gen),
+        txt_ids=torch.zeros(5, 3),
     )
 
 

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from ditrun.launch import worker
 from launching import tiny_config
 from ranks import run_ranks
+
+from ditrun.launch import worker
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "scaling.py"
@@ -40,8 +40,9 @@ scaling = load_script()
 
 def run_script(tmp_path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "model.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--json", str(out), *args], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--json", str(out), *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(out.read_text()), done
 
@@ -67,7 +68,7 @@ def cells_of(model: dict, device: str = None) -> list[tuple[dict, dict]]:
 
 def check_properties(model: dict) -> None:
     assert cells_of(model)
-    for scenario, cell in cells_of(model):
+    for _scenario, cell in cells_of(model):
         nodes = {int(n): v for n, v in cell["nodes"].items()}
         one = nodes[1]
         for n, at in nodes.items():
@@ -98,9 +99,13 @@ def test_committed_inputs_give_the_properties_and_reproduce_the_measured_points(
     assert marked, "the committed inputs hold measured cells"
     for scenario, cell in marked:
         shape = scenario["shape"]
-        same = [p for p in points if (p["layout"], p["gpus"], p["head_groups"], p["precision"], p["true_cfg"])
-                == (cell["layout"], cell["gpus"], cell["head_groups"], cell["precision"], shape["true_cfg"])
-                and scaling.image_tokens(*p["out"]) == shape["out_tokens"]]
+        same = [
+            p
+            for p in points
+            if (p["layout"], p["gpus"], p["head_groups"], p["precision"], p["true_cfg"])
+            == (cell["layout"], cell["gpus"], cell["head_groups"], cell["precision"], shape["true_cfg"])
+            and scaling.image_tokens(*p["out"]) == shape["out_tokens"]
+        ]
         assert len(same) == 1, (scenario["name"], cell)
         point = same[0]
         assert cell["step_s"] == point["dit_s"] / point["steps"]
@@ -117,8 +122,9 @@ def test_tiny_cpu_runs_feed_a_scenario_of_their_own(tmp_path, tiny_runs):
     single, ulysses = tiny_runs
     model, done = run_script(tmp_path, "--no-default-runs", str(single), str(ulysses))
     check_properties(model)
-    summaries = {s["config"]["layout"]["name"]: s for s in
-                 (json.loads((d / "summary.json").read_text()) for d in tiny_runs)}
+    summaries = {
+        s["config"]["layout"]["name"]: s for s in (json.loads((d / "summary.json").read_text()) for d in tiny_runs)
+    }
     device = summaries["single"]["device"]
     cells = {(c["layout"], c["gpus"]): c for _, c in cells_of(model, device)}
     # Measured: exactly the runs' medians; modelled from them: Ulysses on 4 and 8 GPUs.
@@ -172,8 +178,9 @@ def test_emulated_nodes_start_up_grows_by_the_rendezvous_cost_per_rank_only(tmp_
     carry over to a real cluster."""
     rows = [{"nodes": n, "ranks": 2 * n, "startup_s_max": 5.0 * n} for n in (1, 2, 4)]
     meeting = {"fixed_s": 0.04, "per_rank_s": 0.0005, "ranks": 512}
-    (tmp_path / "startup.json").write_text(json.dumps(
-        {"machine": "2 CPU cores, emulated nodes", "rows": rows, "fits": {"store_meeting_s": meeting}}))
+    (tmp_path / "startup.json").write_text(
+        json.dumps({"machine": "2 CPU cores, emulated nodes", "rows": rows, "fits": {"store_meeting_s": meeting}})
+    )
     fitted = scaling.load_startup(tmp_path / "startup.json")
     assert fitted.seconds(1) == pytest.approx(5.0, rel=1e-12)
     assert fitted.seconds(64) - fitted.seconds(1) == pytest.approx(63 * 8 * 0.0005, rel=1e-9)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 
 from ditrun.launch.env import expand_hostlist
-from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,13 @@ def cluster(tmp_path_factory):
     """A running one-node cluster; its SLURM_CONF is what every Slurm command here is given."""
     missing = [name for name in DAEMONS if shutil.which(name) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
-                    "slurm-wlm munge libpmix2")
+        pytest.skip(
+            f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
+            "slurm-wlm munge libpmix2"
+        )
     state = tmp_path_factory.mktemp("slurm")
     try:  # stopped even when it failed half-way through starting
-        started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True,
-                                 timeout=60)
+        started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=60)
         assert started.returncode == 0, started.stderr
         yield state / "slurm.conf"
     finally:
@@ -42,8 +43,9 @@ def cluster(tmp_path_factory):
 
 
 def slurm(conf: Path, *command: str, **extra_env: str) -> str:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
-                          env=quiet_env(SLURM_CONF=str(conf), **extra_env))
+    proc = subprocess.run(
+        command, capture_output=True, text=True, timeout=60, env=quiet_env(SLURM_CONF=str(conf), **extra_env)
+    )
     assert proc.returncode == 0, f"{' '.join(command)}: {proc.stderr}"
     return proc.stdout
 
@@ -67,16 +69,34 @@ def wait_for_jobs(conf: Path, jobs: list[str], timeout: float) -> dict:
 
 
 def render_script(path: Path, tasks: int, nodes: int = 1) -> Path:
-    subprocess.run([sys.executable, "-m", "ditrun.launch.slurm", "--nodes", str(nodes), "--gpus-per-node", "0",
-                    "--tasks-per-node", str(tasks), "--time", "00:10:00", "--log", str(path.parent / "slurm-%j.out"),
-                    "-o", str(path)],
-                   check=True, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ditrun.launch.slurm",
+            "--nodes",
+            str(nodes),
+            "--gpus-per-node",
+            "0",
+            "--tasks-per-node",
+            str(tasks),
+            "--time",
+            "00:10:00",
+            "--log",
+            str(path.parent / "slurm-%j.out"),
+            "-o",
+            str(path),
+        ],
+        check=True,
+        timeout=60,
+    )
     return path
 
 
 def submit(conf: Path, script: Path, out: Path, *overrides: str) -> str:
-    return slurm(conf, "sbatch", "--parsable", f"--chdir={script.parent}", str(script), *overrides,
-                 DITRUN_OUTPUT_DIR=str(out)).strip()
+    return slurm(
+        conf, "sbatch", "--parsable", f"--chdir={script.parent}", str(script), *overrides, DITRUN_OUTPUT_DIR=str(out)
+    ).strip()
 
 
 def test_hostlists_expand_like_scontrol(cluster):
@@ -96,8 +116,10 @@ def sbatch_runs(cluster, tmp_path_factory):
     """The jobs submitted at once (the node declares 8 CPUs)."""
     folder = tmp_path_factory.mktemp("sbatch")
     scripts = {tasks: render_script(folder / f"ditrun-{tasks}.sbatch", tasks) for tasks, _ in SBATCH_RUNS}
-    jobs = {(tasks, layout): submit(cluster, scripts[tasks], folder / f"{layout}-{tasks}", *TINY, f"layout={layout}")
-            for tasks, layout in SBATCH_RUNS}
+    jobs = {
+        (tasks, layout): submit(cluster, scripts[tasks], folder / f"{layout}-{tasks}", *TINY, f"layout={layout}")
+        for tasks, layout in SBATCH_RUNS
+    }
     states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
     return folder, {key: (job, states[job]) for key, job in jobs.items()}
 
@@ -126,9 +148,24 @@ def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, refere
     sweep = tmp_path / "sweep"
     layouts = ["ulysses", "cfg_batch", "cfg_split"]
     proc = subprocess.run(
-        [sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
-         "hydra.launcher.timeout_min=10", f"hydra.sweep.dir={sweep}", *TINY, f"layout={','.join(layouts)}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=280, env=quiet_env(SLURM_CONF=str(cluster)))
+        [
+            sys.executable,
+            "-m",
+            "ditrun",
+            "-m",
+            "hydra/launcher=submitit_slurm",
+            "hydra.launcher.tasks_per_node=2",
+            "hydra.launcher.timeout_min=10",
+            f"hydra.sweep.dir={sweep}",
+            *TINY,
+            f"layout={','.join(layouts)}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=quiet_env(SLURM_CONF=str(cluster)),
+    )
     assert proc.returncode == 0, proc.stderr
     for number, layout in enumerate(layouts):
         job_dir = sweep / str(number)  # Hydra's sweep subdir: the job number
@@ -144,9 +181,18 @@ def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp
     the rerun, same job id and results directory, finishes the edits left."""
     manifest = six_edits(tmp_path)
     out = tmp_path / "run"
-    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", 2), out, *TINY, f"workload.manifest={manifest}",
-                 "workload.limit=null", "workload.width=128", "workload.height=128", "workload.steps=8",
-                 "layout.replicas=2")
+    job = submit(
+        cluster,
+        render_script(tmp_path / "ditrun.sbatch", 2),
+        out,
+        *TINY,
+        f"workload.manifest={manifest}",
+        "workload.limit=null",
+        "workload.width=128",
+        "workload.height=128",
+        "workload.steps=8",
+        "layout.replicas=2",
+    )
     deadline = time.monotonic() + 120
     while not (out / "edits.jsonl").exists() or len(records(out)) < 2:
         assert time.monotonic() < deadline and job_state(cluster, job)["JobState"] in ("PENDING", "RUNNING")
@@ -168,13 +214,28 @@ def test_a_preempted_submitit_job_requeues_itself_and_resumes(cluster, tmp_path)
     manifest = six_edits(tmp_path)
     sweep = tmp_path / "sweep"
     # timeout_min is generous so that submitit reads the signal as a preemption, not a time-out.
-    command = [sys.executable, "-m", "ditrun", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
-               "hydra.launcher.timeout_min=60", f"hydra.sweep.dir={sweep}", *TINY, f"workload.manifest={manifest}",
-               "workload.limit=null", "workload.width=128", "workload.height=128", "workload.steps=8",
-               "layout=single", "layout.replicas=2"]
+    command = [
+        sys.executable,
+        "-m",
+        "ditrun",
+        "-m",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.tasks_per_node=2",
+        "hydra.launcher.timeout_min=60",
+        f"hydra.sweep.dir={sweep}",
+        *TINY,
+        f"workload.manifest={manifest}",
+        "workload.limit=null",
+        "workload.width=128",
+        "workload.height=128",
+        "workload.steps=8",
+        "layout=single",
+        "layout.replicas=2",
+    ]
     with open(tmp_path / "sweep.log", "w") as log:
-        submitter = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                                     env=quiet_env(SLURM_CONF=str(cluster)))
+        submitter = subprocess.Popen(
+            command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=quiet_env(SLURM_CONF=str(cluster))
+        )
     try:
         out = sweep / "0"
         deadline = time.monotonic() + 120

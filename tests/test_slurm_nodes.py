@@ -18,11 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from ditrun.launch.env import free_port
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 from test_launchers import start_rank
 from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm, submit, wait_for_jobs
+
+from ditrun.launch.env import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +52,20 @@ def cluster(tmp_path_factory):
     """Two emulated nodes; their SLURM_CONF is what every Slurm command here is given."""
     missing = [name for name in (*DAEMONS, "srun", "unshare") if shutil.which(name) is None]
     if missing:
-        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
-                    "slurm-wlm munge libpmix2")
+        pytest.skip(
+            f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
+            "slurm-wlm munge libpmix2"
+        )
     if os.geteuid() != 0:
         pytest.skip("emulated nodes need root: each slurmd runs in its own UTS and mount namespace")
     state = tmp_path_factory.mktemp("slurm-nodes")
     try:  # stopped even when it failed half-way through starting
-        started = subprocess.run([str(CLUSTER_SCRIPT), "start", str(state), str(CPUS_PER_NODE), str(NODES)],
-                                 capture_output=True, text=True, timeout=60)
+        started = subprocess.run(
+            [str(CLUSTER_SCRIPT), "start", str(state), str(CPUS_PER_NODE), str(NODES)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert started.returncode == 0, started.stderr
         yield state / "slurm.conf"
     finally:
@@ -77,11 +83,24 @@ def overrides_of(name: str, tasks_per_node: int) -> list[str]:
 
 def srun(conf: Path, out: Path, tasks: int, *overrides: str, log: Path) -> subprocess.Popen:
     """``srun -N2`` straight from a login shell, as a user would run it interactively."""
-    command = ["srun", f"-N{NODES}", f"--ntasks-per-node={tasks}", "--kill-on-bad-exit=1", "--time=10", "python",
-               "-m", "ditrun", f"hydra.run.dir={out}", *TINY, *EDITS, *overrides]
+    command = [
+        "srun",
+        f"-N{NODES}",
+        f"--ntasks-per-node={tasks}",
+        "--kill-on-bad-exit=1",
+        "--time=10",
+        "python",
+        "-m",
+        "ditrun",
+        f"hydra.run.dir={out}",
+        *TINY,
+        *EDITS,
+        *overrides,
+    ]
     with open(log, "w") as sink:
-        return subprocess.Popen(command, cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT,
-                                env=quiet_env(SLURM_CONF=str(conf)))
+        return subprocess.Popen(
+            command, cwd=out.parent, stdout=sink, stderr=subprocess.STDOUT, env=quiet_env(SLURM_CONF=str(conf))
+        )
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +108,20 @@ def runs(cluster, tmp_path_factory):
     """Every layout once through the rendered sbatch script, and ``SRUN_RUNS`` through ``srun -N2``, all at once."""
     folder = tmp_path_factory.mktemp("runs")
     script = render_script(folder / "ditrun.sbatch", tasks=SBATCH_TASKS, nodes=NODES)
-    jobs = {name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS,
-                         *overrides_of(name, SBATCH_TASKS)) for name in RUNS}
-    steps = {name: srun(cluster, folder / f"srun-{name}", RUNS[name][1], *overrides_of(name, RUNS[name][1]),
-                        log=folder / f"srun-{name}.log")
-             for name in SRUN_RUNS}
+    jobs = {
+        name: submit(cluster, script, folder / f"sbatch-{name}", *TINY, *EDITS, *overrides_of(name, SBATCH_TASKS))
+        for name in RUNS
+    }
+    steps = {
+        name: srun(
+            cluster,
+            folder / f"srun-{name}",
+            RUNS[name][1],
+            *overrides_of(name, RUNS[name][1]),
+            log=folder / f"srun-{name}.log",
+        )
+        for name in SRUN_RUNS
+    }
     try:
         states = wait_for_jobs(cluster, list(jobs.values()), timeout=240)
         codes = {name: step.wait(timeout=240) for name, step in steps.items()}
@@ -154,9 +182,19 @@ def node_processes(state_dir: Path, node: str) -> list[int]:
 
 
 def restart_node(conf: Path, node: str) -> None:
-    subprocess.run(["unshare", "--uts", "--mount", "sh", "-c",
-                    f"hostname {node} && mount --bind '{conf.parent / 'hosts'}' /etc/hosts && "
-                    f"exec slurmd -f '{conf}' -N {node}"], check=True, timeout=30)
+    subprocess.run(
+        [
+            "unshare",
+            "--uts",
+            "--mount",
+            "sh",
+            "-c",
+            f"hostname {node} && mount --bind '{conf.parent / 'hosts'}' /etc/hosts && "
+            f"exec slurmd -f '{conf}' -N {node}",
+        ],
+        check=True,
+        timeout=30,
+    )
 
 
 def wait_for_log(log: Path, text: str, timeout: float) -> str:
@@ -174,10 +212,20 @@ def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_p
     job; once n2 is back the job reruns and finishes the edits left, each exactly once."""
     out, log = tmp_path / "run", tmp_path / "slurm-{}.out"
     # cfg_split: the CFG pairs (0, 2) and (1, 3) span the nodes, so the loss surfaces in a collective.
-    job = submit(cluster, render_script(tmp_path / "ditrun.sbatch", tasks=SBATCH_TASKS, nodes=NODES), out, *TINY,
-                 f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "workload.width=64",
-                 "workload.height=64", "workload.steps=6", "layout=cfg_split", "metrics.ssim=false",
-                 "launcher.collective_timeout_s=20")
+    job = submit(
+        cluster,
+        render_script(tmp_path / "ditrun.sbatch", tasks=SBATCH_TASKS, nodes=NODES),
+        out,
+        *TINY,
+        f"workload.manifest={six_edits(tmp_path)}",
+        "workload.limit=null",
+        "workload.width=64",
+        "workload.height=64",
+        "workload.steps=6",
+        "layout=cfg_split",
+        "metrics.ssim=false",
+        "launcher.collective_timeout_s=20",
+    )
     log = Path(str(log).format(job))
     deadline = time.monotonic() + 120
     while not any(path.stat().st_size for path in out.glob("edits*.jsonl")):
@@ -194,8 +242,13 @@ def test_a_lost_node_ends_the_job_naming_it_and_a_requeue_resumes(cluster, tmp_p
     # Slurm requeues a batch job whose node failed, at its own pace (REQUEUED, then PENDING); where the
     # job ended instead, requeue it here. "pending execution": Slurm requeued it in the meantime.
     if job_state(cluster, job)["JobState"] not in ("PENDING", "REQUEUED", "CONFIGURING", "RUNNING"):
-        requeue = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60,
-                                 env=quiet_env(SLURM_CONF=str(cluster)))
+        requeue = subprocess.run(
+            ["scontrol", "requeue", job],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=quiet_env(SLURM_CONF=str(cluster)),
+        )
         assert requeue.returncode == 0 or "pending execution" in requeue.stderr, requeue.stderr
     state = wait_for_jobs(cluster, [job], timeout=180)[job]
     assert (state["JobState"], state["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()
@@ -210,15 +263,28 @@ def test_runs_on_two_nodes_in_one_directory_never_record_an_edit_twice(cluster, 
     and the directory ends with every edit once and nothing set aside."""
     out = tmp_path / "run"
     script = render_script(tmp_path / "ditrun.sbatch", tasks=1)
-    jobs = [slurm(cluster, "sbatch", "--parsable", f"--nodelist={node}", f"--chdir={tmp_path}", str(script), *TINY,
-                  f"workload.manifest={six_edits(tmp_path)}", "workload.limit=null", "metrics.ssim=false",
-                  DITRUN_OUTPUT_DIR=str(out)).strip() for node in ("n1", "n2")]
+    jobs = [
+        slurm(
+            cluster,
+            "sbatch",
+            "--parsable",
+            f"--nodelist={node}",
+            f"--chdir={tmp_path}",
+            str(script),
+            *TINY,
+            f"workload.manifest={six_edits(tmp_path)}",
+            "workload.limit=null",
+            "metrics.ssim=false",
+            DITRUN_OUTPUT_DIR=str(out),
+        ).strip()
+        for node in ("n1", "n2")
+    ]
     states = wait_for_jobs(cluster, jobs, timeout=240)
     logs = [(tmp_path / f"slurm-{job}.out").read_text() for job in jobs]
     codes = sorted(states[job]["ExitCode"] for job in jobs)
     assert codes in (["0:0", "0:0"], ["0:0", "2:0"]), logs
     if codes[1] == "2:0":
-        assert any(f"is in use by another ditrun run (host n" in log for log in logs), logs
+        assert any("is in use by another ditrun run (host n" in log for log in logs), logs
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)
     assert not (out / "edits.rejected.jsonl").exists()
 
@@ -229,8 +295,12 @@ def test_ranks_killed_on_one_host_are_named_with_it_without_a_cluster(tmp_path):
     with torchrun's variables, ranks 2 and 3 killed mid-edit; ranks 0 and 1, whose CFG partners
     they were, fail naming them and this host instead of the connection error."""
     port, out = free_port(), tmp_path / "run"
-    ranks = [start_rank(r, 4, port, out, tmp_path, "layout=cfg_split", "workload.limit=2", "workload.steps=24",
-                        "metrics.ssim=false") for r in range(4)]
+    ranks = [
+        start_rank(
+            r, 4, port, out, tmp_path, "layout=cfg_split", "workload.limit=2", "workload.steps=24", "metrics.ssim=false"
+        )
+        for r in range(4)
+    ]
     try:
         deadline = time.monotonic() + 120
         while not (out / "edits.jsonl").exists() or not (out / "edits.jsonl").read_text():

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import MAX_RELATIVE_ERROR, ditrun_command, latents, records, relative_error, run, tiny_config
+from ranks import run_ranks
 
 from ditrun import config
 from ditrun.cache.forward import relative_l1
 from ditrun.cache.policies import CACHE_POLICIES, FirstBlock, static_mask
 from ditrun.config import CacheConfig
-from ditrun.metrics.quality import QUALITY_MEASURES
 from ditrun.launch import checks, worker
+from ditrun.metrics.quality import QUALITY_MEASURES
 from ditrun.parallel.layout import build_layout, plan_layout
-from launching import MAX_RELATIVE_ERROR, ditrun_command, latents, records, relative_error, run, tiny_config
-from ranks import run_ranks
 
 STEPS = 5
 BASE = [f"workload.steps={STEPS}", "metrics.ssim=false", "metrics.report=false"]
@@ -101,13 +101,16 @@ def test_compiled_cached_run_equals_eager_with_the_same_decisions(single_adaptiv
 # Static masks
 
 
-@pytest.mark.parametrize("keys, steps, expected", [
-    (dict(compute_first=0, compute_last=0, compute_every=2), 28, set(range(0, 28, 2))),  # 14 of 28
-    (dict(compute_first=0, compute_last=0, compute_every=3), 28, set(range(0, 28, 3))),  # 10 of 28
-    (dict(compute_first=2, compute_last=2, compute_every=4), 12, {0, 1, 2, 6, 10, 11}),
-    (dict(compute_first=1, compute_last=1, compute_every=2), 6, {0, 1, 3, 5}),
-    (dict(compute_steps=[0, 4, 2]), 6, {0, 2, 4}),
-])
+@pytest.mark.parametrize(
+    "keys, steps, expected",
+    [
+        (dict(compute_first=0, compute_last=0, compute_every=2), 28, set(range(0, 28, 2))),  # 14 of 28
+        (dict(compute_first=0, compute_last=0, compute_every=3), 28, set(range(0, 28, 3))),  # 10 of 28
+        (dict(compute_first=2, compute_last=2, compute_every=4), 12, {0, 1, 2, 6, 10, 11}),
+        (dict(compute_first=1, compute_last=1, compute_every=2), 6, {0, 1, 3, 5}),
+        (dict(compute_steps=[0, 4, 2]), 6, {0, 2, 4}),
+    ],
+)
 def test_static_mask_is_the_configured_steps(keys, steps, expected):
     assert static_mask(CacheConfig(name="static", **keys), steps) == expected
 
@@ -131,20 +134,27 @@ def test_config_names_every_registered_policy_and_measure():
 MASK_RULE = f"must hold step 0 (nothing is cached before it) and only steps 0 to {STEPS - 1} (workload.steps={STEPS})."
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["cache=static", "cache.compute_steps=[1,2]"], f"cache.compute_steps=[1, 2] {MASK_RULE}"),
-    (["cache=static", "cache.compute_steps=[0,5]"], f"cache.compute_steps=[0, 5] {MASK_RULE}"),
-    (["cache=first_block", "cache.blocks=99"],
-     "cache.blocks=99 must be 1 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
-     "(cache=first_block)."),
-    (["cache=static", "cache.blocks=4"],
-     "cache.blocks=4 must be 0 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
-     "(cache=static)."),
-    (["cache=first_block", "cache.threshold=-1"], "cache.threshold=-1 must be 0 or more (0 computes every step)."),
-    (["cache=first_block", "cache.max_cached=0"], "cache.max_cached=0 must be at least 1, or unset for no cap."),
-    (["cache=static", "cache.compute_every=0"], "cache.compute_every=0 must be at least 1."),
-    (["cache.name=teacache"], "cache='teacache' is not a known step cache; allowed: none, first_block, static."),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cache=static", "cache.compute_steps=[1,2]"], f"cache.compute_steps=[1, 2] {MASK_RULE}"),
+        (["cache=static", "cache.compute_steps=[0,5]"], f"cache.compute_steps=[0, 5] {MASK_RULE}"),
+        (
+            ["cache=first_block", "cache.blocks=99"],
+            "cache.blocks=99 must be 1 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
+            "(cache=first_block).",
+        ),
+        (
+            ["cache=static", "cache.blocks=4"],
+            "cache.blocks=4 must be 0 to 3, fewer than the model's 4 blocks, so that a cached step skips some "
+            "(cache=static).",
+        ),
+        (["cache=first_block", "cache.threshold=-1"], "cache.threshold=-1 must be 0 or more (0 computes every step)."),
+        (["cache=first_block", "cache.max_cached=0"], "cache.max_cached=0 must be at least 1, or unset for no cap."),
+        (["cache=static", "cache.compute_every=0"], "cache.compute_every=0 must be at least 1."),
+        (["cache.name=teacache"], "cache='teacache' is not a known step cache; allowed: none, first_block, static."),
+    ],
+)
 def test_cache_mistakes_are_one_sentence(overrides, message):
     with pytest.raises(ValueError) as err:
         checks.check_run_config(tiny_config(*BASE, *overrides))
@@ -154,12 +164,18 @@ def test_cache_mistakes_are_one_sentence(overrides, message):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_cli_runs_a_static_cache_and_refuses_a_bad_mask_in_one_line(tmp_path):
-    bad = run(ditrun_command(*BASE, "cache=static", "cache.compute_steps=[1,2]", f"hydra.run.dir={tmp_path / 'bad'}"),
-              120, tmp_path)
+    bad = run(
+        ditrun_command(*BASE, "cache=static", "cache.compute_steps=[1,2]", f"hydra.run.dir={tmp_path / 'bad'}"),
+        120,
+        tmp_path,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "ditrun: error: cache.compute_steps=[1, 2] must hold step 0" in bad.stderr
-    good = run(ditrun_command(*BASE, "cache=static", "cache.compute_every=3", f"hydra.run.dir={tmp_path / 'good'}"),
-               200, tmp_path)
+    good = run(
+        ditrun_command(*BASE, "cache=static", "cache.compute_every=3", f"hydra.run.dir={tmp_path / 'good'}"),
+        200,
+        tmp_path,
+    )
     assert good.returncode == 0, good.stderr
     row = next(line.split() for line in good.stdout.splitlines() if line.startswith("astronaut"))
     # The first step, every third from it (1, 4) and the last (4): 3 of 5.
@@ -206,8 +222,10 @@ def test_static_cache_with_no_block_in_a_layout_equals_single(tmp_path, layout):
     run_single(tmp_path / "single", *overrides)
     record = run_layout(tmp_path / "four", 4, *overrides, f"layout={layout}")
     assert record["steps_computed"] == 3
-    assert relative_error(latents(tmp_path / "four", "astronaut"), latents(tmp_path / "single", "astronaut")) \
+    assert (
+        relative_error(latents(tmp_path / "four", "astronaut"), latents(tmp_path / "single", "astronaut"))
         <= MAX_RELATIVE_ERROR
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import relative_error
 
 from ditrun.kernels import formats
 from ditrun.kernels import linear as L
 from ditrun.kernels.attention import int8qk_attention_op, int8qk_reference, quantize_operands
-from launching import relative_error
 
 ELEMENTS = ["fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
 
@@ -47,8 +47,12 @@ def tilings(x: torch.Tensor) -> list:
     k = x.shape[1]
     if k <= 1024:
         return T.candidate_tilings(k) + [T.Tiling(4, 64, 4)]
-    return [T.default_tiling(k, "fp8"), T.default_tiling(k, "mx"), T.Tiling(2, 1024, 8),
-            T.Tiling(1, triton.next_power_of_2(k), 16, True)]
+    return [
+        T.default_tiling(k, "fp8"),
+        T.default_tiling(k, "mx"),
+        T.Tiling(2, 1024, 8),
+        T.Tiling(1, triton.next_power_of_2(k), 16, True),
+    ]
 
 
 def interpreted_tilings(x: torch.Tensor) -> list:
@@ -107,7 +111,9 @@ def check_attention() -> None:
     for s in (200, 256):  # 200: the last key tile is masked; 256: every tile is full
         g = torch.Generator().manual_seed(s)
         ops = quantize_operands(*(torch.randn(1, s, 2, 64, generator=g) for _ in range(3)), "bf16")
-        got = flash_attention(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125, config={"BLOCK_M": 64, "BLOCK_N": 64})
+        got = flash_attention(
+            ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125, config={"BLOCK_M": 64, "BLOCK_N": 64}
+        )
         assert relative_error(got, int8qk_reference(ops, 0.125)) < 1e-5
 
 
@@ -150,7 +156,7 @@ def check_v_codes(device: str = "cpu") -> None:
         for (codes, scale), (ref, ref_scale) in made:
             assert codes.shape == ref.shape == (2 * 3 * 128, -(-s // 32) * 32)
             assert torch.equal(scale, ref_scale)
-            kept = (ref.float().abs() >= 2 ** -6) if device == "cpu" else torch.ones_like(ref, dtype=torch.bool)
+            kept = (ref.float().abs() >= 2**-6) if device == "cpu" else torch.ones_like(ref, dtype=torch.bool)
             assert torch.equal(codes.float()[kept], ref.float()[kept])
     # The custom op compiled graphs call: its schema, and its fake's shapes and dtypes (dynamic ones too).
     torch.library.opcheck(fp8_v_codes_op, (fp8_exact.transpose(1, 2),))
@@ -161,11 +167,14 @@ def test_triton_kernels_in_the_cpu_interpreter():
     pytest.importorskip("triton")
     # TRITON_INTERPRET is read when kernels are defined: a fresh process. Its FP8 casts are not exact
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
-    code = ("import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); "
-            "t.check_qk_quantizer(); t.check_v_codes(); t.check_counted_repack()")
+    code = (
+        "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); "
+        "t.check_qk_quantizer(); t.check_v_codes(); t.check_counted_repack()"
+    )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                         capture_output=True, text=True, timeout=200)
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=200
+    )
     assert run.returncode == 0, run.stderr[-3000:]
 
 
@@ -246,11 +255,25 @@ def test_triton_int8qk_equals_the_reference(v_format, tolerance):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("s, config", [(1000, {}), (4608, {}), (200, {"block_n": 64}), (256, {}),
-                                       (1000, {"v_fp8": True}), (4608, {"v_fp8": True}), (100, {"v_fp8": True}),
-                                       (135, {"v_fp8": True}), (133, {}), (50, {"v_fp8": True}), (4097, {}),
-                                       (1000, {"v_fp8": True, "block_n": 64}), (1000, {"stages": 3}),
-                                       (1000, {"v_fp8": True, "stages": 3})])
+@pytest.mark.parametrize(
+    "s, config",
+    [
+        (1000, {}),
+        (4608, {}),
+        (200, {"block_n": 64}),
+        (256, {}),
+        (1000, {"v_fp8": True}),
+        (4608, {"v_fp8": True}),
+        (100, {"v_fp8": True}),
+        (135, {"v_fp8": True}),
+        (133, {}),
+        (50, {"v_fp8": True}),
+        (4097, {}),
+        (1000, {"v_fp8": True, "block_n": 64}),
+        (1000, {"stages": 3}),
+        (1000, {"v_fp8": True, "stages": 3}),
+    ],
+)
 def test_gluon_int8qk_equals_the_reference(s, config):
     """The Hopper Gluon kernel (kernels/attention_gluon.py) on quantized operands of two batches of three heads:
     sequences shorter than a tile, uneven and even, so that tiles cross from one head's rows into the next; S not a
@@ -297,10 +320,10 @@ def test_v_codes_of_a_view_whose_head_offsets_pass_2_31():
     codes, scale = triton_fp8_v_codes(v.transpose(1, 2))
     padded = codes.shape[1]
     for h in (0, heads - 1):
-        want_codes, want_scale = fp8_v_codes(v[:, h:h + 1])
+        want_codes, want_scale = fp8_v_codes(v[:, h : h + 1])
         got = codes.view(heads, dim, padded)[h]
         assert torch.equal(got.view(torch.uint8), want_codes.view(torch.uint8)), h
-        assert torch.equal(scale[h:h + 1], want_scale), h
+        assert torch.equal(scale[h : h + 1], want_scale), h
 
 
 @pytest.mark.timeout(240)
@@ -311,6 +334,7 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     one that would end a run."""
     pytest.importorskip("triton")
     import triton
+
     from ditrun.kernels.attention import _gluon_kernels, gluon_compile_errors
 
     gluon = _gluon_kernels()
@@ -321,8 +345,10 @@ def test_the_hopper_kernel_compiles_here_for_sm90_or_the_op_falls_back():
     except ImportError as failure:  # compile_sm90's entry points into Triton, not the kernel's API
         pytest.skip(f"Triton {triton.__version__} cannot build Gluon kernels without a GPU here: {failure}")
     except gluon_compile_errors() as failure:
-        pytest.xfail(f"Triton {triton.__version__} does not compile the Gluon kernel ({type(failure).__name__}); "
-                     "the op falls back to the Triton kernel")
+        pytest.xfail(
+            f"Triton {triton.__version__} does not compile the Gluon kernel ({type(failure).__name__}); "
+            "the op falls back to the Triton kernel"
+        )
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8" in ptx  # Q.K^T
     assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx  # P @ V
@@ -343,10 +369,22 @@ def compile_sm90(gluon, d: int = 128, block_n: int = 128, stages: int = 4, even:
     blocks = gluon._blocks(d, block_n, gl.float8e4nv if v_fp8 else gl.bfloat16)
     v_element = "fp8e4nv" if v_fp8 else "bf16"
     element = {"q": "i8", "k": "i8", "ks": "fp32", "v": v_element, "ones": v_element}
-    signature = {f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>"
-                 for name, (shape, layout) in blocks.items()}
-    signature |= {"QS": "*fp32", "VS": "*fp32", "O": "*bf16", "S": "i32", "S_KS": "i32", "sm_scale_log2": "fp32", "D": "constexpr",
-                  "BLOCK_N": "constexpr", "STAGES": "constexpr", "EVEN": "constexpr", "V_FP8": "constexpr"}
+    signature = {
+        f"{name}_desc": f"tensordesc<{element[name]}{shape},{layout!r}>" for name, (shape, layout) in blocks.items()
+    }
+    signature |= {
+        "QS": "*fp32",
+        "VS": "*fp32",
+        "O": "*bf16",
+        "S": "i32",
+        "S_KS": "i32",
+        "sm_scale_log2": "fp32",
+        "D": "constexpr",
+        "BLOCK_N": "constexpr",
+        "STAGES": "constexpr",
+        "EVEN": "constexpr",
+        "V_FP8": "constexpr",
+    }
     constants = {"D": d, "BLOCK_N": block_n, "STAGES": stages, "EVEN": even, "V_FP8": v_fp8}
     source = GluonASTSource(gluon._int8qk_kernel, signature, constexprs=constants)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -364,11 +402,14 @@ def test_the_kernels_int32_to_fp32_conversion_is_exact():
     assert bound < 2**22
     g = torch.Generator().manual_seed(0)
     edges = [-bound, -1, 0, 1, bound, 127 * 127 * 128, -(2**22) + 1, 2**22 - 1]
-    x = torch.cat([torch.randint(-bound, bound + 1, (100_000,), generator=g, dtype=torch.int32),
-                   torch.tensor(edges, dtype=torch.int32)])
+    x = torch.cat(
+        [
+            torch.randint(-bound, bound + 1, (100_000,), generator=g, dtype=torch.int32),
+            torch.tensor(edges, dtype=torch.int32),
+        ]
+    )
     converted = (x + INT_MAGIC.value).view(torch.float32) - ROUND_MAGIC.value
     assert torch.equal(converted, x.float())
-
 
 
 def test_fp8_v_codes_decode_to_quantize_v():

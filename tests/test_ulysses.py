@@ -3,14 +3,14 @@
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import RankFailed, run_ranks
 
 from ditrun.config import TransportConfig
-from ditrun.timers import ExposedTransfer
 from ditrun.model.dit import sdpa_attention
 from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, even_splits
+from ditrun.timers import ExposedTransfer
 from ditrun.transport.base import LocalTransport, all_gather_rows
 from ditrun.transport.registry import make_transport
-from ranks import RankFailed, run_ranks
 
 
 def _qkv(lengths, heads=6, dim=8, batch=2, seed=0):
@@ -28,7 +28,7 @@ def _sharded_attention(rank, world, lengths, head_groups, name="collective"):
     timer = ExposedTransfer(torch.device("cpu"))
     transport = world_transport(name, timer)
     start = sum(lengths[:rank])
-    q, k, v = (t[:, start:start + lengths[rank]] for t in _qkv(lengths))
+    q, k, v = (t[:, start : start + lengths[rank]] for t in _qkv(lengths))
     attention = UlyssesAttention(transport, lengths, head_groups)
     transport.prepare(attention.plans(q))
     out = attention(q, k, v)
@@ -117,7 +117,7 @@ class _LoggedTransport:
 def _pipeline_order(rank, world):
     log = []
     transport = _LoggedTransport(world_transport(), log)
-    q, k, v = (t[:, 3 * rank:3 * rank + 3] for t in _qkv([3, 3], heads=6))
+    q, k, v = (t[:, 3 * rank : 3 * rank + 3] for t in _qkv([3, 3], heads=6))
     UlyssesAttention(transport, [3, 3], head_groups=3)(q, k, v)
     return log
 
@@ -126,8 +126,18 @@ def _pipeline_order(rank, world):
 @pytest.mark.timeout(60)
 def test_head_groups_overlap_exchange_with_attention():
     """Group g+1's exchange starts before group g is awaited; each output is sent back before the next wait."""
-    expected = ["start qkv 0", "start qkv 1", "wait qkv 0", "start attention_out 0",
-                "start qkv 2", "wait qkv 1", "start attention_out 1",
-                "wait qkv 2", "start attention_out 2",
-                "wait attention_out 0", "wait attention_out 1", "wait attention_out 2"]
+    expected = [
+        "start qkv 0",
+        "start qkv 1",
+        "wait qkv 0",
+        "start attention_out 0",
+        "start qkv 2",
+        "wait qkv 1",
+        "start attention_out 1",
+        "wait qkv 2",
+        "start attention_out 2",
+        "wait attention_out 0",
+        "wait attention_out 1",
+        "wait attention_out 2",
+    ]
     assert run_ranks(_pipeline_order, 2) == [expected, expected]

@@ -5,7 +5,6 @@ listed apart, a crashed directory is incomplete, and a wrong edit fails the gate
 import json
 
 import pytest
-
 from ditrun_cli import ditrun, reference_dir
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,15 @@ def _summary(run_dir) -> dict:
 
 def _sweep(tmp_path, tmp_path_factory, *overrides, name="sweep"):
     sweep = tmp_path / name
-    proc = ditrun("-m", *ONE_EDIT, *overrides, f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-                  f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=400)
+    proc = ditrun(
+        "-m",
+        *ONE_EDIT,
+        *overrides,
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=400,
+    )
     return sweep, proc
 
 
@@ -70,11 +76,24 @@ def test_a_directory_whose_last_run_crashed_is_incomplete(tmp_path, tmp_path_fac
     """A finished run of one edit, then a run of two in the same directory that crashes in its new edit: the
     summary there is the first run's, which must not speak for the second; the report says incomplete."""
     out = tmp_path / "run"
-    common = ["wandb.mode=disabled", "progress=false", "workload.steps=2", "workload.width=64", "workload.height=64",
-              f"hydra.run.dir={out}", f"metrics.reference_dir={reference_dir(tmp_path_factory)}"]
+    common = [
+        "wandb.mode=disabled",
+        "progress=false",
+        "workload.steps=2",
+        "workload.width=64",
+        "workload.height=64",
+        f"hydra.run.dir={out}",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+    ]
     assert ditrun("workload.limit=1", *common, cwd=tmp_path, timeout=300).returncode == 0
-    crashed = ditrun("workload.limit=2", "launcher.fault.crash_rank=0", "launcher.fault.crash_at_step=1", *common,
-                     cwd=tmp_path, timeout=300)
+    crashed = ditrun(
+        "workload.limit=2",
+        "launcher.fault.crash_rank=0",
+        "launcher.fault.crash_at_step=1",
+        *common,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert crashed.returncode != 0
     assert _summary(out)["complete"] is True  # the first run's, left behind
     report = ditrun("report", str(out), cwd=tmp_path)
@@ -90,12 +109,24 @@ def test_a_wrong_edit_fails_the_gate_and_a_correct_one_passes(tmp_path, tmp_path
     results = {}
     for name, prompt in (("wrong", "invert the colours"), ("right", "make it black and white")):
         manifest = tmp_path / f"{name}.jsonl"
-        manifest.write_text(json.dumps({"id": "astronaut", "image": "skimage:astronaut", "prompt": prompt,
-                                        "target": "grayscale"}) + "\n")
+        manifest.write_text(
+            json.dumps({"id": "astronaut", "image": "skimage:astronaut", "prompt": prompt, "target": "grayscale"})
+            + "\n"
+        )
         out = tmp_path / name
-        results[name] = ditrun(f"workload.manifest={manifest}", "metrics.min_ssim_pct=98", "wandb.mode=disabled",
-                               "progress=false", f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-                               f"hydra.run.dir={out}", cwd=tmp_path, timeout=300), out
+        results[name] = (
+            ditrun(
+                f"workload.manifest={manifest}",
+                "metrics.min_ssim_pct=98",
+                "wandb.mode=disabled",
+                "progress=false",
+                f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+                f"hydra.run.dir={out}",
+                cwd=tmp_path,
+                timeout=300,
+            ),
+            out,
+        )
     (wrong, wrong_dir), (right, right_dir) = results["wrong"], results["right"]
     record = json.loads((wrong_dir / "edits.jsonl").read_text())
     assert record["margin_db"] <= 0

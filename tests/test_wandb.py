@@ -9,9 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from wandb.proto import wandb_internal_pb2
-
 from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
+from wandb.proto import wandb_internal_pb2
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +30,11 @@ def read_records(path):
     pos, parts, records = 7, [], []
     while pos + 7 <= len(data):
         left = _BLOCK - pos % _BLOCK
-        _checksum, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (kind == 0 and length == 0):  # block padding
             pos += left
             continue
-        parts.append(data[pos + 7:pos + 7 + length])
+        parts.append(data[pos + 7 : pos + 7 + length])
         pos += 7 + length
         if kind in (_FULL, _LAST):
             record = wandb_internal_pb2.Record()
@@ -69,8 +68,15 @@ def run_contents(run_dir):
 def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp_path_factory):
     # Where the machine allows it, with no network at all: offline must not need one.
     out = tmp_path / "run"
-    proc = ditrun(*TINY, "wandb.images=1", f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-                  f"hydra.run.dir={out}", cwd=tmp_path, env={"WANDB_API_KEY": SECRET}, prefix=without_network())
+    proc = ditrun(
+        *TINY,
+        "wandb.images=1",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        env={"WANDB_API_KEY": SECRET},
+        prefix=without_network(),
+    )
     assert proc.returncode == 0, proc.stderr
     summary_json = json.loads((out / "summary.json").read_text())
     assert f"W&B offline run: {summary_json['wandb']}" in proc.stdout and f"report: {out / 'report.md'}" in proc.stdout
@@ -104,8 +110,15 @@ def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp
 @pytest.mark.timeout(300)
 def test_disabled_mode_writes_no_wandb_directory(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
-    proc = ditrun(*TINY, "workload.limit=1", "wandb.mode=disabled", "metrics.report=false",
-                  f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.run.dir={out}", cwd=tmp_path)
+    proc = ditrun(
+        *TINY,
+        "workload.limit=1",
+        "wandb.mode=disabled",
+        "metrics.report=false",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     assert not (out / "wandb").exists() and "W&B" not in proc.stdout
     assert json.loads((out / "summary.json").read_text())["wandb"] is None
@@ -127,8 +140,10 @@ def test_the_network_audit_hook_sees_an_attempt(tmp_path):
 
 # A connect/send system call to an IPv4/IPv6 address that is not loopback, or to any DNS server (port 53,
 # a local stub resolver included: a name lookup is an attempt to reach another machine).
-_REMOTE_SYSCALL = re.compile(r"sa_family=AF_INET6?, .*?(inet_addr|inet_pton)\((AF_INET6, )?\"(?!127\.|::1\"|::ffff:127\.)"
-                             r"|sa_family=AF_INET6?, sin6?_port=htons\(53\)")
+_REMOTE_SYSCALL = re.compile(
+    r"sa_family=AF_INET6?, .*?(inet_addr|inet_pton)\((AF_INET6, )?\"(?!127\.|::1\"|::ffff:127\.)"
+    r"|sa_family=AF_INET6?, sin6?_port=htons\(53\)"
+)
 
 
 @pytest.mark.timeout(300)
@@ -138,9 +153,18 @@ def test_default_offline_run_makes_no_network_attempt(tmp_path):
     (wandb-core included), under a network namespace with no interfaces where the machine allows one."""
     audit, trace = tmp_path / "audit.jsonl", tmp_path / "strace.txt"
     out = tmp_path / "run"
-    proc = ditrun(*TINY, "workload.limit=1", "workload.steps=1", "metrics.ssim=false", "metrics.report=false",
-                  f"hydra.run.dir={out}", cwd=tmp_path, env=_audit_env(audit), unset=("WANDB_",),
-                  prefix=(*without_network(), *strace_prefix(trace)))
+    proc = ditrun(
+        *TINY,
+        "workload.limit=1",
+        "workload.steps=1",
+        "metrics.ssim=false",
+        "metrics.report=false",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        env=_audit_env(audit),
+        unset=("WANDB_",),
+        prefix=(*without_network(), *strace_prefix(trace)),
+    )
     assert proc.returncode == 0, proc.stderr
     assert list(out.glob("wandb/offline-run-*/run-*.wandb")), "the offline W&B run was not written"
     attempts = audit.read_text().splitlines() if audit.exists() else []

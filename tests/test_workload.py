@@ -21,8 +21,11 @@ def _cfg(**kw):
 
 
 def test_inline_edits_get_defaults():
-    edits = resolve_edits(_cfg(edits=[{"id": "a", "image": "skimage:coffee"}, {"image": "skimage:rocket", "seed": 9,
-                                                                               "width": 64}], seed=5))
+    edits = resolve_edits(
+        _cfg(
+            edits=[{"id": "a", "image": "skimage:coffee"}, {"image": "skimage:rocket", "seed": 9, "width": 64}], seed=5
+        )
+    )
     assert [e.id for e in edits] == ["a", "edit0001"]
     assert (edits[0].seed, edits[1].seed) == (5, 9)
     assert (edits[1].width, edits[1].height) == (64, 256)
@@ -36,11 +39,14 @@ def test_yaml_and_jsonl_manifests(tmp_path):
         assert [e.id for e in edits] == ["cat"]
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"id": "x"}, "edit 'x' names no image"),
-    ({"id": "x", "image": "skimage:coffee", "width": 100}, "edit 'x' has width=100"),
-    ({"id": "x", "image": "skimage:coffee", "colour": 1}, "edit 'x' has unknown key 'colour'"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"id": "x"}, "edit 'x' names no image"),
+        ({"id": "x", "image": "skimage:coffee", "width": 100}, "edit 'x' has width=100"),
+        ({"id": "x", "image": "skimage:coffee", "colour": 1}, "edit 'x' has unknown key 'colour'"),
+    ],
+)
 def test_bad_manifest_entries_name_the_edit(entry, message, tmp_path):
     (tmp_path / "w.jsonl").write_text(json.dumps(entry) + "\n")
     with pytest.raises(WorkloadError, match=message):
@@ -79,13 +85,22 @@ def test_images_are_real_photographs_resized():
 def test_prompt_embeds_file_and_standin(tmp_path):
     geo = PRESETS["tiny"]
     file = tmp_path / "p.safetensors"
-    save_file({"prompt_embeds": torch.ones(3, geo.joint_attention_dim),
-               "pooled_prompt_embeds": torch.ones(geo.pooled_projection_dim)}, file)
-    edits = resolve_edits(_cfg(edits=[
-        {"id": "f", "image": "skimage:coffee", "prompt_embeds": str(file), "width": 32, "height": 32},
-        {"id": "s", "image": "skimage:coffee", "prompt": "p", "width": 32, "height": 32},
-        {"id": "t", "image": "skimage:coffee", "prompt": "p", "width": 32, "height": 32},
-    ]))
+    save_file(
+        {
+            "prompt_embeds": torch.ones(3, geo.joint_attention_dim),
+            "pooled_prompt_embeds": torch.ones(geo.pooled_projection_dim),
+        },
+        file,
+    )
+    edits = resolve_edits(
+        _cfg(
+            edits=[
+                {"id": "f", "image": "skimage:coffee", "prompt_embeds": str(file), "width": 32, "height": 32},
+                {"id": "s", "image": "skimage:coffee", "prompt": "p", "width": 32, "height": 32},
+                {"id": "t", "image": "skimage:coffee", "prompt": "p", "width": 32, "height": 32},
+            ]
+        )
+    )
     codec = LinearLatentMap()
     f, s, t = (edit_inputs(e, codec, geo, _cfg(text_len=8), torch.device("cpu")) for e in edits)
     assert torch.equal(f.prompt, torch.ones(1, 3, geo.joint_attention_dim))

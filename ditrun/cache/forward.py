@@ -108,8 +108,12 @@ class StepCache:
         layout's writing rank runs), and the computed steps of each branch this rank ran."""
         main = next((self.states[b] for b in ("cond", "both") if b in self.states), None)
         computed = len(main.computed) if main is not None else self.steps
-        return {"cache": self.name, "steps_computed": computed, "steps_cached": self.steps - computed,
-                "cache_computed": {branch: state.computed for branch, state in self.states.items()}}
+        return {
+            "cache": self.name,
+            "steps_computed": computed,
+            "steps_cached": self.steps - computed,
+            "cache_computed": {branch: state.computed for branch, state in self.states.items()},
+        }
 
 
 def make_step_cache(cache_cfg, steps: int, built, reduce: Reduce) -> StepCache:

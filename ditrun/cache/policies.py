@@ -49,8 +49,9 @@ class FirstBlock:
         if not (0 <= cache_cfg.threshold < math.inf):
             raise UserError(f"cache.threshold={cache_cfg.threshold:g} must be 0 or more (0 computes every step).")
         if cache_cfg.warmup_steps < 1:
-            raise UserError(f"cache.warmup_steps={cache_cfg.warmup_steps} must be at least 1 (the first step has "
-                            "nothing cached).")
+            raise UserError(
+                f"cache.warmup_steps={cache_cfg.warmup_steps} must be at least 1 (the first step has nothing cached)."
+            )
         if cache_cfg.max_cached is not None and cache_cfg.max_cached < 1:
             raise UserError(f"cache.max_cached={cache_cfg.max_cached} must be at least 1, or unset for no cap.")
 
@@ -82,8 +83,10 @@ class StaticMask:
             raise UserError(f"cache.compute_every={cache_cfg.compute_every} must be at least 1.")
         listed = cache_cfg.compute_steps
         if listed is not None and (0 not in listed or not all(0 <= int(s) < steps for s in listed)):
-            raise UserError(f"cache.compute_steps={list(listed)} must hold step 0 (nothing is cached before it) and "
-                            f"only steps 0 to {steps - 1} (workload.steps={steps}).")
+            raise UserError(
+                f"cache.compute_steps={list(listed)} must hold step 0 (nothing is cached before it) and "
+                f"only steps 0 to {steps - 1} (workload.steps={steps})."
+            )
 
     def computes(self, step: int, change: Optional[float], cached_in_a_row: int) -> bool:
         return step in self.mask
@@ -101,11 +104,15 @@ def _check_blocks(cache_cfg, num_blocks: int, least: int) -> None:
     """``cache.blocks`` leaves at least one block to skip: with every block in the head a cached step computes all
     of them, and the run would record cached steps that saved nothing."""
     if num_blocks <= least:
-        raise UserError(f"cache={cache_cfg.name} runs the first {least} block(s) every step, and the model has "
-                        f"{num_blocks}: no block is left for a cached step to skip.")
+        raise UserError(
+            f"cache={cache_cfg.name} runs the first {least} block(s) every step, and the model has "
+            f"{num_blocks}: no block is left for a cached step to skip."
+        )
     if not least <= cache_cfg.blocks < num_blocks:
-        raise UserError(f"cache.blocks={cache_cfg.blocks} must be {least} to {num_blocks - 1}, fewer than the "
-                        f"model's {num_blocks} blocks, so that a cached step skips some (cache={cache_cfg.name}).")
+        raise UserError(
+            f"cache.blocks={cache_cfg.blocks} must be {least} to {num_blocks - 1}, fewer than the "
+            f"model's {num_blocks} blocks, so that a cached step skips some (cache={cache_cfg.name})."
+        )
 
 
 CACHE_POLICIES: Registry[type] = Registry("step cache")

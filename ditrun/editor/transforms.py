@@ -58,7 +58,7 @@ def invert(images: torch.Tensor) -> torch.Tensor:
 
 
 def red_blue_swap(images: torch.Tensor) -> torch.Tensor:
-    """"Make it blue": the red and blue channels swapped, so warm colours turn blue."""
+    """ "Make it blue": the red and blue channels swapped, so warm colours turn blue."""
     return images.flip(-3)
 
 
@@ -98,26 +98,52 @@ def pixelate(images: torch.Tensor) -> torch.Tensor:
 
 
 EDITS: Registry[Edit] = Registry("edit target")
-EDITS.register("mirror", Edit(mirror, (
-    "mirror the picture", "flip it left to right", "make a mirror image", "flip horizontally")))
-EDITS.register("upside_down", Edit(upside_down, (
-    "turn it upside down", "flip it vertically", "flip the picture upside down", "make it upside down")))
-EDITS.register("grayscale", Edit(grayscale, (
-    "make it black and white", "remove the colour", "convert to grayscale", "make it monochrome")))
-EDITS.register("invert", Edit(invert, (
-    "invert the colours", "make a photographic negative", "invert it", "turn it into a negative")))
-EDITS.register("blue", Edit(red_blue_swap, (
-    "make it blue", "swap red and blue", "turn the warm colours blue", "give it a blue look")))
-EDITS.register("sepia", Edit(sepia, (
-    "give it a sepia tone", "make it look like an old photograph", "apply a sepia filter", "make it vintage brown")))
-EDITS.register("posterize", Edit(posterize, (
-    "posterize it", "reduce it to a few colours", "make it look like a poster", "flatten the colours")))
-EDITS.register("brighten", Edit(brighten, (
-    "make it brighter", "brighten it", "lift the shadows", "make it lighter")))
-EDITS.register("pixelate", Edit(pixelate, (
-    "pixelate it", "make it blocky", "turn it into big pixels", "make it look like a mosaic")))
-EDITS.register("blur", Edit(blur, (
-    "blur it", "make it blurry", "soften the picture", "put it out of focus")))
+EDITS.register(
+    "mirror", Edit(mirror, ("mirror the picture", "flip it left to right", "make a mirror image", "flip horizontally"))
+)
+EDITS.register(
+    "upside_down",
+    Edit(
+        upside_down,
+        ("turn it upside down", "flip it vertically", "flip the picture upside down", "make it upside down"),
+    ),
+)
+EDITS.register(
+    "grayscale",
+    Edit(grayscale, ("make it black and white", "remove the colour", "convert to grayscale", "make it monochrome")),
+)
+EDITS.register(
+    "invert",
+    Edit(invert, ("invert the colours", "make a photographic negative", "invert it", "turn it into a negative")),
+)
+EDITS.register(
+    "blue",
+    Edit(red_blue_swap, ("make it blue", "swap red and blue", "turn the warm colours blue", "give it a blue look")),
+)
+EDITS.register(
+    "sepia",
+    Edit(
+        sepia,
+        (
+            "give it a sepia tone",
+            "make it look like an old photograph",
+            "apply a sepia filter",
+            "make it vintage brown",
+        ),
+    ),
+)
+EDITS.register(
+    "posterize",
+    Edit(
+        posterize, ("posterize it", "reduce it to a few colours", "make it look like a poster", "flatten the colours")
+    ),
+)
+EDITS.register("brighten", Edit(brighten, ("make it brighter", "brighten it", "lift the shadows", "make it lighter")))
+EDITS.register(
+    "pixelate",
+    Edit(pixelate, ("pixelate it", "make it blocky", "turn it into big pixels", "make it look like a mosaic")),
+)
+EDITS.register("blur", Edit(blur, ("blur it", "make it blurry", "soften the picture", "put it out of focus")))
 
 
 def apply(name: str, images: torch.Tensor) -> torch.Tensor:

@@ -62,8 +62,8 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
-from ditrun.results.files import write_file
 from ditrun.model.compile import CompilePlan
+from ditrun.results.files import write_file
 from ditrun.user_cache import user_cache_dir
 from ditrun.workload.inputs import edit_tokens
 
@@ -98,8 +98,10 @@ def check_config(model_cfg, plan: CompilePlan) -> None:
         where = "is not a folder" if existing == folder else f"cannot be made: {existing} is not a folder"
         raise UserError(f"{said} {where}; give a folder (made when missing), or off.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"{said} is not writable here ({existing}); give a folder this user may write (on a "
-                        "cluster, shared storage), or off.")
+        raise UserError(
+            f"{said} is not writable here ({existing}); give a folder this user may write (on a "
+            "cluster, shared storage), or off."
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,16 +119,26 @@ def _version_of(*distributions: str) -> Optional[str]:
 
 def toolchain() -> dict:
     """The versions that change compiled code (Triton's from its package metadata: importing it costs seconds)."""
-    return {"torch": torch.__version__, "triton": _version_of("triton", "pytorch-triton", "pytorch-triton-rocm"),
-            "cuda": torch.version.cuda, "hip": torch.version.hip, "python": platform.python_version()}
+    return {
+        "torch": torch.__version__,
+        "triton": _version_of("triton", "pytorch-triton", "pytorch-triton-rocm"),
+        "cuda": torch.version.cuda,
+        "hip": torch.version.hip,
+        "python": platform.python_version(),
+    }
 
 
 def device_description(device: torch.device) -> dict:
     """What Inductor generates code for: the GPU's model, or the CPU's architecture and vector ISA."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": props.name, "capability": list(torch.cuda.get_device_capability(device)),
-                "multiprocessors": props.multi_processor_count, "arch": getattr(props, "gcnArchName", None)}
+        return {
+            "type": "cuda",
+            "name": props.name,
+            "capability": list(torch.cuda.get_device_capability(device)),
+            "multiprocessors": props.multi_processor_count,
+            "arch": getattr(props, "gcnArchName", None),
+        }
     return {"type": device.type, "machine": platform.machine(), "isa": torch.backends.cpu.get_cpu_capability()}
 
 
@@ -137,22 +149,39 @@ def describe_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, deta
     text_len = cfg.workload.text_len
     shapes = sorted({(e.width, e.height, e.ref_width, e.ref_height, edit_tokens(e, text_len)) for e in edits})
     return {
-        **toolchain(), "device": device_description(device_dtype.device),
+        **toolchain(),
+        "device": device_description(device_dtype.device),
         "compile": {"backend": plan.backend, "tuning": plan.tuning, "fuse": plan.fuse, "graphs": plan.graphs},
-        "model": {"geometry": dataclasses.asdict(geometry), "dtype": device_dtype.dtype_name, "built": details,
-                  "precision": {"formats": precision.formats(), "scale_mode": precision.scale_mode,
-                                "backend": precision.backend}},
-        "inputs": {"shapes": [list(s) for s in shapes], "true_cfg": cfg.workload.true_cfg_scale > 1,
-                   "layout": layout.name, "cfg_degree": layout.cfg_degree, "sp_degree": layout.sp_degree,
-                   "head_groups": layout.head_groups, "step_cache": cfg.cache.name},
+        "model": {
+            "geometry": dataclasses.asdict(geometry),
+            "dtype": device_dtype.dtype_name,
+            "built": details,
+            "precision": {
+                "formats": precision.formats(),
+                "scale_mode": precision.scale_mode,
+                "backend": precision.backend,
+            },
+        },
+        "inputs": {
+            "shapes": [list(s) for s in shapes],
+            "true_cfg": cfg.workload.true_cfg_scale > 1,
+            "layout": layout.name,
+            "cfg_degree": layout.cfg_degree,
+            "sp_degree": layout.sp_degree,
+            "head_groups": layout.head_groups,
+            "step_cache": cfg.cache.name,
+        },
     }
 
 
-def for_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, details: dict, layout, edits,
-            rank: int) -> CompileCache:
+def for_run(
+    cfg, plan: CompilePlan, device_dtype, geometry, precision, details: dict, layout, edits, rank: int
+) -> CompileCache:
     """The run's entry (``describe_run``'s arguments); global rank 0 writes it and says what it did."""
     folder = cache_dir(getattr(cfg.model, "compile_cache", AUTO)) if plan.compile else None
-    described = describe_run(cfg, plan, device_dtype, geometry, precision, details, layout, edits) if folder is not None else {}
+    described = (
+        describe_run(cfg, plan, device_dtype, geometry, precision, details, layout, edits) if folder is not None else {}
+    )
     kernels_dir = claim_triton_cache_dir(device_dtype.device) if folder is not None else None
     return CompileCache(folder, described, writer=rank == 0, announce=rank == 0, kernels_dir=kernels_dir)
 
@@ -180,9 +209,15 @@ class Entry:
 def write_entry(path: Path, key: str, described: dict, entry: Entry) -> None:
     """The entry, whole, at ``path`` (a temporary file in its folder, flushed, renamed over it)."""
     payload = entry.artifacts + entry.kernels
-    header = {"format": FORMAT, "key": key, "torch": torch.__version__, "bytes": len(payload),
-              "sha256": hashlib.sha256(payload).hexdigest(), "artifacts_bytes": len(entry.artifacts),
-              "described": described}
+    header = {
+        "format": FORMAT,
+        "key": key,
+        "torch": torch.__version__,
+        "bytes": len(payload),
+        "sha256": hashlib.sha256(payload).hexdigest(),
+        "artifacts_bytes": len(entry.artifacts),
+        "described": described,
+    }
     write_file(path, json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
 
 
@@ -233,8 +268,13 @@ def kernel_folders(root: Optional[Path]) -> frozenset:
     """The names of the whole kernel folders under ``root`` (those with a file list, ``__grp__*.json``)."""
     if root is None or not root.is_dir():
         return frozenset()
-    return frozenset(p.name for p in root.iterdir() if _KERNEL_FOLDER.fullmatch(p.name) and p.is_dir()
-                     and any(child.name.startswith("__grp__") for child in p.iterdir()))
+    return frozenset(
+        p.name
+        for p in root.iterdir()
+        if _KERNEL_FOLDER.fullmatch(p.name)
+        and p.is_dir()
+        and any(child.name.startswith("__grp__") for child in p.iterdir())
+    )
 
 
 def pack_kernels(root: Path, names) -> bytes:
@@ -259,8 +299,13 @@ def unpack_kernels(data: bytes, root: Path) -> frozenset:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
             for member in tar:
                 folder, _, name = member.name.partition("/")
-                if not (member.isfile() and _KERNEL_FOLDER.fullmatch(folder) and name
-                        and re.fullmatch(r"[^/\\]+", name) and name not in (".", "..")):
+                if not (
+                    member.isfile()
+                    and _KERNEL_FOLDER.fullmatch(folder)
+                    and name
+                    and re.fullmatch(r"[^/\\]+", name)
+                    and name not in (".", "..")
+                ):
                     raise BadEntry(f"its Triton kernels hold {member.name!r}, not a kernel's file")
                 folders.setdefault(folder, {})[name] = tar.extractfile(member).read()
     except (tarfile.TarError, OSError, EOFError) as err:
@@ -275,8 +320,9 @@ def unpack_kernels(data: bytes, root: Path) -> frozenset:
         for name, content in files.items():
             if name.startswith("__grp__"):
                 listed = json.loads(content).get("child_paths", {})
-                content = json.dumps({"child_paths": {child: str(root / folder / Path(path).name)
-                                                      for child, path in listed.items()}}).encode()
+                content = json.dumps(
+                    {"child_paths": {child: str(root / folder / Path(path).name) for child, path in listed.items()}}
+                ).encode()
             (temporary / name).write_bytes(content)
         shutil.rmtree(root / folder, ignore_errors=True)  # a folder without its file list: Triton would recompile
         try:
@@ -346,8 +392,10 @@ class CompileCache:
             self._say(f"no entry {self.path}; compiling, and writing it after the first edit")
         except (OSError, BadEntry) as why:
             self.status = "discarded"
-            print(f"ditrun: warning: compile cache entry {self.path} discarded: {why}; compiling as without one",
-                  flush=True)
+            print(
+                f"ditrun: warning: compile cache entry {self.path} discarded: {why}; compiling as without one",
+                flush=True,
+            )
         else:
             self.status, self.stored = "hit", _artifact_keys(info) if info is not None else frozenset()
             kernels = f", {len(self.kernels_stored)} Triton kernels" if self.kernels_stored else ""
@@ -397,10 +445,15 @@ class CompileCache:
     def fields(self) -> dict:
         """The summary's ``compile_cache``: what happened, the entry's key and path, and what Inductor's graph cache
         found (a hit for every graph compiled after a load, where the entry held it)."""
-        return {"status": self.status, "written": self.written, "artifacts": len(self.stored),
-                "triton_kernels": len(self.kernels_stored),
-                "key": self.key if self.path is not None else None,
-                "entry": str(self.path) if self.path is not None else None, "fx_graph_cache": graph_cache_lookups()}
+        return {
+            "status": self.status,
+            "written": self.written,
+            "artifacts": len(self.stored),
+            "triton_kernels": len(self.kernels_stored),
+            "key": self.key if self.path is not None else None,
+            "entry": str(self.path) if self.path is not None else None,
+            "fx_graph_cache": graph_cache_lookups(),
+        }
 
     def _say(self, what: str) -> None:
         if self.announce:

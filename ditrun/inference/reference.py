@@ -35,12 +35,12 @@ import torch
 
 from ditrun.devices import dtype_name
 from ditrun.metrics import full_quality
-from ditrun.user_cache import user_cache_dir
 from ditrun.metrics.quality import QualityGateError
-from ditrun.results.files import fsync_folder, save_png, to_rgb8, write_file
+from ditrun.model.folders import vae_folder
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
-from ditrun.model.folders import vae_folder
+from ditrun.results.files import fsync_folder, save_png, to_rgb8, write_file
+from ditrun.user_cache import user_cache_dir
 from ditrun.workload.edit import Edit
 from ditrun.workload.inputs import edit_inputs
 
@@ -76,8 +76,10 @@ def _file_fingerprint(path: Optional[str]) -> Optional[list]:
 def sampling(workload) -> dict:
     """The sampling settings a picture depends on: steps, and true CFG (at or below 1 one branch, whatever the
     value)."""
-    return {"steps": workload.steps,
-            "true_cfg_scale": workload.true_cfg_scale if workload.true_cfg_scale > 1 else "off"}
+    return {
+        "steps": workload.steps,
+        "true_cfg_scale": workload.true_cfg_scale if workload.true_cfg_scale > 1 else "off",
+    }
 
 
 def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: str) -> tuple[str, dict]:
@@ -88,9 +90,16 @@ def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: st
         "format": REFERENCE_FORMAT,
         "geometry": dataclasses.asdict(geometry),
         "weights": _file_fingerprint(cfg.model.path) if cfg.model.path else {"seed": cfg.model.weights_seed},
-        "edit": {"image": image, "prompt": edit.prompt, "prompt_embeds": _file_fingerprint(edit.prompt_embeds),
-                 "seed": edit.seed, "width": edit.width, "height": edit.height,
-                 "ref_width": edit.ref_width, "ref_height": edit.ref_height},
+        "edit": {
+            "image": image,
+            "prompt": edit.prompt,
+            "prompt_embeds": _file_fingerprint(edit.prompt_embeds),
+            "seed": edit.seed,
+            "width": edit.width,
+            "height": edit.height,
+            "ref_width": edit.ref_width,
+            "ref_height": edit.ref_height,
+        },
         **sampling(workload),
         "guidance_scale": workload.guidance_scale if geometry.guidance_embeds else None,
         # The noise convention is diffusers'.
@@ -129,8 +138,11 @@ class ReferenceCache:
         try:
             return _checked_entry(entry, key, size)
         except BrokenEntry as err:
-            print(f"ditrun: warning: reference cache entry {err.path} {err.reason}; discarded, it is made again",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ditrun: warning: reference cache entry {err.path} {err.reason}; discarded, it is made again",
+                file=sys.stderr,
+                flush=True,
+            )
             self.discard(key)
             return None
 
@@ -264,11 +276,20 @@ class References:
         raise BrokenReference(
             f"edit {edit_id!r} scores {pct:.2f}% of its BF16 rerun's SSIM, above the {BROKEN_REFERENCE_PCT:g}% that "
             f"two BF16 runs allow, so its cached reference {entry} is broken; the entry was discarded: rerun the same "
-            "command to make it again and resume.")
+            "command to make it again and resume."
+        )
 
-    def make_missing(self, edits: list[Edit], cfg, geometry, device: torch.device,
-                     build_model: Callable[[torch.dtype], torch.nn.Module], progress=None, announce: bool = True,
-                     stop_point: Optional[Callable[[], None]] = None) -> None:
+    def make_missing(
+        self,
+        edits: list[Edit],
+        cfg,
+        geometry,
+        device: torch.device,
+        build_model: Callable[[torch.dtype], torch.nn.Module],
+        progress=None,
+        announce: bool = True,
+        stop_point: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Make the references ``edits`` lack, with a model built only if one is missing (and freed after);
         ``stop_point`` is called after every denoising step (it raises to stop the pass there)."""
         missing = self.missing(edits)
@@ -277,15 +298,22 @@ class References:
         if not missing:
             return
         if announce:
-            print(f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
-                  f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}", flush=True)
+            print(
+                f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
+                f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}",
+                flush=True,
+            )
         model = build_model(self.dtype)
         codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
         workload = full_quality.reference_workload(cfg)
         for edit in missing:
             # Two separate runs: on GPUs they differ.
-            runs = [_render_with_bar(model, codec, geometry, edit, workload, self.dtype, device, progress, label,
-                                     stop_point) for label in ("reference", "rerun")]
+            runs = [
+                _render_with_bar(
+                    model, codec, geometry, edit, workload, self.dtype, device, progress, label, stop_point
+                )
+                for label in ("reference", "rerun")
+            ]
             self._loaded[edit.id] = Reference(*runs)
             self.cache.save(self.keys[edit.id], self._loaded[edit.id], self.descriptions[edit.id])
             if progress is not None:
@@ -297,15 +325,27 @@ class References:
 
 def reference_set(cfg, geometry, edits: list[Edit], dtype: torch.dtype, device_type: str) -> References:
     """The keys of every edit's reference (cheap: nothing is loaded or made)."""
-    cache = ReferenceCache(Path(cfg.metrics.reference_dir) if cfg.metrics.reference_dir else user_cache_dir() / "references")
+    cache = ReferenceCache(
+        Path(cfg.metrics.reference_dir) if cfg.metrics.reference_dir else user_cache_dir() / "references"
+    )
     keys, descriptions = {}, {}
     for edit in edits:
         keys[edit.id], descriptions[edit.id] = reference_key(cfg, geometry, edit, dtype, device_type)
     return References(cache, keys, descriptions, dtype)
 
 
-def _render_with_bar(model, codec, geometry, edit: Edit, workload_cfg, dtype, device, progress, label: str,
-                     stop_point: Optional[Callable[[], None]] = None):
+def _render_with_bar(
+    model,
+    codec,
+    geometry,
+    edit: Edit,
+    workload_cfg,
+    dtype,
+    device,
+    progress,
+    label: str,
+    stop_point: Optional[Callable[[], None]] = None,
+):
     bar = progress.edit(f"{label} {edit.id}", workload_cfg.steps) if progress is not None else None
 
     def on_step(_i: int) -> None:
@@ -321,8 +361,16 @@ def _render_with_bar(model, codec, geometry, edit: Edit, workload_cfg, dtype, de
             bar.close()
 
 
-def render_single(model, codec, geometry, edit: Edit, workload_cfg, dtype: torch.dtype, device: torch.device,
-                  on_step: Optional[Callable[[int], None]] = None) -> np.ndarray:
+def render_single(
+    model,
+    codec,
+    geometry,
+    edit: Edit,
+    workload_cfg,
+    dtype: torch.dtype,
+    device: torch.device,
+    on_step: Optional[Callable[[int], None]] = None,
+) -> np.ndarray:
     """One edit on one process, both CFG branches one after the other -> [H, W, 3] uint8."""
     inputs = edit_inputs(edit, codec, geometry, workload_cfg, device, dtype)
     guidance = workload_cfg.guidance_scale if geometry.guidance_embeds else None

@@ -140,8 +140,10 @@ def fp8_v_codes_op(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @fp8_v_codes_op.register_fake
 def _(v):
     b, s, h, d = v.shape
-    return (v.new_empty((b * h * d, (s + 31) // 32 * 32), dtype=torch.float8_e4m3fn),
-            v.new_empty((b * h,), dtype=torch.float32))
+    return (
+        v.new_empty((b * h * d, (s + 31) // 32 * 32), dtype=torch.float8_e4m3fn),
+        v.new_empty((b * h,), dtype=torch.float32),
+    )
 
 
 def fp8_v_values(codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -230,14 +232,26 @@ def _fits_gluon(q, k, q_scale, k_scale, v) -> bool:
     """This call's operands fit the Gluon kernel's tiles: INT8 per-token Q/K, head dim 128, 16-byte aligned rows,
     at least one tile of query rows (smaller calls run the Triton kernel)."""
     b, h, s, d = q.shape
-    return (q.dtype == torch.int8 and d == 128 and v.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
-            and b * h * s >= 128 and all(t.data_ptr() % 16 == 0 for t in (q, k, q_scale, k_scale, v)))
+    return (
+        q.dtype == torch.int8
+        and d == 128
+        and v.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+        and b * h * s >= 128
+        and all(t.data_ptr() % 16 == 0 for t in (q, k, q_scale, k_scale, v))
+    )
 
 
 @torch.library.custom_op("ditrun::int8qk_attention", mutates_args=())
-def int8qk_attention_op(q: torch.Tensor, q_scale: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor,
-                        v: torch.Tensor, sm_scale: float, implementation: str = "triton",
-                        v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8qk_attention_op(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    k: torch.Tensor,
+    k_scale: torch.Tensor,
+    v: torch.Tensor,
+    sm_scale: float,
+    implementation: str = "triton",
+    v_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
     fp32 scales [B, H, S]. ``implementation`` (chosen once, when the model is built): ``gluon`` (the Hopper
     kernel) or ``triton`` on GPUs; the torch reference runs off GPUs whatever it says.
@@ -304,8 +318,9 @@ def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
         if reference:
             out = int8qk_reference(ops, sm_scale)
         else:
-            out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, implementation,
-                                      ops.v_scale)
+            out = int8qk_attention_op(
+                ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, implementation, ops.v_scale
+            )
         return out.transpose(1, 2)
 
     return attention
@@ -314,13 +329,15 @@ def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
 def _int8qk_implementation(v_format: str) -> Callable[[torch.device, int], str]:
     """The Hopper Gluon kernel where it runs (head dim 128, its trial compile passed), else the Triton kernel;
     a Gluon kernel that does not compile is said once."""
+
     def choose(device: torch.device, head_dim: int) -> str:
         if head_dim != 128 or device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
             return "triton"
         why = gluon_unavailable(device, v_format == "fp8")
         if why is not None:
-            _say_once(f"ditrun: the Hopper INT8-QK attention kernel {why}; INT8-QK attention runs on the Triton "
-                      "kernel.")
+            _say_once(
+                f"ditrun: the Hopper INT8-QK attention kernel {why}; INT8-QK attention runs on the Triton kernel."
+            )
             return "triton"
         return "gluon"
 
@@ -334,18 +351,38 @@ def _say_once(line: str) -> None:
 
 
 ATTENTION_KERNELS: Registry[AttentionKernel] = Registry("attention kernel", "precision.attention")
-ATTENTION_KERNELS.register("bf16", AttentionKernel(
-    "bf16", "PyTorch SDPA in the compute dtype (not quantized)", lambda implementation: sdpa_attention,
-    quantized=False, implementation=lambda device, head_dim: "sdpa"))
-ATTENTION_KERNELS.register("fp8_pv", AttentionKernel(
-    "fp8_pv", "Q, smoothed K, V and P in FP8 E4M3 (a power-of-two scale per tensor), FP8 Q.K^T and P.V, fp32 "
-    "softmax: the vendors' fused FP8 attention (cuDNN, AITER)", fp8_sdpa.fp8_pv_attention,
-    unavailable=fp8_sdpa.unavailable, implementation=lambda device, head_dim: fp8_sdpa.BACKEND))
+ATTENTION_KERNELS.register(
+    "bf16",
+    AttentionKernel(
+        "bf16",
+        "PyTorch SDPA in the compute dtype (not quantized)",
+        lambda implementation: sdpa_attention,
+        quantized=False,
+        implementation=lambda device, head_dim: "sdpa",
+    ),
+)
+ATTENTION_KERNELS.register(
+    "fp8_pv",
+    AttentionKernel(
+        "fp8_pv",
+        "Q, smoothed K, V and P in FP8 E4M3 (a power-of-two scale per tensor), FP8 Q.K^T and P.V, fp32 "
+        "softmax: the vendors' fused FP8 attention (cuDNN, AITER)",
+        fp8_sdpa.fp8_pv_attention,
+        unavailable=fp8_sdpa.unavailable,
+        implementation=lambda device, head_dim: fp8_sdpa.BACKEND,
+    ),
+)
 for _v in V_FORMATS:
     _name = "int8qk" if _v == "bf16" else f"int8qk_{_v}v"
-    ATTENTION_KERNELS.register(_name, AttentionKernel(
-        _name, f"INT8 Q and K (smoothed K, a scale per token), fp32 softmax, V in {_v.upper()}",
-        lambda implementation, _v=_v: int8qk_attention(_v, implementation), implementation=_int8qk_implementation(_v)))
+    ATTENTION_KERNELS.register(
+        _name,
+        AttentionKernel(
+            _name,
+            f"INT8 Q and K (smoothed K, a scale per token), fp32 softmax, V in {_v.upper()}",
+            lambda implementation, _v=_v: int8qk_attention(_v, implementation),
+            implementation=_int8qk_implementation(_v),
+        ),
+    )
 
 
 def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> Optional[str]:

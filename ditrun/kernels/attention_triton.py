@@ -34,13 +34,40 @@ def _config(m, n, w, s):
 # On one H200 (Triton 3.6, S = 20992, D = 128) 128 x 64 tiles on 4 warps, 3 stages, were fastest
 # (`benchmarks/attention.py --configs`). The list keeps that one's neighbours, and smaller tiles for GPUs
 # with less shared memory.
-CONFIGS = [_config(m, n, w, s) for m, n, w, s in [(128, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 4), (128, 32, 4, 3),
-                                                  (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (64, 128, 4, 3)]]
+CONFIGS = [
+    _config(m, n, w, s)
+    for m, n, w, s in [
+        (128, 64, 4, 3),
+        (128, 64, 4, 2),
+        (128, 64, 4, 4),
+        (128, 32, 4, 3),
+        (128, 128, 8, 3),
+        (128, 64, 8, 4),
+        (64, 64, 4, 3),
+        (64, 128, 4, 3),
+    ]
+]
 
 
 @triton.jit
-def _attention_forward(Q, QS, K, KS, V, O, sm_scale_log2, S, H, stride_b, stride_h, stride_s,
-                       D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr):
+def _attention_forward(
+    Q,
+    QS,
+    K,
+    KS,
+    V,
+    O,
+    sm_scale_log2,
+    S,
+    H,
+    stride_b,
+    stride_h,
+    stride_s,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_N: tl.constexpr,
+):
     # Q, K: int8 [B, H, S, D]; QS, KS: fp32 [B, H, S], one scale per token; V, O: [B, H, S, D] with Q's strides.
     block_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -108,8 +135,22 @@ def flash_attention(q, q_scale, k, k_scale, v, sm_scale: float, config: dict | N
 
 
 @triton.jit
-def _quantize_qk_kernel(X, MEAN, Y, SCALE, S, H, stride_xb, stride_xs, stride_xh, stride_mb, stride_mh,
-                        SMOOTH: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _quantize_qk_kernel(
+    X,
+    MEAN,
+    Y,
+    SCALE,
+    S,
+    H,
+    stride_xb,
+    stride_xs,
+    stride_xh,
+    stride_mb,
+    stride_mh,
+    SMOOTH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     # X: [B, S, H, D] (any strides, D contiguous); MEAN: [B, H, D] in X's dtype, read when SMOOTH;
     # Y: int8 [B, H, S, D]; SCALE: fp32 [B, H, S]. One program: BLOCK_S tokens of one (batch, head).
     bh = tl.program_id(1)
@@ -117,8 +158,11 @@ def _quantize_qk_kernel(X, MEAN, Y, SCALE, S, H, stride_xb, stride_xs, stride_xh
     tokens = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     dims = tl.arange(0, D)
     mask = tokens[:, None] < S
-    x = tl.load(X + b.to(tl.int64) * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xs + dims[None, :],
-                mask=mask, other=0.0)
+    x = tl.load(
+        X + b.to(tl.int64) * stride_xb + h * stride_xh + tokens[:, None].to(tl.int64) * stride_xs + dims[None, :],
+        mask=mask,
+        other=0.0,
+    )
     if SMOOTH:  # as smooth_k: the difference rounded to X's dtype
         mean = tl.load(MEAN + b * stride_mb + h * stride_mh + dims)
         x = (x.to(tl.float32) - mean.to(tl.float32)[None, :]).to(x.dtype)
@@ -142,8 +186,22 @@ def quantize_qk(x: torch.Tensor, smooth: bool, block_s: int = 64) -> tuple[torch
     codes = torch.empty(b, h, s, d, dtype=torch.int8, device=x.device)
     scale = torch.empty(b, h, s, dtype=torch.float32, device=x.device)
     _quantize_qk_kernel[(triton.cdiv(s, block_s), b * h)](
-        x, mean, codes, scale, s, h, x.stride(0), x.stride(1), x.stride(2), mean.stride(0), mean.stride(1),
-        SMOOTH=smooth, D=d, BLOCK_S=block_s, num_warps=4)
+        x,
+        mean,
+        codes,
+        scale,
+        s,
+        h,
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        mean.stride(0),
+        mean.stride(1),
+        SMOOTH=smooth,
+        D=d,
+        BLOCK_S=block_s,
+        num_warps=4,
+    )
     return codes, scale
 
 
@@ -161,8 +219,9 @@ def _head_amax_kernel(X, AMAX, S, H, stride_xb, stride_xs, stride_xh, D: tl.cons
 
 
 @triton.jit
-def _fp8_v_codes_kernel(V, SCALE_INV, OUT, S, S_PAD, H, stride_vb, stride_vs, stride_vh, D: tl.constexpr,
-                        BLOCK: tl.constexpr):
+def _fp8_v_codes_kernel(
+    V, SCALE_INV, OUT, S, S_PAD, H, stride_vb, stride_vs, stride_vh, D: tl.constexpr, BLOCK: tl.constexpr
+):
     # V: [B, S, H, D] (any strides, D contiguous); SCALE_INV: fp32 [B * H]; OUT: E4M3 [B * H * D, S_PAD], V^T
     # with the keys reordered within each 32 (``fp8_v_codes``). One program: BLOCK stored keys of one head.
     bh = tl.program_id(1)
@@ -186,11 +245,13 @@ def fp8_v_codes(v: torch.Tensor, block_s: int = 128, block: int = 64) -> tuple[t
     if v.stride(-1) != 1:
         v = v.contiguous()
     amax = torch.zeros(b * h, dtype=torch.float32, device=v.device)
-    _head_amax_kernel[(triton.cdiv(s, block_s), b * h)](v, amax, s, h, v.stride(0), v.stride(1), v.stride(2), D=d,
-                                                        BLOCK_S=block_s, num_warps=4)
+    _head_amax_kernel[(triton.cdiv(s, block_s), b * h)](
+        v, amax, s, h, v.stride(0), v.stride(1), v.stride(2), D=d, BLOCK_S=block_s, num_warps=4
+    )
     scale = formats.fp8_power_of_two_scale(amax)  # as attention.fp8_head_exponents: rceil, exact
     padded = -(-s // 32) * 32
     codes = torch.empty(b * h * d, padded, dtype=torch.float8_e4m3fn, device=v.device)
-    _fp8_v_codes_kernel[(triton.cdiv(padded, block), b * h)](v, 1 / scale, codes, s, padded, h, v.stride(0),
-                                                             v.stride(1), v.stride(2), D=d, BLOCK=block, num_warps=4)
+    _fp8_v_codes_kernel[(triton.cdiv(padded, block), b * h)](
+        v, 1 / scale, codes, s, padded, h, v.stride(0), v.stride(1), v.stride(2), D=d, BLOCK=block, num_warps=4
+    )
     return codes, scale

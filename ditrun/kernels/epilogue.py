@@ -46,8 +46,13 @@ def _(x, weight, bias):
 
 
 @torch.library.custom_op("ditrun::joined_linear", mutates_args=())
-def joined_linear(prefix: torch.Tensor, hidden: torch.Tensor, prefix_weight: torch.Tensor,
-                  hidden_weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+def joined_linear(
+    prefix: torch.Tensor,
+    hidden: torch.Tensor,
+    prefix_weight: torch.Tensor,
+    hidden_weight: torch.Tensor,
+    bias: torch.Tensor,
+) -> torch.Tensor:
     """[prefix, hidden] W^T + b without joining them: prefix [..., P], hidden [..., K], prefix_weight [N, P],
     hidden_weight [N, K] (W's columns split at P), bias [N] -> [..., N]."""
     out = torch.addmm(bias, _rows(prefix), prefix_weight.t())

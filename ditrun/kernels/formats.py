@@ -199,8 +199,9 @@ def shared_exponents(amax: torch.Tensor, fmt: ElementFormat, scale_mode: str = "
 
 def fp8_power_of_two_scale(amax: torch.Tensor) -> torch.Tensor:
     """The fp32 power-of-two E4M3 scale of each amax (``rceil``: amax / scale lands at or below 448)."""
-    return torch.ldexp(torch.ones_like(amax, dtype=torch.float32),
-                       shared_exponents(amax, FORMATS["fp8_e4m3"], "rceil").float())
+    return torch.ldexp(
+        torch.ones_like(amax, dtype=torch.float32), shared_exponents(amax, FORMATS["fp8_e4m3"], "rceil").float()
+    )
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ The recipe of cuDNN's FP8 flash attention (and of AITER's per-tensor FP8 kernel 
 
 Both dots then run at FP8's tensor-core rate, twice BF16's on Hopper. The price is the rounding of
 P and of the output (3 mantissa bits each), which the ``int8qk*`` recipes do not pay (P in BF16; the Hopper
-kernel's FP8 P @ V of ``int8qk_fp8v`` rounds P, not its output). (AITER's kernel writes BF16; its output is rounded to the recipe's E4M3 here.)
+kernel's FP8 P @ V of ``int8qk_fp8v`` rounds P, not its output). (AITER's kernel writes BF16; its output is rounded
+to the recipe's E4M3 here.)
 
 "Per tensor" means per call. In a parallel layout a call holds the heads of one rank (Ulysses) or
 one CFG branch, so the scales are those of what the call holds, and a layout's output is close to
@@ -54,7 +55,8 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     V's and the output's (1 / (2 * V's)), powers of two.
 
     K is smoothed in fp32, not rounded back to its dtype first: compiled and eager code then quantize the same values
-    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from amax|k| + amax|mean|,
+    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from amax|k| +
+    amax|mean|,
     a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
     octave too large makes values below about 2^-14 of the largest (instead of 2^-15) subnormal, and
     saves a pass over K."""
@@ -63,8 +65,10 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     scales = formats.fp8_power_of_two_scale(amax)
     # every |t / s| <= 448 (rceil scales), where the cast rounds to nearest even as ``round_to_grid`` does;
     # the clamp only keeps a NaN-free cast should a bound be off
-    q8, k8, v8 = ((t * (1 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-                  for t, s in ((q.float(), scales[0]), (k.float() - mean, scales[1]), (v.float(), scales[2])))
+    q8, k8, v8 = (
+        (t * (1 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        for t, s in ((q.float(), scales[0]), (k.float() - mean, scales[1]), (v.float(), scales[2]))
+    )
     return q8, k8, v8, torch.cat([scales, 0.5 / scales[2:]])
 
 
@@ -169,8 +173,9 @@ class CudnnGraph:
 
         self.q, self.k, self.v = operand("q", q_shape), operand("k", kv_shape), operand("v", kv_shape)
         self.scalars = [scalar(n) for n in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")]
-        o, _, amax_s, amax_o = graph.sdpa_fp8(self.q, self.k, self.v, *self.scalars, generate_stats=False,
-                                              attn_scale=sm_scale, name="ditrun_fp8_pv")
+        o, _, amax_s, amax_o = graph.sdpa_fp8(
+            self.q, self.k, self.v, *self.scalars, generate_stats=False, attn_scale=sm_scale, name="ditrun_fp8_pv"
+        )
         layout = _bhsd(q_shape)
         o.set_output(True).set_dim(layout["dim"]).set_stride(layout["stride"]).set_data_type(fp8)
         for t in (amax_s, amax_o):
@@ -189,8 +194,14 @@ class CudnnGraph:
         cudnn = cudnn_module()
         out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=self.device)
         scratch = torch.empty(2 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
-        buffers = {self.q: q8, self.k: k8, self.v: v8, self.o: out,
-                   self.amax[0]: scratch[0:4], self.amax[1]: scratch[4:8]}
+        buffers = {
+            self.q: q8,
+            self.k: k8,
+            self.v: v8,
+            self.o: out,
+            self.amax[0]: scratch[0:4],
+            self.amax[1]: scratch[4:8],
+        }
         values = [scales[0:1], scales[1:2], scales[2:3], self.p_scales[0:1], self.p_scales[1:2], scales[3:4]]
         buffers.update(zip(self.scalars, values))
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
@@ -210,15 +221,17 @@ def cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale: float) -> torch.Tensor:
 
 
 @torch.library.custom_op("ditrun::fp8_sdpa", mutates_args=())
-def fp8_sdpa_op(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
-                sm_scale: float) -> torch.Tensor:
+def fp8_sdpa_op(
+    q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales [4] -> the E4M3 output codes
     [B, S, H, D]: the vendor's fused kernel where ``unavailable`` says one runs, else the reference."""
     if unavailable(q8.device) is None:
         q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
         if torch.version.hip:  # AITER writes BF16: rounded to the recipe's E4M3 output here
-            out = aiter_function(AITER_ATTENTION)(q8, k8, v8, scales[0:1], scales[1:2], scales[2:3], causal=False,
-                                    softmax_scale=sm_scale)
+            out = aiter_function(AITER_ATTENTION)(
+                q8, k8, v8, scales[0:1], scales[1:2], scales[2:3], causal=False, softmax_scale=sm_scale
+            )
             return formats.round_to_grid(out.float() * scales[3], "fp8_e4m3").to(torch.float8_e4m3fn)
         return cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale)
     return fp8_pv_reference(q8, k8, v8, scales, sm_scale)

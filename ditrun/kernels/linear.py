@@ -1,7 +1,8 @@
 """Quantized linears: the formats a linear can run in, the backends that run them, and the module.
 
 Weights are converted once, when the model is built (``QuantizedLinear.__init__``); activations
-are quantized on every call, on GPUs with Triton in one kernel (``kernels/quantize_triton.py``). Which backend runs a call is the dispatch table's choice
+are quantized on every call, on GPUs with Triton in one kernel (``kernels/quantize_triton.py``). Which backend runs a
+call is the dispatch table's choice
 (``kernels/tuning.py``); every backend computes the same quantized product as ``emulation``
 (the reference: dequantize, then an ordinary matmul in the compute dtype), up to the GEMM's
 accumulation order, and is tested against it.
@@ -109,8 +110,10 @@ class CompiledOnGpu:
         try:
             return self.compiled(*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure: the eager function is exact too
-            print(f"ditrun: torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); running eager.",
-                  flush=True)
+            print(
+                f"ditrun: torch.compile of {self.fn.__name__} failed ({type(err).__name__}: {err}); running eager.",
+                flush=True,
+            )
             self.compiled = self.fn
             return self.fn(*args)
 
@@ -183,8 +186,9 @@ def _(x, dtype):
 
 
 @torch.library.custom_op("ditrun::mx_repack_fp8", mutates_args=())
-def mx_repack_fp8_op(x: torch.Tensor, element_name: str, block: int, scale_mode: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mx_repack_fp8_op(
+    x: torch.Tensor, element_name: str, block: int, scale_mode: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from ditrun.kernels import quantize_triton
 
     headroom = repack_headroom(formats.element_format(element_name))
@@ -193,20 +197,25 @@ def mx_repack_fp8_op(x: torch.Tensor, element_name: str, block: int, scale_mode:
 
 @mx_repack_fp8_op.register_fake
 def _(x, element_name, block, scale_mode):
-    return (x.new_empty(x.shape, dtype=torch.float8_e4m3fn), x.new_empty((x.shape[0], 1), dtype=torch.float32),
-            x.new_empty((), dtype=torch.int64))
+    return (
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        x.new_empty((x.shape[0], 1), dtype=torch.float32),
+        x.new_empty((), dtype=torch.int64),
+    )
 
 
 @torch.library.custom_op("ditrun::mx_repack_fp8_counted", mutates_args=("count",))
-def mx_repack_fp8_counted_op(x: torch.Tensor, element_name: str, block: int, scale_mode: str,
-                             count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mx_repack_fp8_counted_op(
+    x: torch.Tensor, element_name: str, block: int, scale_mode: str, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``mx_repack_fp8_op`` that adds its inexact rows to ``count`` (a running 0-dim int64 count on x's device) in the
     kernel: no count to allocate, sum or add per call."""
     from ditrun.kernels import quantize_triton
 
     headroom = repack_headroom(formats.element_format(element_name))
-    fp8, scale, _ = quantize_triton.mx_repack_fp8(x.contiguous(), element_name, block, scale_mode, headroom,
-                                                  count=count)
+    fp8, scale, _ = quantize_triton.mx_repack_fp8(
+        x.contiguous(), element_name, block, scale_mode, headroom, count=count
+    )
     return fp8, scale
 
 
@@ -279,8 +288,9 @@ def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum: bool = False):
     # scale_a: [M, 1], scale_b: [N, 1] -> [1, N]. K and N must be multiples of 16.
     # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast.
     gemm_dtype = torch.bfloat16 if a8.is_cuda and out_dtype == torch.float32 else out_dtype
-    out = torch._scaled_mm(a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype,
-                           use_fast_accum=fast_accum)
+    out = torch._scaled_mm(
+        a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype, use_fast_accum=fast_accum
+    )
     return out.to(out_dtype)
 
 
@@ -369,8 +379,7 @@ class MxRepackFp8:
         itself (the operand's count is None)."""
         if self.inexact_rows["activation"].device != x.device:  # prepared on another device, then moved
             self.inexact_rows["activation"] = self.inexact_rows["activation"].to(x.device)
-        return (*mx_repack_fp8_counted_op(x, fmt.element, fmt.block, scale_mode, self.inexact_rows["activation"]),
-                None)
+        return (*mx_repack_fp8_counted_op(x, fmt.element, fmt.block, scale_mode, self.inexact_rows["activation"]), None)
 
     def gemm(self, operand, weights, fmt, out_dtype):
         x8, x_scale, inexact = operand
@@ -406,8 +415,9 @@ class MxScaledMm:
 
     def gemm(self, operand, weights, fmt, out_dtype):
         codes, scales = operand
-        return torch._scaled_mm(codes, weights["codes"].t(), scale_a=scales, scale_b=weights["scales"],
-                                out_dtype=out_dtype)
+        return torch._scaled_mm(
+            codes, weights["codes"].t(), scale_a=scales, scale_b=weights["scales"], out_dtype=out_dtype
+        )
 
 
 def aiter_function(name: str):
@@ -456,8 +466,11 @@ DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "fp8_rowwi
 
 def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
     """Backends other than emulation that run ``fmt`` on ``device``, most preferred first."""
-    return [name for name in DEFAULT_PREFERENCE
-            if name != "emulation" and LINEAR_BACKENDS.get(name, "backend")().unavailable(fmt, device) is None]
+    return [
+        name
+        for name in DEFAULT_PREFERENCE
+        if name != "emulation" and LINEAR_BACKENDS.get(name, "backend")().unavailable(fmt, device) is None
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,13 +478,13 @@ def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
 
 
 @functools.cache
-def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str,
-                     activation: Optional[Callable]) -> Callable:
+def shared_quantizer(backend: type, fmt: LinearFormat, scale_mode: str, activation: Optional[Callable]) -> Callable:
     """The input quantizer of ``backend`` (after ``activation`` when given) as one compiled function.
 
     One per (backend, format, scale rule, activation), shared by every linear that uses it: torch.compile
     then compiles it once instead of once per module (and never hits its recompilation limit).
     """
+
     def quantize(x):
         return backend.quantize(x if activation is None else activation(x), fmt, scale_mode)
 
@@ -490,9 +503,16 @@ class QuantizedLinear(nn.Module):
     ``choose(M)`` names the backend for a call with M rows (the dispatch table's answer).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], fmt: LinearFormat, scale_mode: str,
-                 backends: dict[str, LinearBackend], choose: Callable[[int], str],
-                 splits: Optional[list[int]] = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        fmt: LinearFormat,
+        scale_mode: str,
+        backends: dict[str, LinearBackend],
+        choose: Callable[[int], str],
+        splits: Optional[list[int]] = None,
+    ):
         super().__init__()
         self.fmt, self.scale_mode, self.splits, self.choose = fmt, scale_mode, splits, choose
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
@@ -514,8 +534,13 @@ class QuantizedLinear(nn.Module):
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.splits is None else out.split(self.splits, dim=-1)
 
-    def matmul(self, rows: torch.Tensor, name: str, activation: Optional[Callable] = None,
-               prefix: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def matmul(
+        self,
+        rows: torch.Tensor,
+        name: str,
+        activation: Optional[Callable] = None,
+        prefix: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """[prefix | activation(rows)] [M, K] through backend ``name`` -> [M, N], bias not included."""
         backend = self.backends[name]
         if prefix is not None:
@@ -539,5 +564,7 @@ class QuantizedLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}, "
-                f"backends={list(self.backends)}" + (f", splits={self.splits}" if self.splits else ""))
+        return (
+            f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}, "
+            f"backends={list(self.backends)}" + (f", splits={self.splits}" if self.splits else "")
+        )

@@ -122,8 +122,19 @@ def _fp8_codes(x, lift, divisor, recip, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _rowwise_fp8_kernel(X, Y, SCALE, R, K, stride_x, stride_y, FP8_MAX: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr):
+def _rowwise_fp8_kernel(
+    X,
+    Y,
+    SCALE,
+    R,
+    K,
+    stride_x,
+    stride_y,
+    FP8_MAX: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < R
@@ -151,8 +162,9 @@ def _rowwise_fp8_kernel(X, Y, SCALE, R, K, stride_x, stride_y, FP8_MAX: tl.const
             tl.store(yp + start, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
 
 
-def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None,
-                tiling: Tiling | None = None):
+def rowwise_fp8(
+    x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None, tiling: Tiling | None = None
+):
     """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel, bit for bit.
 
     ``store_dtype=torch.float32`` returns the values before the cast to ``dtype`` (the CPU interpreter's
@@ -163,9 +175,20 @@ def rowwise_fp8(x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | 
     y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     t = tiling or default_tiling(k, "fp8")
-    _rowwise_fp8_kernel[_grid(rows, t, k)](x, y, scale, rows, k, x.stride(0), y.stride(0),
-                                           FP8_MAX=torch.finfo(dtype).max, BLOCK_R=t.rows, BLOCK_K=t.tile,
-                                           ONE_TILE=t.one_tile, num_warps=t.warps)
+    _rowwise_fp8_kernel[_grid(rows, t, k)](
+        x,
+        y,
+        scale,
+        rows,
+        k,
+        x.stride(0),
+        y.stride(0),
+        FP8_MAX=torch.finfo(dtype).max,
+        BLOCK_R=t.rows,
+        BLOCK_K=t.tile,
+        ONE_TILE=t.one_tile,
+        num_warps=t.warps,
+    )
     return y, scale
 
 
@@ -201,8 +224,16 @@ def _block_exponents(x, EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: t
 
 
 @triton.jit
-def _mx_codes(x, exponent, row_exp, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr,
-              CLAMP: tl.constexpr, DTYPE: tl.constexpr):
+def _mx_codes(
+    x,
+    exponent,
+    row_exp,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ELEM_MAX: tl.constexpr,
+    CLAMP: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
     """A tile's E4M3 values [rows, blocks, BLOCK] and whether each row has one that E4M3 cannot hold [rows].
 
     A grid value has at most 3 mantissa bits and the row scale keeps it at or below 448, so E4M3 holds it
@@ -221,10 +252,27 @@ def _mx_codes(x, exponent, row_exp, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, 
 
 
 @triton.jit
-def _mx_repack_kernel(X, Y, SCALE, COUNT, R, K, stride_x, stride_y,
-                      EMAX: tl.constexpr, TOP_MANTISSA: tl.constexpr, RCEIL: tl.constexpr, MBITS: tl.constexpr,
-                      MIN_EXP: tl.constexpr, ELEM_MAX: tl.constexpr, HEADROOM: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr, ONE_TILE: tl.constexpr):
+def _mx_repack_kernel(
+    X,
+    Y,
+    SCALE,
+    COUNT,
+    R,
+    K,
+    stride_x,
+    stride_y,
+    EMAX: tl.constexpr,
+    TOP_MANTISSA: tl.constexpr,
+    RCEIL: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ELEM_MAX: tl.constexpr,
+    HEADROOM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    NB: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < R
     # A tile: NB MX blocks of BLOCK elements of each of the program's rows, as [BLOCK_R, NB, BLOCK].
@@ -261,9 +309,16 @@ def _mx_repack_kernel(X, Y, SCALE, COUNT, R, K, stride_x, stride_y,
     tl.atomic_add(COUNT + rows * 0, inexact.to(tl.int64), mask=row_ok & (inexact > 0))
 
 
-def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: str, headroom: int,
-                  store_dtype: torch.dtype = torch.float8_e4m3fn, tiling: Tiling | None = None,
-                  count: torch.Tensor | None = None):
+def mx_repack_fp8(
+    x: torch.Tensor,
+    element_name: str,
+    block: int,
+    scale_mode: str,
+    headroom: int,
+    store_dtype: torch.dtype = torch.float8_e4m3fn,
+    tiling: Tiling | None = None,
+    count: torch.Tensor | None = None,
+):
     """``linear.mx_repack_fp8`` in one kernel, bit for bit: x [R, K] -> (E4M3 [R, K], fp32 2^e_row [R, 1],
     inexact rows: ``count`` with them added, a 0-dim int64 tensor, or a new one). ``store_dtype``: as in
     ``rowwise_fp8``; ``tiling``: ``default_tiling(K, "mx")`` unless given."""
@@ -274,8 +329,25 @@ def mx_repack_fp8(x: torch.Tensor, element_name: str, block: int, scale_mode: st
     count = torch.zeros((), dtype=torch.int64, device=x.device) if count is None else count
     t = tiling or default_tiling(k, "mx")
     _mx_repack_kernel[_grid(rows, t, k)](
-        x, y, scale, count, rows, k, x.stride(0), y.stride(0),
-        EMAX=element.emax, TOP_MANTISSA=element.max_value / 2.0**element.emax, RCEIL=scale_mode == "rceil",
-        MBITS=element.mantissa_bits, MIN_EXP=1 - element.bias, ELEM_MAX=element.max_value, HEADROOM=headroom,
-        BLOCK=block, BLOCK_R=t.rows, NB=max(1, t.tile // block), ONE_TILE=t.one_tile, num_warps=t.warps)
+        x,
+        y,
+        scale,
+        count,
+        rows,
+        k,
+        x.stride(0),
+        y.stride(0),
+        EMAX=element.emax,
+        TOP_MANTISSA=element.max_value / 2.0**element.emax,
+        RCEIL=scale_mode == "rceil",
+        MBITS=element.mantissa_bits,
+        MIN_EXP=1 - element.bias,
+        ELEM_MAX=element.max_value,
+        HEADROOM=headroom,
+        BLOCK=block,
+        BLOCK_R=t.rows,
+        NB=max(1, t.tile // block),
+        ONE_TILE=t.one_tile,
+        num_warps=t.warps,
+    )
     return y, scale, count

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 
 from ditrun.devices import device_name
-from ditrun.user_cache import user_cache_dir
 from ditrun.kernels.linear import LINEAR_BACKENDS, LinearBackend, LinearFormat, fast_backends
 from ditrun.user_cache import user_cache_dir
 
@@ -47,8 +46,15 @@ def entry_key(fmt: str, m: int, k: int, n: int, device: str, torch_version: str 
 class DispatchTable:
     """Saved choices, plus the rule for shapes without one."""
 
-    def __init__(self, device: torch.device, mode: str = "auto", entries: Optional[dict[str, str]] = None,
-                 path: Optional[Path] = None, announce: bool = True, prepare_all: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        mode: str = "auto",
+        entries: Optional[dict[str, str]] = None,
+        path: Optional[Path] = None,
+        announce: bool = True,
+        prepare_all: bool = False,
+    ):
         self.device, self.mode, self.path, self.announce = device, mode, path, announce
         self.prepare_all = prepare_all
         """Prepare weights for every candidate (``ditrun tune`` times them all on the same weights)."""
@@ -87,8 +93,11 @@ class DispatchTable:
     def tuned(self, fmt: LinearFormat, k: int, n: int) -> dict[int, str]:
         """M bucket -> backend, for the entries of this shape and device."""
         prefix, suffix = f"linear|{fmt.name}|m", f"|k{k}|n{n}|{device_key(self.device)}|torch {torch.__version__}"
-        return {int(key[len(prefix):-len(suffix)]): name for key, name in self.entries.items()
-                if key.startswith(prefix) and key.endswith(suffix)}
+        return {
+            int(key[len(prefix) : -len(suffix)]): name
+            for key, name in self.entries.items()
+            if key.startswith(prefix) and key.endswith(suffix)
+        }
 
     def choose(self, fmt: LinearFormat, k: int, n: int) -> tuple[dict[str, LinearBackend], Callable[[int], str]]:
         """The backends to prepare this linear's weights for, and the rule that picks one per call."""
@@ -100,8 +109,9 @@ class DispatchTable:
             self._say_once(fmt.name, f"{fmt.name} has no fast backend on this device; it runs as the exact emulation.")
         if self.mode in LINEAR_BACKENDS and default != self.mode and fmt.quantized:
             why = LINEAR_BACKENDS.get(self.mode)().unavailable(fmt, self.device)
-            self._say_once(f"{self.mode}|{fmt.name}", f"precision.backend={self.mode} {why} here; {fmt.name} runs "
-                           f"{default}.")
+            self._say_once(
+                f"{self.mode}|{fmt.name}", f"precision.backend={self.mode} {why} here; {fmt.name} runs {default}."
+            )
         names = allowed if self.prepare_all else sorted(set(tuned.values())) or [default]
         backends = {name: LINEAR_BACKENDS.get(name)() for name in names}
         first = names[0]
@@ -120,5 +130,7 @@ class DispatchTable:
         if self.untuned:
             shapes = sorted(set(self.untuned))
             listed = ", ".join(shapes[:3]) + (f" and {len(shapes) - 3} more" if len(shapes) > 3 else "")
-            self._say_once("untuned", f"{len(shapes)} linear shape(s) have no tuned backend here ({listed}); "
-                           "`ditrun tune` saves a choice.")
+            self._say_once(
+                "untuned",
+                f"{len(shapes)} linear shape(s) have no tuned backend here ({listed}); `ditrun tune` saves a choice.",
+            )

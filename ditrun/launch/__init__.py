@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Optional
 
 from ditrun.launch import env, worker
+from ditrun.launch.checks import check_config, check_launcher_config  # noqa: F401  (the package's API)
 from ditrun.launch.faults import WorkerFailed  # noqa: F401  (the package's API)
 from ditrun.launch.job import LocalJob
-from ditrun.launch.checks import check_config, check_launcher_config  # noqa: F401  (the package's API)
 from ditrun.launch.rank import check_placement, run_as_rank, with_world  # noqa: F401  (the package's API)
 from ditrun.launch.stop import process_stop
 from ditrun.results import rundir

@@ -15,9 +15,9 @@ import torch
 from ditrun import cache, metrics
 from ditrun.devices import DTYPES
 from ditrun.errors import UserError
+from ditrun.inference import compile_cache
 from ditrun.launch import env, faults
 from ditrun.model.build import compute_dtype, device_kind, model_geometry, plan_precision
-from ditrun.inference import compile_cache
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import check_components
 from ditrun.model.memory import check_memory

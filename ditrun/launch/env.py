@@ -26,6 +26,7 @@ import socket
 import zlib
 from dataclasses import dataclass, replace
 from typing import Mapping, Optional
+
 from ditrun.errors import UserError
 
 # Ports derived from a job id fall in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's
@@ -54,28 +55,62 @@ class RankTable:
     """The launcher's name for this process's node, where it differs from the host name (Slurm's node name)."""
 
 
-TORCHRUN = RankTable("torchrun", rank="RANK", local_rank="LOCAL_RANK", world="WORLD_SIZE",
-                     local_world="LOCAL_WORLD_SIZE", nodes="GROUP_WORLD_SIZE", job_id="TORCHELASTIC_RUN_ID",
-                     node_index="GROUP_RANK")
-OPEN_MPI = RankTable("Open MPI", rank="OMPI_COMM_WORLD_RANK", local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
-                     world="OMPI_COMM_WORLD_SIZE", local_world="OMPI_COMM_WORLD_LOCAL_SIZE")
-MPICH = RankTable("MPICH (PMI)", rank="PMI_RANK", local_rank="MPI_LOCALRANKID", world="PMI_SIZE",
-                  local_world="MPI_LOCALNRANKS")
-SUBMITIT_LOCAL = RankTable("submitit (local)", rank="SUBMITIT_LOCAL_GLOBALID", local_rank="SUBMITIT_LOCAL_LOCALID",
-                           world="SUBMITIT_LOCAL_NTASKS", local_world="SUBMITIT_LOCAL_NTASKS",
-                           nodes="SUBMITIT_LOCAL_JOB_NUM_NODES", job_id="SUBMITIT_LOCAL_JOB_ID")
+TORCHRUN = RankTable(
+    "torchrun",
+    rank="RANK",
+    local_rank="LOCAL_RANK",
+    world="WORLD_SIZE",
+    local_world="LOCAL_WORLD_SIZE",
+    nodes="GROUP_WORLD_SIZE",
+    job_id="TORCHELASTIC_RUN_ID",
+    node_index="GROUP_RANK",
+)
+OPEN_MPI = RankTable(
+    "Open MPI",
+    rank="OMPI_COMM_WORLD_RANK",
+    local_rank="OMPI_COMM_WORLD_LOCAL_RANK",
+    world="OMPI_COMM_WORLD_SIZE",
+    local_world="OMPI_COMM_WORLD_LOCAL_SIZE",
+)
+MPICH = RankTable(
+    "MPICH (PMI)", rank="PMI_RANK", local_rank="MPI_LOCALRANKID", world="PMI_SIZE", local_world="MPI_LOCALNRANKS"
+)
+SUBMITIT_LOCAL = RankTable(
+    "submitit (local)",
+    rank="SUBMITIT_LOCAL_GLOBALID",
+    local_rank="SUBMITIT_LOCAL_LOCALID",
+    world="SUBMITIT_LOCAL_NTASKS",
+    local_world="SUBMITIT_LOCAL_NTASKS",
+    nodes="SUBMITIT_LOCAL_JOB_NUM_NODES",
+    job_id="SUBMITIT_LOCAL_JOB_ID",
+)
 # The step's variables, not the job's: a step may run fewer tasks than the job allocated.
-SLURM = RankTable("Slurm (srun)", rank="SLURM_PROCID", local_rank="SLURM_LOCALID", world="SLURM_STEP_NUM_TASKS",
-                  nodes="SLURM_STEP_NUM_NODES", job_id="SLURM_JOB_ID", node_index="SLURM_NODEID",
-                  node_name="SLURMD_NODENAME")
+SLURM = RankTable(
+    "Slurm (srun)",
+    rank="SLURM_PROCID",
+    local_rank="SLURM_LOCALID",
+    world="SLURM_STEP_NUM_TASKS",
+    nodes="SLURM_STEP_NUM_NODES",
+    job_id="SLURM_JOB_ID",
+    node_index="SLURM_NODEID",
+    node_name="SLURMD_NODENAME",
+)
 
 RANK_TABLES = (TORCHRUN, OPEN_MPI, MPICH, SUBMITIT_LOCAL, SLURM)
 MPI4PY = "MPI (mpi4py)"
 MPI_LAUNCHERS = {OPEN_MPI.launcher, MPICH.launcher, MPI4PY}
 
 # Any of these means an MPI launcher started this process (PMI, PMI-2, PMIx, Open MPI, Hydra).
-MPI_MARKERS = ("PMI_FD", "PMI_PORT", "PMI_RANK", "PMIX_RANK", "PMIX_NAMESPACE", "OMPI_COMM_WORLD_SIZE",
-               "MPI_LOCALNRANKS", "HYDI_CONTROL_FD")
+MPI_MARKERS = (
+    "PMI_FD",
+    "PMI_PORT",
+    "PMI_RANK",
+    "PMIX_RANK",
+    "PMIX_NAMESPACE",
+    "OMPI_COMM_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+    "HYDI_CONTROL_FD",
+)
 
 
 @dataclass(frozen=True)
@@ -146,9 +181,19 @@ def _from_table(table: RankTable, environ: Mapping[str, str]) -> RankInfo:
     nodes = _int(environ, table.nodes) if table.nodes and environ.get(table.nodes) else max(1, world // local_world)
     # torchrun's agent already serves a store at MASTER_PORT; its ranks join it as clients.
     agent_store = table is TORCHRUN and environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return RankInfo(table.launcher, rank, local_rank, world, local_world, nodes, _master_addr(table, environ),
-                    _master_port(table, environ), "torchrun's agent" if agent_store else "rank 0",
-                    _optional_int(environ, table.node_index), environ.get(table.node_name or "") or None)
+    return RankInfo(
+        table.launcher,
+        rank,
+        local_rank,
+        world,
+        local_world,
+        nodes,
+        _master_addr(table, environ),
+        _master_port(table, environ),
+        "torchrun's agent" if agent_store else "rank 0",
+        _optional_int(environ, table.node_index),
+        environ.get(table.node_name or "") or None,
+    )
 
 
 def _optional_int(environ: Mapping[str, str], name: Optional[str]) -> Optional[int]:
@@ -204,9 +249,10 @@ def _expand_item(item: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", item)
     if not match:
         return [item]
-    prefix, suffix = item[: match.start()], item[match.end():]
-    return [prefix + value + rest for value in _expand_range_list(match.group(1), item)
-            for rest in _expand_item(suffix)]
+    prefix, suffix = item[: match.start()], item[match.end() :]
+    return [
+        prefix + value + rest for value in _expand_range_list(match.group(1), item) for rest in _expand_item(suffix)
+    ]
 
 
 def _expand_range_list(ranges: str, item: str) -> list[str]:
@@ -258,8 +304,15 @@ def from_mpi4py() -> RankInfo:
     world = MPI.COMM_WORLD
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
     nodes = world.allreduce(1 if node.Get_rank() == 0 else 0)
-    return RankInfo(MPI4PY, world.Get_rank(), node.Get_rank(), world.Get_size(), node.Get_size(), nodes,
-                    node_index=node.bcast(world.Get_rank(), root=0))
+    return RankInfo(
+        MPI4PY,
+        world.Get_rank(),
+        node.Get_rank(),
+        world.Get_size(),
+        node.Get_size(),
+        nodes,
+        node_index=node.bcast(world.Get_rank(), root=0),
+    )
 
 
 def with_address(info: RankInfo, port_override: Optional[int]) -> RankInfo:

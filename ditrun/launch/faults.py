@@ -25,7 +25,9 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
 from ditrun.errors import UserError
+
 
 class WorkerFailed(RuntimeError):
     """A rank of this job failed; the message names it. (User mistakes are ``UserError``s instead.)"""
@@ -74,16 +76,20 @@ def pause(fault_cfg, phase: str, rank: int) -> None:
     """Called as ``phase`` begins on ``rank``: the chosen rank says so, then works forever (a stop ends it)."""
     if fault_cfg.pause_in != phase or fault_cfg.pause_rank not in (None, rank):
         return
-    print(f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (launcher.fault.pause_in={phase})",
-          file=sys.stderr, flush=True)
+    print(
+        f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (launcher.fault.pause_in={phase})",
+        file=sys.stderr,
+        flush=True,
+    )
     while True:
         time.sleep(3600)
 
 
 def check_fault_config(fault_cfg, world: int, steps: int) -> None:
     if fault_cfg.pause_in is not None and fault_cfg.pause_in not in PAUSE_PHASES:
-        raise UserError(f"launcher.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: "
-                        f"{', '.join(PAUSE_PHASES)}.")
+        raise UserError(
+            f"launcher.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: {', '.join(PAUSE_PHASES)}."
+        )
     for key in ("crash_rank", "freeze_rank", "hang_rank", "pause_rank"):
         rank = getattr(fault_cfg, key)
         if rank is not None and not 0 <= rank < world:
@@ -141,8 +147,9 @@ class Watchdog:
             self.store.wait([STOP])
             notice = self.store.get(STOP).decode()
         except RuntimeError:
-            self._abort(f"lost contact with {self.where}: it exited or its host is unreachable; "
-                        f"stopping rank {self.rank}")
+            self._abort(
+                f"lost contact with {self.where}: it exited or its host is unreachable; stopping rank {self.rank}"
+            )
             return
         if notice == DONE:
             return

@@ -183,8 +183,9 @@ class LocalJob:
 class StoreJob(LocalJob):
     """A rank of a multi-process job, talking to the others through the rendezvous store."""
 
-    def __init__(self, store, rank: int, world: int, stop: StopRequest, stall_timeout_s: float,
-                 store_host: str = "rank 0"):
+    def __init__(
+        self, store, rank: int, world: int, stop: StopRequest, stall_timeout_s: float, store_host: str = "rank 0"
+    ):
         super().__init__(stop)
         self._raw_store = store
         if hasattr(store, "clone"):
@@ -208,8 +209,9 @@ class StoreJob(LocalJob):
         self._hosts = self.hosts()  # read while the store surely answers: messages name the hosts later
         self._heart_stop, self._answered = threading.Event(), time.monotonic()
         heart_store = BoundedStore(self._raw_store.clone(), self.stall_timeout_s)
-        self._heart = threading.Thread(target=self._heartbeat, args=(heart_store,),
-                                       daemon=True, name=f"ditrun-heartbeat-{self.rank}")
+        self._heart = threading.Thread(
+            target=self._heartbeat, args=(heart_store,), daemon=True, name=f"ditrun-heartbeat-{self.rank}"
+        )
         self._heart.start()
         return self
 
@@ -324,8 +326,12 @@ class StoreJob(LocalJob):
         """The ranks without a ``<prefix><rank>`` key."""
         return [r for r in range(self.world) if r not in exclude and not self.store.check([f"{prefix}{r}"])]
 
-    def _await(self, done: Callable[[], bool], watched: Callable[[], list[int]],
-               judge: Optional[Callable[[list[int], float], None]] = None) -> None:
+    def _await(
+        self,
+        done: Callable[[], bool],
+        watched: Callable[[], list[int]],
+        judge: Optional[Callable[[list[int], float], None]] = None,
+    ) -> None:
         """Poll until ``done()``; fail naming a ``watched()`` rank whose heartbeat has not moved for
         ``launcher.collective_timeout_s`` (``judge`` may fail sooner), or the store's host if a request
         to it went unanswered that long."""
@@ -359,15 +365,18 @@ class StoreJob(LocalJob):
                     last_seen[rank] = (beat, now)
                 elif now - last_seen[rank][1] > self.stall_timeout_s:
                     raise RankStuck(self._stuck_message(rank, beat))
+
         return judge
 
     def _store_lost(self) -> "NodeLost":
         self.store_lost = True
         hosts = self._hosts or []
         where = f" on {hosts[0]}" if hosts and self.store_host == "rank 0" else ""
-        return NodeLost(f"{self.store_host}{where}, which serves the rendezvous store, stopped answering: no reply "
-                        f"for {self.stall_timeout_s:g} s (launcher.collective_timeout_s); its process is frozen or "
-                        f"its node went away")
+        return NodeLost(
+            f"{self.store_host}{where}, which serves the rendezvous store, stopped answering: no reply "
+            f"for {self.stall_timeout_s:g} s (launcher.collective_timeout_s); its process is frozen or "
+            f"its node went away"
+        )
 
     def _store_answers(self) -> bool:
         """Whether the store's host still answers: the heartbeat thread's next request gets a reply (at once,
@@ -405,8 +414,11 @@ class StoreJob(LocalJob):
             silent = self._silent_ranks(LOST_WINDOW_S)
         except RuntimeError:
             return NodeLost(f"{self._store_lost()}; rank {self.rank} then failed: {describe(err)}")
-        return NodeLost(f"{self._lost_message(silent, LOST_WINDOW_S)}; rank {self.rank} then failed: "
-                        f"{describe(err)}") if silent else err
+        return (
+            NodeLost(f"{self._lost_message(silent, LOST_WINDOW_S)}; rank {self.rank} then failed: {describe(err)}")
+            if silent
+            else err
+        )
 
     def _silent_ranks(self, window_s: float) -> list[int]:
         # Ranks at the end of their run have stopped beating on purpose.
@@ -435,10 +447,12 @@ class StoreJob(LocalJob):
         for host in dict.fromkeys(hosts[r] for r in silent):
             on_host = [r for r, h in enumerate(hosts) if h == host]
             gone = [r for r in silent if hosts[r] == host]
-            lost.append(f"node {host} ({format_ranks(gone)}, all of its ranks)" if gone == on_host
-                        else f"{format_ranks(gone)} on {host}")
-        return (f"lost {'; '.join(lost)}: no heartbeat for {seconds:g} s (the processes died or their "
-                f"node went away)")
+            lost.append(
+                f"node {host} ({format_ranks(gone)}, all of its ranks)"
+                if gone == on_host
+                else f"{format_ranks(gone)} on {host}"
+            )
+        return f"lost {'; '.join(lost)}: no heartbeat for {seconds:g} s (the processes died or their node went away)"
 
     def _beat_of(self, rank: int) -> Optional[str]:
         key = f"{BEAT}{rank}"
@@ -447,6 +461,7 @@ class StoreJob(LocalJob):
     def _stuck_message(self, rank: int, beat: str) -> str:
         finished = [r for r in range(self.world) if self.store.check([f"{AT_END}{r}"])]
         where = beat.split("\t", 1)[1]
-        return (f"rank {rank} made no progress for {self.stall_timeout_s:g} s (launcher.collective_timeout_s) "
-                f"while {format_ranks(finished)} had finished; it was last seen on {self.hosts()[rank]} after {where}.")
-
+        return (
+            f"rank {rank} made no progress for {self.stall_timeout_s:g} s (launcher.collective_timeout_s) "
+            f"while {format_ranks(finished)} had finished; it was last seen on {self.hosts()[rank]} after {where}."
+        )

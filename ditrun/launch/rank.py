@@ -24,14 +24,15 @@ from ditrun.launch import env, faults, rendezvous, worker
 from ditrun.launch.checks import check_config
 from ditrun.launch.job import StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
-from ditrun.results.rundir import HydraFiles
-from ditrun.timers import STARTUP
 from ditrun.model.build import model_geometry
 from ditrun.parallel.placement import Placement
+from ditrun.results.rundir import HydraFiles
+from ditrun.timers import STARTUP
 
 
-def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
-                hydra_files: Optional[HydraFiles] = None) -> Optional[dict]:
+def run_as_rank(
+    cfg, out_dir: Path, info: env.RankInfo, work=None, hydra_files: Optional[HydraFiles] = None
+) -> Optional[dict]:
     """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out.
 
     ``hydra_files`` reach the worker, whose global rank 0 writes them once the directory is this run's."""
@@ -45,14 +46,18 @@ def run_as_rank(cfg, out_dir: Path, info: env.RankInfo, work=None,
     backend = rendezvous.backend_for(cfg.device)
     placement = Placement(plan, meeting.nodes)
     if info.rank == 0:
-        print(f"ditrun: {info.world} ranks on {len(placement.ranks_by_node())} node(s) ({info.launcher}) met at "
-              f"{meeting.address}; {backend}, rank 0 on {device}\n{placement.describe()}", flush=True)
+        print(
+            f"ditrun: {info.world} ranks on {len(placement.ranks_by_node())} node(s) ({info.launcher}) met at "
+            f"{meeting.address}; {backend}, rank 0 on {device}\n{placement.describe()}",
+            flush=True,
+        )
     check_placement(cfg, placement, info)
     stop = process_stop().install()
     stop.watch_parent(cfg.launcher.stop_timeout_s, f"rank {info.rank}")
     stopped = summary = None
-    job = StoreJob(meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s,
-                   meeting.host).start_heartbeat()
+    job = StoreJob(
+        meeting.store, info.rank, info.world, stop, cfg.launcher.collective_timeout_s, meeting.host
+    ).start_heartbeat()
     try:
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         STARTUP.end("rendezvous_s")
@@ -105,14 +110,22 @@ def with_world(cfg, info: env.RankInfo):
     return cfg
 
 
-def spawned_rank_main(cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, hydra_files,
-                      sender) -> None:
+def spawned_rank_main(
+    cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, hydra_files, sender
+) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit."""
     # Watched from the very start: a supervisor killed while this rank still imports or waits at
     # the rendezvous must not leave it behind.
     process_stop().watch_parent(cfg.launcher.stop_timeout_s, f"rank {rank}", parent=supervisor)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from tqdm import tqdm
 
     # tqdm's default lock is a named semaphore, which a rank ended by its watchdog (os._exit)

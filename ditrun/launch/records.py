@@ -24,6 +24,7 @@ from ditrun.workload.manifest import declared_edits
 def git_revision(where: Path = Path(__file__).parent) -> str:
     """The commit of the checkout holding ``where`` (ditrun's own, by default), with "+modified" where tracked files
     differ from it (the code that ran is not the commit's), or "unknown" outside a git checkout."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=where, capture_output=True, text=True, timeout=5).stdout.strip()
 
@@ -42,14 +43,18 @@ def _source(image: str) -> str:
 
 def result_settings(run, edit: Edit) -> dict:
     """Everything that changes this edit's result (not the layout, transport or world size)."""
-    _, described = reference.reference_key(run.cfg, run.geometry, edit, run.device_dtype.dtype,
-                                           run.device_dtype.device.type)
+    _, described = reference.reference_key(
+        run.cfg, run.geometry, edit, run.device_dtype.dtype, run.device_dtype.device.type
+    )
     described.pop("format")
     # The key's sampling settings are the reference's; the edit's own are the run's, and its scores are against
     # that reference. The backend is left out, like the layout: fast kernels match the exact emulation.
-    settings = {**described, **reference.sampling(run.cfg.workload), "reference": reference.sampling(
-        full_quality.reference_workload(run.cfg)),
-        "precision": {**run.precision.formats(), "scale_mode": run.precision.scale_mode}}
+    settings = {
+        **described,
+        **reference.sampling(run.cfg.workload),
+        "reference": reference.sampling(full_quality.reference_workload(run.cfg)),
+        "precision": {**run.precision.formats(), "scale_mode": run.precision.scale_mode},
+    }
     if run.cfg.cache.name != "none":  # absent without a cache: an uncached edit names no cache keys
         settings["cache"] = OmegaConf.to_container(run.cfg.cache, resolve=True)
     return settings
@@ -67,27 +72,43 @@ def run_settings(run) -> dict:
     return rundir.run_settings(config, resolved, declared_edits(run.cfg.workload))
 
 
-def edit_record(run, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str],
-                measured: Optional[dict] = None) -> dict:
+def edit_record(
+    run, edit: Edit, step_s: list[float], exposed: dict, sha256: dict[str, str], measured: Optional[dict] = None
+) -> dict:
     """One line of edits.jsonl: the fields docs/METRICS.md lists, in its order, then the extras."""
     cfg, plan, measured = run.cfg, run.layout.plan, dict(measured or {})
     quality_fields = {key: measured.pop(key, None) for key in quality.QUALITY_FIELDS}
     outputs = files.edit_outputs(edit.id)
     return {
-        "edit": edit.id, "seed": edit.seed, "width": edit.width, "height": edit.height,
-        "steps": cfg.workload.steps, "layout": plan.name, "precision": run.precision_label,
-        "transport": cfg.transport.name, "world": plan.world,
+        "edit": edit.id,
+        "seed": edit.seed,
+        "width": edit.width,
+        "height": edit.height,
+        "steps": cfg.workload.steps,
+        "layout": plan.name,
+        "precision": run.precision_label,
+        "transport": cfg.transport.name,
+        "world": plan.world,
         **timing.edit_timing(step_s, exposed, cfg.metrics.transfer_breakdown),
-        **quality_fields, "image": outputs["image"], "replica": run.layout.replica, "session": run.session,
-        "head_groups": plan.head_groups, "latents": outputs["latents"], "sha256": sha256,
-        "precision_map": run.precision.formats(), "reference": _source(edit.image), "target": edit.target,
+        **quality_fields,
+        "image": outputs["image"],
+        "replica": run.layout.replica,
+        "session": run.session,
+        "head_groups": plan.head_groups,
+        "latents": outputs["latents"],
+        "sha256": sha256,
+        "precision_map": run.precision.formats(),
+        "reference": _source(edit.image),
+        "target": edit.target,
         **measured,
-        "fingerprint": rundir.fingerprint(run.settings[edit.id]), "settings": run.settings[edit.id],
+        "fingerprint": rundir.fingerprint(run.settings[edit.id]),
+        "settings": run.settings[edit.id],
     }
 
 
-def run_summary(run, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None,
-                startup: Optional[list[dict]] = None) -> dict:
+def run_summary(
+    run, records: list[dict], wall_s: float, stopped: Optional[RunStopped] = None, startup: Optional[list[dict]] = None
+) -> dict:
     """summary.json's fields (``stopped``: the stop that ended the run early, if any)."""
     scores = quality.quality_summary(records)
     return {

@@ -26,9 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ditrun.errors import UserError
 from ditrun.launch.env import RankInfo
 from ditrun.parallel.placement import format_ranks, node_names  # job.py imports format_ranks from here
-from ditrun.errors import UserError
 
 KEY = "ditrun/"
 ARRIVED = KEY + "arrived"
@@ -140,8 +140,9 @@ def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore
     timeout = timedelta(seconds=timeout_s)
     try:
         if info.rank == 0 and info.store_host == "rank 0":
-            return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=True,
-                                 timeout=timeout, wait_for_workers=False)
+            return dist.TCPStore(
+                info.master_addr, info.master_port, info.world, is_master=True, timeout=timeout, wait_for_workers=False
+            )
         return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=False, timeout=timeout)
     except RuntimeError as err:
         if info.rank == 0 and info.store_host == "rank 0":
@@ -161,8 +162,10 @@ def _wait_for_all(store, info: RankInfo, address: str, deadline: float, timeout_
     while store.add(ARRIVED, 0) < info.world:
         if time.monotonic() > deadline:
             missing = [r for r in range(info.world) if not store.check([f"{ARRIVED}/{r}"])]
-            message = (f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
-                       f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}.")
+            message = (
+                f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
+                f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}."
+            )
             store.set(ALL_ARRIVED, FAILED_PREFIX + message)
             time.sleep(VERDICT_GRACE_S)  # the store lives in this process: let the others read it
             raise RendezvousError(message)
@@ -183,7 +186,7 @@ def _hear_from_rank_0(store, info: RankInfo, address: str, deadline: float, time
             f"{info.store_host}, which hosts it, stopped answering."
         ) from None
     if verdict.startswith(FAILED_PREFIX):
-        raise RendezvousError(verdict[len(FAILED_PREFIX):])
+        raise RendezvousError(verdict[len(FAILED_PREFIX) :])
 
 
 def _first_line(err: Exception) -> str:
@@ -193,6 +196,9 @@ def _first_line(err: Exception) -> str:
 def init_process_group(info: RankInfo, backend: str, meeting: Meeting, collective_timeout_s: float) -> None:
     """Start the default process group on the meeting's store; collectives fail after the timeout."""
     dist.init_process_group(
-        backend, store=dist.PrefixStore("torch/", meeting.store), rank=info.rank, world_size=info.world,
+        backend,
+        store=dist.PrefixStore("torch/", meeting.store),
+        rank=info.rank,
+        world_size=info.world,
         timeout=timedelta(seconds=collective_timeout_s),
     )

@@ -21,6 +21,7 @@ import string
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
+
 from ditrun.errors import UserError
 
 TEMPLATE = string.Template("""\
@@ -97,17 +98,22 @@ def render_sbatch(params: SbatchParams, render_args: str = "") -> str:
         resources.append(f"--partition={params.partition}")
     return TEMPLATE.substitute(
         per_task="one GPU per task" if params.gpus_per_node else "CPU only",
-        nodes=params.nodes, tasks_per_node=params.tasks_per_node or params.gpus_per_node,
-        resource_lines="".join(f"#SBATCH {line}\n" for line in resources), time=params.time,
-        log=params.log, job_name=params.job_name, signal_s=params.signal_s,
+        nodes=params.nodes,
+        tasks_per_node=params.tasks_per_node or params.gpus_per_node,
+        resource_lines="".join(f"#SBATCH {line}\n" for line in resources),
+        time=params.time,
+        log=params.log,
+        job_name=params.job_name,
+        signal_s=params.signal_s,
         render_command=" ".join(["python -m ditrun.launch.slurm", render_args]).strip(),
         ditrun_args="".join(" " + shlex.quote(arg) for arg in params.ditrun_args),
     )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ditrun.launch.slurm",
-                                     description="Print an sbatch script that runs ditrun, one task per GPU.")
+    parser = argparse.ArgumentParser(
+        prog="python -m ditrun.launch.slurm", description="Print an sbatch script that runs ditrun, one task per GPU."
+    )
     defaults = SbatchParams()
     parser.add_argument("--nodes", type=int, default=defaults.nodes)
     parser.add_argument("--gpus-per-node", type=int, default=defaults.gpus_per_node)
@@ -140,9 +146,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     params = SbatchParams(
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, time=args.time,
-        partition=args.partition, cpus_per_task=args.cpus_per_task, job_name=args.job_name, log=args.log,
-        signal_s=args.signal_s, ditrun_args=args.ditrun_args,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tasks_per_node=args.tasks_per_node,
+        time=args.time,
+        partition=args.partition,
+        cpus_per_task=args.cpus_per_task,
+        job_name=args.job_name,
+        log=args.log,
+        signal_s=args.signal_s,
+        ditrun_args=args.ditrun_args,
     )
     try:
         script = render_sbatch(params, render_args=" ".join(shlex.quote(a) for a in _without_output(argv)))

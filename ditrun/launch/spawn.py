@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from ditrun import rank_entry
+from ditrun.errors import UserError
 from ditrun.launch import env, faults, rendezvous
 from ditrun.launch.stop import RunStopped, StopRequest
 from ditrun.parallel.placement import format_ranks
-from ditrun.errors import UserError
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
 # end them within a second or two) before they are terminated.
@@ -45,10 +45,14 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
     # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
-    ranks = [context.Process(target=rank_entry.rank_main,
-                             args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)),
-                                   pipes[rank][1]),
-                             name=f"ditrun-rank-{rank}") for rank in range(world)]
+    ranks = [
+        context.Process(
+            target=rank_entry.rank_main,
+            args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)), pipes[rank][1]),
+            name=f"ditrun-rank-{rank}",
+        )
+        for rank in range(world)
+    ]
     relay = Relay(ranks)
     stop = StopRequest().install(relay=relay)
     try:
@@ -121,12 +125,15 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
     stopped = {payload for _, payload, kind in reports if kind == "stopped"}
     if stop.signum is not None:
         stopped.add(stop.signum)  # ranks the relayed signal reached before their handlers did die of it
-    _raise_first_failure([(rank, payload) for rank, payload, kind in reports if kind == "failed"],
-                         [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)])
+    _raise_first_failure(
+        [(rank, payload) for rank, payload, kind in reports if kind == "failed"],
+        [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)],
+    )
     if killed:  # the run's end (its summary) may be missing: never a success
         if stopped:
-            raise RunStopped(min(stopped), f" ({format_ranks(killed)} killed after {stop_timeout_s:g} s, "
-                                           f"launcher.stop_timeout_s)")
+            raise RunStopped(
+                min(stopped), f" ({format_ranks(killed)} killed after {stop_timeout_s:g} s, launcher.stop_timeout_s)"
+            )
         raise faults.WorkerFailed(f"{format_ranks(killed)} killed {STOP_GRACE_S:g} s after another rank exited.")
     if any(kind == "stopped" for _, _, kind in reports) or any(_stopped_by(code, stopped) for _, code in exits):
         raise RunStopped(min(stopped))
@@ -166,8 +173,7 @@ def _raise_first_failure(reports: list, exits: list) -> None:
     its victims. Ranks that a watchdog stopped are victims too.
     """
     reported = {rank for rank, _ in reports}
-    silent = [(rank, code) for rank, code in exits
-              if code and code != faults.PEER_FAILED_EXIT and rank not in reported]
+    silent = [(rank, code) for rank, code in exits if code and code != faults.PEER_FAILED_EXIT and rank not in reported]
     if silent:
         rank, code = silent[0]
         raise faults.WorkerFailed(f"rank {rank} {_exit_description(code)} without reporting an error.")

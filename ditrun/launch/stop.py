@@ -154,8 +154,9 @@ class StopRequest:
             return
         self._watching = True
         parent = parent or os.getppid()
-        thread = threading.Thread(target=self._watch_parent, args=(parent, grace_s, label),
-                                  name="ditrun-parent-watch", daemon=True)
+        thread = threading.Thread(
+            target=self._watch_parent, args=(parent, grace_s, label), name="ditrun-parent-watch", daemon=True
+        )
         thread.start()
 
     def _watch_parent(self, parent: int, grace_s: float, label: str) -> None:
@@ -164,8 +165,12 @@ class StopRequest:
         self.request(signal.SIGTERM, f"parent process {parent} exited")
         self.interrupt()
         time.sleep(grace_s)
-        print(f"ditrun: {label}: parent process {parent} exited and this rank did not stop within "
-              f"{grace_s:g} s (launcher.stop_timeout_s); ending it", file=sys.stderr, flush=True)
+        print(
+            f"ditrun: {label}: parent process {parent} exited and this rank did not stop within "
+            f"{grace_s:g} s (launcher.stop_timeout_s); ending it",
+            file=sys.stderr,
+            flush=True,
+        )
         os._exit(128 + signal.SIGTERM)
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ditrun import cache
 from ditrun.devices import DTYPES
-from ditrun.inference import reference
+from ditrun.inference import compile_cache, reference
 from ditrun.launch import faults
 from ditrun.launch.checks import check_run_config, check_run_memory
 from ditrun.launch.console import print_locations, print_start, print_table
@@ -40,7 +40,6 @@ from ditrun.metrics.progress import Progress
 from ditrun.model.build import build_model, model_geometry, plan_precision, precision_label, select_device_dtype
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import vae_folder
-from ditrun.inference import compile_cache
 from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
@@ -53,7 +52,6 @@ from ditrun.workload import prompts
 from ditrun.workload.edit import Edit
 from ditrun.workload.inputs import edit_inputs
 from ditrun.workload.manifest import resolve_edits
-
 
 
 class Run:
@@ -117,27 +115,45 @@ class Run:
         reset_peak_memory(self.device_dtype.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.device_dtype.device)
-        self.transports = {axis: make_transport(cfg.transport, self.layout.groups[axis], self.exposed,
-                                                self.device_dtype.device, cfg.launcher.collective_timeout_s,
-                                                self.layout.nodes)
-                           for axis in ("sp", "cfg")}
+        self.transports = {
+            axis: make_transport(
+                cfg.transport,
+                self.layout.groups[axis],
+                self.exposed,
+                self.device_dtype.device,
+                cfg.launcher.collective_timeout_s,
+                self.layout.nodes,
+            )
+            for axis in ("sp", "cfg")
+        }
         # Compiling happens inside the first steps, each region alone between the step's exchanges.
         speed = dataclasses.replace(self.speed, guard=functools.partial(self.compile_guarded, job))
         with self.solo(job, "build"):
             STARTUP.begin("build_s")
-            self.built = build_model(cfg.model, self.device_dtype, self.precision, announce=self.layout.rank == 0,
-                                     speed=speed)
+            self.built = build_model(
+                cfg.model, self.device_dtype, self.precision, announce=self.layout.rank == 0, speed=speed
+            )
             self.model = self.built.model
-            self.codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path),
-                                           self.device_dtype.device, self.device_dtype.dtype)
+            self.codec = make_latent_codec(
+                vae_folder(cfg.model.path, cfg.workload.vae_path), self.device_dtype.device, self.device_dtype.dtype
+            )
             STARTUP.end("build_s")
         self._open_compile_cache()
         job.barrier("loaded")
 
     def _open_compile_cache(self) -> None:
         """This run's compile-cache entry, loaded before the first compiled forward (``inference/compile_cache.py``)."""
-        self.compile_cache = compile_cache.for_run(self.cfg, self.speed, self.device_dtype, self.geometry, self.precision,
-                                                   self.built.details, self.layout.plan, self.edits, self.layout.rank)
+        self.compile_cache = compile_cache.for_run(
+            self.cfg,
+            self.speed,
+            self.device_dtype,
+            self.geometry,
+            self.precision,
+            self.built.details,
+            self.layout.plan,
+            self.edits,
+            self.layout.rank,
+        )
         if self.compile_cache.folder is not None:
             with STARTUP.adding("compile_cache_s"):
                 STARTUP.notes["compile_cache"] = self.compile_cache.load()
@@ -168,17 +184,25 @@ class Run:
         them (``job.barrier``: no deadline that a long reference pass could trip, but a rank whose
         heartbeat stops is named)."""
         cfg, device_dtype = self.cfg, self.device_dtype
-        dtype = DTYPES[cfg.metrics.reference_dtype] if cfg.metrics.reference_dtype \
-            else device_dtype.dtype
+        dtype = DTYPES[cfg.metrics.reference_dtype] if cfg.metrics.reference_dtype else device_dtype.dtype
         references = reference.reference_set(cfg, self.geometry, self.edits, dtype, device_dtype.device.type)
         if self.layout.writes_records:
             share = self.layout.edit_share(self.edits)
             rank0 = self.layout.rank == 0
-            with Progress(cfg.progress and rank0, len(share), desc="references") as progress, \
-                    self.solo(job, "references"):
-                references.make_missing(share, cfg, self.geometry, device_dtype.device,
-                                        lambda d: build_model(cfg.model, dataclasses.replace(device_dtype, dtype=d)).model,
-                                        progress, announce=rank0, stop_point=job.stop.check)
+            with (
+                Progress(cfg.progress and rank0, len(share), desc="references") as progress,
+                self.solo(job, "references"),
+            ):
+                references.make_missing(
+                    share,
+                    cfg,
+                    self.geometry,
+                    device_dtype.device,
+                    lambda d: build_model(cfg.model, dataclasses.replace(device_dtype, dtype=d)).model,
+                    progress,
+                    announce=rank0,
+                    stop_point=job.stop.check,
+                )
         job.barrier("references")
         return references
 
@@ -193,8 +217,14 @@ class Run:
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
         step_cache = cache.make_step_cache(cfg.cache, cfg.workload.steps, self.built, self.layout.sp_sum)
         velocity = layout_velocity(
-            self.layout, self.transports, step_cache, inputs, cfg.workload.true_cfg_scale, guidance,
-            device_dtype.dtype, inner_attention=self.built.attention,
+            self.layout,
+            self.transports,
+            step_cache,
+            inputs,
+            cfg.workload.true_cfg_scale,
+            guidance,
+            device_dtype.dtype,
+            inner_attention=self.built.attention,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
         prepare_transports(self.layout, self.transports, inputs, self.geometry, device_dtype.dtype)
@@ -222,18 +252,31 @@ class Run:
             image = files.to_rgb8(self.codec.decode(unpack(latents, h, w)))
         outputs = files.edit_outputs(edit.id)
         # Both files are on disk (and their checksums known) before the record that names them is written.
-        sha256 = {"image": files.save_png(image, files.output_path(self.out_dir, outputs["image"])),
-                  "latents": files.save_latents(latents, files.output_path(self.out_dir, outputs["latents"]))}
+        sha256 = {
+            "image": files.save_png(image, files.output_path(self.out_dir, outputs["image"])),
+            "latents": files.save_latents(latents, files.output_path(self.out_dir, outputs["latents"])),
+        }
         ref = self.references.get(edit.id) if self.references is not None else None
         measured = quality.quality_fields(image, ref, self.targets.get(edit.id))
         if ref is not None:
             self.references.check_measured(edit.id, measured)
-        return edit_record(self, edit, step_s, exposed, sha256, {
-            **measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields()})
+        return edit_record(
+            self,
+            edit,
+            step_s,
+            exposed,
+            sha256,
+            {**measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields()},
+        )
 
 
-def run(cfg, out_dir: Path, job: Optional[LocalJob] = None, nodes: Sequence[str] = (),
-        hydra_files: Optional[rundir.HydraFiles] = None) -> Optional[dict]:
+def run(
+    cfg,
+    out_dir: Path,
+    job: Optional[LocalJob] = None,
+    nodes: Sequence[str] = (),
+    hydra_files: Optional[rundir.HydraFiles] = None,
+) -> Optional[dict]:
     """Run this rank's part of the workload; returns the summary on global rank 0, None elsewhere.
 
     Global rank 0 claims the results directory (``rundir``: lock, recovery, which edits are
@@ -326,8 +369,9 @@ def _stop_if_asked(job: LocalJob, layout) -> None:
         raise RunStopped(signum, f" ({job.stop.reason})" if job.stop.reason else "")
 
 
-def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped],
-            startup: list[dict]) -> dict:
+def _finish(
+    state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[RunStopped], startup: list[dict]
+) -> dict:
     """Global rank 0: summary.json, the W&B run's table and summary, the report; then the quality gate.
 
     A stopped run writes its summary (``complete: false``) and closes its W&B run, but leaves the
@@ -338,13 +382,15 @@ def _finish(state: Run, logger, out_dir: Path, wall_s: float, stopped: Optional[
     records = [done[edit] for edit in state.directory_edits if edit in done]  # the directory's, not only this run's
     summary = run_summary(state, records, wall_s, stopped, startup)
     gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct, cfg.metrics.quality) if stopped is None else None
-    summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s,
-                   failure=gate)
+    summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s, failure=gate)
     files.write_json(out_dir / files.SUMMARY_FILE, summary)
     logger.finish(records, summary, out_dir, state.references, failed=gate is not None or stopped is not None)
     if stopped is not None:
-        print(f"ditrun: {stopped}; {len(records)} of {len(state.directory_edits)} edits are in "
-              f"{out_dir / files.EDITS_FILE}; rerun the same command to resume", flush=True)
+        print(
+            f"ditrun: {stopped}; {len(records)} of {len(state.directory_edits)} edits are in "
+            f"{out_dir / files.EDITS_FILE}; rerun the same command to resume",
+            flush=True,
+        )
         return summary
     report_file = _write_report(out_dir) if cfg.metrics.report else None
     print_table(records, summary)

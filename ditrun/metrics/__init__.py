@@ -9,17 +9,19 @@ from ditrun.errors import UserError
 
 def check_config(cfg) -> None:
     """Mistakes in ``metrics.*`` and ``wandb.*``, raised before any model is built."""
+    from ditrun.devices import DTYPES
     from ditrun.metrics import full_quality
     from ditrun.metrics import wandb as wandb_log
     from ditrun.metrics.quality import check_measure
-    from ditrun.devices import DTYPES
 
     metrics = cfg.metrics
     if metrics.warmup_edits < 0:
         raise UserError(f"metrics.warmup_edits={metrics.warmup_edits} must be 0 or more.")
     if metrics.reference_dtype is not None and metrics.reference_dtype not in DTYPES:
-        raise UserError(f"metrics.reference_dtype={metrics.reference_dtype!r} is unknown; "
-                         f"allowed: {', '.join(DTYPES)} (or unset for the run's own dtype).")
+        raise UserError(
+            f"metrics.reference_dtype={metrics.reference_dtype!r} is unknown; "
+            f"allowed: {', '.join(DTYPES)} (or unset for the run's own dtype)."
+        )
     if metrics.min_ssim_pct is not None and not metrics.ssim:
         raise UserError(f"metrics.min_ssim_pct={metrics.min_ssim_pct:g} needs metrics.ssim=true.")
     if metrics.min_ssim_pct is not None and not 0 < metrics.min_ssim_pct < math.inf:

@@ -5,7 +5,8 @@ Every run is judged against one full-quality reference (``full_quality``: BF16, 
 and true CFG); the sweep's run of that configuration is the named baseline. Only runs comparable with it (the
 same model, workload and reference: ``runs.comparable_key``) and complete are judged; the others are listed
 apart with the reason, and never chosen. Quality is ``metrics.quality``'s measure (``metrics/quality.py``) as a
-percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or ``quality.DEFAULT_TARGET_PCT`` when unset. Both
+percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or ``quality.DEFAULT_TARGET_PCT`` when
+unset. Both
 are read from the sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
 """
 
@@ -22,9 +23,25 @@ from ditrun.metrics.quality import AUTO, DEFAULT_TARGET_PCT, QUALITY_MEASURES, Q
 PARETO_CHART = "pareto.png"
 # Precision labels of runs that quantized nothing (the compute dtype's name).
 UNQUANTIZED = ("bf16", "fp16", "fp32")
-COLUMNS = ("run", "layout", "precision", "cache", "world", "dit_s", "steps_computed", "ssim", "ssim_pct_of_rerun",
-           "psnr_target", "margin_db", "edits_right_share", "quality_pct", "meets_target", "pareto", "status",
-           "overrides")
+COLUMNS = (
+    "run",
+    "layout",
+    "precision",
+    "cache",
+    "world",
+    "dit_s",
+    "steps_computed",
+    "ssim",
+    "ssim_pct_of_rerun",
+    "psnr_target",
+    "margin_db",
+    "edits_right_share",
+    "quality_pct",
+    "meets_target",
+    "pareto",
+    "status",
+    "overrides",
+)
 
 
 @dataclass
@@ -51,8 +68,10 @@ class Choice:
 
     @property
     def rule(self) -> str:
-        return (f"{self.measure.doc} at least {self.target_pct:g}% of the full-quality reference's "
-                f"(metrics.quality={self.measure.name})")
+        return (
+            f"{self.measure.doc} at least {self.target_pct:g}% of the full-quality reference's "
+            f"(metrics.quality={self.measure.name})"
+        )
 
 
 def quality_settings(runs) -> tuple[str, float]:
@@ -111,7 +130,9 @@ def _difference(run, baseline) -> str:
     if not changes:
         return "another configuration"
     key, base, own = changes[0]
-    what = {"model": "another model", "workload": "another workload", "reference": "another reference"}[key.split(".")[0]]
+    what = {"model": "another model", "workload": "another workload", "reference": "another reference"}[
+        key.split(".")[0]
+    ]
     return f"{what} ({key}: {_shown(own)}, the baseline's {_shown(base)})"
 
 
@@ -127,18 +148,24 @@ def set_apart(runs, baseline: Optional[int], key: Optional[str]) -> dict[int, st
         if not run.complete:
             apart[i] = f"{run.status}: {run.reason}"
         elif key is not None and _key_text(run) != key:
-            apart[i] = ("not comparable: " + _difference(run, runs[baseline]) if baseline is not None
-                        else "not comparable with the sweep's other runs: another model, workload or reference")
+            apart[i] = (
+                "not comparable: " + _difference(run, runs[baseline])
+                if baseline is not None
+                else "not comparable with the sweep's other runs: another model, workload or reference"
+            )
     return apart
 
 
 def pareto_front(points: list[tuple[Optional[float], Optional[float]]]) -> list[bool]:
     """For (seconds, quality) points: which no other point dominates (as fast or faster and as good or better,
     strictly better at one). Points missing either value are not on it."""
+
     def dominated(i: int) -> bool:
         s, q = points[i]
-        return any(j != i and s2 is not None and q2 is not None and s2 <= s and q2 >= q and (s2, q2) != (s, q)
-                   for j, (s2, q2) in enumerate(points))
+        return any(
+            j != i and s2 is not None and q2 is not None and s2 <= s and q2 >= q and (s2, q2) != (s, q)
+            for j, (s2, q2) in enumerate(points)
+        )
 
     return [s is not None and q is not None and not dominated(i) for i, (s, q) in enumerate(points)]
 
@@ -191,21 +218,45 @@ def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
 
 def wandb_rows(runs, choice: Choice) -> list[list]:
     """``COLUMNS`` for every run: what the sweep's W&B table holds."""
-    medians = ("steps_computed_median", "ssim_median", "ssim_pct_of_rerun_median", "psnr_target_median",
-               "margin_db_median", "edits_right_share")
-    return [[r.label, r.setting("layout"), r.setting("precision"), cache_name(r), r.setting("world"), r.dit_s,
-             *(r.summary.get(key) for key in medians), choice.pcts[i], choice.meets[i], choice.front[i],
-             choice.apart.get(i, "judged"), " ".join(r.overrides)] for i, r in enumerate(runs)]
+    medians = (
+        "steps_computed_median",
+        "ssim_median",
+        "ssim_pct_of_rerun_median",
+        "psnr_target_median",
+        "margin_db_median",
+        "edits_right_share",
+    )
+    return [
+        [
+            r.label,
+            r.setting("layout"),
+            r.setting("precision"),
+            cache_name(r),
+            r.setting("world"),
+            r.dit_s,
+            *(r.summary.get(key) for key in medians),
+            choice.pcts[i],
+            choice.meets[i],
+            choice.front[i],
+            choice.apart.get(i, "judged"),
+            " ".join(r.overrides),
+        ]
+        for i, r in enumerate(runs)
+    ]
 
 
 def _baseline_line(runs, choice: Choice) -> str:
     if choice.baseline is None:
-        return ("Baseline: the sweep has no full-quality run (BF16, no cache, the reference's steps); each run is "
-                "judged against the cached BF16 reference its summary names.")
+        return (
+            "Baseline: the sweep has no full-quality run (BF16, no cache, the reference's steps); each run is "
+            "judged against the cached BF16 reference its summary names."
+        )
     best = runs[choice.baseline]
     reference = best.summary.get("reference") or {}
-    return (f"Baseline (full quality: nothing quantized, no cache, {reference.get('steps', '?')} steps, true CFG "
-            f"{reference.get('true_cfg_scale', '?')}): `{best.label}`; every run is judged against the same reference.")
+    return (
+        f"Baseline (full quality: nothing quantized, no cache, {reference.get('steps', '?')} steps, true CFG "
+        f"{reference.get('true_cfg_scale', '?')}): `{best.label}`; every run is judged against the same reference."
+    )
 
 
 def summary_lines(runs, choice: Choice) -> list[str]:
@@ -220,6 +271,9 @@ def summary_lines(runs, choice: Choice) -> list[str]:
     if choice.fastest is None:
         return lines + ["No run meets the target."]
     best = runs[choice.fastest]
-    return lines + [f"Fastest run that meets it: `{best.label}` ({best.dit_s:.4f} s/edit, "
-                    f"{choice.pcts[choice.fastest]:.2f}%). Run it again with:", "",
-                    f"    {rerun_command(best)}"]
+    return lines + [
+        f"Fastest run that meets it: `{best.label}` ({best.dit_s:.4f} s/edit, "
+        f"{choice.pcts[choice.fastest]:.2f}%). Run it again with:",
+        "",
+        f"    {rerun_command(best)}",
+    ]

@@ -56,20 +56,24 @@ def reference_workload(cfg):
     """``cfg.workload`` with the reference's sampling settings: what the reference pass renders with."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.merge(cfg.workload, {"steps": reference_steps(cfg),
-                                          "true_cfg_scale": reference_true_cfg_scale(cfg)})
+    return OmegaConf.merge(
+        cfg.workload, {"steps": reference_steps(cfg), "true_cfg_scale": reference_true_cfg_scale(cfg)}
+    )
 
 
 def check_config(cfg) -> None:
     """Mistakes in the ``metrics.reference_*`` keys, one sentence each."""
     steps = cfg.metrics.reference_steps
     if steps is not None and steps < 1:
-        raise UserError(f"metrics.reference_steps={steps} must be 1 or more (or unset for the run's own "
-                        "workload.steps).")
+        raise UserError(
+            f"metrics.reference_steps={steps} must be 1 or more (or unset for the run's own workload.steps)."
+        )
     scale = cfg.metrics.reference_true_cfg_scale
     if scale is not None and not math.isfinite(scale):
-        raise UserError(f"metrics.reference_true_cfg_scale={scale} must be a finite number (or unset for the "
-                        "run's own workload.true_cfg_scale).")
+        raise UserError(
+            f"metrics.reference_true_cfg_scale={scale} must be a finite number (or unset for the "
+            "run's own workload.true_cfg_scale)."
+        )
 
 
 def swept_values(sweep_dir: Path) -> dict[str, list]:
@@ -102,6 +106,8 @@ def apply_sweep_defaults(cfg, sweep_dir) -> None:
 
 def description(cfg) -> dict:
     """The reference's sampling settings, as records and summaries carry them (``reference``)."""
-    return {"steps": reference_steps(cfg), "true_cfg_scale": reference_true_cfg_scale(cfg),
-            "dtype": cfg.metrics.reference_dtype}
-
+    return {
+        "steps": reference_steps(cfg),
+        "true_cfg_scale": reference_true_cfg_scale(cfg),
+        "dtype": cfg.metrics.reference_dtype,
+    }

@@ -19,13 +19,28 @@ class Progress:
         self.stream = stream if stream is not None else sys.stderr
         isatty = getattr(self.stream, "isatty", None)
         self.enabled = bool(enabled and isatty is not None and isatty())
-        self.workload = tqdm(total=edits, desc=desc, unit="edit", file=self.stream, position=0,
-                             disable=not self.enabled, dynamic_ncols=True)
+        self.workload = tqdm(
+            total=edits,
+            desc=desc,
+            unit="edit",
+            file=self.stream,
+            position=0,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+        )
 
     def edit(self, name: str, steps: int) -> tqdm:
         """The bar of one edit's denoising steps; it disappears when closed."""
-        return tqdm(total=steps, desc=name, unit="step", file=self.stream, position=1, leave=False,
-                    disable=not self.enabled, dynamic_ncols=True)
+        return tqdm(
+            total=steps,
+            desc=name,
+            unit="step",
+            file=self.stream,
+            position=1,
+            leave=False,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+        )
 
     def advance(self) -> None:
         self.workload.update(1)

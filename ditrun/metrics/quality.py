@@ -30,7 +30,8 @@ DEFAULT_TARGET_PCT = 98.0
 
 class QualityGateError(RuntimeError):
     """A verdict on the run's quality, in one sentence: it is below ``metrics.min_ssim_pct`` (the message says by
-    how much) or fewer of its edits are right than the reference's, or an edit's reference is broken (``reference.BrokenReference``). Exit status 1."""
+    how much) or fewer of its edits are right than the reference's, or an edit's reference is broken
+    (``reference.BrokenReference``). Exit status 1."""
 
 
 def _unit(rgb8: np.ndarray) -> np.ndarray:
@@ -95,11 +96,15 @@ class QualityMeasure:
     def describe(self, summary: dict, pct: float) -> str:
         """The sentence of a failed gate: the run's score and what it is a percentage of."""
         if self.name == "rerun":
-            return (f"median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the BF16 rerun SSIM "
-                    f"{summary['ssim_rerun_median']:.4f}")
+            return (
+                f"median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the BF16 rerun SSIM "
+                f"{summary['ssim_rerun_median']:.4f}"
+            )
         if self.name == "target":
-            return (f"median PSNR against the correct edit {summary['psnr_target_median']:.2f} dB is {pct:.2f}% of "
-                    f"the full-quality reference's {summary['psnr_target_bf16_median']:.2f} dB")
+            return (
+                f"median PSNR against the correct edit {summary['psnr_target_median']:.2f} dB is {pct:.2f}% of "
+                f"the full-quality reference's {summary['psnr_target_bf16_median']:.2f} dB"
+            )
         return f"median {self.doc} is {pct:.2f}% of the full-quality reference's"
 
 
@@ -122,8 +127,7 @@ def fewer_edits_right(summary: dict) -> Optional[str]:
         return None
     if share == 0 or (reference is not None and share < reference):
         against = "" if reference is None else f", against {100 * reference:.0f}% for the full-quality reference"
-        return (f"{100 * share:.0f}% of its edits beat doing nothing and every wrong edit (margin above 0 dB)"
-                f"{against}")
+        return f"{100 * share:.0f}% of its edits beat doing nothing and every wrong edit (margin above 0 dB){against}"
     return None
 
 
@@ -133,21 +137,34 @@ def _no_ssim(summary: dict) -> str:
 
 def _no_target(summary: dict) -> str:
     if summary.get("psnr_target_median") is None:
-        return ("metrics.quality=target and no edit is scored against a correct result: the workload names no "
-                "edit's target (or every target equals its input); use metrics.quality=rerun or bf16")
-    return ("metrics.quality=target and the full-quality reference's PSNR against the correct edits "
-            "(psnr_target_bf16) is unknown: it needs metrics.ssim=true, or a full-quality run in the same sweep")
+        return (
+            "metrics.quality=target and no edit is scored against a correct result: the workload names no "
+            "edit's target (or every target equals its input); use metrics.quality=rerun or bf16"
+        )
+    return (
+        "metrics.quality=target and the full-quality reference's PSNR against the correct edits "
+        "(psnr_target_bf16) is unknown: it needs metrics.ssim=true, or a full-quality run in the same sweep"
+    )
 
 
 AUTO = "auto"
 QUALITY_MEASURES: Registry[QualityMeasure] = Registry("quality measure")
 for _measure in (
-    QualityMeasure("rerun", "SSIM against the BF16 output, as a share of a second BF16 run's",
-                   lambda s, _: s.get("ssim_pct_of_rerun_median"), _no_ssim),
-    QualityMeasure("bf16", "SSIM against the BF16 output (the reference's own is 1)",
-                   lambda s, _: _pct_of(s.get("ssim_median"), 1.0), _no_ssim),
-    QualityMeasure("target", "PSNR against the correct edit, with as many edits right",
-                   target_pct, _no_target, fewer_edits_right),
+    QualityMeasure(
+        "rerun",
+        "SSIM against the BF16 output, as a share of a second BF16 run's",
+        lambda s, _: s.get("ssim_pct_of_rerun_median"),
+        _no_ssim,
+    ),
+    QualityMeasure(
+        "bf16",
+        "SSIM against the BF16 output (the reference's own is 1)",
+        lambda s, _: _pct_of(s.get("ssim_median"), 1.0),
+        _no_ssim,
+    ),
+    QualityMeasure(
+        "target", "PSNR against the correct edit, with as many edits right", target_pct, _no_target, fewer_edits_right
+    ),
 ):
     QUALITY_MEASURES.register(_measure.name, _measure)
 

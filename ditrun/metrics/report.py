@@ -17,22 +17,41 @@ from typing import Optional
 
 from hydra.experimental.callback import Callback
 
-from ditrun.metrics import choice as choosing
-from ditrun.results.runs import RunResult, load_runs
-from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.errors import UserError
+from ditrun.metrics import choice as choosing
+from ditrun.metrics.strip import STRIP_CHART, write_strip
+from ditrun.results.runs import RunResult, load_runs
 
 # Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
 REPORT_FILE = "report.md"
 DIT_CHART = "dit_time.png"
 SSIM_CHART = "ssim.png"
-HEADER = ("run", "layout", "precision", "transport", "world", "DiT s/edit", "speedup", "exposed %", "SSIM",
-          "rerun SSIM", "% of rerun", "start-up s", "cache", "steps", "PSNR target", "margin dB", "edits right",
-          "quality %", "meets target")
+HEADER = (
+    "run",
+    "layout",
+    "precision",
+    "transport",
+    "world",
+    "DiT s/edit",
+    "speedup",
+    "exposed %",
+    "SSIM",
+    "rerun SSIM",
+    "% of rerun",
+    "start-up s",
+    "cache",
+    "steps",
+    "PSNR target",
+    "margin dB",
+    "edits right",
+    "quality %",
+    "meets target",
+)
 
 
-def choose_baseline(runs: list[RunResult], baseline: Optional[str],
-                    choice: Optional[choosing.Choice] = None) -> Optional[RunResult]:
+def choose_baseline(
+    runs: list[RunResult], baseline: Optional[str], choice: Optional[choosing.Choice] = None
+) -> Optional[RunResult]:
     """``--baseline`` (a run's label), else the choice's full-quality run, else the slowest single-process uncached
     BF16 run, else the slowest run: the run speedups are relative to."""
     if baseline is not None:
@@ -43,8 +62,13 @@ def choose_baseline(runs: list[RunResult], baseline: Optional[str],
     if choice is not None and choice.baseline is not None:
         return runs[choice.baseline]
     timed = [r for r in runs if r.dit_s]
-    plain = [r for r in timed if (r.setting("layout"), r.setting("world")) == ("single", 1)
-             and r.setting("precision") in choosing.UNQUANTIZED and choosing.cache_name(r) == "none"]
+    plain = [
+        r
+        for r in timed
+        if (r.setting("layout"), r.setting("world")) == ("single", 1)
+        and r.setting("precision") in choosing.UNQUANTIZED
+        and choosing.cache_name(r) == "none"
+    ]
     return max(plain or timed, key=lambda r: r.dit_s, default=None)
 
 
@@ -56,22 +80,37 @@ def _share(value: Optional[float]) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def table_rows(runs: list[RunResult], baseline: Optional[RunResult],
-               choice: Optional[choosing.Choice] = None) -> list[tuple[str, ...]]:
+def table_rows(
+    runs: list[RunResult], baseline: Optional[RunResult], choice: Optional[choosing.Choice] = None
+) -> list[tuple[str, ...]]:
     choice = choice or choosing.choose(runs)
     rows = [HEADER]
     for i, r in enumerate(runs):
         speedup = baseline.dit_s / r.dit_s if baseline is not None and baseline.dit_s and r.dit_s else None
         s = r.summary
         marks = (" (baseline)" if r is baseline else "") + (" FAILED" if s.get("failure") else "")
-        rows.append((r.label + marks, str(r.setting("layout")),
-                     str(r.setting("precision")), str(r.setting("transport")), str(r.setting("world")),
-                     _fmt(r.dit_s, ".4f"), _fmt(speedup, ".2f") + ("x" if speedup else ""),
-                     _fmt(s.get("exposed_transfer_pct_median"), ".1f"), _fmt(s.get("ssim_median"), ".4f"),
-                     _fmt(s.get("ssim_rerun_median"), ".4f"), _fmt(s.get("ssim_pct_of_rerun_median"), ".2f"),
-                     _fmt(s.get("startup_s_max"), ".1f"), choosing.cache_name(r), choosing.steps_cell(r),
-                     _fmt(s.get("psnr_target_median"), ".2f"), _fmt(s.get("margin_db_median"), "+.2f"),
-                     _share(s.get("edits_right_share")), *choosing.table_cells(choice, i)))
+        rows.append(
+            (
+                r.label + marks,
+                str(r.setting("layout")),
+                str(r.setting("precision")),
+                str(r.setting("transport")),
+                str(r.setting("world")),
+                _fmt(r.dit_s, ".4f"),
+                _fmt(speedup, ".2f") + ("x" if speedup else ""),
+                _fmt(s.get("exposed_transfer_pct_median"), ".1f"),
+                _fmt(s.get("ssim_median"), ".4f"),
+                _fmt(s.get("ssim_rerun_median"), ".4f"),
+                _fmt(s.get("ssim_pct_of_rerun_median"), ".2f"),
+                _fmt(s.get("startup_s_max"), ".1f"),
+                choosing.cache_name(r),
+                choosing.steps_cell(r),
+                _fmt(s.get("psnr_target_median"), ".2f"),
+                _fmt(s.get("margin_db_median"), "+.2f"),
+                _share(s.get("edits_right_share")),
+                *choosing.table_cells(choice, i),
+            )
+        )
     return rows
 
 
@@ -164,8 +203,15 @@ def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
     ax.axhline(choice.target_pct, linestyle="--", color="gray", label=f"target {choice.target_pct:g}%")
     if choice.fastest is not None:
         best = runs[choice.fastest]
-        ax.scatter([best.dit_s], [choice.pcts[choice.fastest]], s=200, facecolors="none", edgecolors="black",
-                   label="fastest meeting the target", zorder=4)
+        ax.scatter(
+            [best.dit_s],
+            [choice.pcts[choice.fastest]],
+            s=200,
+            facecolors="none",
+            edgecolors="black",
+            label="fastest meeting the target",
+            zorder=4,
+        )
     ax.set_xlabel("median DiT seconds per edit")
     ax.set_ylabel(f"quality: % of the full-quality reference's ({choice.measure.name})")
     ax.set_title("Speed and quality")
@@ -174,23 +220,35 @@ def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
     return True
 
 
-def markdown_report(runs: list[RunResult], rows, baseline: Optional[RunResult], has_ssim: bool,
-                    choice_lines: list[str] = (), has_pareto: bool = False) -> str:
+def markdown_report(
+    runs: list[RunResult],
+    rows,
+    baseline: Optional[RunResult],
+    has_ssim: bool,
+    choice_lines: list[str] = (),
+    has_pareto: bool = False,
+) -> str:
     parts = ["# ditrun report", "", format_markdown(rows), ""]
     if choice_lines:
         parts += ["## The choice", "", *choice_lines, ""]
         parts += [f"![Speed and quality]({choosing.PARETO_CHART})", ""] if has_pareto else []
     if baseline is not None:
-        parts += [f"Speedup is relative to `{baseline.label}`. DiT time is the median over the edits after "
-                  "warm-up; exposed transfer is the time the compute stream waited on the transport.", ""]
+        parts += [
+            f"Speedup is relative to `{baseline.label}`. DiT time is the median over the edits after "
+            "warm-up; exposed transfer is the time the compute stream waited on the transport.",
+            "",
+        ]
     parts += [f"![DiT time per edit]({DIT_CHART})", ""]
     parts += [f"![SSIM per precision]({SSIM_CHART})" if has_ssim else "No run computed SSIM (metrics.ssim=false).", ""]
     parts += ["## Runs", ""]
     for r in runs:
         s = r.summary
         state = r.status if r.complete else f"**{r.status}** ({r.reason})"
-        parts.append(f"- `{r.label}`: {state}, {len(r.records)} edits, {s.get('device')} ({s.get('dtype')}), "
-                     f"torch {s.get('torch')}, git {s.get('git')}" + (f", **failed**: {s['failure']}" if s.get("failure") else ""))
+        parts.append(
+            f"- `{r.label}`: {state}, {len(r.records)} edits, {s.get('device')} ({s.get('dtype')}), "
+            f"torch {s.get('torch')}, git {s.get('git')}"
+            + (f", **failed**: {s['failure']}" if s.get("failure") else "")
+        )
     return "\n".join(parts) + "\n"
 
 
@@ -199,8 +257,13 @@ def _single_run_lines(run: RunResult) -> list[str]:
     return [] if run.complete else [f"`{run.label}` is {run.status}: {run.reason}; its numbers are not a verdict."]
 
 
-def write_report(root: Path, out_dir: Optional[Path] = None, baseline: Optional[str] = None,
-                 quality: Optional[str] = None, target_pct: Optional[float] = None) -> tuple[str, Path]:
+def write_report(
+    root: Path,
+    out_dir: Optional[Path] = None,
+    baseline: Optional[str] = None,
+    quality: Optional[str] = None,
+    target_pct: Optional[float] = None,
+) -> tuple[str, Path]:
     """Write ``report.md`` and the charts for the runs under ``root``; returns (text table, report path).
 
     ``quality`` and ``target_pct`` override the runs' own ``metrics.quality`` and ``metrics.min_ssim_pct``."""
@@ -230,11 +293,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("path", type=Path, help="a ditrun run directory or a multirun (sweep) directory")
     parser.add_argument("--out", type=Path, default=None, help="where report.md and the charts go (default: PATH)")
     parser.add_argument("--baseline", default=None, help="the run the speedup is relative to (its label)")
-    parser.add_argument("--quality", default=None, help="what judges quality: auto, target, rerun or bf16 "
-                                                        "(default: the runs' metrics.quality)")
-    parser.add_argument("--target-pct", type=float, default=None,
-                        help="the quality target, percent of the full-quality reference's (default: the runs' "
-                             f"metrics.min_ssim_pct, else {choosing.DEFAULT_TARGET_PCT:g})")
+    parser.add_argument(
+        "--quality",
+        default=None,
+        help="what judges quality: auto, target, rerun or bf16 (default: the runs' metrics.quality)",
+    )
+    parser.add_argument(
+        "--target-pct",
+        type=float,
+        default=None,
+        help="the quality target, percent of the full-quality reference's (default: the runs' "
+        f"metrics.min_ssim_pct, else {choosing.DEFAULT_TARGET_PCT:g})",
+    )
     args = parser.parse_args(argv)
     try:
         text, report = write_report(args.path, args.out, args.baseline, args.quality, args.target_pct)

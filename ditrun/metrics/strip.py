@@ -18,8 +18,18 @@ def _edit(record: dict, image: str, target: Optional[str] = None):
     from ditrun.workload.edit import Edit
 
     w, h = record["width"], record["height"]
-    return Edit(index=0, id=record["edit"], image=image, prompt="", seed=0, width=w, height=h, ref_width=w,
-                ref_height=h, target=target)
+    return Edit(
+        index=0,
+        id=record["edit"],
+        image=image,
+        prompt="",
+        seed=0,
+        width=w,
+        height=h,
+        ref_width=w,
+        ref_height=h,
+        target=target,
+    )
 
 
 def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.ndarray], list[str]]:
@@ -38,7 +48,7 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
     except Exception:  # noqa: BLE001 - moved or unreadable: the row still shows the output
         reference, reference_title = blank, f"{record['edit']} (reference not found)"
     pictures = [reference, output]
-    titles = [reference_title, f"\"{record['settings']['edit']['prompt']}\""]
+    titles = [reference_title, f'"{record["settings"]["edit"]["prompt"]}"']
     if with_target:
         psnr, margin = record.get("psnr_target"), record.get("margin_db")
         try:

@@ -30,11 +30,25 @@ SAME_PICTURE_DB = 60.0
 PSNR_CAP_DB = 100.0
 """PSNR of identical pictures (infinite) is recorded as this, so every record stays plain JSON."""
 # The record's fields against the correct result: the run's output, then the BF16 reference's.
-TARGET_FIELDS = ("psnr_target", "delta_e_target", "margin_db", "naive_best", "target_equals_input",
-                 "psnr_target_bf16", "delta_e_target_bf16", "margin_db_bf16")
+TARGET_FIELDS = (
+    "psnr_target",
+    "delta_e_target",
+    "margin_db",
+    "naive_best",
+    "target_equals_input",
+    "psnr_target_bf16",
+    "delta_e_target_bf16",
+    "margin_db_bf16",
+)
 # Summary medians over the scored edits.
-MEDIAN_FIELDS = ("psnr_target", "delta_e_target", "margin_db", "psnr_target_bf16", "delta_e_target_bf16",
-                 "margin_db_bf16")
+MEDIAN_FIELDS = (
+    "psnr_target",
+    "delta_e_target",
+    "margin_db",
+    "psnr_target_bf16",
+    "delta_e_target_bf16",
+    "margin_db_bf16",
+)
 
 
 @dataclass
@@ -85,8 +99,12 @@ def scores(image: np.ndarray, target: Target, best: Optional[tuple[Optional[str]
     once for the run's output and its reference's)."""
     value = psnr(image, target.image)
     name, naive_db = best or naive_best(target)
-    return {"psnr_target": value, "delta_e_target": delta_e(image, target.image),
-            "margin_db": value - naive_db if name is not None else None, "naive_best": name}
+    return {
+        "psnr_target": value,
+        "delta_e_target": delta_e(image, target.image),
+        "margin_db": value - naive_db if name is not None else None,
+        "naive_best": name,
+    }
 
 
 def target_fields(image: np.ndarray, target: Optional[Target], bf16: Optional[np.ndarray]) -> dict:
@@ -131,12 +149,16 @@ def describe(summary: dict) -> str:
     share = summary.get("edits_right_share")
     if share is None:
         return "no edit names a correct result"
-    parts = [f"edits right (beating the input and every other edit): {100 * share:.0f}%",
-             f"median PSNR against the correct edit {summary['psnr_target_median']:.2f} dB",
-             f"margin {summary['margin_db_median']:+.2f} dB"]
+    parts = [
+        f"edits right (beating the input and every other edit): {100 * share:.0f}%",
+        f"median PSNR against the correct edit {summary['psnr_target_median']:.2f} dB",
+        f"margin {summary['margin_db_median']:+.2f} dB",
+    ]
     if summary.get("psnr_target_bf16_median") is not None:
-        parts.append(f"(BF16 reference: {100 * summary['edits_right_share_bf16']:.0f}%, "
-                     f"{summary['psnr_target_bf16_median']:.2f} dB, {summary['margin_db_bf16_median']:+.2f} dB)")
+        parts.append(
+            f"(BF16 reference: {100 * summary['edits_right_share_bf16']:.0f}%, "
+            f"{summary['psnr_target_bf16_median']:.2f} dB, {summary['margin_db_bf16_median']:+.2f} dB)"
+        )
     return ", ".join(parts[:3]) + (" " + parts[3] if len(parts) > 3 else "")
 
 

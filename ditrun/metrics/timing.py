@@ -85,8 +85,10 @@ def warmup_excess(warmup_records: list[dict], step_s: Optional[float]) -> Option
 
 def _median_and_max(by_rank: list[dict], field: str) -> dict:
     values = [r[field] for r in by_rank if r.get(field) is not None]
-    return {f"{field}_median": float(statistics.median(values)) if values else None,
-            f"{field}_max": max(values) if values else None}
+    return {
+        f"{field}_median": float(statistics.median(values)) if values else None,
+        f"{field}_max": max(values) if values else None,
+    }
 
 
 def startup_summary(by_rank: list[dict]) -> dict:

@@ -23,8 +23,8 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from ditrun.metrics.quality import ssim_map
 from ditrun.errors import UserError
+from ditrun.metrics.quality import ssim_map
 
 MODES = ("offline", "online", "disabled")
 # Set before W&B starts in offline mode; each closes one way W&B would reach for the network.
@@ -39,13 +39,45 @@ OFFLINE_ENVIRONMENT = {
     "WANDB_DISABLE_CODE": "true",
 }
 # Record fields logged as history, one row per edit (numbers only; the table has the rest).
-HISTORY_FIELDS = ("dit_s", "encode_s", "decode_s", "exposed_transfer_s", "exposed_transfer_pct",
-                  "ssim", "ssim_rerun", "ssim_pct_of_rerun", "psnr_target", "delta_e_target", "margin_db",
-                  "psnr_target_bf16", "margin_db_bf16", "ssim_target", "ssim_target_bf16", "steps_computed",
-                  "steps_cached")
-TABLE_COLUMNS = ("edit", "layout", "precision", "transport", "world", "dit_s", "exposed_transfer_pct", "ssim",
-                 "ssim_pct_of_rerun", "psnr_target", "margin_db", "delta_e_target", "naive_best", "target", "cache",
-                 "steps_computed", "steps_cached", "image")
+HISTORY_FIELDS = (
+    "dit_s",
+    "encode_s",
+    "decode_s",
+    "exposed_transfer_s",
+    "exposed_transfer_pct",
+    "ssim",
+    "ssim_rerun",
+    "ssim_pct_of_rerun",
+    "psnr_target",
+    "delta_e_target",
+    "margin_db",
+    "psnr_target_bf16",
+    "margin_db_bf16",
+    "ssim_target",
+    "ssim_target_bf16",
+    "steps_computed",
+    "steps_cached",
+)
+TABLE_COLUMNS = (
+    "edit",
+    "layout",
+    "precision",
+    "transport",
+    "world",
+    "dit_s",
+    "exposed_transfer_pct",
+    "ssim",
+    "ssim_pct_of_rerun",
+    "psnr_target",
+    "margin_db",
+    "delta_e_target",
+    "naive_best",
+    "target",
+    "cache",
+    "steps_computed",
+    "steps_cached",
+    "image",
+)
 
 
 def check_config(wandb_cfg) -> None:
@@ -90,8 +122,7 @@ class NullLogger:
     def log_edit(self, record: dict) -> None:
         pass
 
-    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None,
-               failed: bool = False) -> None:
+    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None, failed: bool = False) -> None:
         pass
 
 
@@ -108,8 +139,7 @@ class WandbLogger:
         row = {key: record[key] for key in HISTORY_FIELDS if _is_number(record.get(key))}
         self.run.log(row)
 
-    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None,
-               failed: bool = False) -> None:
+    def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None, failed: bool = False) -> None:
         import wandb
 
         table = wandb.Table(columns=list(TABLE_COLUMNS))
@@ -156,10 +186,18 @@ def _init(cfg, out_dir: Path, **run_fields):
         os.environ.update(OFFLINE_ENVIRONMENT)
     import wandb
 
-    settings = wandb.Settings(silent=True, console="off", disable_git=True, save_code=False,
-                              x_disable_stats=True, x_disable_machine_info=True)
-    return wandb.init(mode=cfg.wandb.mode, dir=str(out_dir), project=cfg.wandb.project, entity=cfg.wandb.entity,
-                      settings=settings, reinit="finish_previous", **run_fields)
+    settings = wandb.Settings(
+        silent=True, console="off", disable_git=True, save_code=False, x_disable_stats=True, x_disable_machine_info=True
+    )
+    return wandb.init(
+        mode=cfg.wandb.mode,
+        dir=str(out_dir),
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        settings=settings,
+        reinit="finish_previous",
+        **run_fields,
+    )
 
 
 def start(cfg, out_dir: Path, is_global_rank0: bool = True):
@@ -168,7 +206,11 @@ def start(cfg, out_dir: Path, is_global_rank0: bool = True):
         return NullLogger()
     begin = time.perf_counter()
     run = _init(
-        cfg, out_dir, group=cfg.wandb.group, name=cfg.wandb.name or default_name(cfg), job_type=cfg.layout.name,
+        cfg,
+        out_dir,
+        group=cfg.wandb.group,
+        name=cfg.wandb.name or default_name(cfg),
+        job_type=cfg.layout.name,
         tags=[f"precision:{precision_label(cfg)}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
         config=OmegaConf.to_container(cfg, resolve=True),
     )

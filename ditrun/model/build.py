@@ -21,21 +21,25 @@ import torch
 from ditrun.config import precision_preset
 from ditrun.devices import DTYPES, dtype_name
 from ditrun.errors import UserError
-from ditrun.kernels.attention import (ATTENTION_KERNELS, REFERENCE, AttentionKernel, choose_implementation,
-                                     fast_attention_available)
+from ditrun.kernels.attention import (
+    ATTENTION_KERNELS,
+    REFERENCE,
+    AttentionKernel,
+    choose_implementation,
+    fast_attention_available,
+)
 from ditrun.kernels.formats import SCALE_MODES
 from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, LinearFormat, QuantizedLinear
+from ditrun.kernels.sdpa import AttentionFn
 from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
 from ditrun.model.compile import CompilePlan, apply_plan
 from ditrun.model.components import LINEAR_COMPONENTS
-from ditrun.kernels.sdpa import AttentionFn
 from ditrun.model.dit import DiTGeometry, FluxDiT
+from ditrun.model.folders import transformer_folder
 from ditrun.model.graphs import GraphedForward
 from ditrun.model.load import checkpoint_geometry, draw_random_weights, load_pretrained_weights
-from ditrun.model.folders import transformer_folder
 from ditrun.model.presets import check_preset_name, geometry_from_config
 from ditrun.model.quantize import quantize_model
-
 
 
 @dataclass
@@ -121,8 +125,9 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
         modes = ", ".join(mode for mode in BACKEND_MODES if mode not in LINEAR_BACKENDS)
         raise LINEAR_BACKENDS.unknown(precision_cfg.backend, extra=modes)
     if precision_cfg.scale_mode not in SCALE_MODES:
-        raise UserError(f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; "
-                        f"allowed: {', '.join(SCALE_MODES)}.")
+        raise UserError(
+            f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; allowed: {', '.join(SCALE_MODES)}."
+        )
     tuning = Path(precision_cfg.tuning_file) if precision_cfg.tuning_file else default_table_path()
     plan = PrecisionPlan(precision_cfg.name, linear, attention, precision_cfg.backend, precision_cfg.scale_mode, tuning)
     if plan.backend == "fast":
@@ -134,12 +139,16 @@ def _check_fast(plan: PrecisionPlan, device: torch.device) -> None:
     table = DispatchTable(device, "fast", announce=False)
     for component, fmt in plan.linear.items():
         if fmt.quantized and not table.candidates(fmt):
-            raise UserError(f"precision.backend=fast but precision.{component}={fmt.name} has no fast backend on "
-                            f"{device.type}; use precision.backend=auto (exact emulation) or another format.")
+            raise UserError(
+                f"precision.backend=fast but precision.{component}={fmt.name} has no fast backend on "
+                f"{device.type}; use precision.backend=auto (exact emulation) or another format."
+            )
     why = fast_attention_available(plan.attention, device)
     if why is not None:
-        raise UserError(f"precision.backend=fast but precision.attention={plan.attention.name} {why}; "
-                        "use precision.backend=auto or another kernel.")
+        raise UserError(
+            f"precision.backend=fast but precision.attention={plan.attention.name} {why}; "
+            "use precision.backend=auto or another kernel."
+        )
 
 
 def _preset_formats(name: str) -> Optional[dict]:
@@ -202,9 +211,15 @@ class BuiltModel:
         self.parts = self.parts or ModelParts(self.model.head, self.model.tail, self.model.finish)
 
 
-def build_model(model_cfg, device_dtype: DeviceDtype, precision: Optional[PrecisionPlan] = None,
-                announce: bool = True, table: Optional[DispatchTable] = None,
-                speed: Optional[CompilePlan] = None, weights: Optional[dict[str, torch.Tensor]] = None) -> BuiltModel:
+def build_model(
+    model_cfg,
+    device_dtype: DeviceDtype,
+    precision: Optional[PrecisionPlan] = None,
+    announce: bool = True,
+    table: Optional[DispatchTable] = None,
+    speed: Optional[CompilePlan] = None,
+    weights: Optional[dict[str, torch.Tensor]] = None,
+) -> BuiltModel:
     """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
 
     ``table`` picks the linear backends; unset loads ``precision.tuning_file``. ``speed`` (the checked
@@ -230,28 +245,34 @@ def build_model(model_cfg, device_dtype: DeviceDtype, precision: Optional[Precis
         built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
         if speed.graphs:
             built.forward = GraphedForward(built.model, built.attention)
-            built.parts = ModelParts(GraphedForward(built.model.head, built.attention),
-                                     GraphedForward(built.model.tail, built.attention), built.model.finish)
+            built.parts = ModelParts(
+                GraphedForward(built.model.head, built.attention),
+                GraphedForward(built.model.tail, built.attention),
+                built.model.finish,
+            )
     return built
 
 
-def _quantize(model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device, head_dim: int,
-              announce: bool) -> BuiltModel:
+def _quantize(
+    model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device, head_dim: int, announce: bool
+) -> BuiltModel:
     quantize_model(model, plan.linear, plan.scale_mode, table.choose)
     table.say_untuned()
     implementation = choose_implementation(plan.attention, device, head_dim, fast=plan.backend != "emulation")
     if announce and plan.attention.quantized and implementation == REFERENCE:
         why = fast_attention_available(plan.attention, device) or "precision.backend=emulation"
-        print(f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).",
-              flush=True)
+        print(
+            f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).", flush=True
+        )
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
     details["attention"] = {"format": plan.attention.name, "backends": [implementation]}
     return BuiltModel(model, plan.attention.make(implementation), plan, details)
 
 
 def _backends_of(model: FluxDiT, fmt: str) -> list[str]:
-    return sorted({name for m in model.modules() if isinstance(m, QuantizedLinear) and m.fmt.name == fmt
-                   for name in m.backends})
+    return sorted(
+        {name for m in model.modules() if isinstance(m, QuantizedLinear) and m.fmt.name == fmt for name in m.backends}
+    )
 
 
 def inexact_repack_rows(model: FluxDiT) -> dict[str, int]:
@@ -264,4 +285,3 @@ def inexact_repack_rows(model: FluxDiT) -> dict[str, int]:
                 total["weight"] += counts["weight"]
                 total["activation"] += int(counts["activation"] or 0)
     return total
-

@@ -46,8 +46,17 @@ import torch
 from torch import nn
 
 from ditrun.errors import UserError
-from ditrun.model.dit import (DoubleStreamBlock, FluxDiT, GeluLinear, JoinedLinear, Regions, SingleStreamBlock,
-                               StackedLinear, gelu_activation, no_activation)
+from ditrun.model.dit import (
+    DoubleStreamBlock,
+    FluxDiT,
+    GeluLinear,
+    JoinedLinear,
+    Regions,
+    SingleStreamBlock,
+    StackedLinear,
+    gelu_activation,
+    no_activation,
+)
 
 COMPILE_MODES = {
     "auto": "on for GPUs, off on CPUs (where compiling costs more than it saves at test sizes)",
@@ -81,8 +90,9 @@ class CompilePlan:
     """Inductor's coordinate-descent tuning of its kernels (``model.compile_tuning``)."""
     graphs: bool = False
     """The forward replayed from CUDA graphs (``model.cuda_graphs``, ``model/graphs.py``)."""
-    guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = field(default=None, compare=False,
-                                                                                  repr=False)
+    guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = field(
+        default=None, compare=False, repr=False
+    )
     """What runs each compilation (given as a function of no arguments): the run's ``Run.compile_guarded``
     (``launch/worker.py``), which compiles inside ``solo("compile")`` and gives None when a stop signal ended it;
     None compiles unguarded."""
@@ -113,8 +123,10 @@ def plan_compile(model_cfg, device: torch.device) -> CompilePlan:
     fused = fuse_key == "on" or (fuse_key == "auto" and compiled)
     backend = str(getattr(model_cfg, "compile_backend", "inductor"))
     if compiled and backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise UserError(f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
-                        f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager).")
+        raise UserError(
+            f"model.compile_backend={backend!r} is not a torch.compile backend here; allowed: "
+            f"{', '.join(torch._dynamo.list_backends())} (and debugging ones such as aot_eager)."
+        )
     # Coordinate descent tunes inductor's Triton kernels: GPUs only.
     tuning = bool(getattr(model_cfg, "compile_tuning", False)) and backend == "inductor" and device.type == "cuda"
     graphs_key = _mode(model_cfg, "cuda_graphs", GRAPH_MODES)
@@ -156,8 +168,9 @@ def _stack_attention(block: nn.Module) -> int:
         if linears is None:
             continue
         attn.stacked[stream] = StackedLinear(linears)
-        for name in ("add_q_proj", "add_k_proj", "add_v_proj", "add_gate") if text else ("to_q", "to_k", "to_v",
-                                                                                         "to_gate"):
+        for name in (
+            ("add_q_proj", "add_k_proj", "add_v_proj", "add_gate") if text else ("to_q", "to_k", "to_v", "to_gate")
+        ):
             setattr(attn, name, None)
         count += len(linears)
     return count
@@ -209,8 +222,13 @@ def fuse_projections(model: FluxDiT) -> int:
 # Regional compilation
 
 
-def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backend: str = "inductor",
-                    tuning: bool = False, guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = None) -> int:
+def compile_regions(
+    model: FluxDiT,
+    attention: Optional[Callable] = None,
+    backend: str = "inductor",
+    tuning: bool = False,
+    guard: Optional[Callable[[Callable[[], Callable]], Optional[Callable]]] = None,
+) -> int:
     """Compile every block's halves (see the module doc); returns the number of blocks.
 
     ``attention``: the run's own attention function (SDPA or a custom-op kernel: no exchange in it).
@@ -229,18 +247,24 @@ def compile_regions(model: FluxDiT, attention: Optional[Callable] = None, backen
     if guard is None:
         compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, options=options)
     else:
-        compiled = functools.partial(torch.compile, fullgraph=True, dynamic=False,
-                                     backend=_guarded(backend, options, guard))
+        compiled = functools.partial(
+            torch.compile, fullgraph=True, dynamic=False, backend=_guarded(backend, options, guard)
+        )
     for block in blocks:
         assert isinstance(block, (DoubleStreamBlock, SingleStreamBlock))
-        regions = Regions(compiled(block.pre_attention), compiled(block.post_attention),
-                          compiled(block.joint) if attention is not None else None, attention)
+        regions = Regions(
+            compiled(block.pre_attention),
+            compiled(block.post_attention),
+            compiled(block.joint) if attention is not None else None,
+            attention,
+        )
         block.__dict__["compiled_regions"] = regions  # not a submodule: kept out of state_dict and .to()
     return len(blocks)
 
 
-def _guarded(backend: str, options: Optional[dict],
-             guard: Callable[[Callable[[], Callable]], Optional[Callable]]) -> Callable:
+def _guarded(
+    backend: str, options: Optional[dict], guard: Callable[[Callable[[], Callable]], Optional[Callable]]
+) -> Callable:
     """``backend`` (with inductor's ``options``) compiling through ``guard`` (``CompilePlan.guard``).
 
     A compilation runs inside a denoising step, between the step's exchanges with the other ranks, so a
@@ -253,4 +277,5 @@ def _guarded(backend: str, options: Optional[dict],
     def compiler(graph: torch.fx.GraphModule, example_inputs):
         compiled = guard(lambda: compile_graph(graph, example_inputs, **patches))
         return graph.forward if compiled is None else compiled  # None: a stop ended it; the region runs eagerly
+
     return compiler

@@ -18,13 +18,23 @@ from torch import nn
 
 COMPONENT_LINEARS: dict[str, tuple[str, ...]] = {
     "qkv": (
-        "*.attn.to_q", "*.attn.to_k", "*.attn.to_v", "*.attn.to_gate",
-        "*.attn.add_q_proj", "*.attn.add_k_proj", "*.attn.add_v_proj", "*.attn.add_gate",
+        "*.attn.to_q",
+        "*.attn.to_k",
+        "*.attn.to_v",
+        "*.attn.to_gate",
+        "*.attn.add_q_proj",
+        "*.attn.add_k_proj",
+        "*.attn.add_v_proj",
+        "*.attn.add_gate",
     ),
     "out": ("*.attn.to_out.0", "*.attn.to_add_out"),
     "mlp": (
-        "*.ff.net.0.proj", "*.ff.net.2", "*.ff_context.net.0.proj", "*.ff_context.net.2",
-        "single_transformer_blocks.*.proj_mlp", "single_transformer_blocks.*.proj_out",
+        "*.ff.net.0.proj",
+        "*.ff.net.2",
+        "*.ff_context.net.0.proj",
+        "*.ff_context.net.2",
+        "single_transformer_blocks.*.proj_mlp",
+        "single_transformer_blocks.*.proj_out",
     ),
 }
 """Component -> the linears it covers. ``attention`` (the fourth component) is a kernel, not a linear."""

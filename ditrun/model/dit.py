@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from ditrun.errors import UserError
 from ditrun.kernels import epilogue
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention  # noqa: F401  (the model's attention signature)
@@ -57,8 +58,7 @@ class DiTGeometry:
     def __post_init__(self):
         if sum(self.axes_dims_rope) != self.attention_head_dim:
             raise UserError(
-                f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim="
-                f"{self.attention_head_dim}."
+                f"axes_dims_rope {tuple(self.axes_dims_rope)} must sum to attention_head_dim={self.attention_head_dim}."
             )
         if self.mlp not in ("gelu", "swiglu"):
             raise UserError(f"mlp={self.mlp!r} is unknown; allowed: gelu, swiglu.")
@@ -278,7 +278,6 @@ def gelu_activation(h: torch.Tensor) -> torch.Tensor:
         x = h.float()  # as inductor computes the tanh form (and free inside its fused kernel)
         return (x * torch.sigmoid((2.0 * SQRT_2_OVER_PI) * (x + GELU_TANH_COEFF * x * x * x))).to(h.dtype)
     return F.gelu(h, approximate="tanh")
-
 
 
 def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
@@ -521,13 +520,15 @@ class FluxDiT(nn.Module):
     ) -> torch.Tensor:
         # hidden_states: [B, S_img, in_channels], encoder_hidden_states: [B, S_txt, joint_dim]
         # img_ids: [S_img, 3], txt_ids: [S_txt, 3]; timestep, guidance: [B] in [0, 1]
-        stream = self.embed(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                            guidance)
+        stream = self.embed(
+            hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance
+        )
         stream = self.run_blocks(stream, 0, self.num_blocks, attention)
         return self.finish(stream.img, stream.temb)
 
-    def embed(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-              guidance=None) -> "Stream":
+    def embed(
+        self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids, guidance=None
+    ) -> "Stream":
         """The blocks' inputs: embedded image and text tokens, the conditioning vector and the RoPE tables."""
         img = self.x_embedder(hidden_states)
         dtype = img.dtype
@@ -544,14 +545,14 @@ class FluxDiT(nn.Module):
         single-stream ones on the joint sequence [txt, img], joined once and split back once."""
         img, txt, temb, rope = stream
         doubles = len(self.transformer_blocks)
-        for block in self.transformer_blocks[start:min(stop, doubles)]:
+        for block in self.transformer_blocks[start : min(stop, doubles)]:
             img, txt = block(img, txt, temb, rope, attention)
-        singles = self.single_transformer_blocks[max(start - doubles, 0):max(stop - doubles, 0)]
+        singles = self.single_transformer_blocks[max(start - doubles, 0) : max(stop - doubles, 0)]
         if len(singles):
             x = torch.cat([txt, img], dim=1)
             for block in singles:
                 x = block(x, temb, rope, attention)
-            txt, img = x[:, :txt.shape[1]], x[:, txt.shape[1]:]
+            txt, img = x[:, : txt.shape[1]], x[:, txt.shape[1] :]
         return Stream(img, txt, temb, rope)
 
     def finish(self, img: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:

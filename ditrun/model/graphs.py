@@ -31,8 +31,8 @@ from typing import Any, Callable, Hashable
 import torch
 from torch.utils import _pytree as pytree
 
-from ditrun.model.compile import RECOMPILE_LIMIT
 from ditrun.kernels.sdpa import sdpa_attention
+from ditrun.model.compile import RECOMPILE_LIMIT
 
 WARMUP_FORWARDS = 2
 MAX_GRAPHS = RECOMPILE_LIMIT
@@ -95,8 +95,11 @@ class GraphedForward:
                 entry = self.graphs[key] = self._capture(inputs)
             except Exception as err:  # noqa: BLE001 - any capture failure: the model runs as it is
                 self.failed = True
-                print(f"ditrun: capturing the DiT forward in a CUDA graph failed ({type(err).__name__}: {err}); "
-                      "running it without CUDA graphs.", flush=True)
+                print(
+                    f"ditrun: capturing the DiT forward in a CUDA graph failed ({type(err).__name__}: {err}); "
+                    "running it without CUDA graphs.",
+                    flush=True,
+                )
                 return self.model(**inputs)
         for static, value in zip(entry.inputs, _tensors(inputs)):
             static.copy_(value)
@@ -105,9 +108,13 @@ class GraphedForward:
 
     def _graphable(self, inputs: dict) -> bool:
         tensors = _tensors(inputs)
-        return (not self.failed and bool(tensors) and all(t.is_cuda for t in tensors)
-                and inputs.get("attention", sdpa_attention) is self.attention
-                and not torch.cuda.is_current_stream_capturing())
+        return (
+            not self.failed
+            and bool(tensors)
+            and all(t.is_cuda for t in tensors)
+            and inputs.get("attention", sdpa_attention) is self.attention
+            and not torch.cuda.is_current_stream_capturing()
+        )
 
     def _capture(self, inputs: dict) -> _Graph:
         call = _clone_tensors(inputs)

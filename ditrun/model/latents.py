@@ -54,8 +54,11 @@ class DiffusersVAE:
         except ImportError:
             raise RuntimeError("workload.vae_path needs diffusers: pip install 'ditrun[vae]'.")
         # low_cpu_mem_usage off: that path wants accelerate and says so at every load; the weights are small.
-        self.vae = AutoencoderKL.from_pretrained(path, use_safetensors=True, low_cpu_mem_usage=False,
-                                                 torch_dtype=dtype).to(device).eval()
+        self.vae = (
+            AutoencoderKL.from_pretrained(path, use_safetensors=True, low_cpu_mem_usage=False, torch_dtype=dtype)
+            .to(device)
+            .eval()
+        )
         self.scale = self.vae.config.scaling_factor
         self.shift = self.vae.config.shift_factor or 0.0
 

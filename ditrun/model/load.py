@@ -70,8 +70,9 @@ def check_component(folder: Path, where: str) -> None:
     if not folder.is_dir():
         raise CheckpointError(f"{where} {str(folder)!r} is not a folder with config.json and *.safetensors.")
     if not (folder / CONFIG_NAME).is_file():
-        raise CheckpointError(f"{where}: {folder / CONFIG_NAME} is missing: a model folder needs config.json beside "
-                              "its weights.")
+        raise CheckpointError(
+            f"{where}: {folder / CONFIG_NAME} is missing: a model folder needs config.json beside its weights."
+        )
     for file in sorted(folder.glob("*.safetensors")):
         with _open(file):
             pass
@@ -100,12 +101,13 @@ def _read_index(index: Path) -> dict[str, Path]:
         raise CheckpointError(f"{index} is not valid JSON ({err}).")
     weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index} has no \"weight_map\" object of tensor name -> safetensors file.")
+        raise CheckpointError(f'{index} has no "weight_map" object of tensor name -> safetensors file.')
     files = {}
     for name, file in weight_map.items():
         if not isinstance(file, str) or Path(file).name != file or not file.endswith(".safetensors"):
-            raise CheckpointError(f"{index} maps {name!r} to {file!r}; allowed: a *.safetensors file name in "
-                                  f"{index.parent}.")
+            raise CheckpointError(
+                f"{index} maps {name!r} to {file!r}; allowed: a *.safetensors file name in {index.parent}."
+            )
         if not (index.parent / file).is_file():
             raise CheckpointError(f"{index} maps {name!r} to {file}, which is not in {index.parent}.")
         files[name] = index.parent / file

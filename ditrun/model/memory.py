@@ -68,8 +68,17 @@ def activation_elements_per_token(geometry: DiTGeometry) -> int:
     return ACTIVATION_BASE * geometry.inner_dim + ACTIVATION_PER_MLP_WIDTH * mlp_width
 
 
-def estimate(geometry: DiTGeometry, tokens: int, pixels: int, weight_bytes: int, activation_bytes: int,
-             params: int, ranks_per_sequence: int = 1, batch: int = 1, on_host: bool = False) -> MemoryEstimate:
+def estimate(
+    geometry: DiTGeometry,
+    tokens: int,
+    pixels: int,
+    weight_bytes: int,
+    activation_bytes: int,
+    params: int,
+    ranks_per_sequence: int = 1,
+    batch: int = 1,
+    on_host: bool = False,
+) -> MemoryEstimate:
     """``tokens``: the joint sequence (text + output + reference); ``pixels``: output H x W;
     ``ranks_per_sequence``: the SP degree that splits it; ``batch``: 2 when both CFG branches are stacked."""
     per_rank_tokens = -(-tokens // ranks_per_sequence) * batch
@@ -117,8 +126,9 @@ def _cgroup_room() -> Optional[int]:
         return None
 
 
-def check_fits(edit_id: str, size: str, tokens: int, need: MemoryEstimate, free: int, device: torch.device,
-               ranks_here: int = 1) -> None:
+def check_fits(
+    edit_id: str, size: str, tokens: int, need: MemoryEstimate, free: int, device: torch.device, ranks_here: int = 1
+) -> None:
     """Refuse the edit when ``ranks_here`` ranks sharing the device's memory would need more than is free."""
     if need.total * ranks_here <= free:
         return
@@ -131,8 +141,9 @@ def check_fits(edit_id: str, size: str, tokens: int, need: MemoryEstimate, free:
     )
 
 
-def check_memory(edits, tokens: dict[str, int], element_size: int, geometry: DiTGeometry, plan, placement,
-                 ranks_here: int = 1) -> None:
+def check_memory(
+    edits, tokens: dict[str, int], element_size: int, geometry: DiTGeometry, plan, placement, ranks_here: int = 1
+) -> None:
     """Refuse the run when its largest edit cannot fit on this rank's device (see the module docstring).
 
     ``edits``: objects with ``id``, ``width`` and ``height``; ``tokens``: each edit's joint sequence length by id;
@@ -140,8 +151,23 @@ def check_memory(edits, tokens: dict[str, int], element_size: int, geometry: DiT
     (``sp_degree``, ``kind.batched_cfg``); ``ranks_here``: ranks sharing this machine's memory (counted on a CPU)."""
     largest = max(edits, key=lambda edit: tokens[edit.id])
     on_host = placement.device.type == "cpu"
-    need = estimate(geometry, tokens[largest.id], largest.width * largest.height, element_size, element_size,
-                    parameter_count(geometry), ranks_per_sequence=plan.sp_degree,
-                    batch=2 if plan.kind.batched_cfg else 1, on_host=on_host)
-    check_fits(largest.id, f"{largest.width}x{largest.height}", tokens[largest.id], need,
-               free_bytes(placement.device), placement.device, ranks_here if on_host else 1)
+    need = estimate(
+        geometry,
+        tokens[largest.id],
+        largest.width * largest.height,
+        element_size,
+        element_size,
+        parameter_count(geometry),
+        ranks_per_sequence=plan.sp_degree,
+        batch=2 if plan.kind.batched_cfg else 1,
+        on_host=on_host,
+    )
+    check_fits(
+        largest.id,
+        f"{largest.width}x{largest.height}",
+        tokens[largest.id],
+        need,
+        free_bytes(placement.device),
+        placement.device,
+        ranks_here if on_host else 1,
+    )

@@ -4,29 +4,53 @@ from __future__ import annotations
 
 import dataclasses
 
-from ditrun.model.dit import DiTGeometry
 from ditrun.errors import UserError
+from ditrun.model.dit import DiTGeometry
 
 PRESETS: dict[str, DiTGeometry] = {
     # CI: every code path in well under a second per step on one CPU core.
     "tiny": DiTGeometry(
-        num_layers=2, num_single_layers=2, num_attention_heads=4, attention_head_dim=32,
-        joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(8, 12, 12),
+        num_layers=2,
+        num_single_layers=2,
+        num_attention_heads=4,
+        attention_head_dim=32,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12),
     ),
     # A CPU demo: about a second per CFG step at 256x256 and several at 512x512 on 2 cores.
     "small": DiTGeometry(
-        num_layers=4, num_single_layers=8, num_attention_heads=8, attention_head_dim=64,
-        joint_attention_dim=512, pooled_projection_dim=256, guidance_embeds=True, axes_dims_rope=(16, 24, 24),
+        num_layers=4,
+        num_single_layers=8,
+        num_attention_heads=8,
+        attention_head_dim=64,
+        joint_attention_dim=512,
+        pooled_projection_dim=256,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 24, 24),
     ),
     # ditrun's trained editor (docs/EDITOR.md): its text encoders give 64 channels per token and 64 pooled.
     "editor": DiTGeometry(
-        num_layers=4, num_single_layers=8, num_attention_heads=4, attention_head_dim=32,
-        joint_attention_dim=64, pooled_projection_dim=64, guidance_embeds=False, axes_dims_rope=(8, 12, 12),
+        num_layers=4,
+        num_single_layers=8,
+        num_attention_heads=4,
+        attention_head_dim=32,
+        joint_attention_dim=64,
+        pooled_projection_dim=64,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 12, 12),
     ),
     # FLUX.1-dev / FLUX.1-Kontext-dev (12B).
     "flux-dev": DiTGeometry(
-        num_layers=19, num_single_layers=38, num_attention_heads=24, attention_head_dim=128,
-        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=(16, 56, 56),
+        num_layers=19,
+        num_single_layers=38,
+        num_attention_heads=24,
+        attention_head_dim=128,
+        joint_attention_dim=4096,
+        pooled_projection_dim=768,
+        guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
     ),
 }
 
@@ -37,8 +61,13 @@ VARIANTS = {
 }
 
 _OVERRIDABLE = (
-    "num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim",
-    "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
+    "num_layers",
+    "num_single_layers",
+    "num_attention_heads",
+    "attention_head_dim",
+    "joint_attention_dim",
+    "pooled_projection_dim",
+    "guidance_embeds",
 )
 
 
@@ -84,5 +113,7 @@ def _check_head_dim(preset: str, head_dim) -> None:
     """The rotary axes come with the preset and must fill each head exactly."""
     axes = PRESETS[preset].axes_dims_rope
     if head_dim is not None and head_dim != sum(axes):
-        raise UserError(f"model.attention_head_dim={head_dim} does not fit preset {preset!r}, whose rotary axes "
-                        f"{axes} fill {sum(axes)} channels per head; leave it unset or choose another model preset.")
+        raise UserError(
+            f"model.attention_head_dim={head_dim} does not fit preset {preset!r}, whose rotary axes "
+            f"{axes} fill {sum(axes)} channels per head; leave it unset or choose another model preset."
+        )

@@ -20,8 +20,9 @@ from ditrun.model.dit import Attention
 BackendChoice = Callable[[LinearFormat, int, int], tuple[dict[str, LinearBackend], Callable[[int], str]]]
 
 
-def _quantized(linears: list[nn.Linear], fmt: LinearFormat, scale_mode: str, choose: BackendChoice,
-               stacked: bool) -> QuantizedLinear:
+def _quantized(
+    linears: list[nn.Linear], fmt: LinearFormat, scale_mode: str, choose: BackendChoice, stacked: bool
+) -> QuantizedLinear:
     weight = torch.cat([lin.weight for lin in linears]) if stacked else linears[0].weight
     biases = [lin.bias for lin in linears]
     bias = None if any(b is None for b in biases) else torch.cat(biases)
@@ -42,8 +43,9 @@ def _stack_projections(attn: Attention, fmt: LinearFormat, scale_mode: str, choo
                 setattr(attn, name, None)
 
 
-def quantize_model(model: nn.Module, formats: dict[str, LinearFormat], scale_mode: str,
-                   choose: BackendChoice) -> dict[str, int]:
+def quantize_model(
+    model: nn.Module, formats: dict[str, LinearFormat], scale_mode: str, choose: BackendChoice
+) -> dict[str, int]:
     """Replace the linears of each quantized component in place; returns linears replaced per component."""
     replaced = {component: 0 for component in formats}
     for component, names in component_linears(model).items():

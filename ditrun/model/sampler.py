@@ -3,7 +3,8 @@
 An edit's model input is the noisy output latent followed by the reference image's latent
 tokens; the reference tokens carry position ids on the reference's own grid whose first axis is
 1 (the Kontext convention), and only the output tokens' velocity is used. As in diffusers, true
-CFG runs the unconditional branch only when it changes the result (``true_cfg_scale`` > 1). The sampler does not know how a
+CFG runs the unconditional branch only when it changes the result (``true_cfg_scale`` > 1). The sampler does not know
+how a
 velocity is computed: a *layout* (one process, Ulysses, split or batched CFG) supplies it.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Protocol
 
 import torch
+
 from ditrun.errors import UserError
 
 # (x [B, S_img, C] fp32, sigma) -> guided velocity [B, S_img, C] fp32
@@ -54,8 +56,9 @@ class EditInputs:
         return torch.cat([self.img_ids, self.ref_ids], dim=0)
 
 
-def time_shift_mu(image_seq_len: int, base_len: int = 256, max_len: int = 4096,
-                  base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+def time_shift_mu(
+    image_seq_len: int, base_len: int = 256, max_len: int = 4096, base_shift: float = 0.5, max_shift: float = 1.15
+) -> float:
     """Flux's resolution-dependent shift: linear in the output token count."""
     slope = (max_shift - base_shift) / (max_len - base_len)
     return image_seq_len * slope + base_shift - slope * base_len
@@ -71,8 +74,9 @@ def flux_sigmas(steps: int, image_seq_len: int) -> list[float]:
     return shifted.tolist() + [0.0]
 
 
-def branch_inputs(inputs: EditInputs, x: torch.Tensor, sigma: float, conditional: bool, dtype: torch.dtype,
-                  guidance: Optional[float]) -> dict:
+def branch_inputs(
+    inputs: EditInputs, x: torch.Tensor, sigma: float, conditional: bool, dtype: torch.dtype, guidance: Optional[float]
+) -> dict:
     """Keyword inputs of one CFG branch for ``FluxDiT.forward``."""
     hidden = torch.cat([x, inputs.ref_latents.to(x.dtype)], dim=1).to(dtype)
     batch = hidden.shape[0]
@@ -112,14 +116,26 @@ class PlainForward:
         return self.run(**inputs)
 
 
-def sequential_cfg_velocity(model: Callable[..., torch.Tensor], inputs: EditInputs, true_cfg_scale: float,
-                            guidance: Optional[float], dtype: torch.dtype, attention=None) -> VelocityFn:
+def sequential_cfg_velocity(
+    model: Callable[..., torch.Tensor],
+    inputs: EditInputs,
+    true_cfg_scale: float,
+    guidance: Optional[float],
+    dtype: torch.dtype,
+    attention=None,
+) -> VelocityFn:
     """``sequential_branches`` of a plain model (``model(**inputs)``, every branch alike)."""
     return sequential_branches(PlainForward(model), inputs, true_cfg_scale, guidance, dtype, attention)
 
 
-def sequential_branches(forward: Forward, inputs: EditInputs, true_cfg_scale: float, guidance: Optional[float],
-                        dtype: torch.dtype, attention=None) -> VelocityFn:
+def sequential_branches(
+    forward: Forward,
+    inputs: EditInputs,
+    true_cfg_scale: float,
+    guidance: Optional[float],
+    dtype: torch.dtype,
+    attention=None,
+) -> VelocityFn:
     """Velocity on one process: the conditional, then (true CFG on) the unconditional branch (layout ``single``)."""
     n_img = inputs.noise.shape[1]
     extra = {} if attention is None else {"attention": attention}
@@ -136,8 +152,9 @@ def sequential_branches(forward: Forward, inputs: EditInputs, true_cfg_scale: fl
     return velocity
 
 
-def denoise(velocity: VelocityFn, noise: torch.Tensor, steps: int,
-            on_step: Optional[Callable[[int], None]] = None) -> torch.Tensor:
+def denoise(
+    velocity: VelocityFn, noise: torch.Tensor, steps: int, on_step: Optional[Callable[[int], None]] = None
+) -> torch.Tensor:
     """Euler integration of the flow from noise (sigma=1) to data (sigma=0), in fp32."""
     sigmas = flux_sigmas(steps, noise.shape[1])
     x = noise.float()

@@ -34,46 +34,63 @@ def check_true_cfg(layout_name: str, true_cfg_scale: float) -> None:
     """A layout that splits the CFG branches (``cfg_split``) needs both: refuse it, before any work, when
     true CFG is off."""
     if layout_kind(layout_name).needs_true_cfg and true_cfg_scale <= 1:
-        raise UserError(f"layout={layout_name} runs the unconditional branch on half the ranks, but "
-                        f"workload.true_cfg_scale={true_cfg_scale} turns true CFG off (it needs > 1); use "
-                        "layout=ulysses or cfg_batch, or raise workload.true_cfg_scale.")
+        raise UserError(
+            f"layout={layout_name} runs the unconditional branch on half the ranks, but "
+            f"workload.true_cfg_scale={true_cfg_scale} turns true CFG off (it needs > 1); use "
+            "layout=ulysses or cfg_batch, or raise workload.true_cfg_scale."
+        )
 
 
 class LocalBranches:
     """The DiT on this rank's share of the joint sequence; returns its output tokens' velocity."""
 
-    def __init__(self, forward: Forward, inputs: EditInputs, shards: SequenceShards, attention, dtype: torch.dtype,
-                 guidance: Optional[float]):
+    def __init__(
+        self,
+        forward: Forward,
+        inputs: EditInputs,
+        shards: SequenceShards,
+        attention,
+        dtype: torch.dtype,
+        guidance: Optional[float],
+    ):
         self.forward, self.shards, self.attention = forward, shards, attention
         self.local, self.dtype, self.guidance = shards.local_inputs(inputs), dtype, guidance
         self.n_out = shards.output[shards.rank]
 
     def _inputs(self, x: torch.Tensor, sigma: float, conditional: bool) -> dict:
-        return branch_inputs(self.local, x[:, self.shards.output_slice()], sigma, conditional, self.dtype,
-                             self.guidance)
+        return branch_inputs(
+            self.local, x[:, self.shards.output_slice()], sigma, conditional, self.dtype, self.guidance
+        )
 
     def one(self, x: torch.Tensor, sigma: float, conditional: bool) -> torch.Tensor:
         # x: [1, O, C] full latent -> [1, O_r, C] fp32
         branch = "cond" if conditional else "uncond"
         out = self.forward(branch, **self._inputs(x, sigma, conditional), attention=self.attention)
-        return out[:, :self.n_out].float()
+        return out[:, : self.n_out].float()
 
     def both_batched(self, x: torch.Tensor, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [1, O, C] -> (cond, uncond), each [1, O_r, C] fp32, from one pass with batch 2
         cond, uncond = self._inputs(x, sigma, True), self._inputs(x, sigma, False)
         stacked = {k: v if k in _SHARED_INPUTS or v is None else torch.cat([v, uncond[k]]) for k, v in cond.items()}
-        out = self.forward("both", **stacked, attention=self.attention)[:, :self.n_out].float()
+        out = self.forward("both", **stacked, attention=self.attention)[:, : self.n_out].float()
         return out[:1], out[1:]
 
 
 def _shards(transports: dict[str, Transport], inputs: EditInputs) -> SequenceShards:
     sp = transports["sp"]
-    return SequenceShards.split(inputs.prompt.shape[1], inputs.noise.shape[1], inputs.ref_latents.shape[1],
-                                sp.size, sp.rank)
+    return SequenceShards.split(
+        inputs.prompt.shape[1], inputs.noise.shape[1], inputs.ref_latents.shape[1], sp.size, sp.rank
+    )
 
 
-def exchange_plans(layout: Layout, transports: dict[str, Transport], inputs: EditInputs, num_heads: int,
-                   head_dim: int, dtype: torch.dtype) -> dict[str, list[ExchangePlan]]:
+def exchange_plans(
+    layout: Layout,
+    transports: dict[str, Transport],
+    inputs: EditInputs,
+    num_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> dict[str, list[ExchangePlan]]:
     """Every exchange one edit's velocity makes, per axis: what ``prepare`` sizes buffers for.
 
     They are the plans the exchange sites build themselves (``attention_plans``, ``all_gather_rows``):
@@ -85,26 +102,35 @@ def exchange_plans(layout: Layout, transports: dict[str, Transport], inputs: Edi
         return {}
     shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
     batch = 2 if kind.batched_cfg and inputs.true_cfg else 1
-    sp = [*attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
-          gather_plan("velocity_gather", shards.output, (1, channels), torch.float32)]
+    sp = [
+        *attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
+        gather_plan("velocity_gather", shards.output, (1, channels), torch.float32),
+    ]
     if kind.cfg_degree == 1:
         return {"sp": sp}
     mine = shards.output[shards.rank]
     return {"sp": sp, "cfg": [gather_plan("cfg_pair", [mine, mine], (channels,), torch.float32)]}
 
 
-def prepare_transports(layout: Layout, transports: dict[str, Transport], inputs: EditInputs, geometry,
-                       dtype: torch.dtype) -> None:
+def prepare_transports(
+    layout: Layout, transports: dict[str, Transport], inputs: EditInputs, geometry, dtype: torch.dtype
+) -> None:
     """Size and map every transport's buffers for one edit (collective over each axis; untimed)."""
-    plans = exchange_plans(layout, transports, inputs, geometry.num_attention_heads, geometry.attention_head_dim,
-                           dtype)
+    plans = exchange_plans(layout, transports, inputs, geometry.num_attention_heads, geometry.attention_head_dim, dtype)
     for axis, axis_plans in plans.items():
         transports[axis].prepare(axis_plans)
 
 
-def layout_velocity(layout: Layout, transports: dict[str, Transport], forward: Forward, inputs: EditInputs,
-                    guidance_scale: float, guidance: Optional[float], dtype: torch.dtype,
-                    inner_attention=None) -> VelocityFn:
+def layout_velocity(
+    layout: Layout,
+    transports: dict[str, Transport],
+    forward: Forward,
+    inputs: EditInputs,
+    guidance_scale: float,
+    guidance: Optional[float],
+    dtype: torch.dtype,
+    inner_attention=None,
+) -> VelocityFn:
     """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``)."""
     kind = layout.plan.kind
     if kind.one_worker:

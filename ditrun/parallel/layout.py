@@ -25,6 +25,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
 from ditrun.errors import UserError
 from ditrun.registry import Registry
 
@@ -56,8 +57,9 @@ for _kind in (
     LayoutKind("single", "one process per replica: the conditional, then the unconditional branch", one_worker=True),
     LayoutKind("ulysses", "both branches one after the other, each sequence-parallel over the replica's workers"),
     LayoutKind("cfg_batch", "both branches stacked in one batch-2 sequence-parallel pass", batched_cfg=True),
-    LayoutKind("cfg_split", "half the workers run each branch at once (two SP groups), then swap predictions",
-               cfg_degree=2),
+    LayoutKind(
+        "cfg_split", "half the workers run each branch at once (two SP groups), then swap predictions", cfg_degree=2
+    ),
 ):
     LAYOUTS.register(_kind.name, _kind)
 
@@ -159,7 +161,7 @@ def _check_workers(kind: LayoutKind, world, replicas, workers, head_groups) -> N
 
 
 def _or_list(names: str) -> str:
-    """"a, b, c" -> "a, b or c"."""
+    """ "a, b, c" -> "a, b or c"."""
     head, _, last = names.rpartition(", ")
     return f"{head} or {last}" if head else last
 
@@ -213,7 +215,7 @@ class Layout:
 
     def edit_share(self, edits: Sequence) -> list:
         """This replica's edits: every ``replicas``-th one, so that all ranks agree without talking."""
-        return list(edits[self.replica::self.plan.replicas])
+        return list(edits[self.replica :: self.plan.replicas])
 
     def agree_max(self, value: int) -> int:
         """The largest ``value`` of this replica's workers (on the CPU: no device synchronisation)."""
@@ -231,8 +233,7 @@ class Layout:
         return tensor
 
 
-def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None,
-                 nodes: Sequence[str] = ()) -> Layout:
+def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None, nodes: Sequence[str] = ()) -> Layout:
     """Create the process groups of ``plan`` once; every rank calls this with the same plan.
 
     ``collective_timeout`` bounds every collective of the axis groups (``launcher.collective_timeout_s``):

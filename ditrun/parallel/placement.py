@@ -107,7 +107,7 @@ class Placement:
         for sp in sorted(divisors(per_cfg), reverse=True):
             valid = num_heads % sp == 0 and (num_heads // sp) % plan.head_groups == 0
             starts = range(0, plan.world, sp)
-            if valid and all(len(set(self.nodes[s:s + sp])) == 1 for s in starts):
+            if valid and all(len(set(self.nodes[s : s + sp])) == 1 for s in starts):
                 return sp, per_cfg // sp
         raise AssertionError("an SP degree of 1 always fits")
 
@@ -119,8 +119,9 @@ class Placement:
 
     def describe(self) -> str:
         """One line per node: its ranks and the groups they belong to (printed once, by rank 0)."""
-        lines = [f"{node}: {format_ranks(ranks)} ({self._groups_on(ranks)})"
-                 for node, ranks in self.ranks_by_node().items()]
+        lines = [
+            f"{node}: {format_ranks(ranks)} ({self._groups_on(ranks)})" for node, ranks in self.ranks_by_node().items()
+        ]
         split = self.split_sp_groups()
         note = f"; SP group(s) {', '.join(map(str, split))} span nodes" if split else ""
         return "placement: " + "\n           ".join(lines) + note

@@ -63,9 +63,14 @@ class SequenceShards:
         ref = slice(*_bounds(self.reference, self.rank))
         out = self.output_slice()
         return dataclasses.replace(
-            inputs, noise=inputs.noise[:, out], ref_latents=inputs.ref_latents[:, ref],
-            img_ids=inputs.img_ids[out], ref_ids=inputs.ref_ids[ref], prompt=inputs.prompt[:, text],
-            neg_prompt=None if inputs.neg_prompt is None else inputs.neg_prompt[:, text], txt_ids=inputs.txt_ids[text],
+            inputs,
+            noise=inputs.noise[:, out],
+            ref_latents=inputs.ref_latents[:, ref],
+            img_ids=inputs.img_ids[out],
+            ref_ids=inputs.ref_ids[ref],
+            prompt=inputs.prompt[:, text],
+            neg_prompt=None if inputs.neg_prompt is None else inputs.neg_prompt[:, text],
+            txt_ids=inputs.txt_ids[text],
         )
 
     def gather_output(self, transport: Transport, local: torch.Tensor, kind: str = "velocity_gather") -> torch.Tensor:
@@ -74,8 +79,9 @@ class SequenceShards:
         return all_gather_rows(transport, rows, self.output, kind).transpose(0, 1)
 
 
-def attention_plans(joint: list[int], batch: int, heads: int, head_dim: int, head_groups: int,
-                    dtype: torch.dtype) -> tuple[ExchangePlan, ExchangePlan]:
+def attention_plans(
+    joint: list[int], batch: int, heads: int, head_dim: int, head_groups: int, dtype: torch.dtype
+) -> tuple[ExchangePlan, ExchangePlan]:
     """The two exchanges of Ulysses attention over an SP group whose ranks hold ``joint[i]`` tokens.
 
     qkv: rank i sends its joint[i] tokens of each destination's heads to every rank, rows
@@ -96,8 +102,9 @@ class UlyssesAttention:
     soon as its attention ends, so exchanges overlap computation.
     """
 
-    def __init__(self, transport: Transport, joint_splits: list[int], head_groups: int = 1,
-                 inner: AttentionFn = sdpa_attention):
+    def __init__(
+        self, transport: Transport, joint_splits: list[int], head_groups: int = 1, inner: AttentionFn = sdpa_attention
+    ):
         self.transport, self.splits, self.head_groups, self.inner = transport, joint_splits, head_groups, inner
 
     def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ExchangePlan]:
@@ -130,13 +137,14 @@ class UlyssesAttention:
         # An SP group of one: no exchange; head groups only split the attention call.
         if self.head_groups == 1:
             return self.inner(q, k, v)
-        return torch.cat([self.inner(*parts) for parts in zip(*(t.chunk(self.head_groups, dim=2)
-                                                                 for t in (q, k, v)))], dim=2)
+        return torch.cat(
+            [self.inner(*parts) for parts in zip(*(t.chunk(self.head_groups, dim=2) for t in (q, k, v)))], dim=2
+        )
 
     def _group_heads(self, x: torch.Tensor, g: int) -> torch.Tensor:
         # [B, L, H, D] -> [B, L, P, H/(PG), D]: group g's heads, split by destination rank
         per_group = x.shape[2] // self.head_groups
-        return x[:, :, g * per_group:(g + 1) * per_group].unflatten(2, (self.transport.size, -1))
+        return x[:, :, g * per_group : (g + 1) * per_group].unflatten(2, (self.transport.size, -1))
 
     def _send_qkv(self, q, k, v, g: int, plan: ExchangePlan) -> Handle:
         # -> send: [P * L_r, 3, B, H/(PG), D], the rows for destination rank j contiguous, written

@@ -64,11 +64,29 @@ HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
 # not by the manifest's path), labels, where the text length came from (the length itself is compared), and
 # test-only fault injection.
 MAY_DIFFER = (
-    "workload.limit", "workload.manifest", "workload.prompt_cache_dir", "workload.text_len_from", "wandb", "progress",
-    "output_dir", "launcher.name", "launcher.rendezvous_timeout_s", "launcher.collective_timeout_s",
-    "launcher.stop_timeout_s", "launcher.master_port", "launcher.fault", "transport.timeout_s", "transport.chaos_s",
-    "metrics.report", "metrics.min_ssim_pct", "metrics.quality", "metrics.warmup_edits", "metrics.reference_dir",
-    "precision.name", "precision.tuning_file", "layout.allow_cross_node_sp",
+    "workload.limit",
+    "workload.manifest",
+    "workload.prompt_cache_dir",
+    "workload.text_len_from",
+    "wandb",
+    "progress",
+    "output_dir",
+    "launcher.name",
+    "launcher.rendezvous_timeout_s",
+    "launcher.collective_timeout_s",
+    "launcher.stop_timeout_s",
+    "launcher.master_port",
+    "launcher.fault",
+    "transport.timeout_s",
+    "transport.chaos_s",
+    "metrics.report",
+    "metrics.min_ssim_pct",
+    "metrics.quality",
+    "metrics.warmup_edits",
+    "metrics.reference_dir",
+    "precision.name",
+    "precision.tuning_file",
+    "layout.allow_cross_node_sp",
 )
 _ABSENT = object()
 LEASE_REFRESH_S = 5.0
@@ -94,10 +112,14 @@ def unusable_dir_sentence(err: OSError) -> Optional[str]:
     if err.errno not in _UNUSABLE_DIR_ERRNOS:
         return None
     if err.errno in (errno.EEXIST, errno.ENOTDIR):
-        return (f"the results directory {err.filename} cannot be made: it, or a folder above it, is a file; set "
-                "hydra.run.dir (or output_dir) to a directory.")
-    return (f"the results directory cannot be written ({err.strerror}: {err.filename}); set hydra.run.dir (or "
-            "output_dir) to a directory this user can write.")
+        return (
+            f"the results directory {err.filename} cannot be made: it, or a folder above it, is a file; set "
+            "hydra.run.dir (or output_dir) to a directory."
+        )
+    return (
+        f"the results directory cannot be written ({err.strerror}: {err.filename}); set hydra.run.dir (or "
+        "output_dir) to a directory this user can write."
+    )
 
 
 def _as_user_error(err: OSError) -> Exception:
@@ -177,8 +199,9 @@ class RunLock:
             os.write(fd, _holder().encode())
             os.close(fd)
             self._lease_stop = threading.Event()
-            threading.Thread(target=self._refresh, args=(path, self._lease_stop), daemon=True,
-                             name="ditrun-lease").start()
+            threading.Thread(
+                target=self._refresh, args=(path, self._lease_stop), daemon=True, name="ditrun-lease"
+            ).start()
             return self
         raise self._busy(path.read_text().strip())
 
@@ -188,8 +211,12 @@ class RunLock:
             try:
                 os.utime(path)
             except OSError as err:
-                print(f"ditrun: warning: the lease {path} cannot be refreshed ({err}); another run may take the "
-                      "directory once it is stale", file=sys.stderr, flush=True)
+                print(
+                    f"ditrun: warning: the lease {path} cannot be refreshed ({err}); another run may take the "
+                    "directory once it is stale",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return
 
 
@@ -211,8 +238,11 @@ def _mtime(path: Path) -> float:
 
 def _holder() -> str:
     job = os.environ.get("SLURM_JOB_ID")
-    return (f"host {socket.gethostname()}, pid {os.getpid()}" + (f", Slurm job {job}" if job else "")
-            + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    return (
+        f"host {socket.gethostname()}, pid {os.getpid()}"
+        + (f", Slurm job {job}" if job else "")
+        + f", since {time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
 
 
 def recover(out_dir: Path) -> list[dict]:
@@ -241,8 +271,10 @@ def recover(out_dir: Path) -> list[dict]:
     if rejected or damaged or (text and not text.endswith(b"\n")):
         _set_aside(out_dir, rejected + damaged, good)
     if rejected:
-        _warn(f"{len(rejected)} line(s) of {out_dir / EDITS_FILE} were torn, foreign or repeated; moved to "
-              f"{REJECTED_FILE}, and their edits run again")
+        _warn(
+            f"{len(rejected)} line(s) of {out_dir / EDITS_FILE} were torn, foreign or repeated; moved to "
+            f"{REJECTED_FILE}, and their edits run again"
+        )
     _remove_temporaries(out_dir)
     return good
 
@@ -322,8 +354,11 @@ def run_settings(config: dict, resolved: dict, declared_edits: list) -> dict:
     for key in MAY_DIFFER:
         *parents, leaf = key.split(".")
         _node(settings, parents).pop(leaf, None)
-    edits = {str(entry.get("id") or f"edit{i:04d}"): {k: v for k, v in entry.items() if v is not None}
-             for i, entry in enumerate(declared_edits) if isinstance(entry, dict)}
+    edits = {
+        str(entry.get("id") or f"edit{i:04d}"): {k: v for k, v in entry.items() if v is not None}
+        for i, entry in enumerate(declared_edits)
+        if isinstance(entry, dict)
+    }
     for key, value in {**resolved, "workload.edits": edits}.items():
         *parents, leaf = key.split(".")
         _node(settings, parents)[leaf] = json.loads(json.dumps(value, default=str))
@@ -379,8 +414,11 @@ def _read_run_file(out_dir: Path) -> Optional[dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         run = None
     if not (isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("edits"), list)):
-        print(f"ditrun: warning: {path} is unreadable; the directory's records are adopted by this run's settings",
-              file=sys.stderr, flush=True)
+        print(
+            f"ditrun: warning: {path} is unreadable; the directory's records are adopted by this run's settings",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
     return run
 
@@ -388,15 +426,19 @@ def _read_run_file(out_dir: Path) -> Optional[dict]:
 def _telling_first(changes: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
     """A config group's choice first (``cache.name``, ``layout.name``, ``model.preset``: it explains the group's other
     keys that differ, which would otherwise fill the list and push it behind "(and N more)"), then broad keys."""
-    return sorted(changes, key=lambda change: (change[0].rsplit(".", 1)[-1] not in ("name", "preset"),
-                                               change[0].count("."), change[0]))
+    return sorted(
+        changes,
+        key=lambda change: (change[0].rsplit(".", 1)[-1] not in ("name", "preset"), change[0].count("."), change[0]),
+    )
 
 
 def _foreign_message(out_dir: Path, changes: list[tuple[str, object, object]]) -> str:
     changes = _telling_first(changes)
-    return (f"results directory {out_dir} belongs to a run with other settings ({_listed(changes)}); rerun with "
-            f"the settings in its {RUN_FILE} to resume it, or give this run another directory (hydra.run.dir=... "
-            "or output_dir=...).")
+    return (
+        f"results directory {out_dir} belongs to a run with other settings ({_listed(changes)}); rerun with "
+        f"the settings in its {RUN_FILE} to resume it, or give this run another directory (hydra.run.dir=... "
+        "or output_dir=...)."
+    )
 
 
 def _listed(changes: list[tuple[str, object, object]], shown: int = 4) -> str:
@@ -430,9 +472,11 @@ def resumable(records: list[dict], settings: dict[str, dict], out_dir: Path) -> 
 
 def _changed_message(record: dict, wanted: dict, out_dir: Path) -> str:
     changes = _telling_first(differences(record["settings"], wanted))
-    return (f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({_listed(changes, 3)}); "
-            "rerun with the recorded settings to resume, or give this run another directory "
-            "(hydra.run.dir=... or output_dir=...).")
+    return (
+        f"{out_dir / EDITS_FILE} holds edit {record['edit']!r} made with other settings ({_listed(changes, 3)}); "
+        "rerun with the recorded settings to resume, or give this run another directory "
+        "(hydra.run.dir=... or output_dir=...)."
+    )
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:

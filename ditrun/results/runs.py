@@ -75,9 +75,15 @@ def find_runs(root: Path) -> list[Path]:
     """``root`` itself when it is a run directory, else every run directory below it, sweep jobs in order."""
     if _is_run(root):
         return [root]
-    found = {p.parent for name in (SUMMARY_FILE, RUN_FILE) for p in root.rglob(name)
-             if "wandb" not in p.relative_to(root).parts}
-    return sorted(found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts])
+    found = {
+        p.parent
+        for name in (SUMMARY_FILE, RUN_FILE)
+        for p in root.rglob(name)
+        if "wandb" not in p.relative_to(root).parts
+    }
+    return sorted(
+        found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts]
+    )
 
 
 def _is_run(path: Path) -> bool:
@@ -125,11 +131,16 @@ def _status(run: RunResult) -> tuple[str, Optional[str]]:
     recorded = {r.get("edit") for r in run.records}
     missing = [edit for edit in declared if edit not in recorded]
     if not run.summary:
-        return INCOMPLETE, f"no summary: its run did not finish ({len(declared) - len(missing)} of {len(declared)} edits)"
+        return (
+            INCOMPLETE,
+            f"no summary: its run did not finish ({len(declared) - len(missing)} of {len(declared)} edits)",
+        )
     started = run.run_file.get("run_id")
     if started and run.summary.get("run_id") != started:
-        return INCOMPLETE, ("its last run wrote no summary (it is running, or crashed or was killed); the summary "
-                            "there is an earlier run's")
+        return INCOMPLETE, (
+            "its last run wrote no summary (it is running, or crashed or was killed); the summary "
+            "there is an earlier run's"
+        )
     if run.summary.get("stopped"):
         return INCOMPLETE, f"stopped: {run.summary['stopped']}"
     if missing or run.summary.get("complete") is False:
@@ -170,6 +181,9 @@ def comparable_key(run: RunResult) -> dict:
     model = {k: v for k, v in config.get("model", {}).items() if k not in MODEL_SPEED_KEYS}
     workload = {k: v for k, v in config.get("workload", {}).items() if k not in WORKLOAD_FREE_KEYS}
     workload["edits"] = run.run_file.get("settings", {}).get("workload", {}).get("edits")  # as declared
-    reference = {**(run.summary.get("reference") or {}),
-                 "dtype": config.get("metrics", {}).get("reference_dtype"), "device": run.summary.get("device")}
+    reference = {
+        **(run.summary.get("reference") or {}),
+        "dtype": config.get("metrics", {}).get("reference_dtype"),
+        "device": run.summary.get("device"),
+    }
     return {"model": model, "workload": workload, "reference": reference}

@@ -36,6 +36,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+CPU = torch.device("cpu")
+
 
 class PeerLost(RuntimeError):
     """A peer did not deliver (or hand back) a buffer within the transport's timeout: dead or stalled."""
@@ -134,7 +136,7 @@ class LocalTransport:
     size = 1
     rank = 0
 
-    def __init__(self, device: torch.device = torch.device("cpu")):
+    def __init__(self, device: torch.device = CPU):
         self.device = device
 
     def prepare(self, plans) -> None:

@@ -22,8 +22,9 @@ from ditrun.transport.base import ExchangePlan, fresh_send_buffer
 
 
 class CollectiveHandle:
-    def __init__(self, work, recv: torch.Tensor, send: torch.Tensor, timer: ExposedTransfer, kind: str,
-                 head_group: int):
+    def __init__(
+        self, work, recv: torch.Tensor, send: torch.Tensor, timer: ExposedTransfer, kind: str, head_group: int
+    ):
         # The send buffer is kept alive until the wait, whatever the backend does with it.
         self.work, self.recv, self.send = work, recv, send
         self.timer, self.kind, self.head_group = timer, kind, head_group
@@ -56,6 +57,7 @@ class CollectiveTransport:
         # send: [sum(send_splits), *row] -> received: [sum(recv_splits), *row]
         send = send.contiguous()
         recv = send.new_empty((sum(plan.recv_splits(self.rank)), *send.shape[1:]))
-        work = dist.all_to_all_single(recv, send, plan.recv_splits(self.rank), plan.send_splits(self.rank),
-                                      group=self.group, async_op=True)
+        work = dist.all_to_all_single(
+            recv, send, plan.recv_splits(self.rank), plan.send_splits(self.rank), group=self.group, async_op=True
+        )
         return CollectiveHandle(work, recv, send, self.timer, plan.kind, head_group)

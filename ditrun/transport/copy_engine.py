@@ -72,7 +72,9 @@ class SlotLayout:
         kinds = tuple(sorted({p.kind for p in plans}))
         of = {k: [p for p in plans if p.kind == k] for k in kinds}
         return cls(
-            plans[0].size, kinds, tuple(max(p.head_groups for p in of[k]) for k in kinds),
+            plans[0].size,
+            kinds,
+            tuple(max(p.head_groups for p in of[k]) for k in kinds),
             tuple(_aligned(max(p.max_recv_rows() * p.row_bytes for p in of[k])) for k in kinds),
             tuple(_aligned(max(p.max_send_rows() * p.row_bytes for p in of[k])) for k in kinds),
         )
@@ -83,8 +85,11 @@ class SlotLayout:
             if p.kind not in self.kinds:
                 return False
             k = self.kinds.index(p.kind)
-            if (p.head_groups > self.head_groups[k] or p.max_recv_rows() * p.row_bytes > self.recv_bytes[k]
-                    or p.max_send_rows() * p.row_bytes > self.send_bytes[k]):
+            if (
+                p.head_groups > self.head_groups[k]
+                or p.max_recv_rows() * p.row_bytes > self.recv_bytes[k]
+                or p.max_send_rows() * p.row_bytes > self.send_bytes[k]
+            ):
                 return False
         return True
 
@@ -94,11 +99,15 @@ class SlotLayout:
         kinds = tuple(sorted(set(self.kinds) | set(mine.kinds)))
 
         def biggest(field: str, kind: str) -> int:
-            return max(getattr(layout, field)[layout.kinds.index(kind)]
-                       for layout in (self, mine) if kind in layout.kinds)
+            return max(
+                getattr(layout, field)[layout.kinds.index(kind)] for layout in (self, mine) if kind in layout.kinds
+            )
 
-        return SlotLayout(self.size, kinds, *(tuple(biggest(f, k) for k in kinds)
-                                              for f in ("head_groups", "recv_bytes", "send_bytes")))
+        return SlotLayout(
+            self.size,
+            kinds,
+            *(tuple(biggest(f, k) for k in kinds) for f in ("head_groups", "recv_bytes", "send_bytes")),
+        )
 
     def _lane_index(self, kind: str, head_group: int) -> int:
         k = self.kinds.index(kind)
@@ -133,7 +142,7 @@ class SlotLayout:
 def typed(region: torch.Tensor, offset: int, plan: ExchangePlan, rows: int) -> torch.Tensor:
     """``rows`` rows of ``plan`` at byte ``offset`` of a byte tensor: [rows, *row_shape]."""
     nbytes = rows * plan.row_bytes
-    return region[offset:offset + nbytes].view(plan.dtype).view(rows, *plan.row_shape)
+    return region[offset : offset + nbytes].view(plan.dtype).view(rows, *plan.row_shape)
 
 
 def peers_on_this_node(ranks: Sequence[int], nodes: Sequence[str], node_size: int) -> list[bool]:
@@ -155,8 +164,14 @@ class StagedAllToAll:
     def __init__(self, outputs: list, inputs: list, group):
         self.outputs = outputs
         self.staged = torch.empty((sum(o.shape[0] for o in outputs), *outputs[0].shape[1:]), dtype=outputs[0].dtype)
-        self.work = dist.all_to_all_single(self.staged, torch.cat(inputs), [o.shape[0] for o in outputs],
-                                           [i.shape[0] for i in inputs], group=group, async_op=True)
+        self.work = dist.all_to_all_single(
+            self.staged,
+            torch.cat(inputs),
+            [o.shape[0] for o in outputs],
+            [i.shape[0] for i in inputs],
+            group=group,
+            async_op=True,
+        )
 
     def wait(self) -> None:
         self.work.wait()
@@ -193,8 +208,16 @@ class Route:
 
 
 class CopyEngineHandle:
-    def __init__(self, transport: "CopyEngineTransport", plan: ExchangePlan, head_group: int, epoch: int,
-                 route: Route, own_copy, work):
+    def __init__(
+        self,
+        transport: "CopyEngineTransport",
+        plan: ExchangePlan,
+        head_group: int,
+        epoch: int,
+        route: Route,
+        own_copy,
+        work,
+    ):
         self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
         self.route, self.own_copy, self.work = route, own_copy, work
 
@@ -209,8 +232,16 @@ class CopyEngineHandle:
 class CopyEngineTransport:
     """All-to-all over ``group`` by one-sided copies (module docstring); ``prepare`` before use."""
 
-    def __init__(self, group, timer: ExposedTransfer, device: torch.device, timeout_s: float,
-                 chaos_s: float = 0.0, node_size: int = 0, nodes: Sequence[str] = ()):
+    def __init__(
+        self,
+        group,
+        timer: ExposedTransfer,
+        device: torch.device,
+        timeout_s: float,
+        chaos_s: float = 0.0,
+        node_size: int = 0,
+        nodes: Sequence[str] = (),
+    ):
         self.group, self.timer, self.device, self.timeout_s = group, timer, device, timeout_s
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks = dist.get_process_group_ranks(group)
@@ -239,9 +270,12 @@ class CopyEngineTransport:
         self._drain()
         layout = SlotLayout.for_plans(plans) if self.layout is None else self.layout.merged(plans)
         self.region = self.fabric.map(layout.total_bytes, self.group, self.local, layout.n_flags)
-        self.send_slots = {(kind, g, s): torch.empty(layout.send_bytes[k], dtype=torch.uint8, device=self.device)
-                           for k, kind in enumerate(layout.kinds)
-                           for g in range(layout.head_groups[k]) for s in range(2)}
+        self.send_slots = {
+            (kind, g, s): torch.empty(layout.send_bytes[k], dtype=torch.uint8, device=self.device)
+            for k, kind in enumerate(layout.kinds)
+            for g in range(layout.head_groups[k])
+            for s in range(2)
+        }
         self.started: dict = {}
         self.released: dict = {}
         self.sent_marks: dict = {}
@@ -251,9 +285,16 @@ class CopyEngineTransport:
         self._open_lanes()
 
     def _open_lanes(self) -> None:
-        self.lanes = [self.fabric.peer_lane(f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}", self.chaos_s,
-                                            seed=self.ranks[self.rank] * 1000 + j)
-                      if self.local[j] else None for j in range(self.size)]
+        self.lanes = [
+            self.fabric.peer_lane(
+                f"copy-engine-{self.ranks[self.rank]}->{self.ranks[j]}",
+                self.chaos_s,
+                seed=self.ranks[self.rank] * 1000 + j,
+            )
+            if self.local[j]
+            else None
+            for j in range(self.size)
+        ]
         self.compute = self.fabric.compute_lane(self.lanes)
 
     def _drain(self) -> None:
@@ -277,14 +318,28 @@ class CopyEngineTransport:
         offset = self.layout.slot_offset(plan.kind, head_group, slot)
         send = typed(self.send_slots[(plan.kind, head_group, slot)], 0, plan, sum(plan.send_splits(self.rank)))
         sources = self._split_send(send, plan)
-        targets = tuple(typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan,
-                              rows) if self.local[j] else None for j, rows in enumerate(plan.send_splits(self.rank)))
+        targets = tuple(
+            typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan, rows)
+            if self.local[j]
+            else None
+            for j, rows in enumerate(plan.send_splits(self.rank))
+        )
         recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
         peers = tuple(j for j in range(self.size) if self.local[j] and j != self.rank)
-        flag, credit = (functools.partial(f, plan.kind, head_group) for f in (self.layout.data_flag,
-                                                                              self.layout.credit_flag))
-        return Route(send, sources, targets, recv, flag(self.rank), credit(self.rank),
-                     tuple(flag(j) for j in range(self.size)), tuple(credit(j) for j in range(self.size)), peers)
+        flag, credit = (
+            functools.partial(f, plan.kind, head_group) for f in (self.layout.data_flag, self.layout.credit_flag)
+        )
+        return Route(
+            send,
+            sources,
+            targets,
+            recv,
+            flag(self.rank),
+            credit(self.rank),
+            tuple(flag(j) for j in range(self.size)),
+            tuple(credit(j) for j in range(self.size)),
+            peers,
+        )
 
     def _split_send(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
         """Each local peer's rows of ``send`` (contiguous: one memcpy each), None for the others."""
@@ -303,8 +358,10 @@ class CopyEngineTransport:
     def _key(self, plan: ExchangePlan, head_group: int) -> tuple[str, int]:
         if plan not in self.fitting:  # checked once per plan: exchanges after the first cost a set lookup
             if self.layout is None or not self.layout.fits([plan]):
-                raise RuntimeError(f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
-                                   "every plan of the run before the timed region).")
+                raise RuntimeError(
+                    f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
+                    "every plan of the run before the timed region)."
+                )
             self.fitting.add(plan)
         if not 0 <= head_group < plan.head_groups:
             raise RuntimeError(f"copy_engine: head group {head_group} of a plan with {plan.head_groups}.")
@@ -318,8 +375,10 @@ class CopyEngineTransport:
         raise_lane_error(self.lanes)
         epoch = self.started.get(key, 0)
         if self.released.get(key, 0) < epoch - 1:
-            raise RuntimeError(f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
-                               f"{epoch - 2}, the last one in its slot, was released.")
+            raise RuntimeError(
+                f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
+                f"{epoch - 2}, the last one in its slot, was released."
+            )
         route = self._route(plan, head_group, epoch % 2)
         sources = route.sources if send.data_ptr() == route.send.data_ptr() else self._foreign(send, plan)
         self.started[key] = epoch + 1
@@ -351,13 +410,18 @@ class CopyEngineTransport:
             lane.copy(route.targets[self.rank], rows)
         return lane.mark()
 
-    def _send_to(self, j: int, rows: torch.Tensor, route: Route, plan: ExchangePlan, head_group: int, epoch: int,
-                 ready):
+    def _send_to(
+        self, j: int, rows: torch.Tensor, route: Route, plan: ExchangePlan, head_group: int, epoch: int, ready
+    ):
         lane = self.lanes[j]
         lane.follow(ready)
         if epoch >= 2:  # j released exchange epoch - 2, the slot's previous tenant
-            lane.wait_value(self.region.flags(self.rank), route.credit_flags[j], epoch - 1,
-                            self._describe("free slot (credit)", plan, head_group, j))
+            lane.wait_value(
+                self.region.flags(self.rank),
+                route.credit_flags[j],
+                epoch - 1,
+                self._describe("free slot (credit)", plan, head_group, j),
+            )
         if rows.shape[0]:
             lane.copy(route.targets[j], rows)
         lane.write_value(self.region.flags(j), route.data_flag, epoch + 1)
@@ -381,8 +445,12 @@ class CopyEngineTransport:
         self.compute.wait_marks([handle.own_copy], self.lanes)
         route, epoch = handle.route, handle.epoch
         for j in route.peers:
-            self.compute.wait_value(self.region.flags(self.rank), route.data_flags[j], epoch + 1,
-                                    self._describe(f"rows of exchange {epoch}", handle.plan, handle.head_group, j))
+            self.compute.wait_value(
+                self.region.flags(self.rank),
+                route.data_flags[j],
+                epoch + 1,
+                self._describe(f"rows of exchange {epoch}", handle.plan, handle.head_group, j),
+            )
         if handle.work is not None:
             handle.work.wait()
         raise_lane_error(self.lanes)
@@ -391,17 +459,21 @@ class CopyEngineTransport:
     def _release(self, handle: CopyEngineHandle) -> None:
         key, epoch = (handle.plan.kind, handle.head_group), handle.epoch
         if self.released.get(key, 0) != epoch:
-            raise RuntimeError(f"copy_engine: {key[0]!r} exchanges must be released in order "
-                               f"(released {self.released.get(key, 0)}, releasing {epoch}).")
+            raise RuntimeError(
+                f"copy_engine: {key[0]!r} exchanges must be released in order "
+                f"(released {self.released.get(key, 0)}, releasing {epoch})."
+            )
         self.released[key] = epoch + 1
         for j in handle.route.peers:
             self.compute.write_value(self.region.flags(j), handle.route.credit_flag, epoch + 1)
 
     def _describe(self, what: str, plan: ExchangePlan, head_group: int, peer: int):
         me, them = self.ranks[self.rank], self.ranks[peer]
-        return lambda timeout_s: (f"copy_engine: rank {me} got no {what} for its {plan.kind} exchange (head group "
-                                  f"{head_group}) from rank {them} within {timeout_s:g} s; rank {them} is dead or "
-                                  "stalled.")
+        return lambda timeout_s: (
+            f"copy_engine: rank {me} got no {what} for its {plan.kind} exchange (head group "
+            f"{head_group}) from rank {them} within {timeout_s:g} s; rank {them} is dead or "
+            "stalled."
+        )
 
 
 def _fabric(device: torch.device, timeout_s: float):
@@ -413,4 +485,3 @@ def _fabric(device: torch.device, timeout_s: float):
     from ditrun.transport.shared_memory import SharedMemoryFabric
 
     return SharedMemoryFabric(timeout_s)
-

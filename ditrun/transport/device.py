@@ -113,8 +113,10 @@ class StreamOps:
             if code != 0:
                 self._clear_error()
             if code != 0 and self.memcpy_kind == HIP_MEMCPY_DEVICE_TO_DEVICE_NO_CU:
-                warnings.warn("copy_engine: hipMemcpyDeviceToDeviceNoCU unavailable; peer copies may use compute "
-                              "units (set HSA_ENABLE_SDMA=1, ROC_P2P_SDMA_SIZE=0).")
+                warnings.warn(
+                    "copy_engine: hipMemcpyDeviceToDeviceNoCU unavailable; peer copies may use compute "
+                    "units (set HSA_ENABLE_SDMA=1, ROC_P2P_SDMA_SIZE=0)."
+                )
                 self.memcpy_kind = HIP_MEMCPY_DEVICE_TO_DEVICE  # an older runtime: its plain device copy
                 return self.copy(dst, src, stream)
         else:
@@ -139,8 +141,10 @@ def dma_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream, op
     """One memcpy from ``src`` into (peer-mapped) ``dst`` on ``stream``."""
     # A strided or converting copy_ would run as an SM kernel, which is what this transport avoids.
     if src.dtype != dst.dtype or not src.is_contiguous() or not dst.is_contiguous() or src.shape != dst.shape:
-        raise RuntimeError("copy_engine: a peer copy must be contiguous and of one dtype (one memcpy); got "
-                           f"{tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}.")
+        raise RuntimeError(
+            "copy_engine: a peer copy must be contiguous and of one dtype (one memcpy); got "
+            f"{tuple(src.shape)} {src.dtype} -> {tuple(dst.shape)} {dst.dtype}."
+        )
     if not ops.copy(dst, src, stream):
         with torch.cuda.stream(stream):
             dst.copy_(src)
@@ -306,8 +310,10 @@ class SymmetricMemoryFabric:
         # Multicast (NVLS) objects are neither needed nor safe on every machine; see docs/TRANSPORT.md#copy_engine.
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         if HIP and (os.environ.get("HSA_ENABLE_SDMA") == "0" or os.environ.get("ROC_P2P_SDMA_SIZE") != "0"):
-            warnings.warn("copy_engine on ROCm: set HSA_ENABLE_SDMA=1 and ROC_P2P_SDMA_SIZE=0, else small peer "
-                          "copies run as blit kernels on the compute units.")
+            warnings.warn(
+                "copy_engine on ROCm: set HSA_ENABLE_SDMA=1 and ROC_P2P_SDMA_SIZE=0, else small peer "
+                "copies run as blit kernels on the compute units."
+            )
         self.device, self.ops, self._timeout_s = device, StreamOps(), timeout_s
         self.watchdog: Optional[Watchdog] = None
         atexit.register(lambda: self.watchdog and self.watchdog.close())
@@ -322,8 +328,9 @@ class SymmetricMemoryFabric:
         regions, keep = self._symmetric(nbytes, group, local) if symmetric else self._ipc(nbytes, group, local)
         if self.watchdog is not None:
             self.watchdog.close()
-        self.watchdog = Watchdog(self.device, self.ops, regions[rank][:4 * flag_count].view(torch.int32),
-                                 self._timeout_s)
+        self.watchdog = Watchdog(
+            self.device, self.ops, regions[rank][: 4 * flag_count].view(torch.int32), self._timeout_s
+        )
         return DeviceRegion(regions, keep)
 
     def _symmetric(self, nbytes: int, group, local: list[bool]):
@@ -348,8 +355,10 @@ class SymmetricMemoryFabric:
         shared: list = [None] * len(local)
         dist.all_gather_object(shared, reduce_tensor(buffer), group=group)
         rank = dist.get_rank(group)
-        regions = [buffer if j == rank else (fn(*args) if here else None)
-                   for j, ((fn, args), here) in enumerate(zip(shared, local))]
+        regions = [
+            buffer if j == rank else (fn(*args) if here else None)
+            for j, ((fn, args), here) in enumerate(zip(shared, local))
+        ]
         dist.barrier(group=group)
         return regions, buffer
 

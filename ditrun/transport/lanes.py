@@ -35,8 +35,9 @@ Describe = Callable[[float], str]
 """Builds the sentence of a timeout (given its seconds): which rank waited, for what, from which peer."""
 
 
-def poll_at_least(flags: np.ndarray, index: int, value: int, timeout_s: float, describe: Describe,
-                  lanes: Sequence = ()) -> None:
+def poll_at_least(
+    flags: np.ndarray, index: int, value: int, timeout_s: float, describe: Describe, lanes: Sequence = ()
+) -> None:
     """Spin (backing off to 1 ms) until ``flags[index] >= value``; ``PeerLost`` after ``timeout_s``.
 
     A failure of one of ``lanes`` (the copy lanes this wait depends on) is raised at once.

@@ -15,19 +15,28 @@ from ditrun.timers import ExposedTransfer
 from ditrun.transport.base import LocalTransport, Transport
 
 
-def _collective(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float,
-                nodes: Sequence[str]) -> Transport:
+def _collective(
+    group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float, nodes: Sequence[str]
+) -> Transport:
     from ditrun.transport.collective import CollectiveTransport
 
     return CollectiveTransport(group, timer, device)
 
 
-def _copy_engine(group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float,
-                 nodes: Sequence[str]) -> Transport:
+def _copy_engine(
+    group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float, nodes: Sequence[str]
+) -> Transport:
     from ditrun.transport.copy_engine import CopyEngineTransport
 
-    return CopyEngineTransport(group, timer, device, timeout_s=transport_cfg.timeout_s or timeout_s,
-                               chaos_s=transport_cfg.chaos_s, node_size=transport_cfg.node_size, nodes=nodes)
+    return CopyEngineTransport(
+        group,
+        timer,
+        device,
+        timeout_s=transport_cfg.timeout_s or timeout_s,
+        chaos_s=transport_cfg.chaos_s,
+        node_size=transport_cfg.node_size,
+        nodes=nodes,
+    )
 
 
 @dataclass(frozen=True)
@@ -38,11 +47,17 @@ class TransportEntry:
 
 
 TRANSPORTS: Registry[TransportEntry] = Registry("transport", "transport")
-TRANSPORTS.register("collective", TransportEntry(
-    _collective, "all_to_all_single of the process group's library (NCCL, RCCL, gloo)"))
-TRANSPORTS.register("copy_engine", TransportEntry(
-    _copy_engine, "per-peer one-sided copies into mapped receive slots: copy engines (CUDA), SDMA (ROCm), shared "
-    "memory and one thread per peer (CPU)"))
+TRANSPORTS.register(
+    "collective", TransportEntry(_collective, "all_to_all_single of the process group's library (NCCL, RCCL, gloo)")
+)
+TRANSPORTS.register(
+    "copy_engine",
+    TransportEntry(
+        _copy_engine,
+        "per-peer one-sided copies into mapped receive slots: copy engines (CUDA), SDMA (ROCm), shared "
+        "memory and one thread per peer (CPU)",
+    ),
+)
 
 
 def check_transport(transport_cfg) -> None:
@@ -51,15 +66,20 @@ def check_transport(transport_cfg) -> None:
     if transport_cfg.chaos_s < 0:
         raise UserError(f"transport.chaos_s={transport_cfg.chaos_s} must be 0 (off) or a positive number of seconds.")
     if transport_cfg.timeout_s is not None and transport_cfg.timeout_s <= 0:
-        raise UserError(f"transport.timeout_s={transport_cfg.timeout_s} must be positive, or unset to use "
-                        "launcher.collective_timeout_s.")
+        raise UserError(
+            f"transport.timeout_s={transport_cfg.timeout_s} must be positive, or unset to use "
+            "launcher.collective_timeout_s."
+        )
     if transport_cfg.node_size < 0:
-        raise UserError(f"transport.node_size={transport_cfg.node_size} must be 0 (the placement's nodes) or a "
-                        "positive number of consecutive ranks per node.")
+        raise UserError(
+            f"transport.node_size={transport_cfg.node_size} must be 0 (the placement's nodes) or a "
+            "positive number of consecutive ranks per node."
+        )
 
 
-def make_transport(transport_cfg, group, timer: ExposedTransfer, device: torch.device,
-                   timeout_s: float, nodes: Sequence[str] = ()) -> Transport:
+def make_transport(
+    transport_cfg, group, timer: ExposedTransfer, device: torch.device, timeout_s: float, nodes: Sequence[str] = ()
+) -> Transport:
     """The transport ``transport.name`` over the process group ``group`` (None: an axis of one rank).
 
     ``timeout_s`` bounds every wait of a one-sided transport unless ``transport.timeout_s`` is set;

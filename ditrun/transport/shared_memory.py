@@ -44,8 +44,10 @@ class SharedMemoryFabric:
         try:
             names: list = [None] * len(local)
             dist.all_gather_object(names, path, group=group)
-            regions = [torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8) if here else None
-                       for name, here in zip(names, local)]
+            regions = [
+                torch.from_file(name, shared=True, size=nbytes, dtype=torch.uint8) if here else None
+                for name, here in zip(names, local)
+            ]
             dist.barrier(group=group)  # every peer holds its mappings: the names may go
         finally:
             os.unlink(path)

@@ -15,7 +15,6 @@ import torch
 from ditrun.model.latents import VAE_SCALE
 from ditrun.workload.edit import Edit, WorkloadError
 
-
 # Pixel sizes are multiples of one packed latent token (2x2 latents of 8x8 pixels).
 PATCH_PIXELS = 2 * VAE_SCALE
 
@@ -23,8 +22,22 @@ PATCH_PIXELS = 2 * VAE_SCALE
 # The (width, height) FLUX.1 Kontext was trained at; diffusers snaps a reference to the one of the
 # closest aspect ratio (pipeline_flux_kontext.PREFERRED_KONTEXT_RESOLUTIONS, the same list).
 KONTEXT_RESOLUTIONS = (
-    (672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
-    (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688),
+    (672, 1568),
+    (688, 1504),
+    (720, 1456),
+    (752, 1392),
+    (800, 1328),
+    (832, 1248),
+    (880, 1184),
+    (944, 1104),
+    (1024, 1024),
+    (1104, 944),
+    (1184, 880),
+    (1248, 832),
+    (1328, 800),
+    (1392, 752),
+    (1456, 720),
+    (1504, 688),
     (1568, 672),
 )
 
@@ -53,8 +66,10 @@ def _own_size(edit: Edit) -> tuple[int, int]:
     """The image's (width, height) rounded down to the patch grid (diffusers' get_default_height_width)."""
     width, height = image_size(edit)
     if min(width, height) < PATCH_PIXELS:
-        raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} is {width}x{height} pixels; a reference needs "
-                            f"at least {PATCH_PIXELS} each way (or set ref_width and ref_height).")
+        raise WorkloadError(
+            f"edit {edit.id!r}: image {edit.image!r} is {width}x{height} pixels; a reference needs "
+            f"at least {PATCH_PIXELS} each way (or set ref_width and ref_height)."
+        )
     return _snap_down(width), _snap_down(height)
 
 
@@ -171,8 +186,9 @@ def _check_pixels(edit: Edit, pixels) -> None:
     ok = shape is not None and (len(shape) == 2 or (len(shape) == 3 and 1 <= shape[2] <= 4))
     if not ok or not (np.issubdtype(pixels.dtype, np.number) or pixels.dtype == bool) or min(shape) < 1:
         what = f"an array of shape {tuple(shape)}" if shape is not None else f"a {type(pixels).__name__}"
-        raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} is {what}, not a grey, grey+alpha, RGB or "
-                            "RGBA picture.")
+        raise WorkloadError(
+            f"edit {edit.id!r}: image {edit.image!r} is {what}, not a grey, grey+alpha, RGB or RGBA picture."
+        )
 
 
 def to_rgb(pixels: np.ndarray) -> np.ndarray:

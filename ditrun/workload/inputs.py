@@ -14,7 +14,6 @@ from ditrun.model.sampler import EditInputs
 from ditrun.workload.edit import Edit, WorkloadError
 from ditrun.workload.images import PATCH_PIXELS, check_sources, load_image
 
-
 # Tensors of an embeddings file: name -> (the token axis or not, the geometry field giving its width).
 EMBEDDING_TENSORS = {
     "prompt_embeds": (True, "joint_attention_dim"),
@@ -55,11 +54,14 @@ def check_embeddings(edits: list[Edit], geometry) -> None:
             with safe_open(edit.prompt_embeds, framework="pt") as f:
                 header = {name: (f.get_slice(name).get_dtype(), f.get_slice(name).get_shape()) for name in f.keys()}
         except (SafetensorError, OSError) as err:
-            raise WorkloadError(f"edit {edit.id!r}: prompt_embeds file {edit.prompt_embeds!r} is not a safetensors "
-                                f"file ({err}).")
-        for name, (dtype, shape) in header.items():
+            raise WorkloadError(
+                f"edit {edit.id!r}: prompt_embeds file {edit.prompt_embeds!r} is not a safetensors file ({err})."
+            )
+        for name, (dtype, _shape) in header.items():
             if name in EMBEDDING_TENSORS and dtype not in ("F64", "F32", "F16", "BF16"):
-                raise WorkloadError(f"edit {edit.id!r}: {name} in {edit.prompt_embeds} is {dtype}; embeddings are floats.")
+                raise WorkloadError(
+                    f"edit {edit.id!r}: {name} in {edit.prompt_embeds} is {dtype}; embeddings are floats."
+                )
         _check_embedding_shapes(edit, {name: shape for name, (_, shape) in header.items()}, geometry)
 
 
@@ -77,8 +79,10 @@ def _check_embedding_shapes(edit: Edit, shapes: dict, geometry) -> None:
         body = shape[1:] if len(shape) == (3 if tokens else 2) and shape[0] == 1 else shape
         if len(body) != (2 if tokens else 1) or body[-1] != width or (tokens and body[0] < 1):
             allowed = f"[L, {width}] or [1, L, {width}]" if tokens else f"[{width}] or [1, {width}]"
-            raise WorkloadError(f"edit {edit.id!r}: {name} in {edit.prompt_embeds} has shape {list(shape)}; "
-                                f"allowed: {allowed} ({width_key}={width}).")
+            raise WorkloadError(
+                f"edit {edit.id!r}: {name} in {edit.prompt_embeds} has shape {list(shape)}; "
+                f"allowed: {allowed} ({width_key}={width})."
+            )
 
 
 def edit_tokens(edit: Edit, text_len: int) -> int:
@@ -90,8 +94,11 @@ def edit_tokens(edit: Edit, text_len: int) -> int:
 
         with safe_open(edit.prompt_embeds, framework="pt") as f:
             text = f.get_slice("prompt_embeds").get_shape()[-2]
-    return text + (edit.height // PATCH_PIXELS) * (edit.width // PATCH_PIXELS) \
+    return (
+        text
+        + (edit.height // PATCH_PIXELS) * (edit.width // PATCH_PIXELS)
         + (edit.ref_height // PATCH_PIXELS) * (edit.ref_width // PATCH_PIXELS)
+    )
 
 
 def prompt_embeddings(edit: Edit, text_len: Optional[int], geometry):
@@ -102,8 +109,10 @@ def prompt_embeddings(edit: Edit, text_len: Optional[int], geometry):
     joint_dim, pooled_dim = geometry.joint_attention_dim, geometry.pooled_projection_dim
     if not edit.prompt_embeds:  # stand-ins: no pipeline folder encodes prompts here, so unset is their length
         length = STANDIN_TEXT_LEN if text_len is None else text_len
-        return (*standin_embeds(edit.prompt, length, joint_dim, pooled_dim),
-                *standin_embeds("", length, joint_dim, pooled_dim))
+        return (
+            *standin_embeds(edit.prompt, length, joint_dim, pooled_dim),
+            *standin_embeds("", length, joint_dim, pooled_dim),
+        )
     from safetensors.torch import load_file
 
     tensors = load_file(edit.prompt_embeds)
@@ -111,8 +120,12 @@ def prompt_embeddings(edit: Edit, text_len: Optional[int], geometry):
     prompt, pooled = tensors["prompt_embeds"].float(), tensors["pooled_prompt_embeds"].float()
     neg_prompt = tensors.get("negative_prompt_embeds", torch.zeros_like(prompt)).float()
     neg_pooled = tensors.get("negative_pooled_prompt_embeds", torch.zeros_like(pooled)).float()
-    return prompt.reshape(1, -1, joint_dim), pooled.reshape(1, pooled_dim), \
-        neg_prompt.reshape(1, -1, joint_dim), neg_pooled.reshape(1, pooled_dim)
+    return (
+        prompt.reshape(1, -1, joint_dim),
+        pooled.reshape(1, pooled_dim),
+        neg_prompt.reshape(1, -1, joint_dim),
+        neg_pooled.reshape(1, pooled_dim),
+    )
 
 
 def initial_noise(seed: int, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -125,8 +138,9 @@ def initial_noise(seed: int, height: int, width: int, dtype: torch.dtype) -> tor
     return pack(torch.randn(1, LATENT_CHANNELS, height, width, generator=gen, dtype=dtype)).float()
 
 
-def edit_inputs(edit: Edit, codec, geometry, workload_cfg, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> EditInputs:
+def edit_inputs(
+    edit: Edit, codec, geometry, workload_cfg, device: torch.device, dtype: torch.dtype = torch.float32
+) -> EditInputs:
     """Model inputs of one edit, deterministic in (edit, seed, dtype) and independent of the rank.
 
     ``dtype`` is the model's compute dtype, the one diffusers draws its noise in. With true CFG off
@@ -137,9 +151,13 @@ def edit_inputs(edit: Edit, codec, geometry, workload_cfg, device: torch.device,
     ref = pack(codec.encode(load_image(edit).to(device)).float())
     prompt, pooled, neg_prompt, neg_pooled = prompt_embeddings(edit, workload_cfg.text_len, geometry)
     inputs = EditInputs(
-        noise=initial_noise(edit.seed, h, w, dtype).to(device), ref_latents=ref,
-        img_ids=token_ids(h, w, 0, device), ref_ids=token_ids(ref_h, ref_w, 1, device),
-        prompt=prompt.to(device), pooled=pooled.to(device), txt_ids=torch.zeros(prompt.shape[1], 3, device=device),
+        noise=initial_noise(edit.seed, h, w, dtype).to(device),
+        ref_latents=ref,
+        img_ids=token_ids(h, w, 0, device),
+        ref_ids=token_ids(ref_h, ref_w, 1, device),
+        prompt=prompt.to(device),
+        pooled=pooled.to(device),
+        txt_ids=torch.zeros(prompt.shape[1], 3, device=device),
     )
     if workload_cfg.true_cfg_scale > 1:
         inputs.neg_prompt = _fit_length(neg_prompt, prompt.shape[1]).to(device)

@@ -16,9 +16,7 @@ from ditrun.model.folders import model_text_len
 from ditrun.workload.edit import Edit, WorkloadError
 from ditrun.workload.images import PATCH_PIXELS, REF_RESIZE, not_regular
 
-
-_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height",
-              "target")
+_EDIT_KEYS = ("id", "image", "prompt", "prompt_embeds", "seed", "width", "height", "ref_width", "ref_height", "target")
 
 
 # An edit id names its output files, so it must be a plain file stem: nothing that could climb
@@ -42,8 +40,10 @@ def _read_manifest(path: str) -> list[dict]:
     try:
         size = file.stat().st_size
         if size > MAX_MANIFEST_BYTES:
-            raise WorkloadError(f"workload.manifest={path!r} is {size / 2**20:.0f} MiB; a manifest is at most "
-                                f"{MAX_MANIFEST_BYTES // 2**20} MiB.")
+            raise WorkloadError(
+                f"workload.manifest={path!r} is {size / 2**20:.0f} MiB; a manifest is at most "
+                f"{MAX_MANIFEST_BYTES // 2**20} MiB."
+            )
         text = file.read_text()
     except OSError as err:
         raise WorkloadError(f"workload.manifest={path!r} cannot be read: {err.strerror}.")
@@ -89,8 +89,10 @@ def check_config(workload_cfg) -> None:
     if text_len is not None and text_len < 1:
         raise WorkloadError(f"workload.text_len={text_len} must be a positive number of stand-in prompt tokens.")
     if workload_cfg.ref_resize not in REF_RESIZE:
-        raise WorkloadError(f"workload.ref_resize={workload_cfg.ref_resize!r} is not a reference size rule; allowed: "
-                            f"{', '.join(REF_RESIZE)}.")
+        raise WorkloadError(
+            f"workload.ref_resize={workload_cfg.ref_resize!r} is not a reference size rule; allowed: "
+            f"{', '.join(REF_RESIZE)}."
+        )
     for key in ("guidance_scale", "true_cfg_scale"):
         value = getattr(workload_cfg, key)
         if not math.isfinite(value):
@@ -133,8 +135,10 @@ def _check_unique_ids(raw: list) -> None:
     for index, entry in enumerate(raw):
         name = declared_id(index, entry)
         if name in first:
-            raise WorkloadError(f"edit id {name!r} appears twice in the workload (entries {first[name]} and {index}, "
-                                "counting from 0); ids name output files.")
+            raise WorkloadError(
+                f"edit id {name!r} appears twice in the workload (entries {first[name]} and {index}, "
+                "counting from 0); ids name output files."
+            )
         first[name] = index
 
 
@@ -152,8 +156,13 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
         raise WorkloadError(f"edit {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(_EDIT_KEYS)}.")
     if not entry.get("image"):
         raise WorkloadError(f"edit {name!r} names no image (key 'image': skimage:<name> or a file path).")
-    defaults = {"seed": workload_cfg.seed + index, "width": workload_cfg.width, "height": workload_cfg.height,
-                "ref_width": workload_cfg.ref_width, "ref_height": workload_cfg.ref_height}
+    defaults = {
+        "seed": workload_cfg.seed + index,
+        "width": workload_cfg.width,
+        "height": workload_cfg.height,
+        "ref_width": workload_cfg.ref_width,
+        "ref_height": workload_cfg.ref_height,
+    }
     numbers = {key: _int_field(name, entry, key, default) for key, default in defaults.items()}
     for key in ("width", "height", "ref_width", "ref_height"):
         value = numbers[key]
@@ -161,10 +170,19 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
             source = "" if entry.get(key) is not None else f" (workload.{key})"
             raise WorkloadError(f"edit {name!r} has {key}={value}{source}; it must be a positive multiple of 16.")
     if (numbers["ref_width"] is None) != (numbers["ref_height"] is None):
-        raise WorkloadError(f"edit {name!r} sets only one of ref_width and ref_height; set both, or neither to let "
-                            f"workload.ref_resize={workload_cfg.ref_resize!r} decide.")
-    edit = Edit(index=index, id=str(name), image=str(entry["image"]), prompt=str(entry.get("prompt") or ""),
-                prompt_embeds=entry.get("prompt_embeds"), target=_target(name, entry.get("target")), **numbers)
+        raise WorkloadError(
+            f"edit {name!r} sets only one of ref_width and ref_height; set both, or neither to let "
+            f"workload.ref_resize={workload_cfg.ref_resize!r} decide."
+        )
+    edit = Edit(
+        index=index,
+        id=str(name),
+        image=str(entry["image"]),
+        prompt=str(entry.get("prompt") or ""),
+        prompt_embeds=entry.get("prompt_embeds"),
+        target=_target(name, entry.get("target")),
+        **numbers,
+    )
     _check_seed(f"edit {edit.id!r}: seed", edit.seed)
     if edit.ref_width is None:
         ref_width, ref_height = REF_RESIZE[workload_cfg.ref_resize](edit)
@@ -179,8 +197,10 @@ def _target(name: str, target) -> Optional[str]:
     if target is None or str(target) in EDITS:
         return None if target is None else str(target)
     if not isinstance(target, str) or not Path(target).exists():
-        raise WorkloadError(f"edit {name!r} has target={target!r}; allowed: an edit name ({EDITS.allowed()}) or an "
-                            "image file of the correct result.")
+        raise WorkloadError(
+            f"edit {name!r} has target={target!r}; allowed: an edit name ({EDITS.allowed()}) or an "
+            "image file of the correct result."
+        )
     return target
 
 

@@ -28,7 +28,6 @@ from ditrun.errors import UserError
 from ditrun.model.folders import ENCODER_PARTS, is_pipeline_folder
 from ditrun.user_cache import user_cache_dir
 
-
 # Bump when what is stored under a key changes.
 PROMPT_FORMAT = 1
 
@@ -41,14 +40,20 @@ def _check_encoders(folder: Path) -> None:
     missing = [part for part in ENCODER_PARTS if not (folder / part).is_dir()]
     if missing:
         parts = ", ".join(f"{part}/" for part in missing)
-        raise UserError(f"model.path={str(folder)!r} is a pipeline folder without {parts}; "
-                        "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers.")
+        raise UserError(
+            f"model.path={str(folder)!r} is a pipeline folder without {parts}; "
+            "give every edit a prompt_embeds file, or use a folder with both text encoders and tokenizers."
+        )
 
 
 def _encoder_fingerprint(folder: Path) -> list:
     """What decides an encoding: the encoders' and tokenizers' files (names, sizes, mtimes)."""
-    return sorted([str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns]
-                  for part in ENCODER_PARTS for f in (folder / part).rglob("*") if f.is_file())
+    return sorted(
+        [str(f.relative_to(folder)), f.stat().st_size, f.stat().st_mtime_ns]
+        for part in ENCODER_PARTS
+        for f in (folder / part).rglob("*")
+        if f.is_file()
+    )
 
 
 @dataclasses.dataclass
@@ -63,8 +68,15 @@ class PromptCache:
         self._fingerprint = _encoder_fingerprint(self.folder)
 
     def file(self, prompt: str) -> Path:
-        key = json.dumps({"format": PROMPT_FORMAT, "folder": str(self.folder.resolve()), "encoders": self._fingerprint,
-                          "prompt": prompt, "max_sequence_length": self.max_sequence_length})
+        key = json.dumps(
+            {
+                "format": PROMPT_FORMAT,
+                "folder": str(self.folder.resolve()),
+                "encoders": self._fingerprint,
+                "prompt": prompt,
+                "max_sequence_length": self.max_sequence_length,
+            }
+        )
         return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def missing(self, prompts: list[str]) -> list[str]:
@@ -85,14 +97,23 @@ def encode(cache: PromptCache, prompts: list[str], device: torch.device, dtype: 
     from diffusers import FluxPipeline
     from safetensors.torch import save
 
-    pipe = FluxPipeline.from_pretrained(cache.folder, transformer=None, vae=None, torch_dtype=dtype,
-                                        low_cpu_mem_usage=False).to(device)
+    pipe = FluxPipeline.from_pretrained(
+        cache.folder, transformer=None, vae=None, torch_dtype=dtype, low_cpu_mem_usage=False
+    ).to(device)
     with torch.no_grad():
         for prompt in prompts:
-            embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=device,
-                                                   max_sequence_length=cache.max_sequence_length)
-            cache.store(prompt, save({"prompt_embeds": embeds[0].float().cpu().contiguous(),
-                                      "pooled_prompt_embeds": pooled[0].float().cpu().contiguous()}))
+            embeds, pooled, _ = pipe.encode_prompt(
+                prompt=prompt, prompt_2=None, device=device, max_sequence_length=cache.max_sequence_length
+            )
+            cache.store(
+                prompt,
+                save(
+                    {
+                        "prompt_embeds": embeds[0].float().cpu().contiguous(),
+                        "pooled_prompt_embeds": pooled[0].float().cpu().contiguous(),
+                    }
+                ),
+            )
     del pipe
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -120,8 +141,10 @@ def _edit_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
     combined = cache.file(prompt).with_name(cache.file(prompt).stem + ".cfg.safetensors")
     if not combined.is_file():
         tensors, negative = load_file(cache.file(prompt)), load_file(cache.file(NEGATIVE_PROMPT))
-        tensors.update(negative_prompt_embeds=negative["prompt_embeds"],
-                       negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"])
+        tensors.update(
+            negative_prompt_embeds=negative["prompt_embeds"],
+            negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"],
+        )
         fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=cache.root)
         os.close(fd)
         save_file(tensors, tmp)
@@ -135,21 +158,28 @@ def prompt_cache(edits: list, cfg) -> Optional[PromptCache]:
     if not is_pipeline_folder(cfg.model.path) or all(e.prompt_embeds for e in edits):
         return None
     _check_encoders(Path(cfg.model.path))
-    return PromptCache(Path(cfg.model.path), cfg.workload.text_len,
-                       Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else user_cache_dir() / "prompts")
+    return PromptCache(
+        Path(cfg.model.path),
+        cfg.workload.text_len,
+        Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else user_cache_dir() / "prompts",
+    )
 
 
 def _prompts(edits: list, cfg) -> list[str]:
-    return [e.prompt for e in edits if not e.prompt_embeds] + ([NEGATIVE_PROMPT] if cfg.workload.true_cfg_scale > 1
-                                                                else [])
+    return [e.prompt for e in edits if not e.prompt_embeds] + (
+        [NEGATIVE_PROMPT] if cfg.workload.true_cfg_scale > 1 else []
+    )
 
 
 def encode_missing(cache: PromptCache, edits: list, cfg, device: torch.device, dtype: torch.dtype) -> None:
     """Encode the prompts of ``edits`` that ``cache`` lacks (global rank 0's work, alone)."""
     missing = cache.missing(_prompts(edits, cfg))
     if missing:
-        print(f"ditrun: encoding {len(missing)} prompts with the text encoders of {cache.folder} at "
-              f"{cache.max_sequence_length} tokens ({cfg.workload.text_len_from}), cached in {cache.root}", flush=True)
+        print(
+            f"ditrun: encoding {len(missing)} prompts with the text encoders of {cache.folder} at "
+            f"{cache.max_sequence_length} tokens ({cfg.workload.text_len_from}), cached in {cache.root}",
+            flush=True,
+        )
         encode(cache, missing, device, dtype)
 
 
@@ -160,5 +190,7 @@ def with_embeddings(cache: PromptCache, edits: list, cfg, control) -> list:
     if control is not None:
         _share(cache, _prompts(edits, cfg), control)
     true_cfg = cfg.workload.true_cfg_scale > 1
-    return [e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
-            for e in edits]
+    return [
+        e if e.prompt_embeds else dataclasses.replace(e, prompt_embeds=str(_edit_file(cache, e.prompt, true_cfg)))
+        for e in edits
+    ]

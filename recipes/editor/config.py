@@ -111,8 +111,10 @@ def _choices(cfg: TrainConfig) -> list[str]:
     for name in ("train_pictures", "eval_pictures"):
         unknown = [p for p in getattr(cfg, name) if not pictures.exists(p)]
         if unknown:
-            out.append(f"--{_option(name)}: {', '.join(unknown)} is not a picture shipped in an installed package "
-                       f"(package:name, packages {', '.join(pictures.PACKAGES)}).")
+            out.append(
+                f"--{_option(name)}: {', '.join(unknown)} is not a picture shipped in an installed package "
+                f"(package:name, packages {', '.join(pictures.PACKAGES)})."
+            )
     if not cfg.train_pictures or not cfg.eval_pictures:
         out.append("--train-pictures and --eval-pictures must each name at least one picture.")
     if any(s < 1 for s in cfg.eval_cfg_scales) or not cfg.eval_cfg_scales:
@@ -124,8 +126,9 @@ def problems(cfg: TrainConfig) -> list[str]:
     """One sentence per wrong setting (empty when every value is usable)."""
     out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg)
     out += _positive(cfg, "vae_batch", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
-    out += _not_negative(cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl",
-                         "vae_loss_weight")
+    out += _not_negative(
+        cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl", "vae_loss_weight"
+    )
     out += [f"--{_option(n)} {getattr(cfg, n)}: must be above 0." for n in ("vae_lr", "dit_lr") if getattr(cfg, n) <= 0]
     out += _fraction(cfg, "prompt_dropout", 0.99) + _fraction(cfg, "ema", 0.99999) + _fraction(cfg, "dead_leaves", 1)
     if cfg.dit_stop_after > cfg.dit_steps:
@@ -147,8 +150,13 @@ def add_options(parser) -> None:
         default = field.default
         kind = type(default[0]) if isinstance(default, tuple) else type(default)
         shown = _text(default) if isinstance(default, tuple) else default
-        parser.add_argument("--" + _option(field.name), type=_parser(kind, isinstance(default, tuple)), default=default,
-                            help=f"default {shown}", metavar=kind.__name__.upper())
+        parser.add_argument(
+            "--" + _option(field.name),
+            type=_parser(kind, isinstance(default, tuple)),
+            default=default,
+            help=f"default {shown}",
+            metavar=kind.__name__.upper(),
+        )
 
 
 def _parser(kind: type, many: bool):
@@ -167,8 +175,23 @@ def from_options(args) -> TrainConfig:
 # (so a VAE-only command, --dit-steps 0, hands its VAE to the full training); the DiT phase on everything but what
 # is only measured or logged.
 MEASURED_ONLY = ("eval_pictures", "eval_steps", "eval_cfg_scales", "eval_every", "log_every")
-VAE_FIELDS = ("seed", "size", "train_pictures", "vae_steps", "vae_batch", "vae_crop", "vae_lr", "vae_kl", "vae_widths",
-              "vae_layers", "vae_norm_groups", "vae_loss", "vae_loss_weight", "dead_leaves", "warmup")
+VAE_FIELDS = (
+    "seed",
+    "size",
+    "train_pictures",
+    "vae_steps",
+    "vae_batch",
+    "vae_crop",
+    "vae_lr",
+    "vae_kl",
+    "vae_widths",
+    "vae_layers",
+    "vae_norm_groups",
+    "vae_loss",
+    "vae_loss_weight",
+    "dead_leaves",
+    "warmup",
+)
 
 
 def phase_fields(phase: str) -> tuple:

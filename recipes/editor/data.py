@@ -42,7 +42,7 @@ class Crops:
         side = max(16, int(min(height, width) * self._uniform(0.3, 1.0)))
         top = int(torch.randint(height - side + 1, (), generator=self.gen))
         left = int(torch.randint(width - side + 1, (), generator=self.gen))
-        crop = picture[None, :, top:top + side, left:left + side]
+        crop = picture[None, :, top : top + side, left : left + side]
         crop = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         if torch.rand((), generator=self.gen) < 0.5:
             crop = crop.flip(-1)
@@ -84,7 +84,7 @@ class DeadLeaves:
         # inverse CDF of the density r^-3 on [low, high]
         low, high = (size * r for r in LEAF_RADII)
         u = torch.rand(shape, generator=self.gen)
-        return (low ** -2 - u * (low ** -2 - high ** -2)) ** -0.5
+        return (low**-2 - u * (low**-2 - high**-2)) ** -0.5
 
     def batch(self, n: int, size: int) -> torch.Tensor:
         """-> [n, 3, size, size] in [0, 1]; the disc drawn last lies on top."""
@@ -97,7 +97,7 @@ class DeadLeaves:
         dy = grid[None, None, :, None] - centres[..., 0, None, None]
         dx = grid[None, None, None, :] - centres[..., 1, None, None]
         # coverage of each pixel by each disc, a one-pixel ramp at the edge: [n, K, size, size]
-        alpha = (radii[..., None, None] - (dy ** 2 + dx ** 2).sqrt() + 0.5).clamp(0, 1)
+        alpha = (radii[..., None, None] - (dy**2 + dx**2).sqrt() + 0.5).clamp(0, 1)
         # what shows through every disc drawn after disc k
         above = torch.cumprod((1 - alpha).flip(1), dim=1).flip(1)
         through = torch.cat([above[:, 1:], torch.ones_like(above[:, :1])], dim=1)

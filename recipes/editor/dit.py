@@ -37,13 +37,15 @@ def encode_prompts(folder: Path, texts: list[str], text_len: int, device: torch.
     ``encode_prompt``). -> ([N, text_len, joint_dim], [N, pooled_dim]) fp32 on ``device``"""
     from diffusers import FluxPipeline
 
-    pipe = FluxPipeline.from_pretrained(folder, transformer=None, vae=None, torch_dtype=torch.float32,
-                                        low_cpu_mem_usage=False)
+    pipe = FluxPipeline.from_pretrained(
+        folder, transformer=None, vae=None, torch_dtype=torch.float32, low_cpu_mem_usage=False
+    )
     pipe.set_progress_bar_config(disable=True)
     embeds, pooled = [], []
     for text in texts:
-        e, p, _ = pipe.encode_prompt(prompt=text, prompt_2=None, device=torch.device("cpu"),
-                                     max_sequence_length=text_len)
+        e, p, _ = pipe.encode_prompt(
+            prompt=text, prompt_2=None, device=torch.device("cpu"), max_sequence_length=text_len
+        )
         embeds.append(e[0])
         pooled.append(p[0])
     return torch.stack(embeds).to(device), torch.stack(pooled).to(device)
@@ -76,6 +78,12 @@ def dit_loss(model, xt, ref, embeds, pooled, sigma, target, ids, txt_ids) -> tor
     xt, ref, target: [B, S, 64]; embeds: [B, L, D]; pooled: [B, P]; sigma: [B]; ids: [2S, 3]; txt_ids: [L, 3]
     """
     with autocast(xt.device):
-        v = model(hidden_states=torch.cat([xt, ref], dim=1), encoder_hidden_states=embeds,
-                  pooled_projections=pooled, timestep=sigma, img_ids=ids, txt_ids=txt_ids)[:, :xt.shape[1]]
+        v = model(
+            hidden_states=torch.cat([xt, ref], dim=1),
+            encoder_hidden_states=embeds,
+            pooled_projections=pooled,
+            timestep=sigma,
+            img_ids=ids,
+            txt_ids=txt_ids,
+        )[:, : xt.shape[1]]
     return F.mse_loss(v.float(), target)

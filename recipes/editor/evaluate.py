@@ -13,10 +13,10 @@ import numpy as np
 import torch
 
 from ditrun.editor import transforms
-from ditrun.results.files import to_rgb8
 from ditrun.metrics.target import make_target, psnr, scores
 from ditrun.model.latents import pack, token_ids, unpack
 from ditrun.model.sampler import EditInputs, denoise, sequential_cfg_velocity
+from ditrun.results.files import to_rgb8
 from recipes.editor import pictures
 from recipes.editor.data import EMPTY_PROMPT
 
@@ -59,8 +59,9 @@ def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) ->
 
 
 @torch.no_grad()
-def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int, cfg_scale: float,
-                 seed: int) -> torch.Tensor:
+def sample_edits(
+    model, codec, refs: torch.Tensor, prompt, negative, steps: int, cfg_scale: float, seed: int
+) -> torch.Tensor:
     """One edit of each reference with ditrun's sampler (``denoise`` + true CFG), noise seeded as a run's.
 
     refs: [B, 3, S, S] in [0, 1]; prompt, negative: ([L, D], [P]) -> [B, 3, S, S] in [0, 1]
@@ -71,9 +72,14 @@ def sample_edits(model, codec, refs: torch.Tensor, prompt, negative, steps: int,
     dtype = next(model.parameters()).dtype
     noise = torch.cat([initial_noise(seed + i, latent, latent, dtype) for i in range(batch)]).to(device)
     inputs = EditInputs(
-        noise=noise, ref_latents=pack(codec.encode(refs)), img_ids=token_ids(latent, latent, 0, device),
-        ref_ids=token_ids(latent, latent, 1, device), prompt=prompt[0].expand(batch, -1, -1),
-        pooled=prompt[1].expand(batch, -1), txt_ids=torch.zeros(prompt[0].shape[0], 3, device=device))
+        noise=noise,
+        ref_latents=pack(codec.encode(refs)),
+        img_ids=token_ids(latent, latent, 0, device),
+        ref_ids=token_ids(latent, latent, 1, device),
+        prompt=prompt[0].expand(batch, -1, -1),
+        pooled=prompt[1].expand(batch, -1),
+        txt_ids=torch.zeros(prompt[0].shape[0], 3, device=device),
+    )
     if cfg_scale > 1:
         inputs.neg_prompt, inputs.neg_pooled = negative[0].expand(batch, -1, -1), negative[1].expand(batch, -1)
     velocity = sequential_cfg_velocity(model, inputs, cfg_scale, None, dtype)
@@ -87,22 +93,29 @@ def edits(model, codec, refs: torch.Tensor, names, prompt_of, scale: float, step
     known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
     out = {}
     for edit_name, edit in transforms.EDITS.items():
-        outputs = rgb8(sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), prompt_of(EMPTY_PROMPT), steps,
-                                    scale, seed))
-        out[edit_name] = {n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
-                          for i, (n, o, r) in enumerate(zip(names, outputs, references))}
+        outputs = rgb8(
+            sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), prompt_of(EMPTY_PROMPT), steps, scale, seed)
+        )
+        out[edit_name] = {
+            n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
+            for i, (n, o, r) in enumerate(zip(names, outputs, references))
+        }
     return out
 
 
 def summarize(per_edit: dict) -> dict:
     """Per instruction and over all: median PSNR, median margin, and how many edits beat every naive candidate."""
+
     def stats(cells):
         margins = [c["margin"] for c in cells if c["margin"] is not None]
         colour = [c["delta_e"] for c in cells if c["delta_e"] is not None]
-        return {"psnr_median": float(np.median([c["psnr"] for c in cells])),
-                "delta_e_median": float(np.median(colour)) if colour else None,
-                "margin_median": float(np.median(margins)) if margins else None,
-                "beat_all": sum(m > 0 for m in margins), "counted": len(margins)}
+        return {
+            "psnr_median": float(np.median([c["psnr"] for c in cells])),
+            "delta_e_median": float(np.median(colour)) if colour else None,
+            "margin_median": float(np.median(margins)) if margins else None,
+            "beat_all": sum(m > 0 for m in margins),
+            "counted": len(margins),
+        }
 
     table = {name: stats(list(by_picture.values())) for name, by_picture in per_edit.items()}
     table["all"] = stats([c for by_picture in per_edit.values() for c in by_picture.values()])
@@ -111,8 +124,10 @@ def summarize(per_edit: dict) -> dict:
 
 def table(summary: dict) -> str:
     """The summary as a Markdown table (docs/EDITOR.md's per-instruction table)."""
-    lines = ["| edit | median PSNR (dB) | median CIEDE2000 | median margin (dB) | beat every naive candidate |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = [
+        "| edit | median PSNR (dB) | median CIEDE2000 | median margin (dB) | beat every naive candidate |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, s in summary.items():
         margin = "n/a" if s["margin_median"] is None else f"{s['margin_median']:+.1f}"
         colour = "n/a" if s["delta_e_median"] is None else f"{s['delta_e_median']:.1f}"

@@ -25,8 +25,13 @@ CLIP_MAX_LENGTH = 77
 CLIP_WIDTH = 64
 T5_WIDTH = 64
 SCHEDULER = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
-    "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.5,
+    "max_shift": 1.15,
+    "base_image_seq_len": 256,
     "max_image_seq_len": 4096,
 }
 MODEL_INDEX = {
@@ -76,13 +81,33 @@ def text_encoders(seed: int):
 
     clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
     torch.manual_seed(seed)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=len(clip_tok), hidden_size=CLIP_WIDTH, intermediate_size=2 * CLIP_WIDTH, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=CLIP_MAX_LENGTH, bos_token_id=clip_tok.bos_token_id,
-        eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id, projection_dim=CLIP_WIDTH))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=len(t5_tok), d_model=T5_WIDTH, d_kv=16, d_ff=2 * T5_WIDTH, num_layers=2, num_heads=4,
-        pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=0))
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(clip_tok),
+            hidden_size=CLIP_WIDTH,
+            intermediate_size=2 * CLIP_WIDTH,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=CLIP_MAX_LENGTH,
+            bos_token_id=clip_tok.bos_token_id,
+            eos_token_id=clip_tok.eos_token_id,
+            pad_token_id=clip_tok.pad_token_id,
+            projection_dim=CLIP_WIDTH,
+        )
+    )
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(t5_tok),
+            d_model=T5_WIDTH,
+            d_kv=16,
+            d_ff=2 * T5_WIDTH,
+            num_layers=2,
+            num_heads=4,
+            pad_token_id=t5_tok.pad_token_id,
+            eos_token_id=t5_tok.eos_token_id,
+            decoder_start_token_id=0,
+        )
+    )
     return clip.eval().requires_grad_(False), t5.eval().requires_grad_(False)
 
 

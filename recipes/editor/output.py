@@ -24,8 +24,10 @@ def refusal(out: Path, replace: bool) -> Optional[str]:
     if not out.parent.is_dir():
         return f"--out {out}: its parent folder {out.parent} does not exist."
     if out.is_dir() and any(out.iterdir()) and not replace:
-        return (f"--out {out} is not empty; pass --replace to replace it once the new folder is complete, "
-                "or name another folder.")
+        return (
+            f"--out {out} is not empty; pass --replace to replace it once the new folder is complete, "
+            "or name another folder."
+        )
     return None
 
 

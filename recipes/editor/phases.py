@@ -64,8 +64,9 @@ class VaePhase:
         self.leaves = DeadLeaves(crops, cfg.seed + 3) if cfg.dead_leaves else None
         # initial weights from torch's global generator, where the text encoders left it (train() seeded it)
         self.model = make_vae(cfg).to(device).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0.0,
-                                     foreach=True)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0.0, foreach=True
+        )
         self.noise = torch.Generator(device=device).manual_seed(cfg.seed + 1)
         self.loss = compiled(vae_loss, compile_mode, device)
         self.cudagraphs = compile_mode == "inductor-cudagraphs"
@@ -92,8 +93,12 @@ class VaePhase:
         return {"data": self.crops.gen, "noise": self.noise}
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "done": False,
-                "generators": generator_states(self.generators())}
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "done": False,
+            "generators": generator_states(self.generators()),
+        }
 
     def restore(self, saved: dict) -> int:
         self.model.load_state_dict(saved["model"])
@@ -107,8 +112,10 @@ class VaePhase:
         self.model.eval()
         trip = evaluate.roundtrip(Codec(self.model), self.refs, self.cfg.eval_pictures)
         self.model.train()
-        return {"vae/eval_psnr": float(np.median([t["psnr"] for t in trip.values()])),
-                "vae/eval_ssim": float(np.median([t["ssim"] for t in trip.values()]))}
+        return {
+            "vae/eval_psnr": float(np.median([t["psnr"] for t in trip.values()])),
+            "vae/eval_ssim": float(np.median([t["ssim"] for t in trip.values()])),
+        }
 
     def finish(self):
         """The trained VAE, frozen, with Flux's latent statistics (drawn from the data generator)."""
@@ -118,9 +125,13 @@ class VaePhase:
 
     def finished_state(self) -> dict:
         config = self.model.config
-        return {"model": self.model.state_dict(), "done": True, "step": self.last,
-                "latent_statistics": [config.shift_factor, config.scaling_factor],
-                "generators": generator_states(self.generators())}
+        return {
+            "model": self.model.state_dict(),
+            "done": True,
+            "step": self.last,
+            "latent_statistics": [config.shift_factor, config.scaling_factor],
+            "generators": generator_states(self.generators()),
+        }
 
     def restore_finished(self, saved: dict):
         self.restore(saved)
@@ -132,8 +143,16 @@ class VaePhase:
 class DitPhase:
     name = "dit"
 
-    def __init__(self, cfg: TrainConfig, batches: Batches, table, codec: Codec, device: torch.device,
-                 compile_mode: str, pool_state: torch.Tensor):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        batches: Batches,
+        table,
+        codec: Codec,
+        device: torch.device,
+        compile_mode: str,
+        pool_state: torch.Tensor,
+    ):
         self.cfg, self.batches, self.table, self.codec, self.device = cfg, batches, table, codec, device
         self.pool_state = pool_state  # the data generator's state when the pool was drawn: a resumption redraws it
         self.model = make_dit(device).train()
@@ -141,8 +160,14 @@ class DitPhase:
         self.ema.load_state_dict(self.model.state_dict())
         # fused: one kernel for the update rather than a few per tensor (CUDA; foreach, as eager always was, elsewhere)
         fused = device.type == "cuda" and compile_mode != "off"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.dit_lr, betas=(0.9, 0.99), weight_decay=0.0,
-                                     fused=fused or None, foreach=None if fused else True)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.dit_lr,
+            betas=(0.9, 0.99),
+            weight_decay=0.0,
+            fused=fused or None,
+            foreach=None if fused else True,
+        )
         self.noise = torch.Generator(device=device).manual_seed(cfg.seed + 2)
         self.loss = compiled(dit_loss, compile_mode, device)
         self.cudagraphs = compile_mode == "inductor-cudagraphs"
@@ -162,8 +187,7 @@ class DitPhase:
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
         with attention_backend(self.device):
-            loss = self.loss(self.model, xt, ref, embeds[rows], pooled[rows], sigma, noise - x0, self.ids,
-                             self.txt_ids)
+            loss = self.loss(self.model, xt, ref, embeds[rows], pooled[rows], sigma, noise - x0, self.ids, self.txt_ids)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -177,8 +201,13 @@ class DitPhase:
         return {"data": self.batches.gen, "noise": self.noise}
 
     def state(self) -> dict:
-        return {"model": self.model.state_dict(), "ema": self.ema.state_dict(), "optimizer": self.opt.state_dict(),
-                "pool_state": self.pool_state, "generators": generator_states(self.generators())}
+        return {
+            "model": self.model.state_dict(),
+            "ema": self.ema.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "pool_state": self.pool_state,
+            "generators": generator_states(self.generators()),
+        }
 
     def restore(self, saved: dict) -> int:
         self.model.load_state_dict(saved["model"])
@@ -191,12 +220,22 @@ class DitPhase:
         """Median PSNR against the correct edit and median margin over the naive candidates (EMA, last CFG scale)."""
         embeds, pooled = self.table
         index = self.batches.prompt_index
-        per_edit = evaluate.edits(self.ema, self.codec, self.refs, self.cfg.eval_pictures,
-                                  lambda text: (embeds[index[text]], pooled[index[text]]),
-                                  self.cfg.eval_cfg_scales[-1], self.cfg.eval_steps, self.cfg.seed)
+        per_edit = evaluate.edits(
+            self.ema,
+            self.codec,
+            self.refs,
+            self.cfg.eval_pictures,
+            lambda text: (embeds[index[text]], pooled[index[text]]),
+            self.cfg.eval_cfg_scales[-1],
+            self.cfg.eval_steps,
+            self.cfg.seed,
+        )
         overall = evaluate.summarize(per_edit)["all"]
-        return {"dit/eval_psnr": overall["psnr_median"], "dit/eval_margin": overall["margin_median"],
-                "dit/eval_beat_all": overall["beat_all"] / max(1, overall["counted"])}
+        return {
+            "dit/eval_psnr": overall["psnr_median"],
+            "dit/eval_margin": overall["margin_median"],
+            "dit/eval_beat_all": overall["beat_all"] / max(1, overall["counted"]),
+        }
 
 
 class Budget:
@@ -215,8 +254,7 @@ class Budget:
             self.steps_left -= 1
 
 
-def run_phase(phase, start: int, cfg: TrainConfig, checkpoints: Checkpoints, every: int, budget: Budget,
-              log) -> None:
+def run_phase(phase, start: int, cfg: TrainConfig, checkpoints: Checkpoints, every: int, budget: Budget, log) -> None:
     """Steps ``start`` .. ``phase.last`` - 1: log every ``cfg.log_every``, measure every ``cfg.eval_every``,
     checkpoint every ``every`` and at the end; when the budget is spent, checkpoint and raise ``Stopped``."""
     for step in range(start, phase.last):

@@ -14,22 +14,50 @@ import numpy as np
 
 from ditrun.workload.images import to_rgb
 
-HELD_OUT = ("skimage:astronaut", "skimage:coffee", "skimage:chelsea", "skimage:rocket",
-            "matplotlib:grace_hopper.jpg", "skimage:stereo_motorcycle", "skimage:camera", "skimage:coins")
-TRAIN = ("skimage:brick", "skimage:cell", "skimage:colorwheel", "skimage:grass", "skimage:gravel", "skimage:horse",
-         "skimage:hubble_deep_field", "skimage:immunohistochemistry", "skimage:logo", "skimage:moon", "skimage:page",
-         "skimage:retina", "skimage:text", "skimage:clock", "skimage:shepp_logan_phantom",
-         "matplotlib:Minduka_Present_Blue_Pack.png", "matplotlib:logo2.png",
-         "sklearn:china.jpg", "sklearn:flower.jpg")
-EXCLUDED = ("skimage:stereo_motorcycle (right view)", "skimage:microaneurysms", "skimage:checkerboard",
-            "skimage:lfw_subset")
+HELD_OUT = (
+    "skimage:astronaut",
+    "skimage:coffee",
+    "skimage:chelsea",
+    "skimage:rocket",
+    "matplotlib:grace_hopper.jpg",
+    "skimage:stereo_motorcycle",
+    "skimage:camera",
+    "skimage:coins",
+)
+TRAIN = (
+    "skimage:brick",
+    "skimage:cell",
+    "skimage:colorwheel",
+    "skimage:grass",
+    "skimage:gravel",
+    "skimage:horse",
+    "skimage:hubble_deep_field",
+    "skimage:immunohistochemistry",
+    "skimage:logo",
+    "skimage:moon",
+    "skimage:page",
+    "skimage:retina",
+    "skimage:text",
+    "skimage:clock",
+    "skimage:shepp_logan_phantom",
+    "matplotlib:Minduka_Present_Blue_Pack.png",
+    "matplotlib:logo2.png",
+    "sklearn:china.jpg",
+    "sklearn:flower.jpg",
+)
+EXCLUDED = (
+    "skimage:stereo_motorcycle (right view)",
+    "skimage:microaneurysms",
+    "skimage:checkerboard",
+    "skimage:lfw_subset",
+)
 PACKAGES = ("skimage", "matplotlib", "sklearn")
 # Where each package's pictures come from, and their licences (docs/EDITOR.md).
 SOURCES = {
     "skimage": "scikit-image's skimage.data (public domain or CC0/CC-BY pictures; see skimage/data/README.txt)",
     "matplotlib": "matplotlib's sample_data (grace_hopper.jpg: public domain, US Navy; the rest matplotlib's own)",
     "sklearn": "scikit-learn's sample images (china.jpg, flower.jpg: CC-BY 2.0, "
-               "see sklearn/datasets/images/README.txt)",
+    "see sklearn/datasets/images/README.txt)",
 }
 
 

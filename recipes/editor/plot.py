@@ -13,8 +13,10 @@ import json
 import sys
 from pathlib import Path
 
-PANELS = (("vae", "vae/loss", "vae/eval_psnr", "held-out round trip, median PSNR (dB)"),
-          ("dit", "dit/loss", "dit/eval_psnr", "held-out edits, median PSNR against the correct edit (dB)"))
+PANELS = (
+    ("vae", "vae/loss", "vae/eval_psnr", "held-out round trip, median PSNR (dB)"),
+    ("dit", "dit/loss", "dit/eval_psnr", "held-out edits, median PSNR against the correct edit (dB)"),
+)
 
 
 def curves(rows: list[dict], phase: str, key: str) -> tuple[list[int], list[float]]:

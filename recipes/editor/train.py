@@ -75,8 +75,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop with a checkpoint after this long (0: never)")
     p.add_argument("--max-steps", type=int, default=0, help="stop with a checkpoint after this many steps (0: never)")
-    p.add_argument("--compile", default="auto",
-                   help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)")
+    p.add_argument(
+        "--compile",
+        default="auto",
+        help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--vae-from", type=Path, help="a vae/ folder this recipe wrote: train only the DiT on it")
     p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run, losses.jsonl only")
@@ -86,8 +89,20 @@ def parser() -> argparse.ArgumentParser:
 
 def run_options(args) -> Run:
     log_dir = args.log_dir or args.out.with_name(args.out.name + ".training")
-    return Run(args.out, args.replace, log_dir, args.checkpoint_dir, args.resume, args.checkpoint_every,
-               args.max_minutes, args.max_steps, args.compile, args.device, args.vae_from, args.wandb)
+    return Run(
+        args.out,
+        args.replace,
+        log_dir,
+        args.checkpoint_dir,
+        args.resume,
+        args.checkpoint_every,
+        args.max_minutes,
+        args.max_steps,
+        args.compile,
+        args.device,
+        args.vae_from,
+        args.wandb,
+    )
 
 
 def _device_problem(name: str) -> Optional[str]:
@@ -101,9 +116,15 @@ def _device_problem(name: str) -> Optional[str]:
 
 
 def _budget_problems(run: Run) -> list[str]:
-    out = [f"--{name} {value}: must not be negative." for name, value in
-           (("max-minutes", run.max_minutes), ("max-steps", run.max_steps), ("checkpoint-every", run.checkpoint_every))
-           if value < 0]
+    out = [
+        f"--{name} {value}: must not be negative."
+        for name, value in (
+            ("max-minutes", run.max_minutes),
+            ("max-steps", run.max_steps),
+            ("checkpoint-every", run.checkpoint_every),
+        )
+        if value < 0
+    ]
     if (run.max_minutes or run.max_steps) and run.checkpoint_dir is None:
         out.append("--max-minutes and --max-steps need --checkpoint-dir: the work done would be lost.")
     if run.resume and run.checkpoint_dir is None:
@@ -122,8 +143,10 @@ def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str
     for phase, state in saved.items():
         difference = config.changed(state["config"], cfg, config.phase_fields(phase))
         if difference:
-            return (f"--resume: {folder / (phase + '.pt')} was made with {difference}; resume with the same "
-                    "settings or start another --checkpoint-dir.")
+            return (
+                f"--resume: {folder / (phase + '.pt')} was made with {difference}; resume with the same "
+                "settings or start another --checkpoint-dir."
+            )
     return None
 
 
@@ -131,8 +154,10 @@ def _path_problems(run: Run) -> list[str]:
     out = [refusal(run.out, run.replace)]
     logs = run.log_dir
     if logs.is_dir() and any(logs.iterdir()) and not (run.replace or run.resume):
-        out.append(f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
-                   "overwrite them, or name another --log-dir.")
+        out.append(
+            f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
+            "overwrite them, or name another --log-dir."
+        )
     if run.vae_from is not None and not (run.vae_from / "config.json").is_file():
         out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
     if run.compile not in COMPILE_MODES:
@@ -160,8 +185,11 @@ class Log:
     def __init__(self, run: Run, cfg: TrainConfig, position: tuple):
         run.log_dir.mkdir(parents=True, exist_ok=True)
         path = run.log_dir / "losses.jsonl"
-        kept = [line for line in path.read_text().splitlines() if _before(json.loads(line), position)] \
-            if run.resume and path.is_file() else []
+        kept = (
+            [line for line in path.read_text().splitlines() if _before(json.loads(line), position)]
+            if run.resume and path.is_file()
+            else []
+        )
         self.file = path.open("w")
         self.file.write("".join(line + "\n" for line in kept))
         self.start = time.perf_counter()
@@ -196,8 +224,9 @@ def _wandb_run(log_dir: Path, cfg: TrainConfig):
         print("train: wandb is not installed; losses go to losses.jsonl only", flush=True)
         return None
     os.environ.update(OFFLINE_ENVIRONMENT)
-    return wandb.init(project="ditrun", job_type="train-editor", dir=str(log_dir), mode="offline",
-                      config=dataclasses.asdict(cfg))
+    return wandb.init(
+        project="ditrun", job_type="train-editor", dir=str(log_dir), mode="offline", config=dataclasses.asdict(cfg)
+    )
 
 
 def resume_position(saved: dict) -> tuple:
@@ -213,8 +242,9 @@ def resume_position(saved: dict) -> tuple:
 # The phases
 
 
-def vae_phase(cfg: TrainConfig, run: Run, crops: Crops, device: torch.device, saved: dict, store: Checkpoints,
-              budget: Budget, log):
+def vae_phase(
+    cfg: TrainConfig, run: Run, crops: Crops, device: torch.device, saved: dict, store: Checkpoints, budget: Budget, log
+):
     """The trained VAE: loaded (``--vae-from``), taken from a finished phase's checkpoint, or trained (resumed)."""
     if run.vae_from is not None:
         return load_vae(run.vae_from, device)
@@ -228,8 +258,19 @@ def vae_phase(cfg: TrainConfig, run: Run, crops: Crops, device: torch.device, sa
     return vae
 
 
-def dit_phase(cfg: TrainConfig, run: Run, crops: Crops, codec: Codec, table, prompt_index: dict,
-              device: torch.device, saved: dict, store: Checkpoints, budget: Budget, log):
+def dit_phase(
+    cfg: TrainConfig,
+    run: Run,
+    crops: Crops,
+    codec: Codec,
+    table,
+    prompt_index: dict,
+    device: torch.device,
+    saved: dict,
+    store: Checkpoints,
+    budget: Budget,
+    log,
+):
     """The trained DiT's EMA. Its pool of encoded crops is drawn again on resumption, from the data generator's
     state when it was first drawn."""
     if cfg.dit_steps == 0:
@@ -251,8 +292,13 @@ def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device
     refs = evaluate.held_out_references(cfg.size, device, cfg.eval_pictures)
     embeds, pooled = table
     prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
-    result = {"pictures": list(cfg.eval_pictures), "steps": cfg.eval_steps,
-              "vae_roundtrip": evaluate.roundtrip(codec, refs, cfg.eval_pictures), "edits": {}, "summary": {}}
+    result = {
+        "pictures": list(cfg.eval_pictures),
+        "steps": cfg.eval_steps,
+        "vae_roundtrip": evaluate.roundtrip(codec, refs, cfg.eval_pictures),
+        "edits": {},
+        "summary": {},
+    }
     for scale in cfg.eval_cfg_scales if cfg.dit_steps else ():
         per_edit = evaluate.edits(dit, codec, refs, cfg.eval_pictures, prompt_of, scale, cfg.eval_steps, cfg.seed)
         result["edits"][f"true_cfg_scale={scale:g}"] = per_edit
@@ -301,8 +347,13 @@ def train(cfg: TrainConfig, run: Run, saved: dict) -> dict:
         staging.discard()
         log.finish({}, exit_code=EXIT_STOPPED if isinstance(error, Stopped) else 1)
         raise
-    record = {"config": dataclasses.asdict(cfg), "run": {k: str(v) for k, v in dataclasses.asdict(run).items()},
-              "times": times, "device": _device_name(run.device), "versions": _versions()}
+    record = {
+        "config": dataclasses.asdict(cfg),
+        "run": {k: str(v) for k, v in dataclasses.asdict(run).items()},
+        "times": times,
+        "device": _device_name(run.device),
+        "versions": _versions(),
+    }
     (run.log_dir / "train.json").write_text(json.dumps(record, indent=2) + "\n")
     (run.log_dir / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     log.finish(_flat_summary(result))
@@ -310,8 +361,12 @@ def train(cfg: TrainConfig, run: Run, saved: dict) -> dict:
 
 
 def _flat_summary(result: dict) -> dict:
-    return {f"eval/{setting}/{edit}/{key}": value for setting, table in result["summary"].items()
-            for edit, row in table.items() for key, value in row.items()}
+    return {
+        f"eval/{setting}/{edit}/{key}": value
+        for setting, table in result["summary"].items()
+        for edit, row in table.items()
+        for key, value in row.items()
+    }
 
 
 def _device_name(device: str) -> str:
@@ -350,8 +405,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         report(train(cfg, run, saved))
     except Stopped as stop:
-        print(f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: run the same "
-              "command with --resume to continue", flush=True)
+        print(
+            f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: run the same "
+            "command with --resume to continue",
+            flush=True,
+        )
         return EXIT_STOPPED
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -20,11 +20,21 @@ def make_vae(cfg: TrainConfig):
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=tuple(cfg.vae_widths),
-        layers_per_block=cfg.vae_layers, latent_channels=16, norm_num_groups=cfg.vae_norm_groups, sample_size=256,
-        scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False, use_post_quant_conv=False,
-        mid_block_add_attention=False)
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=tuple(cfg.vae_widths),
+        layers_per_block=cfg.vae_layers,
+        latent_channels=16,
+        norm_num_groups=cfg.vae_norm_groups,
+        sample_size=256,
+        scaling_factor=1.0,
+        shift_factor=0.0,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
 
 
 def load_vae(path: Path, device: torch.device):
@@ -45,18 +55,18 @@ def ssim_loss(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """1 - SSIM (Gaussian window of 11, sigma 1.5, per channel, data range 1), pixels in [-1, 1]."""
     a, b = (a + 1) / 2, (b + 1) / 2
     x = torch.arange(11, dtype=a.dtype, device=a.device) - 5
-    window = torch.exp(-x ** 2 / (2 * 1.5 ** 2))
+    window = torch.exp(-(x**2) / (2 * 1.5**2))
     window = (window / window.sum()).repeat(3, 1, 1, 1)  # [3, 1, 1, 11]
 
     def blur(image):
         return F.conv2d(F.conv2d(image, window, groups=3), window.transpose(-1, -2), groups=3)
 
     mean_a, mean_b = blur(a), blur(b)
-    var_a, var_b = blur(a * a) - mean_a ** 2, blur(b * b) - mean_b ** 2
+    var_a, var_b = blur(a * a) - mean_a**2, blur(b * b) - mean_b**2
     covariance = blur(a * b) - mean_a * mean_b
-    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    c1, c2 = 0.01**2, 0.03**2
     numerator = (2 * mean_a * mean_b + c1) * (2 * covariance + c2)
-    ssim = numerator / ((mean_a ** 2 + mean_b ** 2 + c1) * (var_a + var_b + c2))
+    ssim = numerator / ((mean_a**2 + mean_b**2 + c1) * (var_a + var_b + c2))
     return 1 - ssim.mean()
 
 

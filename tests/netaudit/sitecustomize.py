@@ -10,8 +10,15 @@ import socket
 import sys
 
 _LOG = os.environ.get("DITRUN_NET_AUDIT")
-_EVENTS = ("socket.connect", "socket.sendto", "socket.sendmsg", "socket.getaddrinfo", "socket.gethostbyname",
-           "socket.gethostbyname_ex", "socket.gethostbyaddr")
+_EVENTS = (
+    "socket.connect",
+    "socket.sendto",
+    "socket.sendmsg",
+    "socket.getaddrinfo",
+    "socket.gethostbyname",
+    "socket.gethostbyname_ex",
+    "socket.gethostbyaddr",
+)
 
 
 def _is_local(host) -> bool:
