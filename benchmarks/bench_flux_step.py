@@ -53,10 +53,12 @@ def forward_flops(n_img: int, n_txt: int) -> float:
     return g.num_layers * (double + attention) + g.num_single_layers * (single + attention)
 
 
-def build_diffusers_checkpoint(folder: Path):
+def diffusers_flux_dev():
+    """diffusers' FluxTransformer2DModel of FLUX.1-dev's geometry on the GPU, seeded random BF16 weights."""
     from diffusers import FluxTransformer2DModel
 
     g = FLUX_DEV
+    torch.manual_seed(0)
     with torch.device("cuda"):
         model = FluxTransformer2DModel(
             num_layers=g.num_layers,
@@ -68,7 +70,11 @@ def build_diffusers_checkpoint(folder: Path):
             guidance_embeds=True,
             axes_dims_rope=g.axes_dims_rope,
         )
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def build_diffusers_checkpoint(folder: Path):
+    model = diffusers_flux_dev()
     start = time.perf_counter()
     model.save_pretrained(folder, safe_serialization=True)
     return model, time.perf_counter() - start

@@ -53,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_flux_step import forward_flops, nothing_to_measure  # noqa: E402  (the same FLOP count)
+from bench_flux_step import diffusers_flux_dev, forward_flops, nothing_to_measure  # noqa: E402  (the same model and FLOP count)
 from timing import cuda_time  # noqa: E402
 
 from ditrun.config import (
@@ -159,25 +159,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # Models and inputs
-
-
-def diffusers_model():
-    from diffusers import FluxTransformer2DModel
-
-    g = FLUX_DEV
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = FluxTransformer2DModel(
-            num_layers=g.num_layers,
-            num_single_layers=g.num_single_layers,
-            attention_head_dim=g.attention_head_dim,
-            num_attention_heads=g.num_attention_heads,
-            joint_attention_dim=g.joint_attention_dim,
-            pooled_projection_dim=g.pooled_projection_dim,
-            guidance_embeds=True,
-            axes_dims_rope=g.axes_dims_rope,
-        )
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
 def make_inputs(tokens: int) -> dict:
@@ -346,7 +327,7 @@ def measure(
 def run_modes(
     modes: list[str], tokens_list: list[int], repeats: int, profile: bool, overrides: list[str]
 ) -> tuple[list[Row], dict]:
-    theirs = diffusers_model()
+    theirs = diffusers_flux_dev()
     weights = dict(theirs.state_dict())
     rows, references, skipped = [], {}, {}
     for mode in MODES:
