@@ -131,8 +131,6 @@ class TransportConfig:
     timeout_s: Optional[float] = None
     """``copy_engine``: seconds any wait for a peer may take before the run fails naming that peer;
     unset means ``launcher.collective_timeout_s``."""
-    chaos_s: float = 0.0
-    """``copy_engine`` on CPUs: a random delay of up to this many seconds before each copy (tests)."""
     node_size: int = 0
     """``copy_engine``: peers on another node go through the collective; 0 takes the nodes the rendezvous
     found (``parallel/placement.py``), N > 0 treats each N consecutive ranks of the run as one node, for
@@ -275,6 +273,17 @@ class FaultConfig:
 
 
 @dataclass
+class TestingConfig:
+    """Settings for ditrun's own tests, not for users: failure injection and transport delays. A rerun may change
+    them (``results/rundir.py``'s ``MAY_DIFFER``); the user's listings (README, docs) leave them out."""
+
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Failure injection (``launch/faults.py``)."""
+    chaos_s: float = 0.0
+    """``transport=copy_engine`` on CPUs: a random delay of up to this many seconds before each copy."""
+
+
+@dataclass
 class LauncherConfig:
     """Where the workers run."""
 
@@ -292,8 +301,6 @@ class LauncherConfig:
     get to stop at a step boundary before they are killed."""
     master_port: Optional[int] = None
     """Rendezvous port; unset derives one from the job id (or picks a free one locally)."""
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    """Failure injection for tests."""
 
 
 @dataclass
@@ -366,6 +373,7 @@ class RunConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
     device: str = "auto"
     """``auto`` (the local GPU when there is one, else the CPU), ``cuda`` or ``cpu``."""
     output_dir: Optional[str] = None

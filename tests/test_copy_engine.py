@@ -79,7 +79,7 @@ def test_copy_engine_equals_collective(tmp_path, world, layout, head_groups):
 @pytest.mark.parametrize("layout, world", [("ulysses", 4), ("cfg_split", 4), ("cfg_batch", 2)])
 def test_copy_engine_with_chaos_delays(tmp_path, layout, world):
     """Random delays before every copy: epochs and credits still order every slot's reuse."""
-    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "transport.chaos_s=0.003")
+    assert_bitwise_equal(tmp_path, world, f"layout={layout}", "layout.head_groups=2", "testing.chaos_s=0.003")
 
 
 @pytest.mark.slow
@@ -229,5 +229,8 @@ def test_transport_mistakes_are_one_sentence():
         UserError, match=r"^transport='nccl' is not a known transport; allowed: collective, copy_engine\.$"
     ):
         check_transport(TransportConfig(name="nccl"))
-    with pytest.raises(UserError, match=r"^transport.chaos_s=-1"):
-        check_transport(TransportConfig(name="copy_engine", chaos_s=-1))
+    from ditrun.config import TestingConfig
+    from ditrun.launch.faults import check_testing_config
+
+    with pytest.raises(UserError, match=r"^testing.chaos_s=-1"):
+        check_testing_config(TestingConfig(chaos_s=-1), 1, 1)

@@ -176,8 +176,8 @@ def test_a_rank_failing_mid_edit_stops_all_four_and_is_named(tmp_path):
             tmp_path,
             "layout=ulysses",
             "workload.steps=4",
-            "launcher.fault.crash_rank=2",
-            "launcher.fault.crash_at_step=2",
+            "testing.fault.crash_rank=2",
+            "testing.fault.crash_at_step=2",
         )
         for r in range(4)
     ]
@@ -234,8 +234,8 @@ def test_spawned_job_exits_nonzero_naming_the_failed_rank(tmp_path):
         ditrun_command(
             "launcher.world=2",
             "layout=ulysses",
-            "launcher.fault.crash_rank=1",
-            "launcher.fault.crash_at_step=1",
+            "testing.fault.crash_rank=1",
+            "testing.fault.crash_at_step=1",
             f"hydra.run.dir={tmp_path / 'run'}",
         ),
         140,
@@ -249,13 +249,13 @@ def test_spawned_job_exits_nonzero_naming_the_failed_rank(tmp_path):
 def test_launcher_mistakes_are_one_sentence_before_any_rank_starts(tmp_path):
     proc = run(
         ditrun_command(
-            "launcher.world=2", "layout.replicas=2", "launcher.fault.crash_rank=2", f"hydra.run.dir={tmp_path / 'run'}"
+            "launcher.world=2", "layout.replicas=2", "testing.fault.crash_rank=2", f"hydra.run.dir={tmp_path / 'run'}"
         ),
         60,
         tmp_path,
     )
     assert proc.returncode == 2
-    assert "ditrun: error: launcher.fault.crash_rank=2 is not a rank of this job; allowed: 0 to 1." in proc.stderr
+    assert "ditrun: error: testing.fault.crash_rank=2 is not a rank of this job; allowed: 0 to 1." in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -251,7 +251,7 @@ def test_a_rank_stuck_at_the_end_fails_the_job_naming_it(tmp_path):
             "launcher.world=2",
             "layout.replicas=2",
             "workload.limit=2",
-            "launcher.fault.hang_rank=1",
+            "testing.fault.hang_rank=1",
             "launcher.collective_timeout_s=3",
             f"hydra.run.dir={tmp_path / 'run'}",
         ),

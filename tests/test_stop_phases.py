@@ -1,8 +1,8 @@
 """A stop in every phase of a run, and a frozen rank of either index, through the real command.
 
-Each stop lands inside its phase deterministically: ``launcher.fault.pause_in=<phase>`` makes a
+Each stop lands inside its phase deterministically: ``testing.fault.pause_in=<phase>`` makes a
 rank say ``paused in <phase>`` and then sleep there, as a phase of hours would compute, and the
-signal is sent once the log says so. A frozen rank is ``launcher.fault.freeze_rank`` (the rank
+signal is sent once the log says so. A frozen rank is ``testing.fault.freeze_rank`` (the rank
 sends itself SIGSTOP mid-edit). Every run is in a session of its own, and every test fails if a
 process of it outlives the run (``wait_until_gone``, ``tests/conftest.py``).
 """
@@ -76,7 +76,7 @@ def assert_stopped(process: subprocess.Popen, log: Path, out: Path, sig: signal.
 )
 def test_a_stop_signal_inside_a_phase_stops_the_run(tmp_path, phase, sig, overrides):
     process, log = start(
-        tmp_path, f"launcher.fault.pause_in={phase}", f"metrics.reference_dir={tmp_path / 'refs'}", *overrides
+        tmp_path, f"testing.fault.pause_in={phase}", f"metrics.reference_dir={tmp_path / 'refs'}", *overrides
     )
     wait_for_line(process, log, f"paused in {phase}")
     process.send_signal(sig)
@@ -91,7 +91,7 @@ def test_a_stop_signal_while_rank_0_encodes_the_prompts_stops_every_rank(tmp_pat
     _pipeline_folder(tmp_path / "kontext", guidance_embeds=False)
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
     process, log = start(
-        tmp_path, *_pipeline_overrides(tmp_path, tmp_path / "prompts"), *SPAWNED, "launcher.fault.pause_in=prompts"
+        tmp_path, *_pipeline_overrides(tmp_path, tmp_path / "prompts"), *SPAWNED, "testing.fault.pause_in=prompts"
     )
     wait_for_line(process, log, "paused in prompts")
     process.send_signal(signal.SIGTERM)
@@ -103,7 +103,7 @@ def test_a_stop_signal_while_rank_0_encodes_the_prompts_stops_every_rank(tmp_pat
 def test_a_stop_signal_to_one_rank_ends_the_others_inside_their_phase(tmp_path):
     """SIGTERM to rank 1 alone while both ranks build their model: rank 0 hears of it through the store
     and its build ends too; the parent was sent nothing."""
-    process, log = start(tmp_path, *SPAWNED, "launcher.fault.pause_in=build")
+    process, log = start(tmp_path, *SPAWNED, "testing.fault.pause_in=build")
     pids = [paused_pid(process, log, rank, "build") for rank in (0, 1)]
     os.kill(pids[1], signal.SIGTERM)
     assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
@@ -128,8 +128,8 @@ def test_a_frozen_rank_fails_the_job_naming_it(tmp_path, frozen):
         "launcher.collective_timeout_s=5",
         "workload.steps=3",
         "metrics.ssim=false",
-        f"launcher.fault.freeze_rank={frozen}",
-        "launcher.fault.crash_at_step=1",
+        f"testing.fault.freeze_rank={frozen}",
+        "testing.fault.crash_at_step=1",
     )
     assert process.wait(timeout=200) == 1, log.read_text()
     wait_until_gone(process.pid, 15)
@@ -154,12 +154,12 @@ def test_a_rank_frozen_between_phases_is_named(tmp_path, frozen, pause_rank):
     either waits for it at the barrier after the build, which has no deadline of its own (rank 0 watches
     rank 1's heartbeat, rank 1 asks rank 0's store), or is still building alone itself, where only its
     heartbeat, asking rank 0's store, can notice."""
-    pause = [] if pause_rank is None else [f"launcher.fault.pause_rank={pause_rank}"]
+    pause = [] if pause_rank is None else [f"testing.fault.pause_rank={pause_rank}"]
     process, log = start(
         tmp_path,
         *SPAWNED,
         "launcher.collective_timeout_s=5",
-        "launcher.fault.pause_in=build",
+        "testing.fault.pause_in=build",
         "metrics.ssim=false",
         *pause,
     )
@@ -191,7 +191,7 @@ def test_ranks_killed_after_the_stop_timeout_leave_a_stopped_run_never_a_success
         "launcher.world=2",
         "layout.replicas=2",
         "workload.limit=2",
-        "launcher.fault.hang_rank=1",
+        "testing.fault.hang_rank=1",
         "launcher.stop_timeout_s=3",
         "metrics.ssim=false",
     )
@@ -212,13 +212,13 @@ def test_ranks_killed_after_the_stop_timeout_leave_a_stopped_run_never_a_success
 def test_an_unknown_pause_phase_is_one_sentence_before_any_rank_starts(tmp_path):
     result = run(
         ditrun_command(
-            "launcher.world=2", "layout=ulysses", "launcher.fault.pause_in=warmup", f"hydra.run.dir={tmp_path / 'run'}"
+            "launcher.world=2", "layout=ulysses", "testing.fault.pause_in=warmup", f"hydra.run.dir={tmp_path / 'run'}"
         ),
         90,
         tmp_path,
     )
     assert result.returncode == 2
     assert (
-        "ditrun: error: launcher.fault.pause_in=warmup is not a phase; allowed: prompts, references, build, compile."
+        "ditrun: error: testing.fault.pause_in=warmup is not a phase; allowed: prompts, references, build, compile."
     ) in result.stderr
     assert not (tmp_path / "run" / "edits.jsonl").exists()

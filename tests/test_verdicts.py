@@ -88,8 +88,8 @@ def test_a_directory_whose_last_run_crashed_is_incomplete(tmp_path, tmp_path_fac
     assert ditrun("workload.limit=1", *common, cwd=tmp_path, timeout=300).returncode == 0
     crashed = ditrun(
         "workload.limit=2",
-        "launcher.fault.crash_rank=0",
-        "launcher.fault.crash_at_step=1",
+        "testing.fault.crash_rank=0",
+        "testing.fault.crash_at_step=1",
         *common,
         cwd=tmp_path,
         timeout=300,

@@ -48,7 +48,7 @@ def check_launcher_config(cfg, world: int) -> None:
             raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
     if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
         raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
-    faults.check_fault_config(launcher.fault, world, cfg.workload.steps)
+    faults.check_testing_config(cfg.testing, world, cfg.workload.steps)
 
 
 def check_run_config(cfg, world: Optional[int] = None) -> LayoutPlan:

@@ -8,10 +8,10 @@ watchdogs quietly at the end of a good run. A rank that dies without a word (kil
 is caught by the launcher (``srun --kill-on-bad-exit``, ``mpiexec``, torchrun, ditrun's own
 spawner) and, at the latest, by the collective timeout of the ranks waiting for it.
 
-``inject``, ``hang`` and ``pause`` are the test hooks: ``launcher.fault.crash_rank`` fails on
-purpose inside the denoising loop at ``launcher.fault.crash_at_step``, and ``launcher.fault.freeze_rank``
-stops itself there (SIGSTOP); ``launcher.fault.hang_rank``
-hangs once its edits are done; ``launcher.fault.pause_in`` holds a rank inside a phase of its start
+``inject``, ``hang`` and ``pause`` are the test hooks: ``testing.fault.crash_rank`` fails on
+purpose inside the denoising loop at ``testing.fault.crash_at_step``, and ``testing.fault.freeze_rank``
+stops itself there (SIGSTOP); ``testing.fault.hang_rank``
+hangs once its edits are done; ``testing.fault.pause_in`` holds a rank inside a phase of its start
 (says so, then sleeps as a long phase would compute), so that a test can stop it there.
 """
 
@@ -43,7 +43,7 @@ HOST_GRACE_S = 1.0
 
 
 class InjectedFault(RuntimeError):
-    """A failure raised on purpose by ``launcher.fault``."""
+    """A failure raised on purpose by ``testing.fault``."""
 
 
 def inject(fault_cfg, step: int) -> None:
@@ -56,7 +56,7 @@ def inject(fault_cfg, step: int) -> None:
     if rank == fault_cfg.crash_rank:
         raise InjectedFault(
             f"rank {rank} failed on purpose at denoising step {step} "
-            f"(launcher.fault.crash_rank={rank}, launcher.fault.crash_at_step={step})"
+            f"(testing.fault.crash_rank={rank}, testing.fault.crash_at_step={step})"
         )
 
 
@@ -77,7 +77,7 @@ def pause(fault_cfg, phase: str, rank: int) -> None:
     if fault_cfg.pause_in != phase or fault_cfg.pause_rank not in (None, rank):
         return
     print(
-        f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (launcher.fault.pause_in={phase})",
+        f"ditrun: rank {rank} (pid {os.getpid()}) paused in {phase} (testing.fault.pause_in={phase})",
         file=sys.stderr,
         flush=True,
     )
@@ -85,18 +85,22 @@ def pause(fault_cfg, phase: str, rank: int) -> None:
         time.sleep(3600)
 
 
-def check_fault_config(fault_cfg, world: int, steps: int) -> None:
+def check_testing_config(testing_cfg, world: int, steps: int) -> None:
+    """``testing.*`` mistakes, one sentence each (the tests' own settings)."""
+    if testing_cfg.chaos_s < 0:
+        raise UserError(f"testing.chaos_s={testing_cfg.chaos_s} must be 0 (off) or a positive number of seconds.")
+    fault_cfg = testing_cfg.fault
     if fault_cfg.pause_in is not None and fault_cfg.pause_in not in PAUSE_PHASES:
         raise UserError(
-            f"launcher.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: {', '.join(PAUSE_PHASES)}."
+            f"testing.fault.pause_in={fault_cfg.pause_in} is not a phase; allowed: {', '.join(PAUSE_PHASES)}."
         )
     for key in ("crash_rank", "freeze_rank", "hang_rank", "pause_rank"):
         rank = getattr(fault_cfg, key)
         if rank is not None and not 0 <= rank < world:
-            raise UserError(f"launcher.fault.{key}={rank} is not a rank of this job; allowed: 0 to {world - 1}.")
+            raise UserError(f"testing.fault.{key}={rank} is not a rank of this job; allowed: 0 to {world - 1}.")
     if not 0 <= fault_cfg.crash_at_step < steps:
         raise UserError(
-            f"launcher.fault.crash_at_step={fault_cfg.crash_at_step} is not a denoising step; "
+            f"testing.fault.crash_at_step={fault_cfg.crash_at_step} is not a denoising step; "
             f"allowed: 0 to {steps - 1} (workload.steps={steps})."
         )
 

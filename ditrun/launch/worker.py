@@ -87,9 +87,9 @@ class Run:
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
         """Work of this rank alone, with no collective until the next stop point: a stop signal ends it at once
-        (``RunStopped``). ``launcher.fault.pause_in`` holds a rank here, for the tests."""
+        (``RunStopped``). ``testing.fault.pause_in`` holds a rank here, for the tests."""
         with job.stop.raising():
-            faults.pause(self.cfg.launcher.fault, phase, self.layout.rank)
+            faults.pause(self.cfg.testing.fault, phase, self.layout.rank)
             yield
 
     def compile_guarded(self, job: LocalJob, compile_region: Callable[[], Callable]) -> Optional[Callable]:
@@ -123,6 +123,7 @@ class Run:
                 self.device_dtype.device,
                 cfg.launcher.collective_timeout_s,
                 self.layout.nodes,
+                cfg.testing.chaos_s,
             )
             for axis in ("sp", "cfg")
         }
@@ -234,7 +235,7 @@ class Run:
         def on_step(i: int) -> None:
             timer.step(i)
             STARTUP.at_age("startup_s")
-            faults.inject(cfg.launcher.fault, i)
+            faults.inject(cfg.testing.fault, i)
             if progress is not None:
                 progress.update(1)
             job.beat(f"edit {edit.id!r}, denoising step {i}")
@@ -297,7 +298,7 @@ def run(
     try:
         done = set(job.share("done", lambda: _claim(lock, state, out_dir, hydra_files)))
         stopped, logger = _load_and_run_edits(state, job, done, out_dir)
-        faults.hang(cfg.launcher.fault)
+        faults.hang(cfg.testing.fault)
         job.post("startup", STARTUP.report(job.rank))
         job.end_of_run()  # rank 0: every replica's records are written
         if layout.rank == 0:

@@ -62,7 +62,7 @@ HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
 # not by the manifest's path), labels, where the text length came from (the length itself is compared), and
-# test-only fault injection.
+# the tests' own settings (``testing``).
 MAY_DIFFER = (
     "workload.limit",
     "workload.manifest",
@@ -76,9 +76,8 @@ MAY_DIFFER = (
     "launcher.collective_timeout_s",
     "launcher.stop_timeout_s",
     "launcher.master_port",
-    "launcher.fault",
+    "testing",
     "transport.timeout_s",
-    "transport.chaos_s",
     "metrics.report",
     "metrics.min_ssim_pct",
     "metrics.quality",

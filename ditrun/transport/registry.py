@@ -16,7 +16,13 @@ from ditrun.transport.base import LocalTransport, Transport
 
 
 def _collective(
-    group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float, nodes: Sequence[str]
+    group,
+    timer: ExposedTransfer,
+    device: torch.device,
+    transport_cfg,
+    timeout_s: float,
+    nodes: Sequence[str],
+    chaos_s: float,
 ) -> Transport:
     from ditrun.transport.collective import CollectiveTransport
 
@@ -24,7 +30,13 @@ def _collective(
 
 
 def _copy_engine(
-    group, timer: ExposedTransfer, device: torch.device, transport_cfg, timeout_s: float, nodes: Sequence[str]
+    group,
+    timer: ExposedTransfer,
+    device: torch.device,
+    transport_cfg,
+    timeout_s: float,
+    nodes: Sequence[str],
+    chaos_s: float,
 ) -> Transport:
     from ditrun.transport.copy_engine import CopyEngineTransport
 
@@ -33,7 +45,7 @@ def _copy_engine(
         timer,
         device,
         timeout_s=transport_cfg.timeout_s or timeout_s,
-        chaos_s=transport_cfg.chaos_s,
+        chaos_s=chaos_s,
         node_size=transport_cfg.node_size,
         nodes=nodes,
     )
@@ -63,8 +75,6 @@ TRANSPORTS.register(
 def check_transport(transport_cfg) -> None:
     """``transport.*`` mistakes, as one sentence each, before anything is built."""
     TRANSPORTS.get(transport_cfg.name)
-    if transport_cfg.chaos_s < 0:
-        raise UserError(f"transport.chaos_s={transport_cfg.chaos_s} must be 0 (off) or a positive number of seconds.")
     if transport_cfg.timeout_s is not None and transport_cfg.timeout_s <= 0:
         raise UserError(
             f"transport.timeout_s={transport_cfg.timeout_s} must be positive, or unset to use "
@@ -78,14 +88,21 @@ def check_transport(transport_cfg) -> None:
 
 
 def make_transport(
-    transport_cfg, group, timer: ExposedTransfer, device: torch.device, timeout_s: float, nodes: Sequence[str] = ()
+    transport_cfg,
+    group,
+    timer: ExposedTransfer,
+    device: torch.device,
+    timeout_s: float,
+    nodes: Sequence[str] = (),
+    chaos_s: float = 0.0,
 ) -> Transport:
     """The transport ``transport.name`` over the process group ``group`` (None: an axis of one rank).
 
     ``timeout_s`` bounds every wait of a one-sided transport unless ``transport.timeout_s`` is set;
-    ``nodes`` is every global rank's node (``Layout.nodes``; empty: one node).
+    ``nodes`` is every global rank's node (``Layout.nodes``; empty: one node); ``chaos_s``
+    (``testing.chaos_s``) delays a CPU copy engine's copies at random, for the tests.
     """
     check_transport(transport_cfg)
     if group is None:
         return LocalTransport(device)
-    return TRANSPORTS.get(transport_cfg.name).make(group, timer, device, transport_cfg, timeout_s, nodes)
+    return TRANSPORTS.get(transport_cfg.name).make(group, timer, device, transport_cfg, timeout_s, nodes, chaos_s)

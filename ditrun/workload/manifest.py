@@ -80,7 +80,7 @@ def resolve_text_len(cfg) -> None:
 
 def check_config(workload_cfg) -> None:
     """The numbers of ``workload.*``, checked before the edits are resolved (and before
-    ``launcher.fault`` is checked against ``workload.steps``)."""
+    ``testing.fault`` is checked against ``workload.steps``)."""
     limit, steps, text_len = workload_cfg.limit, workload_cfg.steps, workload_cfg.text_len
     if limit is not None and limit < 1:
         raise WorkloadError(f"workload.limit={limit} must be a positive number of edits, or unset for all of them.")
