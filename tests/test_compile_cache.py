@@ -265,6 +265,14 @@ def test_an_entry_whose_triton_kernels_are_not_kernel_files_is_discarded(tmp_pat
     assert not (tmp_path / "outside").exists()
     with pytest.raises(BadEntry, match="cannot be read"):
         unpack_kernels(b"not a tar", tmp_path / "node")
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:  # a kernel whose file list is not JSON
+        info = tarfile.TarInfo("a" * 52 + "/__grp__kernel.json")
+        info.size = 3
+        tar.addfile(info, io.BytesIO(b"{x}"))
+    with pytest.raises(BadEntry, match="its Triton kernels cannot be read"):
+        unpack_kernels(buffer.getvalue(), tmp_path / "node")
+    assert not kernel_folders(tmp_path / "node")
     assert pack_kernels(tmp_path, set()) == b""
 
 

@@ -9,9 +9,8 @@ before it compiles; Inductor then finds its graphs there and compiles none of th
 
 PyTorch's artifacts do not hold every Triton kernel a job compiles (the variants Inductor's coordinate-descent
 tuning compiles, the kernels ditrun's custom ops launch): Triton compiles those at their first run into its
-cache folder, which
-Inductor points into the node's Inductor cache (``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``) unless
-``TRITON_CACHE_DIR`` is set. On a GPU an entry therefore also carries the Triton kernels this job compiled or
+cache folder, which Inductor points into the node's Inductor cache (``<TORCHINDUCTOR_CACHE_DIR>/triton/<device>``)
+unless ``TRITON_CACHE_DIR`` is set. On a GPU an entry therefore also carries the Triton kernels this job compiled or
 loaded: every kernel folder of that cache folder (one per kernel and specialisation, named by Triton's hash of
 its source, options and target) that was not there before the job, unpacked into the reader's Triton cache
 folder where missing, its file list (``__grp__*.json``) pointed at the new place. Kernels the node already had
@@ -37,8 +36,8 @@ serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; e
   the one that renamed last.
 * **Bad entries**: a file that does not parse, whose size or checksum differs, whose header names another
   format, key or torch version, whose Triton part holds anything but kernel files, or whose artifacts PyTorch
-  cannot read, is discarded with a warning (left in place, and
-  replaced by the writer's entry after its first edit); the run compiles as if there were none.
+  cannot read, is discarded with a warning (left in place, and replaced by the writer's entry after its first
+  edit); the run compiles as if there were none.
 """
 
 from __future__ import annotations
@@ -264,28 +263,41 @@ def claim_triton_cache_dir(device: torch.device) -> Optional[Path]:
     return Path(os.environ["TRITON_CACHE_DIR"])
 
 
-def kernel_folders(root: Optional[Path]) -> frozenset:
-    """The names of the whole kernel folders under ``root`` (those with a file list, ``__grp__*.json``)."""
-    if root is None or not root.is_dir():
-        return frozenset()
-    return frozenset(
-        p.name
-        for p in root.iterdir()
-        if _KERNEL_FOLDER.fullmatch(p.name)
-        and p.is_dir()
-        and any(child.name.startswith("__grp__") for child in p.iterdir())
+def _whole_kernel_folder(path: Path) -> bool:
+    """Whether ``path`` is a kernel folder with its file list (``__grp__*.json``, which Triton writes last)."""
+    return (
+        _KERNEL_FOLDER.fullmatch(path.name) is not None
+        and path.is_dir()
+        and any(child.name.startswith("__grp__") for child in path.iterdir())
     )
 
 
+def kernel_folders(root: Optional[Path]) -> frozenset:
+    """The names of the whole kernel folders under ``root``."""
+    if root is None or not root.is_dir():
+        return frozenset()
+    return frozenset(p.name for p in root.iterdir() if _whole_kernel_folder(p))
+
+
+def _pointed_at(group: bytes, folder: Path) -> bytes:
+    """A Triton file list (``__grp__*.json``: absolute paths of a kernel's files) pointed at ``folder``."""
+    listed = json.loads(group).get("child_paths", {})
+    pointed = {child: str(folder / Path(path).name) for child, path in listed.items()}
+    return json.dumps({"child_paths": pointed}).encode()
+
+
 def pack_kernels(root: Path, names) -> bytes:
-    """The kernel folders ``names`` under ``root`` (their files, not Triton's temporary folders), a gzip'd tar."""
+    """The kernel folders ``names`` under ``root`` (their files, not Triton's temporary folders), a gzip'd tar;
+    empty for no folders."""
+    if not names:
+        return b""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=1) as tar:
         for name in sorted(names):
             for file in sorted((root / name).iterdir()):
                 if file.is_file() and not file.is_symlink() and file.name != "lock":
                     tar.add(file, arcname=f"{name}/{file.name}", recursive=False)
-    return buffer.getvalue() if names else b""
+    return buffer.getvalue()
 
 
 def unpack_kernels(data: bytes, root: Path) -> frozenset:
@@ -307,22 +319,20 @@ def unpack_kernels(data: bytes, root: Path) -> frozenset:
                     and name not in (".", "..")
                 ):
                     raise BadEntry(f"its Triton kernels hold {member.name!r}, not a kernel's file")
-                folders.setdefault(folder, {})[name] = tar.extractfile(member).read()
-    except (tarfile.TarError, OSError, EOFError) as err:
+                content = tar.extractfile(member).read()
+                if name.startswith("__grp__"):
+                    content = _pointed_at(content, root / folder)
+                folders.setdefault(folder, {})[name] = content
+    except (tarfile.TarError, OSError, EOFError, ValueError, AttributeError) as err:
         raise BadEntry(f"its Triton kernels cannot be read ({type(err).__name__}: {err})") from err
     root.mkdir(parents=True, exist_ok=True)
     for folder, files in folders.items():
-        if kernel_folders(root) >= {folder}:
+        if _whole_kernel_folder(root / folder):
             continue
         temporary = root / f"tmp.ditrun.{os.getpid()}.{folder}"
         shutil.rmtree(temporary, ignore_errors=True)
         temporary.mkdir()
         for name, content in files.items():
-            if name.startswith("__grp__"):
-                listed = json.loads(content).get("child_paths", {})
-                content = json.dumps(
-                    {"child_paths": {child: str(root / folder / Path(path).name) for child, path in listed.items()}}
-                ).encode()
             (temporary / name).write_bytes(content)
         shutil.rmtree(root / folder, ignore_errors=True)  # a folder without its file list: Triton would recompile
         try:
@@ -430,7 +440,7 @@ class CompileCache:
         artifacts, info = saved if saved is not None else (b"", None)
         kernels = {name for name in kernels if (self.kernels_dir / name).is_dir()}
         try:
-            entry = Entry(artifacts, pack_kernels(self.kernels_dir, kernels) if kernels else b"")
+            entry = Entry(artifacts, pack_kernels(self.kernels_dir, kernels))
             write_entry(self.path, self.key, self.described, entry)
         except OSError as err:  # a full or read-only shared folder costs later jobs their compile, not this run
             print(f"ditrun: warning: compile cache entry {self.path} not written: {err}", flush=True)
