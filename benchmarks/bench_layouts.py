@@ -10,9 +10,8 @@ median of ``--repeats`` steps.
     python benchmarks/bench_layouts.py --width 1024 --height 1024 --out results/bench
 
 ``--world 2`` instead runs two ranks (one per GPU; ``--share-gpu``: both on GPU 0 over a gloo
-process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run and in
-alternation,
-every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
+process group, copy_engine only, through CUDA IPC: NCCL refuses two ranks per GPU) and compares, in one run
+and in alternation, every layout x transport (``collective``, ``copy_engine``) x head groups {1, 2} against
 ``single`` on the same inputs: the relative error of the guided velocity,
 whether copy_engine's output is bitwise that of collective, the CFG step time, the exposed
 transfer, and the DiT time of a ``--steps``-step edit. The last line gives ``ulysses`` with 2 head

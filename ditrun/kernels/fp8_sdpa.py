@@ -55,9 +55,8 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     V's and the output's (1 / (2 * V's)), powers of two.
 
     K is smoothed in fp32, not rounded back to its dtype first: compiled and eager code then quantize the same values
-    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from amax|k| +
-    amax|mean|,
-    a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
+    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from
+    amax|k| + amax|mean|, a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
     octave too large makes values below about 2^-14 of the largest (instead of 2^-15) subnormal, and
     saves a pass over K."""
     mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)

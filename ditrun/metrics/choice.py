@@ -5,9 +5,8 @@ Every run is judged against one full-quality reference (``full_quality``: BF16, 
 and true CFG); the sweep's run of that configuration is the named baseline. Only runs comparable with it (the
 same model, workload and reference: ``runs.comparable_key``) and complete are judged; the others are listed
 apart with the reason, and never chosen. Quality is ``metrics.quality``'s measure (``metrics/quality.py``) as a
-percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or ``quality.DEFAULT_TARGET_PCT`` when
-unset. Both
-are read from the sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
+percentage of the reference's score; the target is ``metrics.min_ssim_pct``, or ``quality.DEFAULT_TARGET_PCT``
+when unset. Both are read from the sweep's runs, or given to ``ditrun report`` (``--quality``, ``--target-pct``).
 """
 
 from __future__ import annotations

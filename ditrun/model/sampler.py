@@ -3,9 +3,8 @@
 An edit's model input is the noisy output latent followed by the reference image's latent
 tokens; the reference tokens carry position ids on the reference's own grid whose first axis is
 1 (the Kontext convention), and only the output tokens' velocity is used. As in diffusers, true
-CFG runs the unconditional branch only when it changes the result (``true_cfg_scale`` > 1). The sampler does not know
-how a
-velocity is computed: a *layout* (one process, Ulysses, split or batched CFG) supplies it.
+CFG runs the unconditional branch only when it changes the result (``true_cfg_scale`` > 1). The sampler does not
+know how a velocity is computed: a *layout* (one process, Ulysses, split or batched CFG) supplies it.
 """
 
 from __future__ import annotations
