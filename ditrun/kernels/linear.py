@@ -2,8 +2,8 @@
 
 Weights are converted once, when the model is built (``QuantizedLinear.__init__``); activations
 are quantized on every call, on GPUs with Triton in one kernel (``kernels/quantize_triton.py``). Which backend
-runs a call is the dispatch table's choice (``kernels/tuning.py``); every backend computes the same quantized product as ``emulation``
-(the reference: dequantize, then an ordinary matmul in the compute dtype), up to the GEMM's
+runs a call is the dispatch table's choice (``kernels/tuning.py``); every backend computes the same quantized
+product as ``emulation`` (the reference: dequantize, then an ordinary matmul in the compute dtype), up to the GEMM's
 accumulation order, and is tested against it.
 
 Backends, by device:
