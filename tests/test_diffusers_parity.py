@@ -4,6 +4,7 @@ CFG on and off, the guidance embedding on and off: the final latents agree in fp
 
 import json
 import string
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -222,19 +223,13 @@ def _pipeline_folder(folder, guidance_embeds: bool):
     return pipe
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
-    """model.path = a whole pipeline folder: the prompt and the negative "" are encoded once by its
-    encoders (cached on disk); the edit's final latents equal diffusers' run from the prompt text."""
-    from launching import latents, tiny_config
-
-    from ditrun.launch import worker
-
+def _diffusers_edit_latents(tmp_path: Path, **call) -> torch.Tensor:
+    """diffusers' final latents of "make it red" on a random picture (``tmp_path / "r.png"``), true CFG 2, with a
+    pipeline folder written to ``tmp_path / "kontext"`` (``_pipeline_folder``); ``call``: more arguments."""
     pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
     with torch.no_grad():
-        expected = pipe(
+        return pipe(
             image=Image.open(tmp_path / "r.png"),
             prompt="make it red",
             negative_prompt="",
@@ -244,11 +239,23 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
             num_inference_steps=STEPS,
             true_cfg_scale=2.0,
             guidance_scale=2.0,
-            max_sequence_length=TEXT,
             _auto_resize=False,
             generator=torch.Generator().manual_seed(SEED),
             output_type="latent",
+            **call,
         ).images
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
+    """model.path = a whole pipeline folder: the prompt and the negative "" are encoded once by its
+    encoders (cached on disk); the edit's final latents equal diffusers' run from the prompt text."""
+    from launching import latents, tiny_config
+
+    from ditrun.launch import worker
+
+    expected = _diffusers_edit_latents(tmp_path, max_sequence_length=TEXT)
     cache = tmp_path / "prompts"
     overrides = _pipeline_overrides(tmp_path, cache)
     worker.run(tiny_config(*overrides), tmp_path / "run")
@@ -270,23 +277,7 @@ def test_an_unset_text_len_is_the_folders_and_gives_diffusers_default_run(tmp_pa
     from ditrun_cli import ditrun
     from launching import latents
 
-    pipe = _pipeline_folder(tmp_path / "kontext", guidance_embeds=True)
-    Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")
-    with torch.no_grad():
-        expected = pipe(
-            image=Image.open(tmp_path / "r.png"),
-            prompt="make it red",
-            negative_prompt="",
-            height=HEIGHT,
-            width=WIDTH,
-            max_area=WIDTH * HEIGHT,
-            num_inference_steps=STEPS,
-            true_cfg_scale=2.0,
-            guidance_scale=2.0,
-            _auto_resize=False,
-            generator=torch.Generator().manual_seed(SEED),
-            output_type="latent",
-        ).images
+    expected = _diffusers_edit_latents(tmp_path)  # max_sequence_length left to diffusers
     overrides = [
         key for key in _pipeline_overrides(tmp_path, tmp_path / "prompts") if not key.startswith("workload.text_len")
     ]
