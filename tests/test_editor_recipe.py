@@ -108,6 +108,8 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
+        (["--attention", "flash"], "--attention flash: allowed: math, fused"),
+        (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
     ],
     ids=lambda value: value[0] if isinstance(value, list) else None,
 )
@@ -270,7 +272,8 @@ def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
         ("dit", 1),
     ]
     assert "vae/eval_psnr" in rows[2] and "dit/eval_margin" in rows[5]
-    assert json.loads((records / "eval.json").read_text())["summary"]["true_cfg_scale=1"]["all"]["counted"] == 9
+    summary = json.loads((records / "eval.json").read_text())["summary"]
+    assert summary["true_cfg_scale=1"]["all"]["counted"] == 9 and summary["vae_ceiling"]["all"]["counted"] == 9
     assert json.loads((records / "train.json").read_text())["config"]["vae_widths"] == [8, 8, 16, 16]
     assert diffusers.FluxKontextPipeline.from_pretrained(tmp_path / "editor").transformer.config.num_layers == 4
 
@@ -316,6 +319,26 @@ def test_the_compiled_step_computes_what_the_eager_step_does(case):
     assert all(torch.allclose(t, e, rtol=1e-4, atol=1e-6) for t, e in zip(traced_grads, eager_grads))
 
 
+class _Lossless:
+    """A codec that keeps every picture exactly (its latents are the pixels)."""
+
+    encode = decode = staticmethod(lambda x: x)
+
+
+def test_the_ceiling_of_a_lossless_codec_is_every_correct_edit_exactly():
+    """The VAE's ceiling judges each correct edit after the codec's round trip: through a codec that loses nothing,
+    every edit is the correct result exactly and beats every naive candidate."""
+    from ditrun.metrics.target import PSNR_CAP_DB
+    from recipes.editor import evaluate
+
+    names = ("skimage:astronaut", "skimage:camera")
+    summary = evaluate.summarize(evaluate.ceiling(_Lossless(), evaluate.held_out_references(32, "cpu", names), names))
+    assert summary["all"]["psnr_median"] == PSNR_CAP_DB
+    # every edit whose correct result differs from the input (not grayscale and blue of the grey camera, nor blur
+    # at this size)
+    assert summary["all"]["beat_all"] == summary["all"]["counted"] == 16
+
+
 def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
     """Dead-leaves pictures: in [0, 1], of many colours and edges, the same again from the same generator state."""
     crops = Crops(["sklearn:china.jpg"], torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -327,3 +350,23 @@ def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
     assert not torch.equal(pictures[0], pictures[1])
     crops.gen.set_state(state)
     assert torch.equal(leaves.batch(2, 48), pictures)
+
+
+def test_edited_vae_pictures_are_known_edits_of_the_pictures_drawn():
+    """--vae-edited 0.5: the batch's pictures are those drawn without it, half of them each replaced by one of the
+    known edits of itself."""
+    from ditrun.editor import transforms
+    from recipes.editor.data import vae_batch
+
+    crops = Crops(["sklearn:china.jpg", "skimage:camera"], torch.device("cpu"), torch.Generator().manual_seed(0))
+    leaves = DeadLeaves(crops, seed=1)
+    state = crops.gen.get_state()
+    plain = vae_batch(crops, leaves, 8, 32, 0.5)
+    crops.gen.set_state(state)
+    edited = vae_batch(crops, leaves, 8, 32, 0.5, edited=0.5)
+    kinds = []
+    for before, after in zip(plain, edited):
+        if torch.equal(before, after):
+            continue
+        kinds += [n for n in transforms.EDITS.names() if torch.equal(transforms.apply(n, before[None])[0], after)]
+    assert len(kinds) == 4 and len(set(kinds)) > 1

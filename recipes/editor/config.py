@@ -47,6 +47,10 @@ class TrainConfig:
     dead_leaves: float = 0.5
     """Fraction of each VAE batch that is synthetic dead-leaves pictures (discs of radii drawn from r^-3, colours
     of training pixels) rather than crops: more varied pictures than the training set holds."""
+    vae_edited: float = 0.0
+    """Fraction of each VAE batch's pictures (crops and dead leaves alike) replaced by one of the known edits of
+    themselves, drawn at random: the kind of picture the VAE decodes from the DiT's outputs (posterized, pixelated,
+    mirrored ...)."""
     dit_steps: int = 4500
     """Length of the DiT's learning-rate schedule (0: train only the VAE)."""
     dit_batch: int = 256
@@ -131,6 +135,7 @@ def problems(cfg: TrainConfig) -> list[str]:
     )
     out += [f"--{_option(n)} {getattr(cfg, n)}: must be above 0." for n in ("vae_lr", "dit_lr") if getattr(cfg, n) <= 0]
     out += _fraction(cfg, "prompt_dropout", 0.99) + _fraction(cfg, "ema", 0.99999) + _fraction(cfg, "dead_leaves", 1)
+    out += _fraction(cfg, "vae_edited", 1)
     if cfg.dit_stop_after > cfg.dit_steps:
         out.append(f"--dit-stop-after {cfg.dit_stop_after}: must be at most --dit-steps {cfg.dit_steps}.")
     return out
@@ -190,6 +195,7 @@ VAE_FIELDS = (
     "vae_loss",
     "vae_loss_weight",
     "dead_leaves",
+    "vae_edited",
     "warmup",
 )
 

@@ -106,13 +106,24 @@ class DeadLeaves:
         return (picture + above[:, :1] * colours[:, LEAVES, :, None, None]).clamp(0, 1)
 
 
-def vae_batch(crops: Crops, leaves: DeadLeaves, n: int, size: int, fraction: float) -> torch.Tensor:
-    """``n`` training pictures for the VAE, ``fraction`` of them dead leaves. -> [n, 3, size, size] in [0, 1]"""
+def vae_batch(
+    crops: Crops, leaves: DeadLeaves, n: int, size: int, fraction: float, edited: float = 0.0
+) -> torch.Tensor:
+    """``n`` training pictures for the VAE, ``fraction`` of them dead leaves, then ``edited`` of them (picked at
+    random) each replaced by a random known edit of itself. -> [n, 3, size, size] in [0, 1]"""
     synthetic = round(n * fraction)
     parts = [crops.batch(n - synthetic, size)] if synthetic < n else []
     if synthetic:
         parts.append(leaves.batch(synthetic, size))
-    return torch.cat(parts)
+    batch = torch.cat(parts)
+    count = round(n * edited)
+    if count:
+        names = transforms.EDITS.names()
+        which = torch.randperm(n, generator=crops.gen)[:count].tolist()
+        kinds = torch.randint(len(names), (count,), generator=crops.gen).tolist()
+        for index, kind in zip(which, kinds):
+            batch[index : index + 1] = transforms.apply(names[kind], batch[index : index + 1])
+    return batch
 
 
 class Pool:

@@ -1,6 +1,8 @@
 """How well the editor does on held-out pictures, measured as a run measures (8-bit pictures):
 
-- the VAE's round trip (PSNR and SSIM against the picture): the ceiling of every edit;
+- the VAE's round trip (PSNR and SSIM against the picture);
+- per instruction, the VAE's ceiling: the round trip of the correct edit itself, judged as an output is (what a DiT
+  that put out the correct edit's exact latents would score);
 - per instruction and picture, the run's measures against the correct edit (``ditrun.metrics.target``): PSNR, the
   CIEDE2000 colour difference, and the margin over the naive candidates (the input unchanged, every other known
   edit of the input). An edit whose correct result equals the input has no margin (no output can beat doing
@@ -45,6 +47,20 @@ def roundtrip(codec, refs: torch.Tensor, names) -> dict:
 
     back = rgb8(codec.decode(codec.encode(refs)))
     return {n: {"psnr": psnr(b, r), "ssim": ssim(b, r)} for n, b, r in zip(names, back, rgb8(refs))}
+
+
+def ceiling(codec, refs: torch.Tensor, names) -> dict:
+    """Each correct edit of each picture through the VAE and back, judged as an edit is:
+    {edit: {picture: {"psnr", "delta_e", "margin"}}}. No DiT can score better through this VAE."""
+    known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}
+    out = {}
+    for edit_name in transforms.EDITS.names():
+        back = rgb8(codec.decode(codec.encode(transforms.apply(edit_name, refs))))
+        out[edit_name] = {
+            n: margin(b, r, edit_name, {k: v[i] for k, v in known.items()})
+            for i, (n, b, r) in enumerate(zip(names, back, rgb8(refs)))
+        }
+    return out
 
 
 def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) -> dict:

@@ -77,7 +77,7 @@ class VaePhase:
         cfg = self.cfg
         for group in self.opt.param_groups:
             group["lr"] = learning_rate(step, cfg.vae_steps, cfg.vae_lr, min(cfg.warmup, cfg.vae_steps // 10 + 1))
-        x = vae_batch(self.crops, self.leaves, cfg.vae_batch, cfg.vae_crop, cfg.dead_leaves) * 2 - 1
+        x = vae_batch(self.crops, self.leaves, cfg.vae_batch, cfg.vae_crop, cfg.dead_leaves, cfg.vae_edited) * 2 - 1
         latent = cfg.vae_crop // 8
         eps = torch.randn((cfg.vae_batch, 16, latent, latent), generator=self.noise, device=self.device)
         if self.cudagraphs:
@@ -152,8 +152,10 @@ class DitPhase:
         device: torch.device,
         compile_mode: str,
         pool_state: torch.Tensor,
+        attention: str = "math",
     ):
         self.cfg, self.batches, self.table, self.codec, self.device = cfg, batches, table, codec, device
+        self.attention = attention
         self.pool_state = pool_state  # the data generator's state when the pool was drawn: a resumption redraws it
         self.model = make_dit(device).train()
         self.ema = make_dit(device).eval().requires_grad_(False)
@@ -186,7 +188,7 @@ class DitPhase:
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with attention_backend(self.device):
+        with attention_backend(self.device, self.attention):
             loss = self.loss(self.model, xt, ref, embeds[rows], pooled[rows], sigma, noise - x0, self.ids, self.txt_ids)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
