@@ -108,7 +108,6 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
-        (["--attention", "flash"], "--attention flash: allowed: math, fused"),
         (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
     ],
     ids=lambda value: value[0] if isinstance(value, list) else None,

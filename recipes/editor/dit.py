@@ -58,15 +58,11 @@ def sample_sigmas(n: int, tokens: int, gen: torch.Generator, device: torch.devic
     return shift / (shift + (1 / u - 1))
 
 
-ATTENTION = ("math", "fused")
-"""``--attention``: PyTorch's math backend on GPUs (its backward is deterministic), or the fused kernels PyTorch
-picks (flash, memory-efficient, cuDNN: faster, their backward not deterministic). A CPU runs what PyTorch picks."""
-
-
-def attention_backend(device: torch.device, choice: str = "math"):
+def attention_backend(device: torch.device):
+    """The math backend on GPUs: its backward is deterministic (the fused kernels' are not)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(SDPBackend.MATH) if device.type == "cuda" and choice == "math" else nullcontext()
+    return sdpa_kernel(SDPBackend.MATH) if device.type == "cuda" else nullcontext()
 
 
 def positions(size: int, text_len: int, device: torch.device):

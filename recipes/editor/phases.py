@@ -152,10 +152,8 @@ class DitPhase:
         device: torch.device,
         compile_mode: str,
         pool_state: torch.Tensor,
-        attention: str = "math",
     ):
         self.cfg, self.batches, self.table, self.codec, self.device = cfg, batches, table, codec, device
-        self.attention = attention
         self.pool_state = pool_state  # the data generator's state when the pool was drawn: a resumption redraws it
         self.model = make_dit(device).train()
         self.ema = make_dit(device).eval().requires_grad_(False)
@@ -188,7 +186,7 @@ class DitPhase:
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
-        with attention_backend(self.device, self.attention):
+        with attention_backend(self.device):
             loss = self.loss(self.model, xt, ref, embeds[rows], pooled[rows], sigma, noise - x0, self.ids, self.txt_ids)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

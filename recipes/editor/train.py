@@ -37,7 +37,7 @@ from recipes.editor import folder as parts
 from recipes.editor.checkpoint import Checkpoints
 from recipes.editor.config import TrainConfig
 from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
-from recipes.editor.dit import ATTENTION, encode_prompts, make_dit
+from recipes.editor.dit import encode_prompts, make_dit
 from recipes.editor.output import Staging, refusal
 from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
 from recipes.editor.vae import Codec, load_vae
@@ -60,7 +60,6 @@ class Run:
     max_minutes: float
     max_steps: int
     compile: str
-    attention: str
     device: str
     vae_from: Optional[Path]
     wandb: bool
@@ -81,11 +80,6 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)",
     )
-    p.add_argument(
-        "--attention",
-        default="math",
-        help=f"the DiT's attention on GPUs, one of {', '.join(ATTENTION)} (default math: a deterministic backward)",
-    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--vae-from", type=Path, help="a vae/ folder this recipe wrote: train only the DiT on it")
     p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run, losses.jsonl only")
@@ -105,7 +99,6 @@ def run_options(args) -> Run:
         args.max_minutes,
         args.max_steps,
         args.compile,
-        args.attention,
         args.device,
         args.vae_from,
         args.wandb,
@@ -169,8 +162,6 @@ def _path_problems(run: Run) -> list[str]:
         out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
     if run.compile not in COMPILE_MODES:
         out.append(f"--compile {run.compile}: allowed: {', '.join(COMPILE_MODES)}.")
-    if run.attention not in ATTENTION:
-        out.append(f"--attention {run.attention}: allowed: {', '.join(ATTENTION)}.")
     return [sentence for sentence in out if sentence]
 
 
@@ -291,7 +282,7 @@ def dit_phase(
     pool = Pool(crops, codec, cfg.pool, cfg.size)
     print(f"train: pool of {cfg.pool} crops encoded in {time.perf_counter() - start:.1f} s", flush=True)
     batches = Batches(pool, prompt_index, cfg.prompt_dropout, crops.gen)
-    phase = DitPhase(cfg, batches, table, codec, device, run.compile, pool_state, run.attention)
+    phase = DitPhase(cfg, batches, table, codec, device, run.compile, pool_state)
     run_phase(phase, phase.restore(state) if state else 0, cfg, store, run.checkpoint_every, budget, log)
     return phase.ema
 
