@@ -301,10 +301,6 @@ class LauncherConfig:
     get to stop at a step boundary before they are killed."""
     master_port: Optional[int] = None
     """Rendezvous port; unset derives one from the job id (or picks a free one locally)."""
-    start_method: str = "auto"
-    """How ditrun's own spawner starts local ranks: ``spawn`` (fresh interpreters, each importing torch),
-    ``forkserver`` (forked by a server that imported torch and the rank's code once; never on GPUs) or ``auto``:
-    ``forkserver`` on the CPU, ``spawn`` on GPUs."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The first code a spawned rank runs (``launch/spawn.py`` starts it, ``launch/rank.py`` runs the rank): stop signals
-are caught before anything heavy is imported, and the rank takes its supervisor's environment.
+are caught before anything heavy is imported.
 
-A spawned interpreter (ranks on GPUs) spends its first seconds importing torch and the rest. A stop signal that
+A spawned interpreter spends its first seconds importing torch and the rest. A stop signal that
 arrived then would raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
 outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank would fail
 with whatever the half-done import left behind (a lazy loader's ``RecursionError``, say) instead
@@ -15,7 +15,6 @@ this module runs, still ends it: the supervisor reports that rank as failed.
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 
@@ -33,11 +32,7 @@ def rank_main(payload: bytes, sender) -> None:
     by the supervisor, so that unpickling them, which imports omegaconf, is also covered)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _note)
-    # (cfg, out_dir, rank, world, port, supervisor, hydra_files); the environment is the supervisor's now, not the
-    # one the fork server (ranks on the CPU) was started with
-    environ, args = pickle.loads(payload)
-    os.environ.clear()
-    os.environ.update(environ)
+    args = pickle.loads(payload)  # (cfg, out_dir, rank, world, port, supervisor, hydra_files)
     sender.send(("ready", args[2]))  # the supervisor relays its stop signals from now on
     from ditrun.launch.rank import spawned_rank_main
     from ditrun.launch.stop import process_stop

@@ -100,17 +100,12 @@ def _marked_processes(mark: bytes, deadline: float) -> dict[int, str]:
             try:
                 if needle not in (entry / "environ").read_bytes() + b"\0":
                     continue
-                state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
             program = os.path.basename(cmdline.split(b"\0")[0])
-            # multiprocessing's helpers count as this process's own only when they are its children: a run's fork
-            # server and the ranks it forked (whose command line is the server's) are the run's and end with it
-            helper = any(h in cmdline for h in SESSION_HELPERS) and (
-                int(ppid) == os.getpid() or b"multiprocessing" not in cmdline
-            )
-            if state != "Z" and not program.startswith(DAEMONS) and not helper:
+            if state != "Z" and not program.startswith(DAEMONS) and not any(h in cmdline for h in SESSION_HELPERS):
                 found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
         if not found or time.monotonic() > deadline:
             return found

@@ -80,7 +80,6 @@ def _number_cases(tmp: Path) -> list[tuple[list[str], str]]:
             ["launcher.collective_timeout_s=nan"],
             "launcher.collective_timeout_s=nan must be a positive number of seconds.",
         ),
-        (["launcher.start_method=fork"], "launcher.start_method=fork: allowed: auto, spawn, forkserver."),
         (["metrics.ssim=true", "metrics.min_ssim_pct=nan"], "metrics.min_ssim_pct=nan must be a percentage above 0."),
         (
             ["cache=first_block", "cache.blocks=4"],

@@ -95,22 +95,17 @@ def wait_for_records(process: subprocess.Popen, path: Path, n: int, timeout: flo
 
 
 def ranks_of(parent: int) -> list[int]:
-    """The local ranks of ``parent``: its children started by multiprocessing's spawn, or the children of its
-    fork server (``launcher.start_method``)."""
-    found = {}
+    """The spawned ranks: children of ``parent`` started by multiprocessing's spawn."""
+    ranks = []
     for pid in session_processes(parent):  # the parent leads its own session
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError):
             continue
-        found[pid] = (ppid, cmdline)
-    servers = {pid for pid, (ppid, cmdline) in found.items() if ppid == parent and b"forkserver" in cmdline}
-    return sorted(
-        pid
-        for pid, (ppid, cmdline) in found.items()
-        if (ppid == parent and b"spawn_main" in cmdline) or ppid in servers
-    )
+        if ppid == parent and b"spawn_main" in cmdline:
+            ranks.append(pid)
+    return ranks
 
 
 @pytest.mark.timeout(240)
@@ -131,17 +126,9 @@ def test_sigterm_to_the_parent_stops_every_rank_and_a_rerun_completes(tmp_path, 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_ranks_of_a_killed_parent_stop_within_seconds(tmp_path, start_method):
-    """The parent SIGKILLed: its ranks, forked by its fork server (which ends with it) or spawned by it, stop."""
+def test_ranks_of_a_killed_parent_stop_within_seconds(tmp_path):
     out = tmp_path / "run"
-    first = start(
-        tmp_path,
-        f"workload.manifest={six_edits(tmp_path)}",
-        f"hydra.run.dir={out}",
-        f"launcher.start_method={start_method}",
-        *SPAWNED,
-    )
+    first = start(tmp_path, f"workload.manifest={six_edits(tmp_path)}", f"hydra.run.dir={out}", *SPAWNED)
     wait_for_records(first, out / "edits.jsonl", 1)
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
@@ -277,14 +264,11 @@ def test_a_rank_stuck_at_the_end_fails_the_job_naming_it(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_stop_signal_while_the_ranks_still_import_stops_the_run(tmp_path, delay_s=0.5):
-    """Ctrl-C half a second after spawned ranks exist (``launcher.start_method=spawn``, as on GPUs): they are
-    still importing torch, so the supervisor holds the signal until each rank has its handlers (``rank_entry``),
-    and the run ends stopped, not failed (a signal that interrupted an import would end the rank with a traceback
-    and exit 1)."""
+    """Ctrl-C half a second after the ranks exist: they are still importing torch, so the supervisor
+    holds the signal until each rank has its handlers (``rank_entry``), and the run ends stopped, not
+    failed (a signal that interrupted an import would end the rank with a traceback and exit 1)."""
     out = tmp_path / "run"
-    process = start(
-        tmp_path, *SPAWNED, "launcher.stop_timeout_s=60", "launcher.start_method=spawn", f"hydra.run.dir={out}"
-    )
+    process = start(tmp_path, *SPAWNED, "launcher.stop_timeout_s=60", f"hydra.run.dir={out}")
     deadline = time.monotonic() + 60
     while process.poll() is None and len(ranks_of(process.pid)) < 2:
         assert time.monotonic() < deadline, "the ranks did not start"

@@ -16,7 +16,7 @@ from ditrun import cache, metrics
 from ditrun.devices import DTYPES
 from ditrun.errors import UserError
 from ditrun.inference import compile_cache
-from ditrun.launch import env, faults, rendezvous
+from ditrun.launch import env, faults
 from ditrun.model.build import compute_dtype, device_kind, model_geometry, plan_precision
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import check_components
@@ -38,10 +38,6 @@ def check_config(cfg, world: int) -> LayoutPlan:
     return check_run_config(cfg, world)
 
 
-START_METHODS = ("auto", "spawn", "forkserver")
-"""``launcher.start_method``'s values (``spawn.rank_context``)."""
-
-
 def check_launcher_config(cfg, world: int) -> None:
     """Launcher settings a user can get wrong."""
     launcher = cfg.launcher
@@ -50,13 +46,6 @@ def check_launcher_config(cfg, world: int) -> None:
     for key in ("rendezvous_timeout_s", "collective_timeout_s", "stop_timeout_s"):
         if not 0 < getattr(launcher, key) < math.inf:
             raise UserError(f"launcher.{key}={getattr(launcher, key)} must be a positive number of seconds.")
-    if launcher.start_method not in START_METHODS:
-        raise UserError(f"launcher.start_method={launcher.start_method}: allowed: {', '.join(START_METHODS)}.")
-    if launcher.start_method == "forkserver" and rendezvous.uses_gpu(cfg.device):
-        raise UserError(
-            "launcher.start_method=forkserver starts ranks from a forked server, which CUDA does not allow: "
-            "use spawn or auto on GPUs, or device=cpu."
-        )
     if launcher.master_port is not None and not 1 <= launcher.master_port <= 65535:
         raise UserError(f"launcher.master_port={launcher.master_port} is not a TCP port; allowed: 1 to 65535.")
     faults.check_testing_config(cfg.testing, world, cfg.workload.steps)

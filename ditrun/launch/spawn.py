@@ -1,9 +1,6 @@
 """Local spawn: ``ditrun launcher.world=N`` outside any launcher starts N ranks on this machine.
 
-Ranks on GPUs are fresh interpreters ("spawn", never "fork": a forked CUDA context is unusable); ranks
-on the CPU are forked by multiprocessing's fork server, which imports torch and the rank's code once for all
-of them (a rank then starts in a fraction of a second, not the seconds of those imports; the server never
-touches a device). Either way a rank gets this process's environment as it is when the rank starts and is
+Each rank is a fresh interpreter ("spawn", never "fork": a forked CUDA context is unusable)
 started exactly as torchrun would start it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so it takes the same path through ``rank.run_as_rank`` as a rank
 of any other launcher. This process only supervises: it returns rank 0's summary, or, when a
@@ -17,7 +14,6 @@ itself is killed outright, each rank notices its parent is gone (``stop.py``) an
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import os
 import pickle
@@ -44,7 +40,7 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     world = cfg.launcher.world
     check_local_devices(cfg.device, world)
     port = cfg.launcher.master_port or env.free_port()
-    context = rank_context(cfg.launcher.start_method, cfg.device)
+    context = multiprocessing.get_context("spawn")
     # One pipe per rank, not a shared queue: a rank ended abruptly leaves no lock behind.
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
@@ -52,10 +48,7 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     ranks = [
         context.Process(
             target=rank_entry.rank_main,
-            args=(
-                pickle.dumps((dict(os.environ), (cfg, out_dir, rank, world, port, os.getpid(), hydra_files))),
-                pipes[rank][1],
-            ),
+            args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)), pipes[rank][1]),
             name=f"ditrun-rank-{rank}",
         )
         for rank in range(world)
@@ -70,19 +63,6 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     finally:
         stop.restore()
         _stop(ranks)
-
-
-def rank_context(start_method: str, device_key: str):
-    """How local ranks start (``launcher.start_method``): ``auto`` is the fork server on the CPU (where the
-    platform has one) and fresh interpreters on GPUs."""
-    if start_method == "auto":
-        cpu = not rendezvous.uses_gpu(device_key)
-        start_method = "forkserver" if cpu and "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-    if start_method == "spawn":
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["ditrun.launch.rank"])
-    return context
 
 
 class Relay:
@@ -215,13 +195,10 @@ def _exit_description(code: int) -> str:
 
 
 def _stop(processes) -> None:
-    """Terminate, then kill, whatever is still running. SIGCONT follows SIGTERM, so that a rank stopped by a
-    signal (SIGSTOP, SIGTSTP) can act on it."""
+    """Terminate, then kill, whatever is still running."""
     for process in processes:
         if process.exitcode is None:
             process.terminate()
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGCONT)
     for process in processes:
         process.join(timeout=5)
         if process.exitcode is None:

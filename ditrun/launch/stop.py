@@ -149,21 +149,18 @@ class StopRequest:
 
     def watch_parent(self, grace_s: float, label: str, parent: Optional[int] = None) -> None:
         """Stop when the parent process (``parent``, default: the current one) exits; end this
-        process ``grace_s`` later if it is still running. A process forked by multiprocessing's fork server
-        has the server as its parent, which exits with ``parent``: it watches both. Watching twice changes
-        nothing."""
+        process ``grace_s`` later if it is still running. Watching twice changes nothing."""
         if self._watching:
             return
         self._watching = True
         parent = parent or os.getppid()
-        forker = os.getppid() if os.getppid() not in (parent, 1) and _alive(parent) else parent
         thread = threading.Thread(
-            target=self._watch_parent, args=(parent, forker, grace_s, label), name="ditrun-parent-watch", daemon=True
+            target=self._watch_parent, args=(parent, grace_s, label), name="ditrun-parent-watch", daemon=True
         )
         thread.start()
 
-    def _watch_parent(self, parent: int, forker: int, grace_s: float, label: str) -> None:
-        while os.getppid() == forker and (forker == parent or _alive(parent)):
+    def _watch_parent(self, parent: int, grace_s: float, label: str) -> None:
+        while os.getppid() == parent:
             time.sleep(PARENT_POLL_S)
         self.request(signal.SIGTERM, f"parent process {parent} exited")
         self.interrupt()
@@ -175,16 +172,6 @@ class StopRequest:
             flush=True,
         )
         os._exit(128 + signal.SIGTERM)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 _PROCESS_STOP = StopRequest()

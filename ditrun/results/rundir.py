@@ -76,7 +76,6 @@ MAY_DIFFER = (
     "launcher.collective_timeout_s",
     "launcher.stop_timeout_s",
     "launcher.master_port",
-    "launcher.start_method",
     "testing",
     "transport.timeout_s",
     "metrics.report",
