@@ -52,15 +52,7 @@ def roundtrip(codec, refs: torch.Tensor, names) -> dict:
 def ceiling(codec, refs: torch.Tensor, names) -> dict:
     """Each correct edit of each picture through the VAE and back, judged as an edit is:
     {edit: {picture: {"psnr", "delta_e", "margin"}}}. No DiT can score better through this VAE."""
-    known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}
-    out = {}
-    for edit_name in transforms.EDITS.names():
-        back = rgb8(codec.decode(codec.encode(transforms.apply(edit_name, refs))))
-        out[edit_name] = {
-            n: margin(b, r, edit_name, {k: v[i] for k, v in known.items()})
-            for i, (n, b, r) in enumerate(zip(names, back, rgb8(refs)))
-        }
-    return out
+    return judge_each(refs, names, lambda edit: codec.decode(codec.encode(edit.transform(refs))))
 
 
 def margin(output: np.ndarray, reference: np.ndarray, edit: str, known: dict) -> dict:
@@ -105,13 +97,22 @@ def sample_edits(
 
 def edits(model, codec, refs: torch.Tensor, names, prompt_of, scale: float, steps: int, seed: int) -> dict:
     """Every instruction (its first phrasing) on every picture: {edit: {picture: {"psnr", "delta_e", "margin"}}}."""
+    negative = prompt_of(EMPTY_PROMPT)
+    return judge_each(
+        refs,
+        names,
+        lambda edit: sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), negative, steps, scale, seed),
+    )
+
+
+def judge_each(refs: torch.Tensor, names, output_of) -> dict:
+    """Every instruction's outputs (``output_of(edit)`` -> [N, 3, S, S] in [0, 1]) judged against its correct
+    edit of each picture: {edit: {picture: {"psnr", "delta_e", "margin"}}}."""
     references = rgb8(refs)
     known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
     out = {}
     for edit_name, edit in transforms.EDITS.items():
-        outputs = rgb8(
-            sample_edits(model, codec, refs, prompt_of(edit.phrasings[0]), prompt_of(EMPTY_PROMPT), steps, scale, seed)
-        )
+        outputs = rgb8(output_of(edit))
         out[edit_name] = {
             n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
             for i, (n, o, r) in enumerate(zip(names, outputs, references))
@@ -169,13 +170,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
     refs = held_out_references(args.size, torch.device("cpu"), HELD_OUT)
+    from recipes.editor.train import report  # the training's own printout of the same measures
+
     trip, per_edit = roundtrip(codec, refs, HELD_OUT), ceiling(codec, refs, HELD_OUT)
-    print(f"vae round trip: median PSNR {np.median([r['psnr'] for r in trip.values()]):.2f} dB")
-    print(
-        "the correct edits through the VAE and back, PSNR against the correct edit and margin over the naive "
-        "candidates:"
-    )
-    print(table(summarize(per_edit)))
+    report({"vae_roundtrip": trip, "summary": {"vae_ceiling": summarize(per_edit)}})
     if args.json:
         args.json.write_text(json.dumps({"vae_roundtrip": trip, "vae_ceiling": per_edit}, indent=1) + "\n")
 
