@@ -109,6 +109,7 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
         (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
+        (["--init", "nowhere"], "--init nowhere: not a pipeline folder this recipe wrote"),
     ],
     ids=lambda value: value[0] if isinstance(value, list) else None,
 )
@@ -229,6 +230,44 @@ def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
         for key in (k for k in a if "/" in k):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a, b)
     assert _tree(tmp_path / "split") == _tree(tmp_path / "straight")
+
+
+def _tensors(file: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(file)
+
+
+@pytest.mark.slow
+def test_a_training_goes_on_from_a_folder_keeping_its_latents_and_text_encoders(tmp_path, capsys):
+    """--init A: zero more steps give A again, byte for byte; two more of each phase train A's decoder (its encoder
+    and latent statistics, so its latents, unchanged) and its DiT, and keep its text parts. A VAE shape other than
+    A's is one sentence."""
+    first = tmp_path / "first"
+    assert main(["--out", str(first), *TINY, "--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]) == 0
+    go_on = [*TINY, "--init", str(first), "--pool", "2"]
+    assert main(["--out", str(tmp_path / "same"), *go_on, "--vae-steps", "0", "--dit-steps", "0"]) == 0
+    assert _tree(tmp_path / "same") == _tree(first)
+    assert main(["--out", str(tmp_path / "more"), *go_on, "--vae-steps", "2", "--dit-steps", "2"]) == 0
+    before, after = _tree(first), _tree(tmp_path / "more")
+    assert {k: v for k, v in after.items() if not k.startswith(("vae/", "transformer/"))} == {
+        k: v for k, v in before.items() if not k.startswith(("vae/", "transformer/"))
+    }
+    weights = "vae/diffusion_pytorch_model.safetensors"
+    old, new = _tensors(first / weights), _tensors(tmp_path / "more" / weights)
+    assert all(torch.equal(old[k], new[k]) for k in old if k.startswith("encoder."))
+    assert any(not torch.equal(old[k], new[k]) for k in old if k.startswith("decoder."))
+    configs = [json.loads((f / "vae" / "config.json").read_text()) for f in (first, tmp_path / "more")]
+    assert [(c["shift_factor"], c["scaling_factor"]) for c in configs] == [
+        (configs[0]["shift_factor"], configs[0]["scaling_factor"])
+    ] * 2
+    dit = "transformer/diffusion_pytorch_model.safetensors"
+    assert after[dit] != before[dit]
+    capsys.readouterr()
+    assert main(["--out", str(tmp_path / "other"), *go_on, "--vae-widths", "16,16,16,16"]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == (
+        "train: --vae-widths 16,16,16,16: must be 8,8,16,16, the --init folder's."
+    )
 
 
 @pytest.mark.slow

@@ -8,6 +8,8 @@ any work; the command-line options are derived from the fields, so no option is 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Optional
 
 from recipes.editor import pictures
@@ -23,6 +25,11 @@ class TrainConfig:
 
     seed: int = 0
     """Everything random (data, initial weights, noise) is drawn from generators seeded from it."""
+    init: str = ""
+    """A pipeline folder this recipe wrote, to go on training from ('': start from the seed's random weights). Its
+    text encoders, tokenizers and the VAE's encoder and latent statistics are kept, so that its latents, and a DiT
+    trained on them, stay valid: the VAE phase trains only the decoder (``vae_steps``, 0: none). Its DiT starts the
+    DiT phase (the model and the EMA; AdamW and the learning-rate schedule start anew)."""
     size: int = 256
     """Pixel size of the DiT's training edits (square), a multiple of 16 (8x VAE, then 2x2 patches)."""
     train_pictures: tuple = pictures.TRAIN
@@ -126,9 +133,34 @@ def _choices(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def _init_problems(cfg: TrainConfig) -> list[str]:
+    """The ``init`` folder must be one this recipe wrote with the VAE shape and text length asked for."""
+    if not cfg.init:
+        return []
+    folder = Path(cfg.init)
+    try:
+        vae = json.loads((folder / "vae" / "config.json").read_text())
+        json.loads((folder / "transformer" / "config.json").read_text())
+        text_len = json.loads((folder / "tokenizer_2" / "tokenizer_config.json").read_text())["model_max_length"]
+    except (OSError, ValueError, KeyError):
+        return [f"--init {folder}: not a pipeline folder this recipe wrote (vae/, transformer/, tokenizer_2/)."]
+    shape = {
+        "vae_widths": tuple(vae["block_out_channels"]),
+        "vae_layers": vae["layers_per_block"],
+        "vae_norm_groups": vae["norm_num_groups"],
+        "text_len": text_len,
+    }
+    return [
+        f"--{_option(name)} {_text(getattr(cfg, name)) if isinstance(value, tuple) else getattr(cfg, name)}: "
+        f"must be {_text(value) if isinstance(value, tuple) else value}, the --init folder's."
+        for name, value in shape.items()
+        if getattr(cfg, name) != value
+    ]
+
+
 def problems(cfg: TrainConfig) -> list[str]:
     """One sentence per wrong setting (empty when every value is usable)."""
-    out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg)
+    out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg) + _init_problems(cfg)
     out += _positive(cfg, "vae_batch", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
     out += _not_negative(
         cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl", "vae_loss_weight"
@@ -182,6 +214,7 @@ def from_options(args) -> TrainConfig:
 MEASURED_ONLY = ("eval_pictures", "eval_steps", "eval_cfg_scales", "eval_every", "log_every")
 VAE_FIELDS = (
     "seed",
+    "init",
     "size",
     "train_pictures",
     "vae_steps",

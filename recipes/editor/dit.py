@@ -21,7 +21,12 @@ from recipes.editor.vae import autocast
 ZERO_INIT = ("norm1.linear", "norm1_context.linear", "norm.linear", "norm_out.linear", "proj_out")
 
 
-def make_dit(device: torch.device) -> FluxDiT:
+def make_dit(device: torch.device, init: str = "") -> FluxDiT:
+    """The editor's DiT in fp32: the ``init`` pipeline folder's transformer, or adaLN-zero from torch's generator."""
+    if init:
+        from ditrun.model.load import from_pretrained
+
+        return from_pretrained(Path(init) / "transformer", torch.float32, device).requires_grad_(True)
     model = FluxDiT(PRESETS["editor"]).to(device)
     with torch.no_grad():
         for name, module in model.named_modules():

@@ -13,6 +13,7 @@ ASCII character, so any prompt still tokenizes.
 from __future__ import annotations
 
 import json
+import shutil
 import string
 from pathlib import Path
 
@@ -126,3 +127,15 @@ def write_text_parts(folder: Path, seed: int, text_len: int) -> None:
     (folder / "scheduler").mkdir(exist_ok=True)
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER, indent=2) + "\n")
     (folder / "model_index.json").write_text(json.dumps(MODEL_INDEX, indent=2) + "\n")
+
+
+TEXT_PARTS = ("tokenizer", "tokenizer_2", "text_encoder", "text_encoder_2", "scheduler")
+
+
+def copy_text_parts(source: Path, folder: Path) -> None:
+    """The text parts, scheduler and ``model_index.json`` of a folder this recipe wrote, copied into ``folder``:
+    a training that goes on from it keeps the text encoders its DiT learned."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for part in TEXT_PARTS:
+        shutil.copytree(source / part, folder / part, dirs_exist_ok=True)
+    shutil.copy2(source / "model_index.json", folder / "model_index.json")

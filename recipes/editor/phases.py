@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +16,7 @@ from recipes.editor.checkpoint import Checkpoints, generator_states, restore_gen
 from recipes.editor.config import TrainConfig
 from recipes.editor.data import Batches, Crops, DeadLeaves, vae_batch
 from recipes.editor.dit import attention_backend, dit_loss, make_dit, positions, sample_sigmas
-from recipes.editor.vae import Codec, make_vae, set_latent_statistics, vae_loss
+from recipes.editor.vae import Codec, load_vae, make_vae, set_latent_statistics, vae_loss
 
 # --compile: how each phase's loss (forward and, through AOT autograd, backward) is compiled. "auto" is inductor on
 # CUDA, where eager steps are bound by the host's cost per operation, and eager elsewhere: inductor's code
@@ -62,11 +63,13 @@ class VaePhase:
     def __init__(self, cfg: TrainConfig, crops: Crops, device: torch.device, compile_mode: str):
         self.cfg, self.crops, self.device = cfg, crops, device
         self.leaves = DeadLeaves(crops, cfg.seed + 3) if cfg.dead_leaves else None
-        # initial weights from torch's global generator, where the text encoders left it (train() seeded it)
-        self.model = make_vae(cfg).to(device).train()
-        self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0.0, foreach=True
-        )
+        if cfg.init:  # the folder's VAE; only its decoder trains, so that its latents stay what they were
+            self.model = load_vae(Path(cfg.init) / "vae", device).train()
+            self.model.decoder.requires_grad_(True)
+        else:  # initial weights from torch's global generator, where the text encoders left it (train() seeded it)
+            self.model = make_vae(cfg).to(device).train()
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trained, lr=cfg.vae_lr, betas=(0.9, 0.99), weight_decay=0.0, foreach=True)
         self.noise = torch.Generator(device=device).manual_seed(cfg.seed + 1)
         self.loss = compiled(vae_loss, compile_mode, device)
         self.cudagraphs = compile_mode == "inductor-cudagraphs"
@@ -85,7 +88,7 @@ class VaePhase:
         terms = self.loss(self.model, x, eps, cfg)
         self.opt.zero_grad(set_to_none=True)
         terms["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.opt.param_groups[0]["params"], 1.0)
         self.opt.step()
         return terms
 
@@ -118,9 +121,11 @@ class VaePhase:
         }
 
     def finish(self):
-        """The trained VAE, frozen, with Flux's latent statistics (drawn from the data generator)."""
+        """The trained VAE, frozen, with Flux's latent statistics (drawn from the data generator; an ``init``
+        folder's own, as its encoder did not change)."""
         self.model.eval().requires_grad_(False)
-        set_latent_statistics(self.model, self.crops, self.cfg)
+        if not self.cfg.init:
+            set_latent_statistics(self.model, self.crops, self.cfg)
         return self.model
 
     def finished_state(self) -> dict:
@@ -155,7 +160,7 @@ class DitPhase:
     ):
         self.cfg, self.batches, self.table, self.codec, self.device = cfg, batches, table, codec, device
         self.pool_state = pool_state  # the data generator's state when the pool was drawn: a resumption redraws it
-        self.model = make_dit(device).train()
+        self.model = make_dit(device, cfg.init).train()
         self.ema = make_dit(device).eval().requires_grad_(False)
         self.ema.load_state_dict(self.model.state_dict())
         # fused: one kernel for the update rather than a few per tensor (CUDA; foreach, as eager always was, elsewhere)

@@ -150,7 +150,7 @@ def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str
     return None
 
 
-def _path_problems(run: Run) -> list[str]:
+def _path_problems(run: Run, cfg: TrainConfig) -> list[str]:
     out = [refusal(run.out, run.replace)]
     logs = run.log_dir
     if logs.is_dir() and any(logs.iterdir()) and not (run.replace or run.resume):
@@ -158,6 +158,8 @@ def _path_problems(run: Run) -> list[str]:
             f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
             "overwrite them, or name another --log-dir."
         )
+    if run.vae_from is not None and cfg.init:
+        out.append("--vae-from and --init both name the VAE to start from; give one.")
     if run.vae_from is not None and not (run.vae_from / "config.json").is_file():
         out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
     if run.compile not in COMPILE_MODES:
@@ -273,8 +275,8 @@ def dit_phase(
 ):
     """The trained DiT's EMA. Its pool of encoded crops is drawn again on resumption, from the data generator's
     state when it was first drawn."""
-    if cfg.dit_steps == 0:
-        return make_dit(device).eval()  # a VAE-only command: an untrained DiT fills the folder's transformer/
+    if cfg.dit_steps == 0:  # a VAE-only command: the --init folder's DiT, or an untrained one, fills transformer/
+        return make_dit(device, cfg.init).eval()
     state = saved.get("dit")
     pool_state = state["pool_state"] if state else crops.gen.get_state()
     crops.gen.set_state(pool_state)
@@ -319,7 +321,10 @@ def train_into(staging: Path, cfg: TrainConfig, run: Run, saved: dict, log) -> t
     """Both phases and the judgement, the folder written into ``staging``; -> (evaluation, times)."""
     device, times = torch.device(run.device), {}
     store, budget = Checkpoints(run.checkpoint_dir, cfg), Budget(run.max_minutes, run.max_steps)
-    parts.write_text_parts(staging, cfg.seed, cfg.text_len)
+    if cfg.init:
+        parts.copy_text_parts(Path(cfg.init), staging)
+    else:
+        parts.write_text_parts(staging, cfg.seed, cfg.text_len)
     crops = Crops(cfg.train_pictures, device, torch.Generator().manual_seed(cfg.seed))
     start = time.perf_counter()
     vae = vae_phase(cfg, run, crops, device, saved, store, budget, log)
@@ -395,7 +400,7 @@ def report(result: dict) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     cfg, run = config.from_options(args), run_options(args)
-    sentences = config.problems(cfg) + _budget_problems(run) + _path_problems(run)
+    sentences = config.problems(cfg) + _budget_problems(run) + _path_problems(run, cfg)
     device_problem = _device_problem(run.device)
     saved = load_checkpoints(run) if not sentences else {}
     sentences += [s for s in (device_problem, _checkpoint_problem(run, cfg, saved)) if s]

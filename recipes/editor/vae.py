@@ -38,10 +38,14 @@ def make_vae(cfg: TrainConfig):
 
 
 def load_vae(path: Path, device: torch.device):
-    """A VAE this recipe trained before (a ``vae/`` folder), frozen, in fp32."""
+    """A VAE this recipe trained before (a ``vae/`` folder), frozen, in fp32. Built again from its settings, as
+    ``from_pretrained`` records the path it read in the config, which a folder written from it must not carry."""
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(path, low_cpu_mem_usage=False).float().to(device).eval().requires_grad_(False)
+    loaded = AutoencoderKL.from_pretrained(path, low_cpu_mem_usage=False)
+    vae = AutoencoderKL(**{k: v for k, v in loaded.config.items() if not k.startswith("_")})
+    vae.load_state_dict(loaded.state_dict())
+    return vae.float().to(device).eval().requires_grad_(False)
 
 
 def gradient_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
