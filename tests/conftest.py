@@ -6,8 +6,12 @@ from pathlib import Path
 import pytest
 import torch
 
-# Keep CPU tests deterministic and light on a 2-core machine.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread per process, for the tests and, through OMP_NUM_THREADS, every process they start (ditrun
+# commands, ranks, Slurm jobs): `make test` runs two files at once on 2 cores, each starting processes of its own, and
+# threads beyond the cores spin against each other (a tiny ditrun run beside another: 4.0 s of CPU with one thread,
+# 5.8-7.5 s with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 # Seconds each file's tests take on 2 cores (`make test`; files under 30 s left out). `make
