@@ -18,7 +18,7 @@ diffusers = pytest.importorskip("diffusers")
 from launching import relative_error  # noqa: E402
 
 from ditrun.config import WorkloadConfig  # noqa: E402
-from ditrun.model import from_pretrained  # noqa: E402
+from ditrun.model import autoencoder, from_pretrained  # noqa: E402
 from ditrun.model.latents import DiffusersVAE  # noqa: E402
 from ditrun.model.load import checkpoint_geometry  # noqa: E402
 from ditrun.model.sampler import denoise, sequential_cfg_velocity  # noqa: E402
@@ -162,6 +162,33 @@ def test_final_latents_equal_diffusers_kontext(tmp_path, guidance_embeds, true_c
     )
     assert got.shape == expected.shape == (1, (WIDTH // 16) * (HEIGHT // 16), 64)
     assert relative_error(got, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("flux", [True, False], ids=["flux-kind", "attention-and-quant-convs"])
+def test_ditruns_autoencoder_equals_diffusers(tmp_path, flux):
+    """ditrun's own forward of an AutoencoderKL folder, as diffusers wrote it: FLUX.1's kind (no quant convs) and
+    the other (quant convs; both with the middle block's attention), the posterior's mode and the decoded pixels."""
+    vae = diffusers.AutoencoderKL(
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 16, 16),
+        layers_per_block=2,
+        latent_channels=4,
+        norm_num_groups=4,
+        use_quant_conv=not flux,
+        use_post_quant_conv=not flux,
+    ).eval()
+    _randomise(vae, seed=5)
+    vae.save_pretrained(tmp_path / "vae", safe_serialization=True)
+    config = autoencoder.read_config(tmp_path / "vae")
+    assert autoencoder.supports(config) and config["mid_block_add_attention"]
+    ours = autoencoder.load(config, torch.device("cpu"), torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    x, z = torch.rand(2, 3, 24, 40, generator=gen) * 2 - 1, torch.randn(2, 4, 6, 10, generator=gen)
+    with torch.no_grad():
+        assert relative_error(ours.encode_mode(x), vae.encode(x).latent_dist.mode()) <= 1e-5
+        assert relative_error(ours.decode(z), vae.decode(z).sample) <= 1e-5
+    assert not autoencoder.supports({**config, "up_block_types": ["UpDecoderBlock2D", "AttnUpDecoderBlock2D"]})
 
 
 def _clip_tokenizer(folder):

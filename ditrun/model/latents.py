@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ditrun.model import autoencoder
+
 LATENT_CHANNELS = 16
 VAE_SCALE = 8
 
@@ -46,31 +48,44 @@ class LinearLatentMap:
 
 
 class DiffusersVAE:
-    """A diffusers ``AutoencoderKL`` folder (needs the ``vae`` extra: ``pip install ditrun[vae]``)."""
+    """A diffusers ``AutoencoderKL`` folder: computed by ditrun's own forward (``model.autoencoder``) where it
+    describes one, as FLUX.1's and the editor's do; otherwise by diffusers (the ``vae`` extra:
+    ``pip install ditrun[vae]``)."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype):
-        try:
-            from diffusers import AutoencoderKL
-        except ImportError:
-            raise RuntimeError("workload.vae_path needs diffusers: pip install 'ditrun[vae]'.")
-        # low_cpu_mem_usage off: that path wants accelerate and says so at every load; the weights are small.
-        self.vae = (
-            AutoencoderKL.from_pretrained(path, use_safetensors=True, low_cpu_mem_usage=False, torch_dtype=dtype)
-            .to(device)
-            .eval()
-        )
-        self.scale = self.vae.config.scaling_factor
-        self.shift = self.vae.config.shift_factor or 0.0
+        config = autoencoder.read_config(path)
+        if autoencoder.supports(config):
+            self.vae, self.dtype = autoencoder.load(config, device, dtype), dtype
+            self._encode = self.vae.encode_mode
+            self._decode = self.vae.decode
+        else:
+            self.vae, self.dtype = _diffusers_autoencoder(path, device, dtype), dtype
+            self._encode = lambda x: self.vae.encode(x).latent_dist.mode()
+            self._decode = lambda z: self.vae.decode(z).sample
+        self.scale = config.get("scaling_factor", 0.18215)  # diffusers' default for a config without one
+        self.shift = config.get("shift_factor") or 0.0
 
     @torch.no_grad()
     def encode(self, rgb: torch.Tensor) -> torch.Tensor:
-        x = (rgb * 2 - 1).to(self.vae.dtype)
-        return (self.vae.encode(x).latent_dist.mode().float() - self.shift) * self.scale
+        return (self._encode((rgb * 2 - 1).to(self.dtype)).float() - self.shift) * self.scale
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        x = (latent / self.scale + self.shift).to(self.vae.dtype)
-        return ((self.vae.decode(x).sample.float() + 1) / 2).clamp(0, 1)
+        x = (latent / self.scale + self.shift).to(self.dtype)
+        return ((self._decode(x).float() + 1) / 2).clamp(0, 1)
+
+
+def _diffusers_autoencoder(path: str, device: torch.device, dtype: torch.dtype):
+    try:
+        from diffusers import AutoencoderKL
+    except ImportError:
+        raise RuntimeError("workload.vae_path needs diffusers: pip install 'ditrun[vae]'.")
+    # low_cpu_mem_usage off: that path wants accelerate and says so at every load; the weights are small.
+    return (
+        AutoencoderKL.from_pretrained(path, use_safetensors=True, low_cpu_mem_usage=False, torch_dtype=dtype)
+        .to(device)
+        .eval()
+    )
 
 
 def make_latent_codec(vae_path: Optional[str], device: torch.device, dtype: torch.dtype):
