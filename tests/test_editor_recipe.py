@@ -199,6 +199,8 @@ def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as at a terminal: a shell that starts the tests in the background leaves SIGINT ignored, for its children too
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".editor.*.partial/text_encoder_2/*.safetensors")) and time.monotonic() < deadline:
