@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("diffusers")
 
+from ditrun.editor import transforms  # noqa: E402
 from ditrun.model.dit import FluxDiT  # noqa: E402
 from ditrun.model.presets import PRESETS  # noqa: E402
 from recipes.editor.config import TrainConfig  # noqa: E402
@@ -110,6 +111,8 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
         (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
         (["--init", "nowhere"], "--init nowhere: not a pipeline folder this recipe wrote"),
+        (["--edit-weights", "posterise=4"], "--edit-weights posterise=4: 'posterise=4' is not edit=weight"),
+        (["--edit-weights", "blur=-1"], "--edit-weights blur=-1: 'blur=-1': a weight must not be negative"),
     ],
     ids=lambda value: value[0] if isinstance(value, list) else None,
 )
@@ -390,6 +393,30 @@ def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
     assert not torch.equal(pictures[0], pictures[1])
     crops.gen.set_state(state)
     assert torch.equal(leaves.batch(2, 48), pictures)
+
+
+def test_edit_weights_set_how_often_each_edit_is_drawn():
+    """--edit-weights posterize=4: posterize is drawn 4 times as often as each other edit (4 of 13 draws); without
+    weights every edit equally often."""
+    from types import SimpleNamespace
+
+    from recipes.editor.config import edit_weights
+    from recipes.editor.data import EMPTY_PROMPT, Batches
+
+    names = transforms.EDITS.names()
+    pool = SimpleNamespace(
+        names=names,
+        refs=torch.zeros(3, 1, 64),
+        targets=torch.arange(len(names), dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 3, 1, 64),
+    )
+    prompts = {EMPTY_PROMPT: 0, **{t: 1 for n in names for t in transforms.EDITS.get(n, "edit").phrasings}}
+    for weights, share in ((edit_weights("posterize=4"), 4 / 13), ({}, 1 / 10)):
+        batches = Batches(pool, prompts, 0.0, torch.Generator().manual_seed(0), weights)
+        _, targets, _ = batches.draw(6000)
+        drawn = torch.bincount(targets[:, 0, 0].long(), minlength=len(names)).float() / 6000
+        assert abs(drawn[names.index("posterize")] - share) < 0.02, drawn
+        others = [drawn[i] for i, n in enumerate(names) if n != "posterize"]
+        assert max(abs(d - (1 - share) / 9) for d in others) < 0.02, drawn
 
 
 def test_edited_vae_pictures_are_known_edits_of_the_pictures_drawn():

@@ -67,6 +67,9 @@ class TrainConfig:
     """Reference crops encoded once, with every edit of each (the DiT's training set)."""
     dit_stop_after: int = 0
     """Stop the DiT after this many steps (0: at ``dit_steps``), the schedule still that of ``dit_steps``."""
+    edit_weights: str = ""
+    """How often the DiT's batches draw each edit, ``name=weight,...`` against 1 for every edit not named ('': every
+    edit equally often, drawn uniformly as the first training did): e.g. ``posterize=4``."""
     prompt_dropout: float = 0.1
     ema: float = 0.995
     text_len: int = 32
@@ -158,9 +161,37 @@ def _init_problems(cfg: TrainConfig) -> list[str]:
     ]
 
 
+def edit_weights(text: str) -> dict[str, float]:
+    """``name=weight,...`` -> {name: weight}; raises ValueError naming what is wrong."""
+    from ditrun.editor import transforms
+
+    weights = {}
+    for item in (part for part in text.split(",") if part):
+        name, sep, value = item.partition("=")
+        if not sep or name not in transforms.EDITS.names():
+            raise ValueError(f"{item!r} is not edit=weight with an edit of {', '.join(transforms.EDITS.names())}")
+        try:
+            weights[name] = float(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: the weight must be a number") from None
+        if not weights[name] >= 0:
+            raise ValueError(f"{item!r}: a weight must not be negative")
+    if weights and not sum(weights.get(n, 1.0) for n in transforms.EDITS.names()) > 0:
+        raise ValueError("at least one edit needs a weight above 0")
+    return weights
+
+
+def _edit_weight_problems(cfg: TrainConfig) -> list[str]:
+    try:
+        edit_weights(cfg.edit_weights)
+    except ValueError as error:
+        return [f"--edit-weights {cfg.edit_weights}: {error}."]
+    return []
+
+
 def problems(cfg: TrainConfig) -> list[str]:
     """One sentence per wrong setting (empty when every value is usable)."""
-    out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg) + _init_problems(cfg)
+    out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg) + _init_problems(cfg) + _edit_weight_problems(cfg)
     out += _positive(cfg, "vae_batch", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
     out += _not_negative(
         cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl", "vae_loss_weight"

@@ -146,15 +146,22 @@ class Batches:
     """Training edits drawn from a ``Pool``: a reference, an instruction (one phrasing of one edit, sometimes the
     empty prompt) and the correct output."""
 
-    def __init__(self, pool: Pool, prompt_index: dict, prompt_dropout: float, gen: torch.Generator):
+    def __init__(
+        self, pool: Pool, prompt_index: dict, prompt_dropout: float, gen: torch.Generator, weights: dict | None = None
+    ):
         self.pool, self.gen, self.prompt_dropout = pool, gen, prompt_dropout
         self.prompt_index = prompt_index  # text -> row of the embedding table
+        # edits drawn in proportion to their weights (1 where not named); none given: uniformly, by randint
+        self.weights = torch.tensor([(weights or {}).get(n, 1.0) for n in pool.names]) if weights else None
 
     def draw(self, n: int):
         """-> references [n, S, 64], correct outputs [n, S, 64] (fp32, on the pool's device), prompt rows [n]"""
         pool = self.pool
         picks = torch.randint(pool.refs.shape[0], (n,), generator=self.gen)
-        kinds = torch.randint(len(pool.names), (n,), generator=self.gen)
+        if self.weights is None:
+            kinds = torch.randint(len(pool.names), (n,), generator=self.gen)
+        else:
+            kinds = torch.multinomial(self.weights, n, replacement=True, generator=self.gen)
         rows = []
         for kind in kinds.tolist():
             phrasings = transforms.EDITS.get(pool.names[kind], "edit").phrasings

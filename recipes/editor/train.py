@@ -283,7 +283,7 @@ def dit_phase(
     start = time.perf_counter()
     pool = Pool(crops, codec, cfg.pool, cfg.size)
     print(f"train: pool of {cfg.pool} crops encoded in {time.perf_counter() - start:.1f} s", flush=True)
-    batches = Batches(pool, prompt_index, cfg.prompt_dropout, crops.gen)
+    batches = Batches(pool, prompt_index, cfg.prompt_dropout, crops.gen, config.edit_weights(cfg.edit_weights))
     phase = DitPhase(cfg, batches, table, codec, device, run.compile, pool_state)
     run_phase(phase, phase.restore(state) if state else 0, cfg, store, run.checkpoint_every, budget, log)
     return phase.ema
