@@ -182,7 +182,7 @@ def test_ditruns_autoencoder_equals_diffusers(tmp_path, flux):
     vae.save_pretrained(tmp_path / "vae", safe_serialization=True)
     config = autoencoder.read_config(tmp_path / "vae")
     assert autoencoder.supports(config) and config["mid_block_add_attention"]
-    ours = autoencoder.load(config, torch.device("cpu"), torch.float32)
+    ours = autoencoder.load(tmp_path / "vae", config, torch.device("cpu"), torch.float32)
     gen = torch.Generator().manual_seed(6)
     x, z = torch.rand(2, 3, 24, 40, generator=gen) * 2 - 1, torch.randn(2, 4, 6, 10, generator=gen)
     with torch.no_grad():

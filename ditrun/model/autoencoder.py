@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditrun.model.load import load_pretrained_weights
+
 EPS = 1e-6
-WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def supports(config: dict) -> bool:
@@ -31,13 +32,11 @@ def supports(config: dict) -> bool:
         and set(config.get("down_block_types", ())) == {"DownEncoderBlock2D"}
         and set(config.get("up_block_types", ())) == {"UpDecoderBlock2D"}
         and config.get("act_fn", "silu") == "silu"
-        and (Path(config["_path"]) / WEIGHTS).is_file()
     )
 
 
 def read_config(path: str | Path) -> dict:
-    config = json.loads((Path(path) / "config.json").read_text())
-    return {**config, "_path": str(path)}
+    return json.loads((Path(path) / "config.json").read_text())
 
 
 class ResnetBlock(nn.Module):
@@ -172,22 +171,10 @@ class AutoencoderKL(nn.Module):
         return self.decoder(z)
 
 
-def load(config: dict, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
-    """The folder's autoencoder (``config`` from ``read_config``), every weight checked against its name and shape."""
-    from safetensors.torch import load_file
-
+def load(path: str | Path, config: dict, device: torch.device, dtype: torch.dtype) -> AutoencoderKL:
+    """The autoencoder of the folder ``path`` (its ``config`` from ``read_config``), its weights read as a DiT's are
+    (single or sharded safetensors, every name and shape checked: ``model.load``)."""
     with torch.device("meta"):
         model = AutoencoderKL(config)
-    state = load_file(str(Path(config["_path"]) / WEIGHTS), device=str(device))
-    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    found = {name: tuple(t.shape) for name, t in state.items()}
-    if expected != found:
-        missing = sorted(set(expected) - set(found))[:3]
-        extra = sorted(set(found) - set(expected))[:3]
-        shapes = [n for n in expected.keys() & found.keys() if expected[n] != found[n]][:3]
-        raise ValueError(
-            f"{config['_path']}: its weights are not this autoencoder's (missing {missing}, unexpected {extra}, "
-            f"other shapes {shapes})"
-        )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    load_pretrained_weights(model, path, dtype, device)
     return model.eval().requires_grad_(False)

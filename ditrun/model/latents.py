@@ -53,13 +53,13 @@ class DiffusersVAE:
     ``pip install ditrun[vae]``)."""
 
     def __init__(self, path: str, device: torch.device, dtype: torch.dtype):
-        config = autoencoder.read_config(path)
+        config, self.dtype = autoencoder.read_config(path), dtype
         if autoencoder.supports(config):
-            self.vae, self.dtype = autoencoder.load(config, device, dtype), dtype
+            self.vae = autoencoder.load(path, config, device, dtype)
             self._encode = self.vae.encode_mode
             self._decode = self.vae.decode
         else:
-            self.vae, self.dtype = _diffusers_autoencoder(path, device, dtype), dtype
+            self.vae = _diffusers_autoencoder(path, device, dtype)
             self._encode = lambda x: self.vae.encode(x).latent_dist.mode()
             self._decode = lambda z: self.vae.decode(z).sample
         self.scale = config.get("scaling_factor", 0.18215)  # diffusers' default for a config without one

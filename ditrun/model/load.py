@@ -159,8 +159,9 @@ def _read_tensors(files: dict[str, Path], device: torch.device, dtype: torch.dty
     return state
 
 
-def load_pretrained_weights(model: FluxDiT, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
-    """Fill a ``meta`` model from a diffusers-format folder, each tensor read straight onto ``device`` in ``dtype``."""
+def load_pretrained_weights(model: torch.nn.Module, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
+    """Fill a ``meta`` model (a DiT, an autoencoder) from a diffusers-format folder, each tensor read straight onto
+    ``device`` in ``dtype``."""
     files = _weight_files(Path(path))
     _check_names_and_shapes(model, files)
     model.load_state_dict(_read_tensors(files, torch.device(device), dtype), strict=True, assign=True)

@@ -152,7 +152,7 @@ class Batches:
         self.pool, self.gen, self.prompt_dropout = pool, gen, prompt_dropout
         self.prompt_index = prompt_index  # text -> row of the embedding table
         # edits drawn in proportion to their weights (1 where not named); none given: uniformly, by randint
-        self.weights = torch.tensor([(weights or {}).get(n, 1.0) for n in pool.names]) if weights else None
+        self.weights = torch.tensor([weights.get(n, 1.0) for n in pool.names]) if weights else None
 
     def draw(self, n: int):
         """-> references [n, S, 64], correct outputs [n, S, 64] (fp32, on the pool's device), prompt rows [n]"""
