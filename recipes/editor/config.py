@@ -29,7 +29,8 @@ class TrainConfig:
     """A pipeline folder this recipe wrote, to go on training from ('': start from the seed's random weights). Its
     text encoders, tokenizers and the VAE's encoder and latent statistics are kept, so that its latents, and a DiT
     trained on them, stay valid: the VAE phase trains only the decoder (``vae_steps``, 0: none). Its DiT starts the
-    DiT phase (the model and the EMA; AdamW and the learning-rate schedule start anew)."""
+    DiT phase (the model and the EMA; AdamW and the learning-rate schedule start anew). A larger ``vae_layers``
+    than the folder's deepens its VAE by layers that start as the identity."""
     size: int = 256
     """Pixel size of the DiT's training edits (square), a multiple of 16 (8x VAE, then 2x2 patches)."""
     train_pictures: tuple = pictures.TRAIN
@@ -45,7 +46,8 @@ class TrainConfig:
     vae_widths: tuple = (48, 96, 176, 176)
     """Channels of the VAE's four blocks (8x: three downsamplings), each a multiple of ``vae_norm_groups``."""
     vae_layers: int = 1
-    """ResNet layers per block of the VAE's encoder (its decoder has one more, as diffusers builds it)."""
+    """ResNet layers per block of the VAE's encoder (its decoder has one more, as diffusers builds it). With
+    ``init``, more than the folder's adds layers that start as the identity (the encoder's stay so: it is frozen)."""
     vae_norm_groups: int = 16
     vae_loss: str = "l1+mse"
     """One of ``VAE_LOSSES``."""
@@ -68,8 +70,9 @@ class TrainConfig:
     dit_stop_after: int = 0
     """Stop the DiT after this many steps (0: at ``dit_steps``), the schedule still that of ``dit_steps``."""
     edit_weights: str = ""
-    """How often the DiT's batches draw each edit, ``name=weight,...`` against 1 for every edit not named ('': every
-    edit equally often, drawn uniformly as the first training did): e.g. ``posterize=4``."""
+    """How often each edit is drawn, for the DiT's batches and the VAE's edited pictures (``vae_edited``),
+    ``name=weight,...`` against 1 for every edit not named ('': every edit equally often, drawn uniformly as the
+    first training did): e.g. ``posterize=4``."""
     prompt_dropout: float = 0.1
     ema: float = 0.995
     text_len: int = 32
@@ -137,7 +140,8 @@ def _choices(cfg: TrainConfig) -> list[str]:
 
 
 def _init_problems(cfg: TrainConfig) -> list[str]:
-    """The ``init`` folder must be one this recipe wrote with the VAE shape and text length asked for."""
+    """The ``init`` folder must be one this recipe wrote with the VAE widths and text length asked for, and at
+    least its VAE's layers (more: added ones start as the identity)."""
     if not cfg.init:
         return []
     folder = Path(cfg.init)
@@ -153,12 +157,18 @@ def _init_problems(cfg: TrainConfig) -> list[str]:
         "vae_norm_groups": vae["norm_num_groups"],
         "text_len": text_len,
     }
-    return [
+    out = [
         f"--{_option(name)} {_text(getattr(cfg, name)) if isinstance(value, tuple) else getattr(cfg, name)}: "
         f"must be {_text(value) if isinstance(value, tuple) else value}, the --init folder's."
         for name, value in shape.items()
-        if getattr(cfg, name) != value
+        if name != "vae_layers" and getattr(cfg, name) != value
     ]
+    if cfg.vae_layers < shape["vae_layers"]:
+        out.append(
+            f"--vae-layers {cfg.vae_layers}: must be at least {shape['vae_layers']}, the --init folder's (more adds "
+            "layers that start as the identity)."
+        )
+    return out
 
 
 def edit_weights(text: str) -> dict[str, float]:
@@ -192,7 +202,7 @@ def _edit_weight_problems(cfg: TrainConfig) -> list[str]:
 def problems(cfg: TrainConfig) -> list[str]:
     """One sentence per wrong setting (empty when every value is usable)."""
     out = _geometry(cfg) + _vae_shape(cfg) + _choices(cfg) + _init_problems(cfg) + _edit_weight_problems(cfg)
-    out += _positive(cfg, "vae_batch", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
+    out += _positive(cfg, "vae_batch", "vae_layers", "dit_batch", "pool", "text_len", "eval_steps", "log_every")
     out += _not_negative(
         cfg, "vae_steps", "dit_steps", "warmup", "dit_stop_after", "eval_every", "vae_kl", "vae_loss_weight"
     )
@@ -260,6 +270,7 @@ VAE_FIELDS = (
     "vae_loss_weight",
     "dead_leaves",
     "vae_edited",
+    "edit_weights",
     "warmup",
 )
 

@@ -106,11 +106,28 @@ class DeadLeaves:
         return (picture + above[:, :1] * colours[:, LEAVES, :, None, None]).clamp(0, 1)
 
 
+def draw_edits(n: int, gen: torch.Generator, weights: dict | None = None) -> torch.Tensor:
+    """``n`` indices into ``transforms.EDITS.names()``, each edit drawn in proportion to its weight (1 where not
+    named); no weights: uniformly, by randint. -> [n] int64"""
+    names = transforms.EDITS.names()
+    if not weights:
+        return torch.randint(len(names), (n,), generator=gen)
+    return torch.multinomial(
+        torch.tensor([weights.get(name, 1.0) for name in names]), n, replacement=True, generator=gen
+    )
+
+
 def vae_batch(
-    crops: Crops, leaves: DeadLeaves, n: int, size: int, fraction: float, edited: float = 0.0
+    crops: Crops,
+    leaves: DeadLeaves,
+    n: int,
+    size: int,
+    fraction: float,
+    edited: float = 0.0,
+    weights: dict | None = None,
 ) -> torch.Tensor:
     """``n`` training pictures for the VAE, ``fraction`` of them dead leaves, then ``edited`` of them (picked at
-    random) each replaced by a random known edit of itself. -> [n, 3, size, size] in [0, 1]"""
+    random) each replaced by a known edit of itself, drawn as ``draw_edits`` does. -> [n, 3, size, size] in [0, 1]"""
     synthetic = round(n * fraction)
     parts = [crops.batch(n - synthetic, size)] if synthetic < n else []
     if synthetic:
@@ -120,7 +137,7 @@ def vae_batch(
     if count:
         names = transforms.EDITS.names()
         which = torch.randperm(n, generator=crops.gen)[:count].tolist()
-        kinds = torch.randint(len(names), (count,), generator=crops.gen).tolist()
+        kinds = draw_edits(count, crops.gen, weights).tolist()
         for index, kind in zip(which, kinds):
             batch[index : index + 1] = transforms.apply(names[kind], batch[index : index + 1])
     return batch
@@ -151,17 +168,13 @@ class Batches:
     ):
         self.pool, self.gen, self.prompt_dropout = pool, gen, prompt_dropout
         self.prompt_index = prompt_index  # text -> row of the embedding table
-        # edits drawn in proportion to their weights (1 where not named); none given: uniformly, by randint
-        self.weights = torch.tensor([weights.get(n, 1.0) for n in pool.names]) if weights else None
+        self.weights = weights
 
     def draw(self, n: int):
         """-> references [n, S, 64], correct outputs [n, S, 64] (fp32, on the pool's device), prompt rows [n]"""
         pool = self.pool
         picks = torch.randint(pool.refs.shape[0], (n,), generator=self.gen)
-        if self.weights is None:
-            kinds = torch.randint(len(pool.names), (n,), generator=self.gen)
-        else:
-            kinds = torch.multinomial(self.weights, n, replacement=True, generator=self.gen)
+        kinds = draw_edits(n, self.gen, self.weights)
         rows = []
         for kind in kinds.tolist():
             phrasings = transforms.EDITS.get(pool.names[kind], "edit").phrasings
