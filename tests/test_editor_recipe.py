@@ -26,7 +26,7 @@ from recipes.editor.data import Crops, DeadLeaves  # noqa: E402
 from recipes.editor.dit import dit_loss, positions  # noqa: E402
 from recipes.editor.phases import compiled  # noqa: E402
 from recipes.editor.train import EXIT_STOPPED, EXIT_USAGE, main  # noqa: E402
-from recipes.editor.vae import Codec, deepen, load_vae, make_vae, vae_loss  # noqa: E402
+from recipes.editor.vae import make_vae, vae_loss  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Two small training pictures, one held-out picture, a VAE of a few channels, 32x32 edits, no CFG in the judgement.
@@ -268,40 +268,11 @@ def test_a_training_goes_on_from_a_folder_keeping_its_latents_and_text_encoders(
     ] * 2
     dit = "transformer/diffusion_pytorch_model.safetensors"
     assert after[dit] != before[dit]
-    # a deeper VAE: the encoder's latents stay A's exactly (its added layers are the identity and frozen)
-    deep = tmp_path / "deep"
-    assert main(["--out", str(deep), *go_on, "--vae-layers", "2", "--vae-steps", "2", "--dit-steps", "0"]) == 0
-    assert json.loads((deep / "vae" / "config.json").read_text())["layers_per_block"] == 2
-    picture = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    shallow, deeper = (Codec(load_vae(f / "vae", torch.device("cpu"))) for f in (first, deep))
-    latents = shallow.encode(picture)
-    assert torch.equal(deeper.encode(picture), latents)
-    assert not torch.equal(deeper.decode(latents), shallow.decode(latents))
-    assert _tree(deep)[dit] == before[dit]
     capsys.readouterr()
     assert main(["--out", str(tmp_path / "other"), *go_on, "--vae-widths", "16,16,16,16"]) == EXIT_USAGE
     assert capsys.readouterr().err.strip() == (
         "train: --vae-widths 16,16,16,16: must be 8,8,16,16, the --init folder's."
     )
-    go_on_deep = [*TINY, "--init", str(deep), "--pool", "2"]
-    assert main(["--out", str(tmp_path / "other"), *go_on_deep, "--vae-layers", "1"]) == EXIT_USAGE
-    assert capsys.readouterr().err.strip() == (
-        "train: --vae-layers 1: must be at least 2, the --init folder's (more adds layers that start as the identity)."
-    )
-
-
-def test_a_deepened_vae_encodes_and_decodes_as_before():
-    """The layers ``deepen`` adds start as the identity: the deeper VAE's latents and pictures are the shallower's."""
-    cfg = replace(TrainConfig(), vae_widths=(8, 8, 16, 16), vae_norm_groups=8)
-    torch.manual_seed(0)
-    vae = make_vae(cfg).eval()
-    deeper = deepen(vae, 3).eval()
-    assert deeper.config.layers_per_block == 3 and len(deeper.decoder.up_blocks[0].resnets) == 4
-    picture = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    with torch.no_grad():
-        latents = vae.encode(picture).latent_dist.mode()
-        assert torch.equal(deeper.encode(picture).latent_dist.mode(), latents)
-        assert torch.equal(deeper.decode(latents).sample, vae.decode(latents).sample)
 
 
 @pytest.mark.slow

@@ -29,8 +29,7 @@ class TrainConfig:
     """A pipeline folder this recipe wrote, to go on training from ('': start from the seed's random weights). Its
     text encoders, tokenizers and the VAE's encoder and latent statistics are kept, so that its latents, and a DiT
     trained on them, stay valid: the VAE phase trains only the decoder (``vae_steps``, 0: none). Its DiT starts the
-    DiT phase (the model and the EMA; AdamW and the learning-rate schedule start anew). A larger ``vae_layers``
-    than the folder's deepens its VAE by layers that start as the identity."""
+    DiT phase (the model and the EMA; AdamW and the learning-rate schedule start anew)."""
     size: int = 256
     """Pixel size of the DiT's training edits (square), a multiple of 16 (8x VAE, then 2x2 patches)."""
     train_pictures: tuple = pictures.TRAIN
@@ -46,8 +45,7 @@ class TrainConfig:
     vae_widths: tuple = (48, 96, 176, 176)
     """Channels of the VAE's four blocks (8x: three downsamplings), each a multiple of ``vae_norm_groups``."""
     vae_layers: int = 1
-    """ResNet layers per block of the VAE's encoder (its decoder has one more, as diffusers builds it). With
-    ``init``, more than the folder's adds layers that start as the identity (the encoder's stay so: it is frozen)."""
+    """ResNet layers per block of the VAE's encoder (its decoder has one more, as diffusers builds it)."""
     vae_norm_groups: int = 16
     vae_loss: str = "l1+mse"
     """One of ``VAE_LOSSES``."""
@@ -140,8 +138,7 @@ def _choices(cfg: TrainConfig) -> list[str]:
 
 
 def _init_problems(cfg: TrainConfig) -> list[str]:
-    """The ``init`` folder must be one this recipe wrote with the VAE widths and text length asked for, and at
-    least its VAE's layers (more: added ones start as the identity)."""
+    """The ``init`` folder must be one this recipe wrote with the VAE shape and text length asked for."""
     if not cfg.init:
         return []
     folder = Path(cfg.init)
@@ -157,18 +154,12 @@ def _init_problems(cfg: TrainConfig) -> list[str]:
         "vae_norm_groups": vae["norm_num_groups"],
         "text_len": text_len,
     }
-    out = [
+    return [
         f"--{_option(name)} {_text(getattr(cfg, name)) if isinstance(value, tuple) else getattr(cfg, name)}: "
         f"must be {_text(value) if isinstance(value, tuple) else value}, the --init folder's."
         for name, value in shape.items()
-        if name != "vae_layers" and getattr(cfg, name) != value
+        if getattr(cfg, name) != value
     ]
-    if cfg.vae_layers < shape["vae_layers"]:
-        out.append(
-            f"--vae-layers {cfg.vae_layers}: must be at least {shape['vae_layers']}, the --init folder's (more adds "
-            "layers that start as the identity)."
-        )
-    return out
 
 
 def edit_weights(text: str) -> dict[str, float]:

@@ -16,7 +16,7 @@ from recipes.editor.checkpoint import Checkpoints, generator_states, restore_gen
 from recipes.editor.config import TrainConfig, edit_weights
 from recipes.editor.data import Batches, Crops, DeadLeaves, vae_batch
 from recipes.editor.dit import attention_backend, dit_loss, make_dit, positions, sample_sigmas
-from recipes.editor.vae import Codec, deepen, load_vae, make_vae, set_latent_statistics, vae_loss
+from recipes.editor.vae import Codec, load_vae, make_vae, set_latent_statistics, vae_loss
 
 # --compile: how each phase's loss (forward and, through AOT autograd, backward) is compiled. "auto" is inductor on
 # CUDA, where eager steps are bound by the host's cost per operation, and eager elsewhere: inductor's code
@@ -65,10 +65,8 @@ class VaePhase:
         self.leaves = DeadLeaves(crops, cfg.seed + 3) if cfg.dead_leaves else None
         self.weights = edit_weights(cfg.edit_weights)
         if cfg.init:  # the folder's VAE; only its decoder trains, so that its latents stay what they were
-            self.model = load_vae(Path(cfg.init) / "vae", device)
-            if cfg.vae_layers > self.model.config.layers_per_block:  # added layers start as the identity
-                self.model = deepen(self.model, cfg.vae_layers).requires_grad_(False)
-            self.model.train().decoder.requires_grad_(True)
+            self.model = load_vae(Path(cfg.init) / "vae", device).train()
+            self.model.decoder.requires_grad_(True)
         else:  # initial weights from torch's global generator, where the text encoders left it (train() seeded it)
             self.model = make_vae(cfg).to(device).train()
         trained = [p for p in self.model.parameters() if p.requires_grad]

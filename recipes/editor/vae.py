@@ -48,26 +48,6 @@ def load_vae(path: Path, device: torch.device):
     return vae.float().to(device).eval().requires_grad_(False)
 
 
-def deepen(vae, layers: int):
-    """``vae`` with ``layers`` ResNet layers per block (its encoder's; the decoder has one more), the added ones last
-    in each block and each starting as the identity (its last convolution zero: a ResNet layer adds its branch to
-    its input), so that the deeper VAE encodes and decodes as ``vae`` did until it trains."""
-    from diffusers import AutoencoderKL
-
-    deeper = AutoencoderKL(
-        **{**{k: v for k, v in vae.config.items() if not k.startswith("_")}, "layers_per_block": layers}
-    )
-    deeper = deeper.to(next(vae.parameters()).device)
-    state, kept = deeper.state_dict(), vae.state_dict()
-    for name, tensor in state.items():
-        if name in kept:
-            tensor.copy_(kept[name])
-        elif ".resnets." in name and ".conv2." in name:
-            tensor.zero_()
-    deeper.load_state_dict(state)
-    return deeper
-
-
 def gradient_l1(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """L1 between the images' horizontal and vertical differences: keeps edges sharp."""
     dx = lambda x: x[..., :, 1:] - x[..., :, :-1]  # noqa: E731
