@@ -218,16 +218,18 @@ def test_an_interrupted_training_leaves_the_folder_unchanged(tmp_path, stop):
 
 
 @pytest.mark.slow
-def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
+def test_a_resumed_training_continues_the_same_loss_curve(tmp_path, capsys):
     """2 VAE steps and 2 DiT steps straight, against the same training stopped by --max-steps after 1 step (in the
-    VAE), resumed for 2 more (the VAE's last, the DiT's first), then resumed to the end: the same losses at every
-    step and the same folder."""
+    VAE), resumed for 2 more (the VAE's last, the DiT's first), then resumed to the end (its pool of encoded crops
+    read from the checkpoint folder, not encoded again): the same losses at every step and the same folder."""
     steps = ["--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]
     assert main(["--out", str(tmp_path / "straight"), *TINY, *steps]) == 0
     split = ["--out", str(tmp_path / "split"), *TINY, *steps, "--checkpoint-dir", str(tmp_path / "checkpoints")]
     assert main([*split, "--max-steps", "1"]) == EXIT_STOPPED
     assert main([*split, "--resume", "--max-steps", "2"]) == EXIT_STOPPED
+    assert "train: pool of 2 crops encoded in" in capsys.readouterr().out
     assert main([*split, "--resume"]) == 0
+    assert f"train: pool of 2 crops read from {tmp_path / 'checkpoints' / 'pool.pt'}" in capsys.readouterr().out
     straight, resumed = _losses(tmp_path / "straight.training"), _losses(tmp_path / "split.training")
     assert [(r["phase"], r["step"]) for r in straight] == [("vae", 0), ("vae", 1), ("dit", 0), ("dit", 1)]
     assert [(r["phase"], r["step"]) for r in resumed] == [(r["phase"], r["step"]) for r in straight]
@@ -235,6 +237,29 @@ def test_a_resumed_training_continues_the_same_loss_curve(tmp_path):
         for key in (k for k in a if "/" in k):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a, b)
     assert _tree(tmp_path / "split") == _tree(tmp_path / "straight")
+
+
+def test_a_kept_pool_is_read_only_under_the_same_fingerprint(tmp_path):
+    """``Checkpoints.cached``: what was made under a key is read back under that key, made again under another (a
+    changed VAE, say), and kept nowhere without a folder; the fingerprint sees a tensor's every byte."""
+    from recipes.editor.checkpoint import Checkpoints, fingerprint
+
+    made = []
+
+    def make():
+        made.append(1)
+        return {"refs": torch.full((2,), float(len(made)))}
+
+    store = Checkpoints(tmp_path / "checkpoints", TrainConfig())
+    weights = torch.zeros(3)
+    key = fingerprint(torch.tensor([1, 2]), ("a",), 4, {"w": weights})
+    for read in (False, True):
+        value, was_read = store.cached("pool", key, make)
+        assert was_read is read and torch.equal(value["refs"], torch.full((2,), 1.0)) and len(made) == 1
+    weights[1] = 1e-30
+    other = fingerprint(torch.tensor([1, 2]), ("a",), 4, {"w": weights})
+    assert other != key and store.cached("pool", other, make)[1] is False and len(made) == 2
+    assert Checkpoints(None, TrainConfig()).cached("pool", key, make)[1] is False and len(made) == 3
 
 
 def _tensors(file: Path) -> dict:

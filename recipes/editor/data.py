@@ -147,16 +147,20 @@ class Pool:
     """Training edits, encoded once: ``size`` reference crops and every edit's correct output of each, as packed
     latents (bf16), so that a training step spends its time in the DiT, not in the VAE."""
 
-    def __init__(self, crops: Crops, codec, size: int, pixels: int, chunk: int = 64):
+    def __init__(self, refs: torch.Tensor, targets: torch.Tensor):
         self.names = transforms.EDITS.names()
-        refs, targets = [], [[] for _ in self.names]
+        self.refs, self.targets = refs, targets  # [N, S, 64], [edits, N, S, 64]
+
+    @classmethod
+    def encode(cls, crops: Crops, codec, size: int, pixels: int, chunk: int = 64) -> Pool:
+        """``size`` crops of ``pixels`` drawn from ``crops`` and every edit of each, through ``codec``."""
+        refs, targets = [], [[] for _ in transforms.EDITS.names()]
         for start in range(0, size, chunk):
             ref = crops.batch(min(chunk, size - start), pixels)
             refs.append(pack(codec.encode(ref)).bfloat16())
-            for kind, name in enumerate(self.names):
+            for kind, name in enumerate(transforms.EDITS.names()):
                 targets[kind].append(pack(codec.encode(transforms.apply(name, ref))).bfloat16())
-        self.refs = torch.cat(refs)  # [N, S, 64]
-        self.targets = torch.stack([torch.cat(t) for t in targets])  # [edits, N, S, 64]
+        return cls(torch.cat(refs), torch.stack([torch.cat(t) for t in targets]))
 
 
 class Batches:

@@ -34,7 +34,7 @@ import torch
 from ditrun.editor import transforms
 from recipes.editor import config, evaluate
 from recipes.editor import folder as parts
-from recipes.editor.checkpoint import Checkpoints
+from recipes.editor.checkpoint import Checkpoints, fingerprint
 from recipes.editor.config import TrainConfig
 from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
 from recipes.editor.dit import encode_prompts, make_dit
@@ -279,14 +279,41 @@ def dit_phase(
         return make_dit(device, cfg.init).eval()
     state = saved.get("dit")
     pool_state = state["pool_state"] if state else crops.gen.get_state()
-    crops.gen.set_state(pool_state)
     start = time.perf_counter()
-    pool = Pool(crops, codec, cfg.pool, cfg.size)
-    print(f"train: pool of {cfg.pool} crops encoded in {time.perf_counter() - start:.1f} s", flush=True)
+    pool, read = encoded_pool(cfg, crops, codec, pool_state, store, device)
+    done = "read from " + str(store.path("pool")) if read else "encoded"
+    print(f"train: pool of {cfg.pool} crops {done} in {time.perf_counter() - start:.1f} s", flush=True)
     batches = Batches(pool, prompt_index, cfg.prompt_dropout, crops.gen, config.edit_weights(cfg.edit_weights))
     phase = DitPhase(cfg, batches, table, codec, device, run.compile, pool_state)
     run_phase(phase, phase.restore(state) if state else 0, cfg, store, run.checkpoint_every, budget, log)
     return phase.ema
+
+
+def encoded_pool(
+    cfg: TrainConfig, crops: Crops, codec: Codec, pool_state: torch.Tensor, store: Checkpoints, device: torch.device
+) -> tuple[Pool, bool]:
+    """The DiT's pool, drawn from the data generator at ``pool_state``, and the generator left after it; read from
+    the checkpoint folder where an earlier command of the training encoded the same pool (the same generator state,
+    pictures, sizes, VAE weights and device kind), else encoded and kept there. -> (pool, read)"""
+    key = fingerprint(
+        pool_state,
+        cfg.train_pictures,
+        cfg.pool,
+        cfg.size,
+        codec.vae.state_dict(),
+        codec.scale,
+        codec.shift,
+        device.type,
+    )
+
+    def encode() -> dict:
+        crops.gen.set_state(pool_state)
+        pool = Pool.encode(crops, codec, cfg.pool, cfg.size)
+        return {"refs": pool.refs, "targets": pool.targets, "data_state": crops.gen.get_state()}
+
+    saved, read = store.cached("pool", key, encode)
+    crops.gen.set_state(saved["data_state"])
+    return Pool(saved["refs"].to(device), saved["targets"].to(device)), read
 
 
 def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device) -> dict:
