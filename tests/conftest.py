@@ -14,33 +14,39 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# Seconds each file's tests take on 2 cores (`make test`; files under 30 s left out). `make
+# Seconds each file's tests take on 2 cores (`make test --durations=0`; files under 10 s left out). `make
 # test` runs two xdist workers with `--dist loadfile --no-loadscope-reorder`: workers take whole files in
 # collection order, so the collection puts the longest files first and the short ones fill in at the
 # end (longest first). xdist's own order, by number of tests, could leave a long file for last.
 FILE_SECONDS = {
-    "test_reliability.py": 344,
-    "test_editor.py": 200,
-    "test_editor_recipe.py": 250,
-    "test_slurm.py": 244,
-    "test_slurm_nodes.py": 244,
-    "test_launchers.py": 221,
-    "test_run_outputs.py": 200,
-    "test_compile.py": 119,
-    "test_layouts.py": 105,
-    "test_copy_engine.py": 103,
-    "test_multinode_launchers.py": 93,
-    "test_bad_inputs.py": 62,
-    "test_precision_layouts.py": 57,
-    "test_metrics.py": 55,
-    "test_precision.py": 54,
-    "test_cli.py": 45,
-    "test_verdicts.py": 150,
-    "test_choice.py": 60,
-    "test_triton_kernels.py": 35,
-    "test_wandb.py": 34,
-    "test_reference_size.py": 31,
-    "test_stop_phases.py": 380,
+    "test_stop_phases.py": 207,
+    "test_slurm_nodes.py": 124,
+    "test_reliability.py": 120,
+    "test_slurm.py": 112,
+    "test_launchers.py": 112,
+    "test_run_directory.py": 93,
+    "test_verdicts.py": 89,
+    "test_compile_cache.py": 75,
+    "test_copy_engine.py": 68,
+    "test_layouts.py": 62,
+    "test_run_outputs.py": 55,
+    "test_compile.py": 51,
+    "test_editor.py": 49,
+    "test_multinode_launchers.py": 45,
+    "test_editor_recipe.py": 44,
+    "test_bad_inputs.py": 43,
+    "test_step_cache.py": 29,
+    "test_precision_layouts.py": 28,
+    "test_reference_size.py": 22,
+    "test_metrics.py": 21,
+    "test_report.py": 17,
+    "test_launch_ranks.py": 16,
+    "test_wandb.py": 16,
+    "test_precision.py": 15,
+    "test_triton_kernels.py": 15,
+    "test_diffusers_parity.py": 15,
+    "test_choice.py": 13,
+    "test_cli.py": 13,
 }  # its tests one by one, summed
 
 

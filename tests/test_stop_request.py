@@ -38,3 +38,29 @@ def test_the_failure_signal_arriving_after_its_block_ended_is_no_stop_request(st
     assert stop.signum is None
     with pytest.raises(RuntimeError, match="stopped answering"):
         stop.check()
+
+
+def test_a_rank_stopped_by_a_signal_is_seen_as_such_and_killed_at_once():
+    """The supervisor's view of a frozen rank: SIGSTOP makes it suspended (it can act on no SIGTERM), SIGCONT not;
+    ``_stop`` kills a suspended process rather than terminating it."""
+    import multiprocessing
+    import os
+
+    from ditrun.launch.spawn import _stop, _suspended
+
+    process = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+    process.start()
+    try:
+        assert not _suspended(process)
+        os.kill(process.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _suspended(process):
+            assert time.monotonic() < deadline, "SIGSTOP never showed in /proc"
+            time.sleep(0.01)
+        _stop([process])
+        assert process.exitcode == -signal.SIGKILL
+        assert not _suspended(process)
+    finally:
+        if process.exitcode is None:
+            process.kill()
+            process.join(5)

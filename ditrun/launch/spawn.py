@@ -106,7 +106,7 @@ def check_local_devices(device_key: str, world: int) -> None:
 
 def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay: Relay) -> dict:
     """Wait for every rank; the first failure stops the rest, and so does a stop signal."""
-    summary, reports, exits, stop_at, killed = None, [], [], None, []
+    summary, reports, exits, stop_at, killed, at_once = None, [], [], None, [], False
     alive, open_pipes = list(ranks), list(receivers)
     while alive or open_pipes:
         ready = wait([p.sentinel for p in alive] + open_pipes, timeout=0.5)
@@ -118,7 +118,9 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is None and stop.signum is not None:
             stop_at = time.monotonic() + stop_timeout_s
-        if alive and stop_at is not None and time.monotonic() > stop_at:
+        # ranks stopped by a signal (SIGSTOP, a debugger) cannot end by themselves: no need to wait for them
+        at_once = bool(alive) and stop_at is not None and all(map(_suspended, alive))
+        if alive and stop_at is not None and (time.monotonic() > stop_at or at_once):
             killed = [ranks.index(p) for p in alive]
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
@@ -129,6 +131,11 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         [(rank, payload) for rank, payload, kind in reports if kind == "failed"],
         [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)],
     )
+    if killed and at_once:
+        why = f"{format_ranks(killed)} killed at once: stopped by a signal, it could not end by itself"
+        if stopped:
+            raise RunStopped(min(stopped), f" ({why})")
+        raise faults.WorkerFailed(why + ".")
     if killed:  # the run's end (its summary) may be missing: never a success
         if stopped:
             raise RunStopped(
@@ -194,11 +201,24 @@ def _exit_description(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _suspended(process) -> bool:
+    """Whether ``process`` is stopped by a signal (SIGSTOP, SIGTSTP) or a tracer: it acts on no other signal until
+    it is continued. Read from Linux's /proc; elsewhere (or once it has gone) False."""
+    try:
+        stat = Path(f"/proc/{process.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].startswith(("T", "t"))
+
+
 def _stop(processes) -> None:
-    """Terminate, then kill, whatever is still running."""
+    """Terminate, then kill, whatever is still running; a stopped process at once, as it cannot act on SIGTERM."""
     for process in processes:
         if process.exitcode is None:
-            process.terminate()
+            if _suspended(process):
+                process.kill()
+            else:
+                process.terminate()
     for process in processes:
         process.join(timeout=5)
         if process.exitcode is None:
