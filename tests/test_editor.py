@@ -55,6 +55,7 @@ def test_the_folder_reproduces_its_held_out_results(tmp_path):
     out = tmp_path / "run"
     proc = ditrun(
         "model=editor",
+        "device=cpu",  # the CPU's fp32 where a GPU is visible too: what the docstring promises
         f"workload.manifest={manifest}",
         f"workload.steps={EVAL['steps']}",
         "metrics.ssim=false",
@@ -110,6 +111,7 @@ def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
     edit = {"id": "e", "image": str(tmp_path / "ref.png"), "prompt": prompt, "seed": seed}
     proc = ditrun(
         "model=editor",
+        "device=cpu",  # diffusers runs on the CPU in fp32 above: the same device and dtype
         f"workload.manifest={_manifest(tmp_path / 'm.jsonl', [edit])}",
         f"workload.width={width}",
         f"workload.height={height}",
