@@ -132,7 +132,7 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
         [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)],
     )
     if killed and at_once:
-        why = f"{format_ranks(killed)} killed at once: stopped by a signal, it could not end by itself"
+        why = f"{format_ranks(killed)} killed at once, stopped by a signal (SIGSTOP, a debugger)"
         if stopped:
             raise RunStopped(min(stopped), f" ({why})")
         raise faults.WorkerFailed(why + ".")
