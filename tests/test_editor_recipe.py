@@ -108,6 +108,7 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--dit-stop-after", "20", "--dit-steps", "10"], "--dit-stop-after 20: must be at most --dit-steps 10"),
         (["--max-minutes", "5"], "--max-minutes and --max-steps need --checkpoint-dir"),
         (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--resume=required", "--checkpoint-dir", "no-such-checkpoints"], "no-such-checkpoints holds no checkpoint"),
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
         (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
         (["--init", "nowhere"], "--init nowhere: not a pipeline folder this recipe wrote"),
@@ -150,15 +151,46 @@ def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
         "--max-steps",
         "1",
     ]
+    assert main([*args, "--resume=required"]) == EXIT_USAGE  # nothing to continue from yet
+    assert "holds no checkpoint of a phase" in capsys.readouterr().err
     assert main(args) == EXIT_STOPPED
     capsys.readouterr()
     assert main([*args, "--resume", "--vae-lr", "0.002"]) == EXIT_USAGE
     assert "was made with --vae-lr 0.003, not 0.002; resume with the same settings" in capsys.readouterr().err
     assert main(args) == EXIT_USAGE  # a training is there: --resume or another folder
     assert "holds a training; pass --resume" in capsys.readouterr().err
-    assert main([*args, "--resume", "--dit-steps", "2"]) == EXIT_STOPPED  # the VAE's last step, then the DiT's budget
+    # the VAE's last step, then the DiT's budget
+    assert main([*args, "--resume=required", "--dit-steps", "2"]) == EXIT_STOPPED
     assert torch.load(checkpoints / "vae.pt", weights_only=True)["done"]
     assert torch.load(checkpoints / "dit.pt", weights_only=True)["step"] == 0
+
+
+def test_the_gpu_script_continues_only_where_its_checkpoint_is(tmp_path):
+    """benchmarks/train_editor.sh with CONTINUE=1 on a machine without the checkpoint (a fresh machine): one
+    sentence and exit status 2 before any work, no folder, rather than a training from the start."""
+    tree = tmp_path / "repo"
+    (tree / "benchmarks").mkdir(parents=True)
+    (tree / "benchmarks" / "train_editor.sh").write_bytes((REPO / "benchmarks" / "train_editor.sh").read_bytes())
+    (tree / "recipes").symlink_to(REPO / "recipes")  # the recipe, without the repository's carried wheels
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "CONTINUE": "1",
+        "OUT": str(tmp_path / "out"),
+        "CHECKPOINTS": str(tmp_path / "checkpoints"),
+        "FOLDER": str(tmp_path / "editor"),
+    }
+    proc = subprocess.run(
+        ["bash", str(tree / "benchmarks" / "train_editor.sh"), *TINY],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == EXIT_USAGE, proc.stdout + proc.stderr
+    log = (tmp_path / "out" / "train.log").read_text().strip().splitlines()
+    assert len(log) == 1 and "--resume=required" in log[0] and "holds no checkpoint of a phase" in log[0], log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "repo"]
 
 
 @pytest.mark.slow

@@ -263,6 +263,11 @@ class Budget:
             self.steps_left -= 1
 
 
+def _scalar(value) -> float:
+    """A logged term as a float (a tensor read without its graph)."""
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
+
+
 def run_phase(phase, start: int, cfg: TrainConfig, checkpoints: Checkpoints, every: int, budget: Budget, log) -> None:
     """Steps ``start`` .. ``phase.last`` - 1: log every ``cfg.log_every``, measure every ``cfg.eval_every``,
     checkpoint every ``every`` and at the end; when the budget is spent, checkpoint and raise ``Stopped``."""
@@ -273,7 +278,7 @@ def run_phase(phase, start: int, cfg: TrainConfig, checkpoints: Checkpoints, eve
         terms = phase.step(step)
         budget.take_step()
         if step % cfg.log_every == 0 or step == phase.last - 1:
-            log({"phase": phase.name, "step": step, **{f"{phase.name}/{k}": float(v) for k, v in terms.items()}})
+            log({"phase": phase.name, "step": step, **{f"{phase.name}/{k}": _scalar(v) for k, v in terms.items()}})
         done = step + 1
         if cfg.eval_every and done % cfg.eval_every == 0:
             log({"phase": phase.name, "step": step, **phase.measure()})

@@ -12,8 +12,9 @@ installed, an offline W&B run.
 
 With ``--checkpoint-dir`` the phases' states are saved every ``--checkpoint-every`` steps; ``--max-minutes`` (or
 ``--max-steps``) stops the command with a checkpoint and exit status 75, and the same command with ``--resume``
-continues the same loss curve. Everything random comes from ``--seed``; on a GPU the attention runs PyTorch's math
-backend and deterministic algorithms are asked for.
+continues the same loss curve (``--resume=required``: only from a checkpoint, refused where there is none, as on a
+machine other than the one the command before ran on). Everything random comes from ``--seed``; on a GPU the
+attention runs PyTorch's math backend and deterministic algorithms are asked for.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from recipes.editor.vae import Codec, load_vae
 
 EXIT_USAGE = 2
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by the budget with a checkpoint; the same command with --resume continues
+RESUMES = ("if-any", "required")
 PHASES = ("vae", "dit")
 
 
@@ -55,7 +57,8 @@ class Run:
     replace: bool
     log_dir: Path
     checkpoint_dir: Optional[Path]
-    resume: bool
+    resume: str
+    """'' (a new training), 'if-any' or 'required' (``RESUMES``)."""
     checkpoint_every: int
     max_minutes: float
     max_steps: int
@@ -71,7 +74,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replace", action="store_true", help="replace a non-empty --out once the new folder is complete")
     p.add_argument("--log-dir", type=Path, help="losses, evaluation and W&B run (default: <out>.training)")
     p.add_argument("--checkpoint-dir", type=Path, help="where the phases' training states are saved")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir (from the start if empty)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=RESUMES[0],
+        default="",
+        choices=RESUMES,
+        help="continue from --checkpoint-dir: 'if-any' (the flag alone) starts from the beginning where it holds no "
+        "checkpoint; 'required' refuses then",
+    )
     p.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints (default 500)")
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop with a checkpoint after this long (0: never)")
     p.add_argument("--max-steps", type=int, default=0, help="stop with a checkpoint after this many steps (0: never)")
@@ -132,7 +143,7 @@ def _budget_problems(run: Run) -> list[str]:
     return out
 
 
-def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str]:
+def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: Optional[dict]) -> Optional[str]:
     folder = run.checkpoint_dir
     if folder is None:
         return None
@@ -140,6 +151,13 @@ def _checkpoint_problem(run: Run, cfg: TrainConfig, saved: dict) -> Optional[str
         return f"--checkpoint-dir {folder} is a file, not a folder."
     if folder.is_dir() and any(folder.iterdir()) and not run.resume:
         return f"--checkpoint-dir {folder} holds a training; pass --resume to continue it, or name an empty folder."
+    if saved is None:
+        return None
+    if run.resume == "required" and not saved:
+        return (
+            f"--resume=required: {folder} holds no checkpoint of a phase (the command before ran on another machine, "
+            "or the folder was removed); start the training again without it, or name the folder that holds it."
+        )
     for phase, state in saved.items():
         difference = config.changed(state["config"], cfg, config.phase_fields(phase))
         if difference:
@@ -429,7 +447,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cfg, run = config.from_options(args), run_options(args)
     sentences = config.problems(cfg) + _budget_problems(run) + _path_problems(run, cfg)
     device_problem = _device_problem(run.device)
-    saved = load_checkpoints(run) if not sentences else {}
+    saved = load_checkpoints(run) if not sentences else None  # None: not read, another sentence comes first
     sentences += [s for s in (device_problem, _checkpoint_problem(run, cfg, saved)) if s]
     if sentences:
         print("\n".join(f"train: {s}" for s in sentences), file=sys.stderr)
@@ -441,8 +459,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         report(train(cfg, run, saved))
     except Stopped as stop:
         print(
-            f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: run the same "
-            "command with --resume to continue",
+            f"train: {stop} (the budget of this command); checkpoint in {run.checkpoint_dir}: the same command "
+            "with --resume=required continues it where that folder is",
             flush=True,
         )
         return EXIT_STOPPED
