@@ -439,6 +439,18 @@ def test_the_ceiling_of_a_lossless_codec_is_every_correct_edit_exactly():
     assert summary["all"]["beat_all"] == summary["all"]["counted"] == 16
 
 
+def test_fewer_poster_levels_move_the_correct_result_further_from_the_input():
+    """posterize at 2, 3 and 4 levels: the input unchanged scores lower the fewer levels there are; through a codec
+    that loses nothing, the correct result is exact at every level and beats every naive candidate."""
+    from ditrun.metrics.target import PSNR_CAP_DB
+    from recipes.editor import evaluate
+
+    names = ("skimage:astronaut", "skimage:coffee")
+    rows = evaluate.posterize_levels(_Lossless(), evaluate.held_out_references(32, "cpu", names), names, (2, 3, 4))
+    assert rows[2]["input_psnr_median"] < rows[3]["input_psnr_median"] < rows[4]["input_psnr_median"]
+    assert all(row["ceiling_psnr_median"] == PSNR_CAP_DB and row["ceiling_margin_min"] > 0 for row in rows.values())
+
+
 def test_dead_leaves_are_pictures_of_discs_drawn_from_the_seed():
     """Dead-leaves pictures: in [0, 1], of many colours and edges, the same again from the same generator state."""
     crops = Crops(["sklearn:china.jpg"], torch.device("cpu"), torch.Generator().manual_seed(0))

@@ -66,8 +66,9 @@ def sepia(images: torch.Tensor) -> torch.Tensor:
     return _mix(images, SEPIA)
 
 
-def posterize(images: torch.Tensor) -> torch.Tensor:
-    steps = POSTER_LEVELS - 1
+def posterize(images: torch.Tensor, levels: int = POSTER_LEVELS) -> torch.Tensor:
+    """Each channel rounded to ``levels`` evenly spaced values (0 and 1 among them)."""
+    steps = levels - 1
     return torch.round(images * steps) / steps
 
 

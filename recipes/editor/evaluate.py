@@ -120,6 +120,30 @@ def judge_each(refs: torch.Tensor, names, output_of) -> dict:
     return out
 
 
+def posterize_levels(codec, refs: torch.Tensor, names, levels) -> dict:
+    """How well ``posterize`` could be measured through this VAE if it kept each of ``levels`` levels per channel:
+    the input unchanged against the correct result, and the VAE's ceiling (the correct result through the VAE and
+    back) with its margin over the naive candidates, the other edits as they are. -> {levels: medians and minimum}"""
+    references = rgb8(refs)
+    others = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names() if name != "posterize"}
+    out = {}
+    for count in levels:
+        correct = transforms.posterize(refs, count)
+        known = {**others, "posterize": rgb8(correct)}
+        through = rgb8(codec.decode(codec.encode(correct)))
+        cells = [
+            margin(o, r, "posterize", {k: v[i] for k, v in known.items()})
+            for i, (o, r) in enumerate(zip(through, references))
+        ]
+        out[count] = {
+            "input_psnr_median": float(np.median([psnr(r, c) for r, c in zip(references, known["posterize"])])),
+            "ceiling_psnr_median": float(np.median([c["psnr"] for c in cells])),
+            "ceiling_margin_median": float(np.median([c["margin"] for c in cells])),
+            "ceiling_margin_min": float(min(c["margin"] for c in cells)),
+        }
+    return out
+
+
 def summarize(per_edit: dict) -> dict:
     """Per instruction and over all: median PSNR, median margin, and how many edits beat every naive candidate."""
 
@@ -167,15 +191,32 @@ def main(argv=None) -> None:
     parser.add_argument("folder", nargs="?", type=Path, default=Path(FOLDER), help="a pipeline folder")
     parser.add_argument("--size", type=int, default=256, help="pixel size of the held-out pictures (default 256)")
     parser.add_argument("--json", type=Path, help="also write every picture's measures here")
+    parser.add_argument(
+        "--poster-levels",
+        help="also the ceiling of posterize at these levels per channel, comma-separated (e.g. 2,3,4,5)",
+    )
     args = parser.parse_args(argv)
+    levels = [int(x) for x in args.poster_levels.split(",")] if args.poster_levels else []
+    if any(count < 2 for count in levels):
+        parser.error(f"--poster-levels {args.poster_levels}: each must be at least 2 (0 and 1 are kept).")
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
     refs = held_out_references(args.size, torch.device("cpu"), HELD_OUT)
     from recipes.editor.train import report  # the training's own printout of the same measures
 
     trip, per_edit = roundtrip(codec, refs, HELD_OUT), ceiling(codec, refs, HELD_OUT)
     report({"vae_roundtrip": trip, "summary": {"vae_ceiling": summarize(per_edit)}})
+    by_levels = posterize_levels(codec, refs, HELD_OUT, levels)
+    if by_levels:
+        print("\nposterize at other levels per channel: the input and the VAE's ceiling against the correct result")
+        print("| levels | input, dB | ceiling, dB | ceiling's margin, dB (median, lowest) |\n| --- | --- | --- | --- |")
+        for count, row in by_levels.items():
+            print(
+                f"| {count} | {row['input_psnr_median']:.1f} | {row['ceiling_psnr_median']:.1f} | "
+                f"{row['ceiling_margin_median']:+.1f}, {row['ceiling_margin_min']:+.1f} |"
+            )
     if args.json:
-        args.json.write_text(json.dumps({"vae_roundtrip": trip, "vae_ceiling": per_edit}, indent=1) + "\n")
+        record = {"vae_roundtrip": trip, "vae_ceiling": per_edit, "posterize_levels": by_levels}
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
