@@ -165,6 +165,7 @@ def test_a_checkpoint_is_resumed_only_with_its_own_settings(tmp_path, capsys):
     assert torch.load(checkpoints / "dit.pt", weights_only=True)["step"] == 0
 
 
+@pytest.mark.slow
 def test_the_gpu_script_continues_only_where_its_checkpoint_is(tmp_path):
     """benchmarks/train_editor.sh with CONTINUE=1 on a machine without the checkpoint (a fresh machine): one
     sentence and exit status 2 before any work, no folder, rather than a training from the start."""
