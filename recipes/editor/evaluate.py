@@ -196,9 +196,12 @@ def main(argv=None) -> None:
         help="also the ceiling of posterize at these levels per channel, comma-separated (e.g. 2,3,4,5)",
     )
     args = parser.parse_args(argv)
-    levels = [int(x) for x in args.poster_levels.split(",")] if args.poster_levels else []
+    try:
+        levels = [int(x) for x in args.poster_levels.split(",")] if args.poster_levels else []
+    except ValueError:
+        levels = [0]
     if any(count < 2 for count in levels):
-        parser.error(f"--poster-levels {args.poster_levels}: each must be at least 2 (0 and 1 are kept).")
+        parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
     refs = held_out_references(args.size, torch.device("cpu"), HELD_OUT)
     from recipes.editor.train import report  # the training's own printout of the same measures
