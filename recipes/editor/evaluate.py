@@ -178,19 +178,26 @@ def table(summary: dict) -> str:
 
 def main(argv=None) -> None:
     """``python -m recipes.editor.evaluate [FOLDER]``: the VAE's round trip and ceiling of a pipeline folder (default:
-    the committed editor) on the held-out pictures, on the CPU in fp32."""
+    the committed editor) on the held-out pictures (``--pictures train``: the training pictures), on the CPU in
+    fp32."""
     import argparse
     import json
     from pathlib import Path
 
     from ditrun.editor import FOLDER
-    from recipes.editor.pictures import HELD_OUT
+    from recipes.editor.pictures import HELD_OUT, TRAIN
     from recipes.editor.vae import Codec, load_vae
 
     parser = argparse.ArgumentParser(prog="python -m recipes.editor.evaluate", description=main.__doc__)
     parser.add_argument("folder", nargs="?", type=Path, default=Path(FOLDER), help="a pipeline folder")
     parser.add_argument("--size", type=int, default=256, help="pixel size of the held-out pictures (default 256)")
     parser.add_argument("--json", type=Path, help="also write every picture's measures here")
+    parser.add_argument(
+        "--pictures",
+        choices=("held-out", "train"),
+        default="held-out",
+        help="the held-out pictures (default), or the training pictures, to see what the VAE learnt of them",
+    )
     parser.add_argument(
         "--poster-levels",
         help="also the ceiling of posterize at these levels per channel, comma-separated (e.g. 2,3,4,5)",
@@ -203,12 +210,13 @@ def main(argv=None) -> None:
     if any(count < 2 for count in levels):
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
-    refs = held_out_references(args.size, torch.device("cpu"), HELD_OUT)
+    names = HELD_OUT if args.pictures == "held-out" else TRAIN
+    refs = held_out_references(args.size, torch.device("cpu"), names)
     from recipes.editor.train import report  # the training's own printout of the same measures
 
-    trip, per_edit = roundtrip(codec, refs, HELD_OUT), ceiling(codec, refs, HELD_OUT)
+    trip, per_edit = roundtrip(codec, refs, names), ceiling(codec, refs, names)
     report({"vae_roundtrip": trip, "summary": {"vae_ceiling": summarize(per_edit)}})
-    by_levels = posterize_levels(codec, refs, HELD_OUT, levels)
+    by_levels = posterize_levels(codec, refs, names, levels)
     if by_levels:
         print("\nposterize at other levels per channel: the input and the VAE's ceiling against the correct result")
         print("| levels | input, dB | ceiling, dB | ceiling's margin, dB (median, lowest) |\n| --- | --- | --- | --- |")
