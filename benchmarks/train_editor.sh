@@ -8,8 +8,8 @@
 # one sentence before any work, rather than training from the start again. When the training completes (exit 0), the
 # pipeline folder comes back in $OUT as editor.tar.part-aa, -ab, ... (at most 15 MiB each: cat them, then tar -x)
 # with the losses, the evaluation and the settings beside it. RETURN_VAE=1 also returns the VAE phase's checkpoint
-# (vae.pt.part-*) so that another machine can go on from it (CHECKPOINTS=<folder holding vae.pt>). The DiT's encoded pool is kept there too (pool.pt,
-# about 3 GB), so that a resuming command does not encode it again.
+# (vae.pt.part-*) so that another machine can go on from it (CHECKPOINTS=<folder holding vae.pt>). The DiT's encoded
+# pool is kept there too (pool.pt, about 3 GB), so that a resuming command does not encode it again.
 # The device machine has torch, transformers and scikit-image/-learn but not diffusers: carry its wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."

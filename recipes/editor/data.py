@@ -154,11 +154,12 @@ class Pool:
     @classmethod
     def encode(cls, crops: Crops, codec, size: int, pixels: int, chunk: int = 64) -> Pool:
         """``size`` crops of ``pixels`` drawn from ``crops`` and every edit of each, through ``codec``."""
-        refs, targets = [], [[] for _ in transforms.EDITS.names()]
+        names = transforms.EDITS.names()
+        refs, targets = [], [[] for _ in names]
         for start in range(0, size, chunk):
             ref = crops.batch(min(chunk, size - start), pixels)
             refs.append(pack(codec.encode(ref)).bfloat16())
-            for kind, name in enumerate(transforms.EDITS.names()):
+            for kind, name in enumerate(names):
                 targets[kind].append(pack(codec.encode(transforms.apply(name, ref))).bfloat16())
         return cls(torch.cat(refs), torch.stack([torch.cat(t) for t in targets]))
 

@@ -110,14 +110,17 @@ def judge_each(refs: torch.Tensor, names, output_of) -> dict:
     edit of each picture: {edit: {picture: {"psnr", "delta_e", "margin"}}}."""
     references = rgb8(refs)
     known = {name: rgb8(transforms.apply(name, refs)) for name in transforms.EDITS.names()}  # name -> per picture
-    out = {}
-    for edit_name, edit in transforms.EDITS.items():
-        outputs = rgb8(output_of(edit))
-        out[edit_name] = {
-            n: margin(o, r, edit_name, {k: v[i] for k, v in known.items()})
-            for i, (n, o, r) in enumerate(zip(names, outputs, references))
-        }
-    return out
+    return {
+        edit_name: dict(zip(names, _margins(rgb8(output_of(edit)), references, edit_name, known)))
+        for edit_name, edit in transforms.EDITS.items()
+    }
+
+
+def _margins(outputs, references, edit: str, known: dict) -> list[dict]:
+    """``margin`` of each picture's output; ``known``: every edit's correct results (name -> one per picture)."""
+    return [
+        margin(o, r, edit, {k: v[i] for k, v in known.items()}) for i, (o, r) in enumerate(zip(outputs, references))
+    ]
 
 
 def posterize_levels(codec, refs: torch.Tensor, names, levels) -> dict:
@@ -130,11 +133,7 @@ def posterize_levels(codec, refs: torch.Tensor, names, levels) -> dict:
     for count in levels:
         correct = transforms.posterize(refs, count)
         known = {**others, "posterize": rgb8(correct)}
-        through = rgb8(codec.decode(codec.encode(correct)))
-        cells = [
-            margin(o, r, "posterize", {k: v[i] for k, v in known.items()})
-            for i, (o, r) in enumerate(zip(through, references))
-        ]
+        cells = _margins(rgb8(codec.decode(codec.encode(correct))), references, "posterize", known)
         out[count] = {
             "input_psnr_median": float(np.median([psnr(r, c) for r, c in zip(references, known["posterize"])])),
             "ceiling_psnr_median": float(np.median([c["psnr"] for c in cells])),
@@ -205,9 +204,10 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         levels = [int(x) for x in args.poster_levels.split(",")] if args.poster_levels else []
+        wrong = any(count < 2 for count in levels)
     except ValueError:
-        levels = [0]
-    if any(count < 2 for count in levels):
+        wrong = True
+    if wrong:
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
     names = HELD_OUT if args.pictures == "held-out" else TRAIN
