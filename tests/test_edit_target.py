@@ -43,7 +43,7 @@ def _nudged(rgb8: np.ndarray, tint=(0.0, 0.0, 0.0), sigma: float = 0.0, seed: in
     return (np.clip(rgb8 / 255.0 + np.array(tint) + noise, 0, 1) * 255).round().astype(np.uint8)
 
 
-@pytest.mark.parametrize("name", ["grayscale", "sepia", "brighten", "invert", "blue", "mirror"])
+@pytest.mark.parametrize("name", ["grayscale", "sepia", "brighten", "invert", "blue", "mirror", "posterize"])
 def test_a_correct_edit_beats_doing_nothing_and_every_wrong_edit(name):
     target = edit_target(_edit("skimage:astronaut", name))
     assert set(target.naive) == {"input", *(n for n in EDITS if n != name)} and not target.equals_input
@@ -55,6 +55,15 @@ def test_a_correct_edit_beats_doing_nothing_and_every_wrong_edit(name):
     for wrong in (n for n in target.naive if n != "input"):
         assert target_fields(target.naive[wrong], target, None)["margin_db"] <= 0, wrong
     assert fields["delta_e_target"] < delta_e(target.naive["input"], target.image)
+
+
+def test_posterize_keeps_two_levels_per_channel():
+    """Each channel 0 or 1, split at mid-grey: every pixel one of the RGB cube's 8 corners (coffee: black, red,
+    yellow and white)."""
+    picture = _picture("skimage:coffee")
+    posterized = apply("posterize", picture)
+    assert torch.equal(posterized, (picture >= 0.5).to(picture.dtype))
+    assert len(posterized[0].flatten(1).T.unique(dim=0)) == 4
 
 
 def test_ssim_against_the_correct_edit_prefers_doing_nothing_where_the_margin_does_not():

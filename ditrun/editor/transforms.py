@@ -23,7 +23,7 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 LUMA = (0.299, 0.587, 0.114)
 # The common sepia matrix (rows: output R, G, B).
 SEPIA = ((0.393, 0.769, 0.189), (0.349, 0.686, 0.168), (0.272, 0.534, 0.131))
-POSTER_LEVELS = 4
+POSTER_LEVELS = 2
 # Blur's Gaussian sigma as a fraction of the picture's shorter side (2 pixels at 256).
 BLUR_SIGMA = 1 / 128
 
