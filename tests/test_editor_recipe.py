@@ -433,7 +433,7 @@ def test_the_ceiling_of_a_lossless_codec_is_every_correct_edit_exactly():
     from recipes.editor import evaluate
 
     names = ("skimage:astronaut", "skimage:camera")
-    summary = evaluate.summarize(evaluate.ceiling(_Lossless(), evaluate.held_out_references(32, "cpu", names), names))
+    summary = evaluate.summarize(evaluate.ceiling(_Lossless(), evaluate.reference_pictures(32, "cpu", names), names))
     assert summary["all"]["psnr_median"] == PSNR_CAP_DB
     # every edit whose correct result differs from the input (not grayscale and blue of the grey camera, nor blur
     # at this size)
@@ -447,7 +447,7 @@ def test_fewer_poster_levels_move_the_correct_result_further_from_the_input():
     from recipes.editor import evaluate
 
     names = ("skimage:astronaut", "skimage:coffee")
-    rows = evaluate.posterize_levels(_Lossless(), evaluate.held_out_references(32, "cpu", names), names, (2, 3, 4))
+    rows = evaluate.posterize_levels(_Lossless(), evaluate.reference_pictures(32, "cpu", names), names, (2, 3, 4))
     assert rows[2]["input_psnr_median"] < rows[3]["input_psnr_median"] < rows[4]["input_psnr_median"]
     assert all(row["ceiling_psnr_median"] == PSNR_CAP_DB and row["ceiling_margin_min"] > 0 for row in rows.values())
 

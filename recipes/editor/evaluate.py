@@ -23,8 +23,9 @@ from recipes.editor import pictures
 from recipes.editor.data import EMPTY_PROMPT
 
 
-def held_out_references(size: int, device: torch.device, names) -> torch.Tensor:
-    """The held-out pictures resized to size x size, as a run's references are (8-bit, PIL Lanczos).
+def reference_pictures(size: int, device: torch.device, names) -> torch.Tensor:
+    """The pictures ``names`` (held-out or training) resized to size x size, as a run's references are (8-bit, PIL
+    Lanczos).
     -> [N, 3, size, size] in [0, 1]"""
     from PIL import Image
 
@@ -211,7 +212,7 @@ def main(argv=None) -> None:
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
     codec = Codec(load_vae(args.folder / "vae", torch.device("cpu")))
     names = HELD_OUT if args.pictures == "held-out" else TRAIN
-    refs = held_out_references(args.size, torch.device("cpu"), names)
+    refs = reference_pictures(args.size, torch.device("cpu"), names)
     from recipes.editor.train import report  # the training's own printout of the same measures
 
     trip, per_edit = roundtrip(codec, refs, names), ceiling(codec, refs, names)

@@ -75,7 +75,7 @@ class VaePhase:
         self.loss = compiled(vae_loss, compile_mode, device)
         self.cudagraphs = compile_mode == "inductor-cudagraphs"
         self.last = cfg.vae_steps
-        self.refs = evaluate.held_out_references(cfg.size, device, cfg.eval_pictures) if cfg.eval_every else None
+        self.refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures) if cfg.eval_every else None
 
     def step(self, step: int) -> dict:
         cfg = self.cfg
@@ -182,7 +182,7 @@ class DitPhase:
         self.cudagraphs = compile_mode == "inductor-cudagraphs"
         self.ids, self.txt_ids = positions(cfg.size, cfg.text_len, device)
         self.last = cfg.dit_last_step
-        self.refs = evaluate.held_out_references(cfg.size, device, cfg.eval_pictures) if cfg.eval_every else None
+        self.refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures) if cfg.eval_every else None
 
     def step(self, step: int) -> dict:
         cfg, embeds, pooled = self.cfg, *self.table

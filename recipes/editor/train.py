@@ -336,7 +336,7 @@ def encoded_pool(
 
 def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device) -> dict:
     """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained)."""
-    refs = evaluate.held_out_references(cfg.size, device, cfg.eval_pictures)
+    refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures)
     embeds, pooled = table
     prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
     result = {
