@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ditrun.metrics.quality import AUTO, DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure, measure_name
+from ditrun.metrics.timing import after_warmup
 
 PARETO_CHART = "pareto.png"
 # Precision labels of runs that quantized nothing (the compute dtype's name).
@@ -64,6 +65,9 @@ class Choice:
     """Runs that fail whatever their percentage (``QualityMeasure.shortfall``), by index."""
     note: Optional[str] = None
     """Why no run could be judged (the measure's one sentence), when none could."""
+    as_fast: list[int] = field(default_factory=list)
+    """Other runs that meet the target whose median DiT time lies within the fastest one's edits' times (after
+    warm-up), fastest first: as fast as the chosen run, as far as its own edits can tell."""
 
     @property
     def rule(self) -> str:
@@ -186,7 +190,19 @@ def choose(runs, measure: Optional[str] = None, target_pct: Optional[float] = No
     candidates = [i for i, ok in enumerate(meets) if ok and runs[i].dit_s]
     fastest = min(candidates, key=lambda i: runs[i].dit_s, default=None)
     note = quality.missing(runs[judged[0]].summary) if judged and all(pcts[i] is None for i in judged) else None
-    return Choice(quality, target, pcts, meets, front, fastest, baseline, apart, shortfalls, note)
+    spread = time_spread(runs[fastest]) if fastest is not None else None
+    as_fast = sorted(
+        (i for i in candidates if i != fastest and spread and runs[i].dit_s <= spread[1]), key=lambda i: runs[i].dit_s
+    )
+    return Choice(quality, target, pcts, meets, front, fastest, baseline, apart, shortfalls, note, as_fast)
+
+
+def time_spread(run) -> Optional[tuple[float, float]]:
+    """The lowest and highest DiT time of a run's edits after warm-up (``metrics.warmup_edits``, as its median
+    counts them); None when no record is timed."""
+    warmup = (run.config.get("metrics") or {}).get("warmup_edits", 1)
+    times = [r["dit_s"] for r in after_warmup(run.records, warmup) if r.get("dit_s")]
+    return (min(times), max(times)) if times else None
 
 
 def rerun_command(run) -> str:
@@ -275,4 +291,18 @@ def summary_lines(runs, choice: Choice) -> list[str]:
         f"{choice.pcts[choice.fastest]:.2f}%). Run it again with:",
         "",
         f"    {rerun_command(best)}",
+        *_as_fast_lines(runs, choice),
+    ]
+
+
+def _as_fast_lines(runs, choice: Choice) -> list[str]:
+    """The runs that meet the target as fast as the chosen one within its edits' times, when there are any."""
+    if not choice.as_fast:
+        return []
+    low, high = time_spread(runs[choice.fastest])
+    others = "; ".join(f"`{runs[i].label}` ({runs[i].dit_s:.4f} s/edit, {choice.pcts[i]:.2f}%)" for i in choice.as_fast)
+    return [
+        "",
+        f"As fast within its edits' DiT times after warm-up ({low:.4f}-{high:.4f} s), and meeting the target too: "
+        f"{others}. These times do not tell them apart; more edits (workload.limit) or the published shape would.",
     ]
