@@ -374,6 +374,13 @@ def test_the_command_writes_a_folder_diffusers_loads_and_its_records(tmp_path):
     ]
     assert "vae/eval_psnr" in rows[2] and "dit/eval_margin" in rows[5]
     summary = json.loads((records / "eval.json").read_text())["summary"]
+    # The last step's measure per instruction is the judgement's at the last CFG scale (the same EMA, edits, seeds).
+    per_instruction = {k.split("/")[-1]: v for k, v in rows[5].items() if k.startswith("dit/eval_margin/")}
+    judged = summary[[k for k in summary if k != "vae_ceiling"][-1]]
+    assert per_instruction == pytest.approx(
+        {name: row["margin_median"] for name, row in judged.items() if name != "all" and row["counted"]}
+    )
+    assert len(per_instruction) >= 8 and rows[5]["dit/eval_margin_lowest"] == min(per_instruction.values())
     assert summary["true_cfg_scale=1"]["all"]["counted"] == 9 and summary["vae_ceiling"]["all"]["counted"] == 9
     assert json.loads((records / "train.json").read_text())["config"]["vae_widths"] == [8, 8, 16, 16]
     assert diffusers.FluxKontextPipeline.from_pretrained(tmp_path / "editor").transformer.config.num_layers == 4

@@ -226,7 +226,9 @@ class DitPhase:
         return saved["step"]
 
     def measure(self) -> dict:
-        """Median PSNR against the correct edit and median margin over the naive candidates (EMA, last CFG scale)."""
+        """Median PSNR against the correct edit and median margin over the naive candidates (EMA, last CFG scale),
+        over all edits and per instruction (``dit/eval_margin/<edit>``), and the lowest instruction's median
+        margin (``dit/eval_margin_lowest``: what the editor's every-instruction target reads)."""
         embeds, pooled = self.table
         index = self.batches.prompt_index
         per_edit = evaluate.edits(
@@ -239,11 +241,15 @@ class DitPhase:
             self.cfg.eval_steps,
             self.cfg.seed,
         )
-        overall = evaluate.summarize(per_edit)["all"]
+        summary = evaluate.summarize(per_edit)
+        overall = summary.pop("all")
+        margins = {name: row["margin_median"] for name, row in summary.items() if row["margin_median"] is not None}
         return {
             "dit/eval_psnr": overall["psnr_median"],
             "dit/eval_margin": overall["margin_median"],
             "dit/eval_beat_all": overall["beat_all"] / max(1, overall["counted"]),
+            "dit/eval_margin_lowest": min(margins.values(), default=None),
+            **{f"dit/eval_margin/{name}": margin for name, margin in margins.items()},
         }
 
 
