@@ -35,10 +35,10 @@ def _records(out: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_the_folder_reproduces_its_held_out_results(tmp_path):
-    """Two held-out pictures through the ``ditrun`` command on the CPU (fp32): PSNR against the correct edit
+    """Three held-out edits through the ``ditrun`` command on the CPU (fp32): PSNR against the correct edit
     within 1 dB of what the training's evaluation measured on its GPU (bf16) for the same picture, instruction,
     seed, steps and CFG scale, and each edit beats every naive candidate as it did there."""
-    cases = [("skimage:camera", "pixelate"), ("skimage:chelsea", "sepia")]
+    cases = [("skimage:camera", "pixelate"), ("skimage:chelsea", "sepia"), ("skimage:rocket", "posterize")]
     manifest = _manifest(
         tmp_path / "m.jsonl",
         [
