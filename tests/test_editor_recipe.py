@@ -3,6 +3,7 @@ one sentence before any work; a failed or interrupted training leaves an existin
 was; a training stopped by its budget and resumed gives the losses and the folder of one straight training; the
 compiled step trains; the folder it writes loads in diffusers."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -111,6 +112,7 @@ def _losses(log_dir: Path) -> list[dict]:
         (["--resume=required", "--checkpoint-dir", "no-such-checkpoints"], "no-such-checkpoints holds no checkpoint"),
         (["--compile", "fast"], "--compile fast: allowed: auto, off, inductor"),
         (["--vae-edited", "-0.1"], "--vae-edited -0.1: must be between 0 and 1"),
+        (["--grey-untinted", "1.5"], "--grey-untinted 1.5: must be between 0 and 1"),
         (["--init", "nowhere"], "--init nowhere: not a pipeline folder this recipe wrote"),
         (["--edit-weights", "posterise=4"], "--edit-weights posterise=4: 'posterise=4' is not edit=weight"),
         (["--edit-weights", "blur=-1"], "--edit-weights blur=-1: 'blur=-1': a weight must not be negative"),
@@ -494,6 +496,33 @@ def test_edit_weights_set_how_often_each_edit_is_drawn():
         assert abs(drawn[names.index("posterize")] - share) < 0.02, drawn
         others = [drawn[i] for i, n in enumerate(names) if n != "posterize"]
         assert max(abs(d - (1 - share) / 9) for d in others) < 0.02, drawn
+
+
+def test_a_checkpoint_without_a_newer_option_was_made_with_its_default():
+    """A checkpoint's settings lack an option added after it was made: it resumes under the option's default and
+    names the difference under any other value."""
+    from recipes.editor.config import VAE_FIELDS, changed
+
+    saved = dataclasses.asdict(TrainConfig())
+    del saved["grey_untinted"]
+    assert changed(saved, TrainConfig(), VAE_FIELDS) is None
+    assert changed(saved, TrainConfig(grey_untinted=0.5), VAE_FIELDS) == "--grey-untinted 0.0, not 0.5"
+
+
+def test_grey_crops_are_left_grey_for_the_untinted_fraction():
+    """--grey-untinted: 0 tints every crop of a grey picture (its channels differ), 1 leaves every one grey, 0.5
+    about half; a colour picture's crops are the same whatever the fraction (no draw is added for them)."""
+
+    def crops(names, untinted):
+        return Crops(names, torch.device("cpu"), torch.Generator().manual_seed(0), untinted).batch(64, 16)
+
+    def grey_share(untinted):
+        return sum(
+            bool(torch.equal(c[0], c[1]) and torch.equal(c[1], c[2])) for c in crops(["skimage:camera"], untinted)
+        )
+
+    assert grey_share(0.0) == 0 and grey_share(1.0) == 64 and 16 < grey_share(0.5) < 48
+    assert torch.equal(crops(["sklearn:china.jpg"], 0.0), crops(["sklearn:china.jpg"], 1.0))
 
 
 def test_edited_vae_pictures_are_known_edits_of_the_pictures_drawn():

@@ -54,6 +54,10 @@ class TrainConfig:
     dead_leaves: float = 0.5
     """Fraction of each VAE batch that is synthetic dead-leaves pictures (discs of radii drawn from r^-3, colours
     of training pixels) rather than crops: more varied pictures than the training set holds."""
+    grey_untinted: float = 0.0
+    """Fraction of the grey training pictures' crops (VAE and DiT alike) left grey, R = G = B, as the held-out camera
+    and coins are; the others are tinted by a random colour (0: every grey crop tinted, as the committed folder's
+    trainings drew them)."""
     vae_edited: float = 0.0
     """Fraction of each VAE batch's pictures (crops and dead leaves alike) replaced by one of the known edits of
     themselves, drawn at random: the kind of picture the VAE decodes from the DiT's outputs (posterized, pixelated,
@@ -199,7 +203,7 @@ def problems(cfg: TrainConfig) -> list[str]:
     )
     out += [f"--{_option(n)} {getattr(cfg, n)}: must be above 0." for n in ("vae_lr", "dit_lr") if getattr(cfg, n) <= 0]
     out += _fraction(cfg, "prompt_dropout", 0.99) + _fraction(cfg, "ema", 0.99999) + _fraction(cfg, "dead_leaves", 1)
-    out += _fraction(cfg, "vae_edited", 1)
+    out += _fraction(cfg, "vae_edited", 1) + _fraction(cfg, "grey_untinted", 1)
     if cfg.dit_stop_after > cfg.dit_steps:
         out.append(f"--dit-stop-after {cfg.dit_stop_after}: must be at most --dit-steps {cfg.dit_steps}.")
     return out
@@ -260,6 +264,7 @@ VAE_FIELDS = (
     "vae_loss",
     "vae_loss_weight",
     "dead_leaves",
+    "grey_untinted",
     "vae_edited",
     "edit_weights",
     "warmup",
@@ -274,9 +279,11 @@ def phase_fields(phase: str) -> tuple:
 
 def changed(saved: dict, cfg: TrainConfig, names: tuple) -> Optional[str]:
     """The first of ``names`` whose value differs from a checkpoint's (``saved``: its ``dataclasses.asdict``), as
-    ``--option then, not now``; None when they all agree."""
+    ``--option then, not now``; None when they all agree. A setting the checkpoint does not hold (an option added
+    after it was made) is taken as that option's default, which is what the checkpoint's training did."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     for name in names:
-        now, then = getattr(cfg, name), saved.get(name)
+        now, then = getattr(cfg, name), saved.get(name, defaults[name])
         if (tuple(then) if isinstance(then, list) else then) != now:
             shown = [_text(v) if isinstance(v, (list, tuple)) else v for v in (then, now)]
             return f"--{_option(name)} {shown[0]}, not {shown[1]}"

@@ -23,14 +23,16 @@ class Crops:
     """Random square crops of the training pictures, resized to a given size, on ``device``.
 
     Scales (a crop's side is 30-100% of the picture's shorter side), flips, a random order of the colour
-    channels for colour pictures and a random tint for grey ones; every choice is drawn from ``gen``.
+    channels for colour pictures and a random tint for grey ones (but for a fraction ``untinted`` of them, left
+    grey); every choice is drawn from ``gen``, and with ``untinted`` 0 no draw is added for it.
     """
 
-    def __init__(self, names, device: torch.device, gen: torch.Generator):
+    def __init__(self, names, device: torch.device, gen: torch.Generator, untinted: float = 0.0):
         loaded = [pictures.load(n) for n in names]
         self.pictures = [torch.from_numpy(p).permute(2, 0, 1).to(device) for p in loaded]
         self.grey = [pictures.is_grey(p) for p in loaded]
         self.gen = gen
+        self.untinted = untinted
 
     def _uniform(self, low: float, high: float) -> float:
         return low + (high - low) * float(torch.rand((), generator=self.gen))
@@ -47,6 +49,8 @@ class Crops:
         if torch.rand((), generator=self.gen) < 0.5:
             crop = crop.flip(-1)
         if self.grey[index]:
+            if self.untinted and torch.rand((), generator=self.gen) < self.untinted:
+                return crop.clamp(0, 1)
             tint = torch.rand(3, generator=self.gen).to(crop.device) * 0.7 + 0.3
             crop = crop * (tint / tint.max())[None, :, None, None]
         elif torch.rand((), generator=self.gen) < 0.5:

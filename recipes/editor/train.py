@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import os
 import signal
@@ -312,10 +313,13 @@ def encoded_pool(
 ) -> tuple[Pool, bool]:
     """The DiT's pool, drawn from the data generator at ``pool_state``, and the generator left after it; read from
     the checkpoint folder where an earlier command of the training encoded the same pool (the same generator state,
-    pictures, sizes, VAE weights and device kind), else encoded and kept there. -> (pool, read)"""
+    pictures, crops, sizes, edits' definitions, VAE weights and device kind), else encoded and kept there.
+    -> (pool, read)"""
     key = fingerprint(
         pool_state,
         cfg.train_pictures,
+        cfg.grey_untinted,
+        inspect.getsource(transforms),  # the correct outputs the pool holds are these definitions'
         cfg.pool,
         cfg.size,
         codec.vae.state_dict(),
@@ -370,7 +374,7 @@ def train_into(staging: Path, cfg: TrainConfig, run: Run, saved: dict, log) -> t
         parts.copy_text_parts(Path(cfg.init), staging)
     else:
         parts.write_text_parts(staging, cfg.seed, cfg.text_len)
-    crops = Crops(cfg.train_pictures, device, torch.Generator().manual_seed(cfg.seed))
+    crops = Crops(cfg.train_pictures, device, torch.Generator().manual_seed(cfg.seed), cfg.grey_untinted)
     start = time.perf_counter()
     vae = vae_phase(cfg, run, crops, device, saved, store, budget, log)
     times["vae_s"] = time.perf_counter() - start
