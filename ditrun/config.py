@@ -176,7 +176,9 @@ class EditConfig:
     id: str = ""
     """Name of the edit; also the stem of its output PNG."""
     image: str = ""
-    """``skimage:<name>`` for a photograph shipped with scikit-image, or a path to an image file."""
+    """A picture shipped in a package (``skimage:<name>``, a function of skimage.data, a stereo pair's left view;
+    ``matplotlib:<file>`` in matplotlib's sample_data; ``sklearn:<file>``, a scikit-learn sample image), or a path to
+    an image file."""
     prompt: str = ""
     """The instruction: encoded by the text encoders of a diffusers pipeline folder (``model.path``), or
     the seed of a stand-in embedding; a ``prompt_embeds`` file takes precedence."""

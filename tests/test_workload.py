@@ -65,6 +65,8 @@ def test_missing_sources_name_the_edit(tmp_path):
         check_sources(resolve_edits(_cfg(edits=[{"id": "gone", "image": str(tmp_path / "no.png")}])))
     with pytest.raises(WorkloadError, match="edit 'fake': scikit-image ships no image named 'nothing'"):
         check_sources(resolve_edits(_cfg(edits=[{"id": "fake", "image": "skimage:nothing"}])))
+    with pytest.raises(WorkloadError, match="edit 'm': matplotlib ships no sample picture named 'nothing.jpg'"):
+        check_sources(resolve_edits(_cfg(edits=[{"id": "m", "image": "matplotlib:nothing.jpg"}])))
 
 
 def test_unreadable_manifest_line(tmp_path):
@@ -80,6 +82,25 @@ def test_images_are_real_photographs_resized():
     img = load_image(edit)
     assert img.shape == (1, 3, 32, 48)
     assert 0 <= img.min() and img.max() <= 1 and img.std() > 0.05  # grey photo promoted to RGB, not flat
+
+
+def test_pictures_shipped_in_packages_are_named_as_the_editor_recipe_names_them(tmp_path):
+    """matplotlib:<file>, sklearn:<file> and a skimage stereo pair (its left view) load as references, each the same
+    picture as the editor's held-out and training sets read (recipes/editor/pictures.py), and the same as the
+    package's file named by its path; a record names the picture by its name."""
+    from ditrun.launch.records import _source
+    from ditrun.workload.images import package_file
+    from recipes.editor import evaluate, pictures
+
+    names = ["matplotlib:grace_hopper.jpg", "sklearn:china.jpg", "skimage:stereo_motorcycle"]
+    entries = [{"id": str(i), "image": n, "width": 64, "height": 64} for i, n in enumerate(names)]
+    edits = resolve_edits(_cfg(edits=entries, ref_resize="output"))
+    check_sources(edits)
+    loaded = torch.cat([load_image(e) for e in edits])
+    assert torch.equal(loaded, evaluate.reference_pictures(64, "cpu", names))
+    by_path = resolve_edits(_cfg(edits=[{"id": "p", "image": package_file(names[0]), "width": 64, "height": 64}]))
+    assert torch.equal(load_image(by_path[0]), loaded[:1])
+    assert all(pictures.exists(n) for n in names) and _source(names[0]) == names[0]
 
 
 def test_prompt_embeds_file_and_standin(tmp_path):

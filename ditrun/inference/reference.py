@@ -42,6 +42,7 @@ from ditrun.model.sampler import denoise, sequential_cfg_velocity
 from ditrun.results.files import fsync_folder, save_png, to_rgb8, write_file
 from ditrun.user_cache import user_cache_dir
 from ditrun.workload.edit import Edit
+from ditrun.workload.images import is_package_picture
 from ditrun.workload.inputs import edit_inputs
 
 # Bump when the sampler or model changes what a reference image of the same key is.
@@ -85,7 +86,7 @@ def sampling(workload) -> dict:
 def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: str) -> tuple[str, dict]:
     """(hex key, the JSON-able description it hashes) of one edit's reference."""
     workload = full_quality.reference_workload(cfg)
-    image = edit.image if edit.image.startswith("skimage:") else _file_fingerprint(edit.image)
+    image = edit.image if is_package_picture(edit.image) else _file_fingerprint(edit.image)
     description = {
         "format": REFERENCE_FORMAT,
         "geometry": dataclasses.asdict(geometry),

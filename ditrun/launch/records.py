@@ -18,6 +18,7 @@ from ditrun.model.build import inexact_repack_rows
 from ditrun.results import files, rundir
 from ditrun.timers import peak_memory_bytes
 from ditrun.workload.edit import Edit
+from ditrun.workload.images import is_package_picture
 from ditrun.workload.manifest import declared_edits
 
 
@@ -37,8 +38,9 @@ def git_revision(where: Path = Path(__file__).parent) -> str:
 
 
 def _source(image: str) -> str:
-    """An edit's picture as its record names it: ``skimage:<name>``, or the file's absolute path."""
-    return image if image.startswith("skimage:") else str(Path(image).resolve())
+    """An edit's picture as its record names it: a package's picture by its name (``skimage:<name>`` ...), or the
+    file's absolute path."""
+    return image if is_package_picture(image) else str(Path(image).resolve())
 
 
 def result_settings(run, edit: Edit) -> dict:

@@ -1,10 +1,12 @@
-"""An edit's pictures: the reference image's size and pixels (``skimage:<name>`` or a file), the size a reference is
+"""An edit's pictures: the reference image's size and pixels (a picture shipped in a package, ``skimage:<name>``,
+``matplotlib:<file>`` or ``sklearn:<file>``, or a file), the size a reference is
 resized to (diffusers' ``FluxKontextPipeline`` rules, docs/WORKLOAD.md), the correct result where one is named,
 and the checks that every picture and file exists and can be read, from headers where files allow."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -17,6 +19,41 @@ from ditrun.workload.edit import Edit, WorkloadError
 
 # Pixel sizes are multiples of one packed latent token (2x2 latents of 8x8 pixels).
 PATCH_PIXELS = 2 * VAE_SCALE
+# Pictures shipped inside installed packages, named <package>:<name>: a function of skimage.data (a stereo pair: its
+# left view), a file of matplotlib's sample_data, a file of scikit-learn's sample images.
+PICTURE_PACKAGES = ("skimage", "matplotlib", "sklearn")
+
+
+def is_package_picture(image: str) -> bool:
+    """Whether ``image`` names a picture shipped in a package (its name is its identity) rather than a file."""
+    package, sep, _ = image.partition(":")
+    return bool(sep) and package in PICTURE_PACKAGES
+
+
+def package_file(image: str) -> Optional[str]:
+    """The file inside its package of a ``matplotlib:`` or ``sklearn:`` picture (None for any other name); it may
+    not exist."""
+    package, _, name = image.partition(":")
+    if package == "matplotlib":
+        import matplotlib
+
+        return os.path.join(matplotlib.get_data_path(), "sample_data", name)
+    if package == "sklearn":
+        import sklearn.datasets
+
+        return os.path.join(os.path.dirname(sklearn.datasets.__file__), "images", name)
+    return None
+
+
+def skimage_picture(name: str) -> np.ndarray:
+    """The pixels of ``skimage.data.<name>()``, a stereo pair's left view; LookupError (one sentence) where
+    scikit-image ships no such picture."""
+    from skimage import data as skdata
+
+    if name.startswith("_") or not callable(getattr(skdata, name, None)):
+        raise LookupError(f"scikit-image ships no image named {name!r}")
+    pixels = getattr(skdata, name)()
+    return pixels[0] if isinstance(pixels, tuple) else pixels
 
 
 # The (width, height) FLUX.1 Kontext was trained at; diffusers snaps a reference to the one of the
@@ -95,9 +132,21 @@ def image_size(edit: Edit) -> tuple[int, int]:
         return width, height
     from PIL import Image
 
-    _check_image_file(edit, "image", edit.image)
-    with Image.open(edit.image) as picture:
+    path = _image_path(edit)
+    _check_image_file(edit, "image", path)
+    with Image.open(path) as picture:
         return picture.size
+
+
+def _image_path(edit: Edit) -> str:
+    """The file of the edit's image: its path, or the file inside its package (one sentence where it ships none)."""
+    path = package_file(edit.image)
+    if path is None:
+        return edit.image
+    if not os.path.isfile(path):
+        package, _, name = edit.image.partition(":")
+        raise WorkloadError(f"edit {edit.id!r}: {package} ships no sample picture named {name!r}.")
+    return path
 
 
 def check_sources(edits: list[Edit]) -> None:
@@ -109,7 +158,7 @@ def check_sources(edits: list[Edit]) -> None:
         if edit.image.startswith("skimage:"):
             _check_pixels(edit, _skimage_pixels(edit))
         else:
-            _check_image_file(edit, "image", edit.image)
+            _check_image_file(edit, "image", _image_path(edit))
         if edit.target is not None and edit.target not in EDITS:
             _check_image_file(edit, "target", edit.target)
         if edit.prompt_embeds:
@@ -169,13 +218,11 @@ def _cached_skimage_shape(image: str, edit_id: str) -> tuple[int, int]:
 
 
 def _skimage_pixels(edit: Edit) -> np.ndarray:
-    from skimage import data as skdata
-
     name = edit.image.split(":", 1)[1]
-    if not callable(getattr(skdata, name, None)):
-        raise WorkloadError(f"edit {edit.id!r}: scikit-image ships no image named {name!r}.")
     try:
-        return getattr(skdata, name)()
+        return skimage_picture(name)
+    except LookupError as err:
+        raise WorkloadError(f"edit {edit.id!r}: {err}.")
     except Exception as err:  # e.g. a picture scikit-image must download first, with no network
         raise WorkloadError(f"edit {edit.id!r}: scikit-image cannot provide {name!r} ({type(err).__name__}: {err}).")
 
@@ -220,7 +267,7 @@ def load_image(edit: Edit) -> torch.Tensor:
         pixels = _skimage_pixels(edit)
     else:
         try:
-            pixels = io.imread(edit.image)
+            pixels = io.imread(_image_path(edit))
         except Exception as err:  # any decoder failure is the same user-facing problem
             raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} cannot be read: {err}.")
     _check_pixels(edit, pixels)

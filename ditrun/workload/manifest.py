@@ -155,7 +155,10 @@ def _resolve_edit(index: int, entry, workload_cfg) -> Edit:
     if unknown:
         raise WorkloadError(f"edit {name!r} has unknown key {unknown[0]!r}; allowed: {', '.join(_EDIT_KEYS)}.")
     if not entry.get("image"):
-        raise WorkloadError(f"edit {name!r} names no image (key 'image': skimage:<name> or a file path).")
+        raise WorkloadError(
+            f"edit {name!r} names no image (key 'image': skimage:<name>, matplotlib:<file>, sklearn:<file> or a "
+            "file path)."
+        )
     defaults = {
         "seed": workload_cfg.seed + index,
         "width": workload_cfg.width,

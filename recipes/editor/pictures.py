@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ditrun.workload.images import to_rgb
+from ditrun.workload.images import PICTURE_PACKAGES, package_file, skimage_picture, to_rgb
 
 HELD_OUT = (
     "skimage:astronaut",
@@ -51,7 +51,7 @@ EXCLUDED = (
     "skimage:checkerboard",
     "skimage:lfw_subset",
 )
-PACKAGES = ("skimage", "matplotlib", "sklearn")
+PACKAGES = PICTURE_PACKAGES
 # Where each package's pictures come from, and their licences (docs/EDITOR.md).
 SOURCES = {
     "skimage": "scikit-image's skimage.data (public domain or CC0/CC-BY pictures; see skimage/data/README.txt)",
@@ -62,24 +62,17 @@ SOURCES = {
 
 
 def load(name: str) -> np.ndarray:
-    """A picture as RGB floats in [0, 1], [H, W, 3] (grey repeated into R, G and B, alpha dropped)."""
+    """A picture as RGB floats in [0, 1], [H, W, 3] (grey repeated into R, G and B, alpha dropped), read as ditrun's
+    workload reads the same name."""
     package, item = name.split(":", 1)
+    if package not in PACKAGES:
+        raise ValueError(f"picture {name!r}: allowed packages: {', '.join(PACKAGES)}")
     if package == "skimage":
-        from skimage import data
-
-        pixels = getattr(data, item)()
-        pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo pairs: the left view
-    elif package == "matplotlib":
-        import matplotlib
+        pixels = skimage_picture(item)
+    else:
         from skimage import io
 
-        pixels = io.imread(os.path.join(matplotlib.get_data_path(), "sample_data", item))
-    elif package == "sklearn":
-        from sklearn.datasets import load_sample_image
-
-        pixels = load_sample_image(item)
-    else:
-        raise ValueError(f"picture {name!r}: allowed packages: {', '.join(PACKAGES)}")
+        pixels = io.imread(package_file(name))
     return np.ascontiguousarray(to_rgb(pixels), dtype=np.float32)
 
 
@@ -90,15 +83,8 @@ def exists(name: str) -> bool:
         from skimage import data
 
         return not item.startswith("_") and callable(getattr(data, item, None))
-    if package == "matplotlib":
-        import matplotlib
-
-        return os.path.isfile(os.path.join(matplotlib.get_data_path(), "sample_data", item))
-    if package == "sklearn":
-        import sklearn.datasets
-
-        return os.path.isfile(os.path.join(os.path.dirname(sklearn.datasets.__file__), "images", item))
-    return False
+    path = package_file(name)
+    return path is not None and os.path.isfile(path)
 
 
 def is_grey(picture: np.ndarray) -> bool:
