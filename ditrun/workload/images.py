@@ -45,12 +45,19 @@ def package_file(image: str) -> Optional[str]:
     return None
 
 
+def skimage_ships(name: str) -> bool:
+    """Whether ``skimage.data`` has a picture function ``name`` (without calling it)."""
+    from skimage import data as skdata
+
+    return not name.startswith("_") and callable(getattr(skdata, name, None))
+
+
 def skimage_picture(name: str) -> np.ndarray:
     """The pixels of ``skimage.data.<name>()``, a stereo pair's left view; LookupError (one sentence) where
     scikit-image ships no such picture."""
     from skimage import data as skdata
 
-    if name.startswith("_") or not callable(getattr(skdata, name, None)):
+    if not skimage_ships(name):
         raise LookupError(f"scikit-image ships no image named {name!r}")
     pixels = getattr(skdata, name)()
     return pixels[0] if isinstance(pixels, tuple) else pixels
@@ -266,8 +273,9 @@ def load_image(edit: Edit) -> torch.Tensor:
     if edit.image.startswith("skimage:"):
         pixels = _skimage_pixels(edit)
     else:
+        path = _image_path(edit)
         try:
-            pixels = io.imread(_image_path(edit))
+            pixels = io.imread(path)
         except Exception as err:  # any decoder failure is the same user-facing problem
             raise WorkloadError(f"edit {edit.id!r}: image {edit.image!r} cannot be read: {err}.")
     _check_pixels(edit, pixels)

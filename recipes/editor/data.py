@@ -49,10 +49,9 @@ class Crops:
         if torch.rand((), generator=self.gen) < 0.5:
             crop = crop.flip(-1)
         if self.grey[index]:
-            if self.untinted and torch.rand((), generator=self.gen) < self.untinted:
-                return crop.clamp(0, 1)
-            tint = torch.rand(3, generator=self.gen).to(crop.device) * 0.7 + 0.3
-            crop = crop * (tint / tint.max())[None, :, None, None]
+            if not (self.untinted and torch.rand((), generator=self.gen) < self.untinted):
+                tint = torch.rand(3, generator=self.gen).to(crop.device) * 0.7 + 0.3
+                crop = crop * (tint / tint.max())[None, :, None, None]
         elif torch.rand((), generator=self.gen) < 0.5:
             crop = crop[:, torch.randperm(3, generator=self.gen).to(crop.device)]
         return crop.clamp(0, 1)

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from ditrun.workload.images import PICTURE_PACKAGES, package_file, skimage_picture, to_rgb
+from ditrun.workload.images import PICTURE_PACKAGES, package_file, skimage_picture, skimage_ships, to_rgb
 
 HELD_OUT = (
     "skimage:astronaut",
@@ -80,9 +80,7 @@ def exists(name: str) -> bool:
     """Whether ``name`` is a picture ``load`` can read, without reading it (the check before any work)."""
     package, _, item = name.partition(":")
     if package == "skimage":
-        from skimage import data
-
-        return not item.startswith("_") and callable(getattr(data, item, None))
+        return skimage_ships(item)
     path = package_file(name)
     return path is not None and os.path.isfile(path)
 
