@@ -42,12 +42,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source benchmarks/wheels.sh
 # Pure-Python packages that have no wheel (hydra's antlr4 runtime), carried as an unpacked folder.
 [[ -d .site ]] && export PYTHONPATH=$PWD/.site:$PYTHONPATH
 what=${1:-all}

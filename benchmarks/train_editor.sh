@@ -19,12 +19,7 @@ MINUTES=${MINUTES:-7}
 FOLDER=${FOLDER:-/tmp/editor}  # the folder being trained; its records beside it in $FOLDER.training
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUBLAS_WORKSPACE_CONFIG=:4096:8
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
+source benchmarks/wheels.sh
 nvidia-smi --query-gpu=name,driver_version,power.limit --format=csv | tee "$OUT/gpu.txt"
 resume=--resume
 [ "${CONTINUE:-0}" = 1 ] && resume=--resume=required

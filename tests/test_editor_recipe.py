@@ -173,7 +173,8 @@ def test_the_gpu_script_continues_only_where_its_checkpoint_is(tmp_path):
     sentence and exit status 2 before any work, no folder, rather than a training from the start."""
     tree = tmp_path / "repo"
     (tree / "benchmarks").mkdir(parents=True)
-    (tree / "benchmarks" / "train_editor.sh").write_bytes((REPO / "benchmarks" / "train_editor.sh").read_bytes())
+    for script in ("train_editor.sh", "wheels.sh"):
+        (tree / "benchmarks" / script).write_bytes((REPO / "benchmarks" / script).read_bytes())
     (tree / "recipes").symlink_to(REPO / "recipes")  # the recipe, without the repository's carried wheels
     env = {
         **os.environ,
@@ -333,6 +334,44 @@ def test_a_training_goes_on_from_a_folder_keeping_its_latents_and_text_encoders(
     assert capsys.readouterr().err.strip() == (
         "train: --vae-widths 16,16,16,16: must be 8,8,16,16, the --init folder's."
     )
+
+
+@pytest.mark.slow
+def test_a_folders_dit_goes_on_over_a_decoder_trained_from_its_vae(tmp_path, capsys):
+    """--init A --vae-from B/vae, where B's decoder alone was trained from A: the new folder holds B's VAE byte for
+    byte and A's DiT trained further. A VAE of another encoder, or VAE steps asked for as well, is one sentence."""
+    first, decoder = tmp_path / "first", tmp_path / "decoder"
+    assert main(["--out", str(first), *TINY, "--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]) == 0
+    go_on = [*TINY, "--init", str(first), "--pool", "2"]
+    assert main(["--out", str(decoder), *go_on, "--vae-steps", "2", "--dit-steps", "0"]) == 0
+    carried = tmp_path / "carried"
+    carry = ["--vae-from", str(decoder / "vae"), "--vae-steps", "0"]
+    assert main(["--out", str(carried), *go_on, *carry, "--dit-steps", "2"]) == 0
+    after = _tree(carried)
+    assert {k: v for k, v in after.items() if k.startswith("vae/")} == {
+        k: v for k, v in _tree(decoder).items() if k.startswith("vae/")
+    }
+    dit = "transformer/diffusion_pytorch_model.safetensors"
+    assert after[dit] != _tree(first)[dit]
+
+    from safetensors.torch import save_file
+
+    other = tmp_path / "other_vae"
+    other.mkdir()
+    (other / "config.json").write_text((decoder / "vae" / "config.json").read_text())
+    weights = _tensors(decoder / "vae" / "diffusion_pytorch_model.safetensors")
+    name = next(k for k in weights if k.startswith("encoder."))
+    weights[name] = weights[name] + 1
+    save_file(weights, str(other / "diffusion_pytorch_model.safetensors"))
+    capsys.readouterr()
+    assert main(["--out", str(tmp_path / "refused"), *go_on, "--vae-from", str(other), "--vae-steps", "0"]) == EXIT_USAGE
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "its encoder or latent statistics differ from the --init folder's VAE" in lines[0]
+    assert main(["--out", str(tmp_path / "refused"), *go_on, *carry[:2], "--vae-steps", "3"]) == EXIT_USAGE
+    assert capsys.readouterr().err.strip() == (
+        "train: --vae-from with --init trains only the DiT, on that VAE: --vae-steps 3 must be 0."
+    )
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.slow

@@ -93,7 +93,12 @@ def parser() -> argparse.ArgumentParser:
         help=f"one of {', '.join(COMPILE_MODES)} (default auto: inductor on CUDA, eager elsewhere)",
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--vae-from", type=Path, help="a vae/ folder this recipe wrote: train only the DiT on it")
+    p.add_argument(
+        "--vae-from",
+        type=Path,
+        help="a vae/ folder this recipe wrote: train only the DiT on it (with --init: a VAE whose decoder alone was "
+        "trained from the --init folder's, to carry that folder's DiT)",
+    )
     p.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run, losses.jsonl only")
     config.add_options(p)
     return p
@@ -177,13 +182,39 @@ def _path_problems(run: Run, cfg: TrainConfig) -> list[str]:
             f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
             "overwrite them, or name another --log-dir."
         )
-    if run.vae_from is not None and cfg.init:
-        out.append("--vae-from and --init both name the VAE to start from; give one.")
     if run.vae_from is not None and not (run.vae_from / "config.json").is_file():
         out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
+    elif run.vae_from is not None and cfg.init:
+        out += _vae_from_problems(run.vae_from, cfg)
     if run.compile not in COMPILE_MODES:
         out.append(f"--compile {run.compile}: allowed: {', '.join(COMPILE_MODES)}.")
     return [sentence for sentence in out if sentence]
+
+
+def _vae_from_problems(vae_from: Path, cfg: TrainConfig) -> list[str]:
+    """With ``--init``, ``--vae-from`` names another decoder for the folder's DiT: its encoder and latent statistics
+    must be the folder's, so that the DiT's latents stay what it learnt."""
+    if cfg.vae_steps:
+        return [f"--vae-from with --init trains only the DiT, on that VAE: --vae-steps {cfg.vae_steps} must be 0."]
+    if not same_encoder(vae_from, Path(cfg.init) / "vae"):
+        return [
+            f"--vae-from {vae_from}: its encoder or latent statistics differ from the --init folder's VAE, so the "
+            "folder's DiT would read other latents; name a VAE whose decoder alone was trained from that folder."
+        ]
+    return []
+
+
+def same_encoder(a: Path, b: Path) -> bool:
+    """Whether two ``vae/`` folders encode alike: the same encoder weights, shape and latent statistics."""
+    from safetensors.torch import load_file
+
+    configs = [json.loads((path / "config.json").read_text()) for path in (a, b)]
+    keys = ("block_out_channels", "layers_per_block", "norm_num_groups", "latent_channels")
+    if any(configs[0].get(k) != configs[1].get(k) for k in keys + ("scaling_factor", "shift_factor")):
+        return False
+    weights = [load_file(str(path / "diffusion_pytorch_model.safetensors")) for path in (a, b)]
+    encoder = [{k: v for k, v in w.items() if k.startswith("encoder.")} for w in weights]
+    return encoder[0].keys() == encoder[1].keys() and all(torch.equal(v, encoder[1][k]) for k, v in encoder[0].items())
 
 
 def load_checkpoints(run: Run) -> dict:
@@ -313,7 +344,7 @@ def encoded_pool(
 ) -> tuple[Pool, bool]:
     """The DiT's pool, drawn from the data generator at ``pool_state``, and the generator left after it; read from
     the checkpoint folder where an earlier command of the training encoded the same pool (the same generator state,
-    pictures, crops, sizes, edits' definitions, VAE weights and device kind), else encoded and kept there.
+    pictures, crops, sizes, edits' definitions, VAE encoder and device kind), else encoded and kept there.
     -> (pool, read)"""
     key = fingerprint(
         pool_state,
@@ -322,7 +353,7 @@ def encoded_pool(
         inspect.getsource(transforms),  # the correct outputs the pool holds are these definitions'
         cfg.pool,
         cfg.size,
-        codec.vae.state_dict(),
+        {k: v for k, v in codec.vae.state_dict().items() if k.startswith("encoder.")},  # the decoder is not used
         codec.scale,
         codec.shift,
         device.type,
