@@ -364,7 +364,9 @@ def test_a_folders_dit_goes_on_over_a_decoder_trained_from_its_vae(tmp_path, cap
     weights[name] = weights[name] + 1
     save_file(weights, str(other / "diffusion_pytorch_model.safetensors"))
     capsys.readouterr()
-    assert main(["--out", str(tmp_path / "refused"), *go_on, "--vae-from", str(other), "--vae-steps", "0"]) == EXIT_USAGE
+    assert (
+        main(["--out", str(tmp_path / "refused"), *go_on, "--vae-from", str(other), "--vae-steps", "0"]) == EXIT_USAGE
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "its encoder or latent statistics differ from the --init folder's VAE" in lines[0]
     assert main(["--out", str(tmp_path / "refused"), *go_on, *carry[:2], "--vae-steps", "3"]) == EXIT_USAGE
