@@ -584,3 +584,45 @@ def test_edited_vae_pictures_are_known_edits_of_the_pictures_drawn():
             continue
         kinds += [n for n in transforms.EDITS.names() if torch.equal(transforms.apply(n, before[None])[0], after)]
     assert len(kinds) == 4 and len(set(kinds)) > 1
+
+
+def test_the_curves_of_a_dit_only_training_are_one_panel(tmp_path):
+    """A log with steps of both phases draws two panels side by side; a DiT-only training's (``--vae-steps 0``), the
+    DiT's alone, at the same size each."""
+    import matplotlib.image
+
+    from recipes.editor.plot import main as plot
+
+    dit = [{"phase": "dit", "step": s, "dit/loss": 1.0 / (s + 1)} for s in range(5)]
+    vae = [{"phase": "vae", "step": s, "vae/loss": 1.0 / (s + 1)} for s in range(5)]
+    widths = {}
+    for name, rows in (("both", vae + dit), ("dit", dit)):
+        log = tmp_path / f"{name}.jsonl"
+        log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert plot([str(log), str(tmp_path / f"{name}.png")]) == 0
+        widths[name] = matplotlib.image.imread(tmp_path / f"{name}.png").shape[1]
+    assert widths["both"] == 2 * widths["dit"]
+
+
+@pytest.mark.slow
+def test_a_folder_is_judged_as_the_training_judges_it(tmp_path):
+    """``python -m recipes.editor.evaluate FOLDER --edits --json F``: every instruction on every held-out picture at
+    true CFG 1 and 2.5, in eval.json's form, beside the VAE's round trip and ceiling that the plain command gives."""
+    from ditrun.editor.transforms import EDITS
+    from recipes.editor import evaluate
+    from recipes.editor.pictures import HELD_OUT
+
+    folder = tmp_path / "editor"
+    assert main(["--out", str(folder), *TINY, "--vae-steps", "2", "--dit-steps", "2", "--pool", "2"]) == 0
+    plain, judged = tmp_path / "plain.json", tmp_path / "judged.json"
+    evaluate.main([str(folder), "--size", "32", "--json", str(plain)])
+    evaluate.main([str(folder), "--size", "32", "--edits", "--json", str(judged)])
+    plain, judged = json.loads(plain.read_text()), json.loads(judged.read_text())
+    assert judged["vae_roundtrip"] == plain["vae_roundtrip"] and list(judged["vae_roundtrip"]) == list(HELD_OUT)
+    assert judged["edits"]["vae_ceiling"] == plain["vae_ceiling"]
+    for scale in ("true_cfg_scale=1", "true_cfg_scale=2.5"):
+        assert set(judged["edits"][scale]) == set(EDITS.names())
+        scored = [m for by_picture in judged["edits"][scale].values() for m in by_picture.values()]
+        assert len(scored) == len(EDITS.names()) * len(HELD_OUT) and all(m["psnr"] > 0 for m in scored)
+        counted = judged["summary"][scale]["all"]["counted"]  # edits whose correct result differs from the input
+        assert counted == judged["summary"]["vae_ceiling"]["all"]["counted"] > 0

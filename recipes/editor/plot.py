@@ -3,7 +3,8 @@
     python -m recipes.editor.plot LOSSES.jsonl OUT.png
 
 Left, the VAE: its loss and the held-out round trip's median PSNR; right, the DiT: its flow-matching loss and the
-held-out edits' median PSNR against the correct edit. Rows written by several resumed commands join into one curve
+held-out edits' median PSNR against the correct edit; a phase the log holds no step of (a DiT-only training) is
+left out. Rows written by several resumed commands join into one curve
 (each step is logged once: a command resumes at the step its predecessor's checkpoint holds)."""
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def draw(rows: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    for ax, (phase, loss, psnr, label) in zip(axes, PANELS):
+    panels = [panel for panel in PANELS if curves(rows, panel[0], panel[1])[0]] or list(PANELS)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.6), squeeze=False)
+    for ax, (phase, loss, psnr, label) in zip(axes[0], panels):
         steps, values = curves(rows, phase, loss)
         ax.plot(steps, values, color="tab:blue", linewidth=0.8)
         ax.set_yscale("log")
