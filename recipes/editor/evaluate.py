@@ -223,7 +223,7 @@ def main(argv=None) -> None:
         "--edits",
         action="store_true",
         help="also judge the folder's DiT on every instruction and picture as the training does (true CFG 1 and "
-        "2.5, 8 steps; CPU ~5 min); --json then holds eval.json's form",
+        "2.5, 8 steps; CPU ~7 min); --json then holds eval.json's form",
     )
     parser.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16), for --edits (default cpu)")
     args = parser.parse_args(argv)
