@@ -626,3 +626,12 @@ def test_a_folder_is_judged_as_the_training_judges_it(tmp_path):
         assert len(scored) == len(EDITS.names()) * len(HELD_OUT) and all(m["psnr"] > 0 for m in scored)
         counted = judged["summary"][scale]["all"]["counted"]  # edits whose correct result differs from the input
         assert counted == judged["summary"]["vae_ceiling"]["all"]["counted"] > 0
+
+
+def test_evaluate_refuses_a_device_it_cannot_use(capsys):
+    """One sentence before any picture is loaded."""
+    from recipes.editor import evaluate
+
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--edits", "--device", "tpu"])
+    assert stop.value.code == 2 and "--device tpu: not a device torch knows" in capsys.readouterr().err

@@ -177,8 +177,8 @@ def table(summary: dict) -> str:
 
 
 def judge_folder(folder, codec, names, size: int, device: torch.device) -> dict:
-    """A pipeline folder's held-out judgement, as the training writes it to ``eval.json`` (its DiT as saved, in
-    bf16, run in fp32 on the CPU)."""
+    """A pipeline folder's held-out judgement, as the training writes it to ``eval.json``: its DiT as saved (bf16
+    weights, where the training judged its fp32 EMA) and its VAE, run in fp32."""
     import json
 
     from recipes.editor.config import TrainConfig
@@ -225,7 +225,7 @@ def main(argv=None) -> None:
         help="also judge the folder's DiT on every instruction and picture as the training does (true CFG 1 and "
         "2.5, 8 steps; CPU ~7 min); --json then holds eval.json's form",
     )
-    parser.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16), for --edits (default cpu)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda, for --edits, fp32 on either (default cpu)")
     args = parser.parse_args(argv)
     try:
         levels = [int(x) for x in args.poster_levels.split(",")] if args.poster_levels else []
@@ -234,6 +234,11 @@ def main(argv=None) -> None:
         wrong = True
     if wrong:
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
+    from recipes.editor.train import device_problem
+
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(problem)
     device = torch.device(args.device if args.edits else "cpu")
     codec = Codec(load_vae(args.folder / "vae", device))
     names = HELD_OUT if args.pictures == "held-out" else TRAIN

@@ -122,7 +122,7 @@ def run_options(args) -> Run:
     )
 
 
-def _device_problem(name: str) -> Optional[str]:
+def device_problem(name: str) -> Optional[str]:
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -182,8 +182,12 @@ def _path_problems(run: Run, cfg: TrainConfig) -> list[str]:
             f"--log-dir {logs} holds an earlier training's records; pass --replace (or --resume) to "
             "overwrite them, or name another --log-dir."
         )
-    if run.vae_from is not None and not (run.vae_from / "config.json").is_file():
-        out.append(f"--vae-from {run.vae_from}: no config.json there; name the vae/ folder of a pipeline folder.")
+    files = ("config.json", "diffusion_pytorch_model.safetensors")
+    if run.vae_from is not None and not all((run.vae_from / name).is_file() for name in files):
+        out.append(
+            f"--vae-from {run.vae_from}: no config.json and safetensors weights there; name the vae/ folder of a "
+            "pipeline folder."
+        )
     elif run.vae_from is not None and cfg.init:
         out += _vae_from_problems(run.vae_from, cfg)
     if run.compile not in COMPILE_MODES:
@@ -481,9 +485,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser().parse_args(argv)
     cfg, run = config.from_options(args), run_options(args)
     sentences = config.problems(cfg) + _budget_problems(run) + _path_problems(run, cfg)
-    device_problem = _device_problem(run.device)
+    wrong_device = device_problem(run.device)
     saved = load_checkpoints(run) if not sentences else None  # None: not read, another sentence comes first
-    sentences += [s for s in (device_problem, _checkpoint_problem(run, cfg, saved)) if s]
+    sentences += [s for s in (wrong_device, _checkpoint_problem(run, cfg, saved)) if s]
     if sentences:
         print("\n".join(f"train: {s}" for s in sentences), file=sys.stderr)
         return EXIT_USAGE
