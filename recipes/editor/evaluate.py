@@ -179,13 +179,12 @@ def table(summary: dict) -> str:
 def judge_folder(folder, codec, names, size: int, device: torch.device) -> dict:
     """A pipeline folder's held-out judgement, as the training writes it to ``eval.json``: its DiT as saved (bf16
     weights, where the training judged its fp32 EMA) and its VAE, run in fp32."""
-    import json
-
+    from ditrun.model.folders import model_text_len
     from recipes.editor.config import TrainConfig
     from recipes.editor.dit import encode_prompts, make_dit
     from recipes.editor.train import judge
 
-    text_len = json.loads((folder / "tokenizer_2" / "tokenizer_config.json").read_text())["model_max_length"]
+    text_len, _ = model_text_len(str(folder))  # where the recipe saved it, as a run reads it
     cfg = TrainConfig(size=size, eval_pictures=tuple(names), text_len=text_len)
     texts = [EMPTY_PROMPT] + transforms.prompts()
     table = encode_prompts(folder, texts, text_len, device)
@@ -234,7 +233,7 @@ def main(argv=None) -> None:
         wrong = True
     if wrong:
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
-    from recipes.editor.train import device_problem
+    from recipes.editor.train import device_problem, report  # report: the training's printout of the same measures
 
     problem = device_problem(args.device)
     if problem:
@@ -243,8 +242,6 @@ def main(argv=None) -> None:
     codec = Codec(load_vae(args.folder / "vae", device))
     names = HELD_OUT if args.pictures == "held-out" else TRAIN
     refs = reference_pictures(args.size, device, names)
-    from recipes.editor.train import report  # the training's own printout of the same measures
-
     if args.edits:
         record = judge_folder(args.folder, codec, names, args.size, device)
     else:

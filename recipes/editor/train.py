@@ -42,7 +42,7 @@ from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
 from recipes.editor.dit import encode_prompts, make_dit
 from recipes.editor.output import Staging, refusal
 from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
-from recipes.editor.vae import Codec, load_vae
+from recipes.editor.vae import Codec, encoder_weights, load_vae
 
 EXIT_USAGE = 2
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped by the budget with a checkpoint; the same command with --resume continues
@@ -217,7 +217,7 @@ def same_encoder(a: Path, b: Path) -> bool:
     if any(configs[0].get(k) != configs[1].get(k) for k in keys + ("scaling_factor", "shift_factor")):
         return False
     weights = [load_file(str(path / "diffusion_pytorch_model.safetensors")) for path in (a, b)]
-    encoder = [{k: v for k, v in w.items() if k.startswith("encoder.")} for w in weights]
+    encoder = [encoder_weights(w) for w in weights]
     return encoder[0].keys() == encoder[1].keys() and all(torch.equal(v, encoder[1][k]) for k, v in encoder[0].items())
 
 
@@ -357,7 +357,7 @@ def encoded_pool(
         inspect.getsource(transforms),  # the correct outputs the pool holds are these definitions'
         cfg.pool,
         cfg.size,
-        {k: v for k, v in codec.vae.state_dict().items() if k.startswith("encoder.")},  # the decoder is not used
+        encoder_weights(codec.vae.state_dict()),
         codec.scale,
         codec.shift,
         device.type,

@@ -37,6 +37,12 @@ def make_vae(cfg: TrainConfig):
     )
 
 
+def encoder_weights(weights: dict) -> dict:
+    """The entries of a VAE's weights (a state dict or a safetensors file's tensors) that make its latents: the
+    encoder's (the decoder does not touch them)."""
+    return {k: v for k, v in weights.items() if k.startswith("encoder.")}
+
+
 def load_vae(path: Path, device: torch.device):
     """A VAE this recipe trained before (a ``vae/`` folder), frozen, in fp32. Built again from its settings, as
     ``from_pretrained`` records the path it read in the config, which a folder written from it must not carry."""
