@@ -167,6 +167,7 @@ if [[ $what == editor ]]; then
   # docs/PRECISION.md#quality-on-a-trained-model and docs/CACHE.md#on-the-trained-editor-which-cache-to-choose: the
   # default model and workload (four held-out pictures, 256x256). Eager: the tables are about quality.
   common=(model.compile=off wandb.mode=disabled progress=false)
+  rm -rf /tmp/editor-precision  # a sweep of another folder left there is refused, not resumed, by ditrun
   python3 -m ditrun -m precision=bf16,fp8,fp8_all,mxfp8,mxfp6,mxfp4,krea "${common[@]}" \
     hydra.sweep.dir=/tmp/editor-precision 2>&1 | tee "$OUT/editor_precision.log" | tail -4
   python3 benchmarks/quality_table.py /tmp/editor-precision --json "$OUT/quality_editor_h200.json" \

@@ -42,6 +42,7 @@ def draw(rows: list[dict], out: Path) -> None:
         right = ax.twinx()
         steps, values = curves(rows, phase, psnr)
         right.plot(steps, values, "o-", color="tab:red")
+        right.ticklabel_format(axis="y", useOffset=False)  # dB as read, not as an offset from a base
         right.set_ylabel(label, color="tab:red", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
