@@ -68,6 +68,8 @@ class Choice:
     as_fast: list[int] = field(default_factory=list)
     """Other runs that meet the target whose median DiT time lies within the fastest one's edits' times (after
     warm-up), fastest first: as fast as the chosen run, as far as its own edits can tell."""
+    spread: Optional[tuple[float, float]] = None
+    """The fastest run's lowest and highest DiT time per edit after warm-up (``time_spread``)."""
 
     @property
     def rule(self) -> str:
@@ -194,7 +196,7 @@ def choose(runs, measure: Optional[str] = None, target_pct: Optional[float] = No
     as_fast = sorted(
         (i for i in candidates if i != fastest and spread and runs[i].dit_s <= spread[1]), key=lambda i: runs[i].dit_s
     )
-    return Choice(quality, target, pcts, meets, front, fastest, baseline, apart, shortfalls, note, as_fast)
+    return Choice(quality, target, pcts, meets, front, fastest, baseline, apart, shortfalls, note, as_fast, spread)
 
 
 def time_spread(run) -> Optional[tuple[float, float]]:
@@ -299,7 +301,7 @@ def _as_fast_lines(runs, choice: Choice) -> list[str]:
     """The runs that meet the target as fast as the chosen one within its edits' times, when there are any."""
     if not choice.as_fast:
         return []
-    low, high = time_spread(runs[choice.fastest])
+    low, high = choice.spread
     others = "; ".join(f"`{runs[i].label}` ({runs[i].dit_s:.4f} s/edit, {choice.pcts[i]:.2f}%)" for i in choice.as_fast)
     return [
         "",

@@ -176,7 +176,7 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def judge_folder(folder, codec, names, size: int, device: torch.device) -> dict:
+def judge_folder(folder, codec, names, size: int, device: torch.device, refs=None) -> dict:
     """A pipeline folder's held-out judgement, as the training writes it to ``eval.json``: its DiT as saved (bf16
     weights, where the training judged its fp32 EMA) and its VAE, run in fp32."""
     from ditrun.model.folders import model_text_len
@@ -189,7 +189,7 @@ def judge_folder(folder, codec, names, size: int, device: torch.device) -> dict:
     texts = [EMPTY_PROMPT] + transforms.prompts()
     table = encode_prompts(folder, texts, text_len, device)
     dit = make_dit(device, str(folder)).eval().requires_grad_(False)
-    return judge(cfg, dit, codec, table, {t: i for i, t in enumerate(texts)}, device)
+    return judge(cfg, dit, codec, table, {t: i for i, t in enumerate(texts)}, device, refs)
 
 
 def main(argv=None) -> None:
@@ -243,7 +243,7 @@ def main(argv=None) -> None:
     names = HELD_OUT if args.pictures == "held-out" else TRAIN
     refs = reference_pictures(args.size, device, names)
     if args.edits:
-        record = judge_folder(args.folder, codec, names, args.size, device)
+        record = judge_folder(args.folder, codec, names, args.size, device, refs)
     else:
         per_edit = ceiling(codec, refs, names)
         record = {"vae_roundtrip": roundtrip(codec, refs, names), "vae_ceiling": per_edit}

@@ -373,9 +373,11 @@ def encoded_pool(
     return Pool(saved["refs"].to(device), saved["targets"].to(device)), read
 
 
-def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device) -> dict:
-    """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained)."""
-    refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures)
+def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device, refs=None) -> dict:
+    """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained);
+    ``refs``: the held-out pictures when already loaded."""
+    if refs is None:
+        refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures)
     embeds, pooled = table
     prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
     result = {
