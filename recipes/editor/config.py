@@ -57,7 +57,7 @@ class TrainConfig:
     grey_untinted: float = 0.0
     """Fraction of the grey training pictures' crops (VAE and DiT alike) left grey, R = G = B, as the held-out camera
     and coins are; the others are tinted by a random colour (0: every grey crop tinted, as the committed folder's
-    first four trainings drew them; its last three left 0.3 grey)."""
+    first four trainings drew them; its fifth to seventh, ninth and tenth left 0.3 grey)."""
     vae_edited: float = 0.0
     """Fraction of each VAE batch's pictures (crops and dead leaves alike) replaced by one of the known edits of
     themselves, drawn at random: the kind of picture the VAE decodes from the DiT's outputs (posterized, pixelated,

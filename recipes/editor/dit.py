@@ -11,10 +11,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ditrun.editor import transforms
 from ditrun.model.dit import FluxDiT
 from ditrun.model.latents import token_ids
 from ditrun.model.presets import PRESETS
 from ditrun.model.sampler import time_shift_mu
+from recipes.editor.data import EMPTY_PROMPT
 from recipes.editor.vae import autocast
 
 # Zero-initialised so that every block starts as the identity and the model's output as zero (adaLN-zero).
@@ -54,6 +56,13 @@ def encode_prompts(folder: Path, texts: list[str], text_len: int, device: torch.
         embeds.append(e[0])
         pooled.append(p[0])
     return torch.stack(embeds).to(device), torch.stack(pooled).to(device)
+
+
+def prompt_table(folder: Path, text_len: int, device: torch.device) -> tuple[tuple, dict]:
+    """The empty prompt and every instruction's phrasings through the folder's encoders (``encode_prompts``), with
+    each text's row. -> ((embeds, pooled), {text: row})"""
+    texts = [EMPTY_PROMPT] + transforms.prompts()
+    return encode_prompts(folder, texts, text_len, device), {text: i for i, text in enumerate(texts)}
 
 
 def sample_sigmas(n: int, tokens: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:

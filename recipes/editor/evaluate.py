@@ -181,15 +181,14 @@ def judge_folder(folder, codec, names, size: int, device: torch.device, refs=Non
     weights, where the training judged its fp32 EMA) and its VAE, run in fp32."""
     from ditrun.model.folders import model_text_len
     from recipes.editor.config import TrainConfig
-    from recipes.editor.dit import encode_prompts, make_dit
+    from recipes.editor.dit import make_dit, prompt_table
     from recipes.editor.train import judge
 
     text_len, _ = model_text_len(str(folder))  # where the recipe saved it, as a run reads it
     cfg = TrainConfig(size=size, eval_pictures=tuple(names), text_len=text_len)
-    texts = [EMPTY_PROMPT] + transforms.prompts()
-    table = encode_prompts(folder, texts, text_len, device)
+    table, prompt_index = prompt_table(folder, text_len, device)
     dit = make_dit(device, str(folder)).eval().requires_grad_(False)
-    return judge(cfg, dit, codec, table, {t: i for i, t in enumerate(texts)}, device, refs)
+    return judge(cfg, dit, codec, table, prompt_index, device, refs)
 
 
 def main(argv=None) -> None:

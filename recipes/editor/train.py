@@ -38,8 +38,8 @@ from recipes.editor import config, evaluate
 from recipes.editor import folder as parts
 from recipes.editor.checkpoint import Checkpoints, fingerprint
 from recipes.editor.config import TrainConfig
-from recipes.editor.data import EMPTY_PROMPT, Batches, Crops, Pool
-from recipes.editor.dit import encode_prompts, make_dit
+from recipes.editor.data import Batches, Crops, Pool
+from recipes.editor.dit import make_dit, prompt_table
 from recipes.editor.output import Staging, refusal
 from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
 from recipes.editor.vae import Codec, encoder_weights, load_vae
@@ -415,8 +415,7 @@ def train_into(staging: Path, cfg: TrainConfig, run: Run, saved: dict, log) -> t
     start = time.perf_counter()
     vae = vae_phase(cfg, run, crops, device, saved, store, budget, log)
     times["vae_s"] = time.perf_counter() - start
-    texts = [EMPTY_PROMPT] + transforms.prompts()
-    table, prompt_index = encode_prompts(staging, texts, cfg.text_len, device), {t: i for i, t in enumerate(texts)}
+    table, prompt_index = prompt_table(staging, cfg.text_len, device)
     codec, start = Codec(vae), time.perf_counter()
     dit = dit_phase(cfg, run, crops, codec, table, prompt_index, device, saved, store, budget, log)
     times["dit_s"], start = time.perf_counter() - start, time.perf_counter()
