@@ -10,6 +10,7 @@ import copy
 import functools
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from ditrun.errors import UserError
-from ditrun.launch import env, faults, rendezvous, worker
+from ditrun.launch import env, faults, rendezvous, secret, worker
 from ditrun.launch.checks import check_config
 from ditrun.launch.job import StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
@@ -40,6 +41,8 @@ def run_as_rank(
     cfg = with_world(cfg, info)
     plan = check_config(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
+    if not os.environ.get(secret.ENV) and info.launcher in env.MPI_LAUNCHERS:
+        os.environ[secret.ENV] = secret.mpi_secret() or ""  # MPI is a channel the job owns already
     device = rendezvous.bind_device(cfg.device, info.local_rank, info.local_world)
     STARTUP.begin("rendezvous_s")
     meeting = rendezvous.meet(info, cfg.launcher.rendezvous_timeout_s, {"out_dir": str(out_dir)})
@@ -83,6 +86,16 @@ def run_as_rank(
     return summary
 
 
+# The variables that choose the interface gloo's and NCCL's bootstrap sockets listen on.
+LOOPBACK_INTERFACE_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+def loopback_interface() -> str:
+    """The name of this machine's loopback interface ("lo" on Linux)."""
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
 def check_placement(cfg, placement: Placement, info: env.RankInfo) -> None:
     """Refuse an SP group on several nodes on every rank, before any model is built."""
     try:
@@ -111,9 +124,12 @@ def with_world(cfg, info: env.RankInfo):
 
 
 def spawned_rank_main(
-    cfg, out_dir: Path, rank: int, world: int, port: int, supervisor: int, hydra_files, sender
+    cfg, out_dir: Path, rank: int, world: int, port: int, job_secret: str, supervisor: int, hydra_files, sender
 ) -> None:
-    """The body of one spawned rank: tell the supervisor how it ended, then exit."""
+    """The body of one spawned rank: tell the supervisor how it ended, then exit.
+
+    Its store, gloo's and NCCL's sockets stay on loopback (a user's own choice of interface is kept),
+    and the job's secret comes from the supervisor (``launch.secret``)."""
     # Watched from the very start: a supervisor killed while this rank still imports or waits at
     # the rendezvous must not leave it behind.
     process_stop().watch_parent(cfg.launcher.stop_timeout_s, f"rank {rank}", parent=supervisor)
@@ -125,7 +141,10 @@ def spawned_rank_main(
         GROUP_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        DITRUN_JOB_SECRET=job_secret,
     )
+    for name in LOOPBACK_INTERFACE_VARS:
+        os.environ.setdefault(name, loopback_interface())
     from tqdm import tqdm
 
     # tqdm's default lock is a named semaphore, which a rank ended by its watchdog (os._exit)

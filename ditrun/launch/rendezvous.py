@@ -16,18 +16,22 @@ many nodes there are; ``ditrun.parallel.placement`` turns the list into the job'
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ditrun.errors import UserError
+from ditrun.launch import secret
 from ditrun.launch.env import RankInfo
+from ditrun.launch.sealed import SealedStore
 from ditrun.parallel.placement import format_ranks, node_names  # job.py imports format_ranks from here
 
 KEY = "ditrun/"
@@ -41,6 +45,7 @@ FAILED_PREFIX = "failed: "
 # Other ranks wait this much longer than rank 0 for the meeting, and rank 0 keeps its store up
 # this long after a failed one, so that every rank reports rank 0's list of missing ranks.
 VERDICT_GRACE_S = 2.0
+_LISTENERS: list[socket.socket] = []
 VISIBLE_DEVICE_VARS = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
@@ -52,7 +57,7 @@ class RendezvousError(RuntimeError):
 class Meeting:
     """The store every rank is connected to, and what rank 0 shared through it."""
 
-    store: dist.TCPStore
+    store: SealedStore
     address: str
     host: str
     """Who serves the store ("rank 0", or the launcher), for messages."""
@@ -115,13 +120,12 @@ def meet(info: RankInfo, timeout_s: float, shared: dict[str, str]) -> Meeting:
     """
     address = f"{info.master_addr}:{info.master_port}"
     deadline = time.monotonic() + timeout_s
-    store = _open_store(info, address, timeout_s)
+    store = SealedStore(_open_store(info, address, timeout_s), secret.job_secret(address=address))
     if info.rank == 0:
         for key, value in shared.items():
             store.set(SHARED + key, value)
     store.set(f"{NODE}{info.rank}", json.dumps([info.node, info.node_index]))
     store.set(f"{ARRIVED}/{info.rank}", socket.gethostname())
-    store.add(ARRIVED, 1)
     if info.rank == 0:
         _wait_for_all(store, info, address, deadline, timeout_s)
     else:
@@ -141,10 +145,16 @@ def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore
     try:
         if info.rank == 0 and info.store_host == "rank 0":
             return dist.TCPStore(
-                info.master_addr, info.master_port, info.world, is_master=True, timeout=timeout, wait_for_workers=False
+                info.master_addr,
+                info.master_port,
+                info.world,
+                is_master=True,
+                timeout=timeout,
+                wait_for_workers=False,
+                master_listen_fd=_loopback_listener(info.master_addr, info.master_port),
             )
         return dist.TCPStore(info.master_addr, info.master_port, info.world, is_master=False, timeout=timeout)
-    except RuntimeError as err:
+    except (RuntimeError, OSError) as err:
         if info.rank == 0 and info.store_host == "rank 0":
             raise RendezvousError(
                 f"rank 0 cannot listen on {address} for the rendezvous ({_first_line(err)}); "
@@ -157,14 +167,39 @@ def _open_store(info: RankInfo, address: str, timeout_s: float) -> dist.TCPStore
         ) from None
 
 
-def _wait_for_all(store, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
-    """Rank 0 counts the signed-in ranks, then lets everyone go, or tells everyone who is missing."""
-    while store.add(ARRIVED, 0) < info.world:
+def _loopback_listener(host: str, port: int) -> Optional[int]:
+    """A socket listening on ``host`` only, when ``host`` is a loopback address (a local run), for the store
+    to serve on: TCPStore's own server listens on every interface, where other hosts could reach it."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError:
+        return None
+    if not ipaddress.ip_address(address[0]).is_loopback:
+        return None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(address)
+    listener.listen(1024)
+    _LISTENERS.append(listener)  # the store serves on its descriptor for the life of the process
+    return listener.fileno()
+
+
+def _wait_for_all(store: SealedStore, info: RankInfo, address: str, deadline: float, timeout_s: float) -> None:
+    """Rank 0 waits for every rank's sign-in, then lets everyone go, or tells everyone who is missing."""
+    signed_in = [f"{ARRIVED}/{r}" for r in range(info.world)]
+    while not store.check(signed_in):
         if time.monotonic() > deadline:
-            missing = [r for r in range(info.world) if not store.check([f"{ARRIVED}/{r}"])]
+            missing = [r for r in range(info.world) if not store.check([signed_in[r]])]
+            forged = [r for r in missing if store.forged(signed_in[r])]
             message = (
                 f"rendezvous at {address} timed out after {timeout_s:g} s (launcher.rendezvous_timeout_s): "
-                f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}."
+                f"{len(missing)} of {info.world} ranks did not arrive: {format_ranks(missing)}"
+                + (
+                    f"; {format_ranks(forged)} signed in without this job's secret ({secret.ENV}, or "
+                    f"{secret.secret_file()} differing between nodes), and the run refuses them."
+                    if forged
+                    else "."
+                )
             )
             store.set(ALL_ARRIVED, FAILED_PREFIX + message)
             time.sleep(VERDICT_GRACE_S)  # the store lives in this process: let the others read it
@@ -190,14 +225,19 @@ def _hear_from_rank_0(store, info: RankInfo, address: str, deadline: float, time
 
 
 def _first_line(err: Exception) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def init_process_group(info: RankInfo, backend: str, meeting: Meeting, collective_timeout_s: float) -> None:
     """Start the default process group on the meeting's store; collectives fail after the timeout."""
+    # The group's addresses go through the seal. A one-rank group exchanges none, and torch cannot put its
+    # prefix over a Python store for it (ProcessGroupGloo asks the store for a clone that only C++ stores have).
+    store = meeting.store if info.world > 1 else meeting.store.raw
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore("torch/", meeting.store),
+        store=dist.PrefixStore("torch/", store),
         rank=info.rank,
         world_size=info.world,
         timeout=timedelta(seconds=collective_timeout_s),

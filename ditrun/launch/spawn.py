@@ -26,7 +26,7 @@ import torch
 
 from ditrun import rank_entry
 from ditrun.errors import UserError
-from ditrun.launch import env, faults, rendezvous
+from ditrun.launch import env, faults, rendezvous, secret
 from ditrun.launch.stop import RunStopped, StopRequest
 from ditrun.parallel.placement import format_ranks
 
@@ -40,15 +40,18 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     world = cfg.launcher.world
     check_local_devices(cfg.device, world)
     port = cfg.launcher.master_port or env.free_port()
+    job_secret = secret.new_secret()  # travels in the pipe to each rank: no other process sees it
     context = multiprocessing.get_context("spawn")
     # One pipe per rank, not a shared queue: a rank ended abruptly leaves no lock behind.
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
     # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
+    args = [(cfg, out_dir, rank, world, port, job_secret, os.getpid(), hydra_files) for rank in range(world)]
+    payloads = [pickle.dumps(rank_args) for rank_args in args]
     ranks = [
         context.Process(
             target=rank_entry.rank_main,
-            args=(pickle.dumps((cfg, out_dir, rank, world, port, os.getpid(), hydra_files)), pipes[rank][1]),
+            args=(payloads[rank], pipes[rank][1]),
             name=f"ditrun-rank-{rank}",
         )
         for rank in range(world)
