@@ -111,6 +111,11 @@ class PrecisionConfig:
     attention: str = "bf16"
     """Attention itself: ``bf16`` (SDPA, not quantized), ``fp8_pv`` (Q, K, V and P in FP8: cuDNN's and AITER's
     fused FP8 kernels), ``int8qk`` (INT8 Q/K, V in the compute dtype), ``int8qk_fp8v``, ``int8qk_mxfp6v``."""
+    quantized_exchange: bool = True
+    """With a quantized ``attention`` and an SP group of more than one rank, each rank quantizes its own tokens'
+    Q, K and V before the all-to-all, which then carries codes and scales (docs/TRANSPORT.md); ``false`` exchanges
+    them in the model dtype and quantizes after (the comparison: the same outputs, more bytes). No effect on
+    ``bf16`` attention."""
     backend: str = "auto"
     """``auto`` (the tuned or preferred fast backend where the device has one, else the exact emulation,
     said once), ``emulation`` (always), ``fast`` (fast backends only: an error before any GPU work if a

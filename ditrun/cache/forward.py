@@ -103,6 +103,11 @@ class StepCache:
         slope = (state.step - k) / (k - j)
         return (last.float() + slope * (last.float() - before.float())).to(last.dtype)
 
+    @property
+    def forwards(self) -> int:
+        """The forward calls this edit made so far, every branch, computed steps and cached ones."""
+        return sum(state.step for state in self.states.values())
+
     def record_fields(self) -> dict:
         """An edit's record: the policy, steps computed and cached (of the conditional branch, which every
         layout's writing rank runs), and the computed steps of each branch this rank ran."""

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ditrun.kernels import formats, fp8_sdpa
 from ditrun.kernels.linear import CompiledOnGpu, triton_available
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
+from ditrun.kernels.token_statistics import token_mean, token_sum
 from ditrun.registry import Registry
 
 V_FORMATS = ("bf16", "fp8", "mxfp6")
@@ -71,10 +72,14 @@ def fp8_head_exponents(x: torch.Tensor) -> torch.Tensor:
     return formats.shared_exponents(amax, formats.FORMATS["fp8_e4m3"], "rceil").float()
 
 
-def smooth_k(k: torch.Tensor, dim: int) -> torch.Tensor:
+def smooth_k(k: torch.Tensor, dim: int, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
     """K minus its mean over the tokens (``dim``): the scores of a query row move by one constant,
-    which softmax ignores, and what is left to quantize is the part that differs between keys."""
-    return k - k.mean(dim=dim, keepdim=True, dtype=torch.float32).to(k.dtype)  # fp32 sums, no fp32 copy of k
+    which softmax ignores, and what is left to quantize is the part that differs between keys. The mean is
+    ``token_statistics.token_mean`` of an fp64 sum, so that a rank holding part of the tokens can be given the
+    whole sequence's (``mean``, broadcastable to k, in k's dtype) and smooth its keys as one process does."""
+    if mean is None:
+        mean = token_mean(token_sum(k, dim, keepdim=True), k.shape[dim], k.dtype)
+    return k - mean
 
 
 @dataclass
@@ -116,15 +121,21 @@ def fp8_v_codes(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [B * H * D, S rounded up to 32], keys reordered within each 32 as ``attention_gluon.fp8_v_operand`` says, zeros
     past S; the power-of-two scale per head, [B * H]). The torch statement, run off GPUs; on GPUs the operand
     quantization calls ``fp8_v_codes_op``, which writes the same codes (``fp8_v_values`` undoes them)."""
-    b, h, s, d = v.shape
     exponent = fp8_head_exponents(v)  # [B, H]
     values = formats.round_to_grid(torch.ldexp(v.float(), -exponent[..., None, None]), "fp8_e4m3")
+    codes = gluon_key_order(values).to(torch.float8_e4m3fn)
+    return codes, torch.ldexp(torch.ones_like(exponent), exponent).flatten()
+
+
+def gluon_key_order(x: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] (values, or E4M3 codes as bytes) -> x^T [B * H * D, S rounded up to 32], the keys reordered
+    within each 32 as the Gluon kernel's FP8 P @ V reads them (``attention_gluon.fp8_v_operand``), zeros past S."""
+    b, h, s, d = x.shape
     padded = -(-s // 32) * 32
-    values = F.pad(values, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
+    x = F.pad(x, (0, 0, 0, padded - s)).view(b, h, padded // 32, 2, 2, 4, 2, d)
     # [B, H, S'/32, h, w, t, e, D] -> [B, H, D, S'/32, h, t, w, e]:
     # stored key 16h + 4t + 2w + e is key 16h + 8w + 2t + e
-    codes = values.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b * h * d, padded).to(torch.float8_e4m3fn)
-    return codes, torch.ldexp(torch.ones_like(exponent), exponent).flatten()
+    return x.permute(0, 1, 7, 2, 3, 5, 4, 6).reshape(b * h * d, padded)
 
 
 @torch.library.custom_op("ditrun::fp8_v_codes", mutates_args=())
@@ -313,17 +324,20 @@ def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
         # The Gluon kernel's FP8 P @ V takes V as codes, written by the operand quantization.
         codes = implementation == "gluon" and v_format == "fp8" and v.dtype == torch.bfloat16
-        ops = Int8QK(*quantize(q, k, v, v_format, codes))
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-        if reference:
-            out = int8qk_reference(ops, sm_scale)
-        else:
-            out = int8qk_attention_op(
-                ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, implementation, ops.v_scale
-            )
-        return out.transpose(1, 2)
+        return attend_int8qk(Int8QK(*quantize(q, k, v, v_format, codes)), implementation)
 
     return attention
+
+
+def attend_int8qk(ops: Int8QK, implementation: str) -> torch.Tensor:
+    """Attention of quantized [B, H, S, D] operands -> [B, S, H, D]: the torch reference (``REFERENCE``) or the
+    GPU op. Also what a quantized exchange's receiver runs on the codes it received (``attention_payload.py``)."""
+    sm_scale = 1.0 / math.sqrt(ops.q.shape[-1])
+    if implementation == REFERENCE:
+        out = int8qk_reference(ops, sm_scale)
+    else:
+        out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, implementation, ops.v_scale)
+    return out.transpose(1, 2)
 
 
 def _int8qk_implementation(v_format: str) -> Callable[[torch.device, int], str]:

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from ditrun.kernels import formats
 from ditrun.kernels.quantize_triton import ROUND_MAGIC
+from ditrun.kernels.token_statistics import token_mean, token_sum
 
 LOG2_E = 1.4426950408889634
 INT_MAGIC = tl.constexpr(0x4B400000)
@@ -182,7 +183,7 @@ def quantize_qk(x: torch.Tensor, smooth: bool, block_s: int = 64) -> tuple[torch
     b, s, h, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    mean = x.mean(dim=1, dtype=torch.float32).to(x.dtype) if smooth else x  # [B, H, D], as smooth_k; x: unread
+    mean = token_mean(token_sum(x, 1), s, x.dtype) if smooth else x  # [B, H, D], as smooth_k; x: unread
     codes = torch.empty(b, h, s, d, dtype=torch.int8, device=x.device)
     scale = torch.empty(b, h, s, dtype=torch.float32, device=x.device)
     _quantize_qk_kernel[(triton.cdiv(s, block_s), b * h)](

@@ -41,6 +41,7 @@ import torch
 
 from ditrun.kernels import formats
 from ditrun.kernels.linear import CompiledOnGpu, aiter_function, fp8_dtype
+from ditrun.kernels.token_statistics import token_mean, token_sum
 
 P_SCALE = 256.0
 """P in [0, 1] times this before rounding to E4M3 (a power of two, so the reference's rounding is exact
@@ -55,20 +56,30 @@ def fp8_pv_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[
     V's and the output's (1 / (2 * V's)), powers of two.
 
     K is smoothed in fp32, not rounded back to its dtype first: compiled and eager code then quantize the same values
-    (inductor would skip an intermediate BF16 rounding that eager code makes). Its scale comes from
-    amax|k| + amax|mean|, a bound on amax|k - mean| of at most twice it, read in the same pass as the mean: a scale one
-    octave too large makes values below about 2^-14 of the largest (instead of 2^-15) subnormal, and
-    saves a pass over K."""
-    mean = k.mean(dim=1, keepdim=True, dtype=torch.float32)
-    amax = torch.stack([q.abs().amax().float(), k.abs().amax().float() + mean.abs().amax(), v.abs().amax().float()])
-    scales = formats.fp8_power_of_two_scale(amax)
+    (inductor would skip an intermediate BF16 rounding that eager code makes). Its mean is
+    ``token_statistics.token_mean`` of an fp64 sum, which a sequence-parallel rank can be given for the whole
+    sequence (``attention_payload.py``). Its scale comes from amax|k| + amax|mean|, a bound on amax|k - mean| of at
+    most twice it, read in the same pass as the mean: a scale one octave too large makes values below about 2^-14
+    of the largest (instead of 2^-15) subnormal, and saves a pass over K."""
+    mean = token_mean(token_sum(k, 1, keepdim=True), k.shape[1], torch.float32)
+    scales = fp8_pv_scales(q.abs().amax().float(), k.abs().amax().float(), mean.abs().amax(), v.abs().amax().float())
+    return (*fp8_pv_codes(q, k, v, mean, scales[0], scales[1], scales[2]), scales)
+
+
+def fp8_pv_scales(amax_q, amax_k, amax_mean, amax_v) -> torch.Tensor:
+    """The four fp32 scales of ``fp8_pv_operands`` from the amaxes (fp32, any matching shapes) -> [..., 4]."""
+    scales = formats.fp8_power_of_two_scale(torch.stack([amax_q, amax_k + amax_mean, amax_v], dim=-1))
+    return torch.cat([scales, 0.5 / scales[..., 2:]], dim=-1)
+
+
+def fp8_pv_codes(q, k, v, mean, q_scale, k_scale, v_scale) -> tuple[torch.Tensor, ...]:
+    """q, k - mean, v (any shape; ``mean`` fp32, the scales fp32, each broadcastable to them) -> E4M3 codes."""
     # every |t / s| <= 448 (rceil scales), where the cast rounds to nearest even as ``round_to_grid`` does;
     # the clamp only keeps a NaN-free cast should a bound be off
-    q8, k8, v8 = (
+    return tuple(
         (t * (1 / s)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        for t, s in ((q.float(), scales[0]), (k.float() - mean, scales[1]), (v.float(), scales[2]))
+        for t, s in ((q.float(), q_scale), (k.float() - mean, k_scale), (v.float(), v_scale))
     )
-    return q8, k8, v8, torch.cat([scales, 0.5 / scales[2:]])
 
 
 def dequantize_output(o8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -248,9 +259,14 @@ def fp8_pv_attention(implementation: str):
     quantize = CompiledOnGpu(fp8_pv_operands) if fast else fp8_pv_operands
 
     def attention(q, k, v):
-        q8, k8, v8, scales = quantize(q, k, v)
-        sm_scale = 1.0 / math.sqrt(q.shape[-1])
-        o8 = (fp8_sdpa_op if fast else fp8_pv_reference)(q8, k8, v8, scales, sm_scale)
-        return dequantize_output(o8, scales, v.dtype)
+        return attend_fp8_pv(*quantize(q, k, v), implementation, v.dtype)
 
     return attention
+
+
+def attend_fp8_pv(q8, k8, v8, scales: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales -> [B, S, H, D] in ``dtype``; also what
+    a quantized exchange's receiver runs on the codes it received (``attention_payload.py``)."""
+    sm_scale = 1.0 / math.sqrt(q8.shape[-1])
+    o8 = (fp8_pv_reference if implementation == "reference" else fp8_sdpa_op)(q8, k8, v8, scales, sm_scale)
+    return dequantize_output(o8, scales, dtype)

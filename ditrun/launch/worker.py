@@ -43,7 +43,7 @@ from ditrun.model.folders import vae_folder
 from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise
-from ditrun.parallel.cfg import layout_velocity, prepare_transports
+from ditrun.parallel.cfg import exchange_fields, layout_velocity, prepare_transports
 from ditrun.parallel.layout import build_layout
 from ditrun.results import files, rundir
 from ditrun.timers import STARTUP, ExposedTransfer, Interval, StepTimer, reset_peak_memory
@@ -226,11 +226,13 @@ class Run:
             guidance,
             device_dtype.dtype,
             inner_attention=self.built.attention,
+            payload=self.built.payload,
         )
         # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
-        prepare_transports(self.layout, self.transports, inputs, self.geometry, device_dtype.dtype)
+        prepare_transports(self.layout, self.transports, inputs, self.geometry, device_dtype.dtype, self.built.payload)
         timer = StepTimer(device_dtype.device)
         self.exposed.take()  # start the edit's count from zero
+        exchange_fields(self.transports, 0, None)  # and the bytes its exchanges move
 
         def on_step(i: int) -> None:
             timer.step(i)
@@ -246,6 +248,7 @@ class Run:
             latents = denoise(velocity, inputs.noise, cfg.workload.steps, on_step=on_step)
         step_s = timer.step_seconds()
         exposed = self.exposed.take()
+        moved = exchange_fields(self.transports, step_cache.forwards, self.built.payload)
         if not self.layout.writes_records:
             return None
         h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE  # the output's latent size (not the reference's)
@@ -267,7 +270,7 @@ class Run:
             step_s,
             exposed,
             sha256,
-            {**measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields()},
+            {**measured, "encode_s": encode.seconds, "decode_s": decode.seconds, **step_cache.record_fields(), **moved},
         )
 
 

@@ -68,6 +68,7 @@ def timing_summary(records: list[dict], warmup: int, replicas: int) -> dict:
         "images_per_s": busy / dit if dit else float("nan"),
         "exposed_transfer_s_median": median_of(kept, "exposed_transfer_s"),
         "exposed_transfer_pct_median": median_of(kept, "exposed_transfer_pct"),
+        "exchange_bytes_per_forward_median": median_of(kept, "exchange_bytes_per_forward"),
         "encode_s_median": median_of(kept, "encode_s"),
         "decode_s_median": median_of(kept, "decode_s"),
     }

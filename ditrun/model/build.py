@@ -28,6 +28,7 @@ from ditrun.kernels.attention import (
     choose_implementation,
     fast_attention_available,
 )
+from ditrun.kernels.attention_payload import Payload, payload_for
 from ditrun.kernels.formats import SCALE_MODES
 from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, LinearFormat, QuantizedLinear
 from ditrun.kernels.sdpa import AttentionFn
@@ -107,6 +108,8 @@ class PrecisionPlan:
     backend: str
     scale_mode: str
     tuning_file: Optional[Path] = None
+    quantized_exchange: bool = True
+    """``precision.quantized_exchange``: a quantized attention's exchange carries its codes."""
 
     @property
     def quantized(self) -> bool:
@@ -129,7 +132,15 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
             f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; allowed: {', '.join(SCALE_MODES)}."
         )
     tuning = Path(precision_cfg.tuning_file) if precision_cfg.tuning_file else default_table_path()
-    plan = PrecisionPlan(precision_cfg.name, linear, attention, precision_cfg.backend, precision_cfg.scale_mode, tuning)
+    plan = PrecisionPlan(
+        precision_cfg.name,
+        linear,
+        attention,
+        precision_cfg.backend,
+        precision_cfg.scale_mode,
+        tuning,
+        precision_cfg.quantized_exchange,
+    )
     if plan.backend == "fast":
         _check_fast(plan, device)
     return plan
@@ -205,6 +216,9 @@ class BuiltModel:
     """What a layout calls: the model, or its forward replayed from CUDA graphs (``model.cuda_graphs``)."""
     parts: Optional[ModelParts] = None
     """The same, in the parts a step cache calls."""
+    payload: Optional[Payload] = None
+    """What a sequence-parallel exchange carries of Q, K and V: this attention's codes (``attention_payload.py``),
+    or None: the values, in the model dtype."""
 
     def __post_init__(self):
         self.forward = self.model if self.forward is None else self.forward
@@ -265,8 +279,10 @@ def _quantize(
             f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).", flush=True
         )
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
-    details["attention"] = {"format": plan.attention.name, "backends": [implementation]}
-    return BuiltModel(model, plan.attention.make(implementation), plan, details)
+    payload = payload_for(plan.attention.name, implementation) if plan.quantized_exchange else None
+    exchange = "codes" if payload is not None else "values"
+    details["attention"] = {"format": plan.attention.name, "backends": [implementation], "exchange": exchange}
+    return BuiltModel(model, plan.attention.make(implementation), plan, details, payload=payload)
 
 
 def _backends_of(model: FluxDiT, fmt: str) -> list[str]:

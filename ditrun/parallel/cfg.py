@@ -21,9 +21,10 @@ from typing import Optional
 import torch
 
 from ditrun.errors import UserError
+from ditrun.kernels.attention_payload import Payload
 from ditrun.model.sampler import EditInputs, Forward, VelocityFn, branch_inputs, combine_cfg, sequential_branches
 from ditrun.parallel.layout import Layout, layout_kind
-from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans
+from ditrun.parallel.ulysses import STATISTICS, SequenceShards, UlyssesAttention, attention_plans
 from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
 
 # FluxDiT.forward inputs that have no batch dim: both branches share them.
@@ -90,12 +91,13 @@ def exchange_plans(
     num_heads: int,
     head_dim: int,
     dtype: torch.dtype,
+    payload: Optional[Payload] = None,
 ) -> dict[str, list[ExchangePlan]]:
     """Every exchange one edit's velocity makes, per axis: what ``prepare`` sizes buffers for.
 
     They are the plans the exchange sites build themselves (``attention_plans``, ``all_gather_rows``):
-    Q/K/V and attention outputs in the model dtype, the guided velocity (fp32) over ``sp``, and
-    under ``cfg_split`` the prediction swap (fp32) over ``cfg``.
+    Q/K/V (the ``payload``'s codes, and its statistics, when there is one) and attention outputs in the model
+    dtype, the guided velocity (fp32) over ``sp``, and under ``cfg_split`` the prediction swap (fp32) over ``cfg``.
     """
     kind = layout.plan.kind
     if kind.one_worker:
@@ -103,7 +105,7 @@ def exchange_plans(
     shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
     batch = 2 if kind.batched_cfg and inputs.true_cfg else 1
     sp = [
-        *attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype),
+        *attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype, payload),
         gather_plan("velocity_gather", shards.output, (1, channels), torch.float32),
     ]
     if kind.cfg_degree == 1:
@@ -113,10 +115,16 @@ def exchange_plans(
 
 
 def prepare_transports(
-    layout: Layout, transports: dict[str, Transport], inputs: EditInputs, geometry, dtype: torch.dtype
+    layout: Layout,
+    transports: dict[str, Transport],
+    inputs: EditInputs,
+    geometry,
+    dtype: torch.dtype,
+    payload: Optional[Payload] = None,
 ) -> None:
     """Size and map every transport's buffers for one edit (collective over each axis; untimed)."""
-    plans = exchange_plans(layout, transports, inputs, geometry.num_attention_heads, geometry.attention_head_dim, dtype)
+    heads, head_dim = geometry.num_attention_heads, geometry.attention_head_dim
+    plans = exchange_plans(layout, transports, inputs, heads, head_dim, dtype, payload)
     for axis, axis_plans in plans.items():
         transports[axis].prepare(axis_plans)
 
@@ -130,8 +138,10 @@ def layout_velocity(
     guidance: Optional[float],
     dtype: torch.dtype,
     inner_attention=None,
+    payload: Optional[Payload] = None,
 ) -> VelocityFn:
-    """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``)."""
+    """The guided velocity of one edit under ``layout``; ``transports`` has one per axis (``sp``, ``cfg``).
+    ``payload``: Q, K and V cross the SP exchange as its codes (``BuiltModel.payload``)."""
     kind = layout.plan.kind
     if kind.one_worker:
         return sequential_branches(forward, inputs, guidance_scale, guidance, dtype, attention=inner_attention)
@@ -142,7 +152,7 @@ def layout_velocity(
         # the whole block, and the forward graphable: ``model/graphs.py``)
     else:
         extra = {} if inner_attention is None else {"inner": inner_attention}
-        attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, **extra)
+        attention = UlyssesAttention(sp, shards.joint, layout.plan.head_groups, payload=payload, **extra)
     branches = LocalBranches(forward, inputs, shards, attention, dtype, guidance)
     if kind.cfg_degree == 2:
         return _split(branches, sp, transports["cfg"], guidance_scale)
@@ -183,3 +193,23 @@ def _split(branches: LocalBranches, sp: Transport, cfg: Transport, scale: float)
         return branches.shards.gather_output(sp, combine_cfg(cond, uncond, scale)[None])
 
     return velocity
+
+
+ATTENTION_EXCHANGES = ("qkv", "attention_out", STATISTICS)
+"""The exchange kinds of sequence-parallel attention (what ``exchange_bytes_per_forward`` sums)."""
+
+
+def exchange_fields(transports: dict[str, Transport], forwards: int, payload: Optional[Payload]) -> dict:
+    """An edit's record of what its exchanges moved, as this rank's transports counted it (``SentBytes``): bytes
+    sent to peers per exchange kind over the edit, and attention's per DiT forward (``forwards``: the forward
+    calls of the edit, cached steps' included), and whether Q, K and V crossed as codes."""
+    sent: dict[str, int] = {}
+    for transport in transports.values():
+        for kind, count in transport.sent.take().items():
+            sent[kind] = sent.get(kind, 0) + count
+    attention = sum(sent.get(kind, 0) for kind in ATTENTION_EXCHANGES)
+    return {
+        "quantized_exchange": payload is not None and transports["sp"].size > 1,
+        "exchange_bytes": sent,
+        "exchange_bytes_per_forward": attention / forwards if forwards else 0.0,
+    }

@@ -8,6 +8,11 @@ tokens, all heads) into [B, S, H/P, D] (every token, its heads) and a second one
 output back. Lengths that P does not divide are split unevenly (``all_to_all_single`` takes
 per-peer row counts), so no padding or key mask is needed.
 
+With a quantized attention format (``payload``, ``kernels/attention_payload.py``) the first exchange carries
+codes and scales instead: each rank quantizes its own tokens (with the whole sequence's statistics, gathered
+first: a [B, H, D + 3] fp64 row per rank) into the transport's send slot, and the receiver attends on the codes
+as they landed. The attention output travels back in the model dtype either way.
+
 Gathered, the sequence is ordered by rank ([text_0, out_0, ref_0, text_1, ...]) rather than as
 on one process; attention without a mask does not depend on the order of the keys except
 through the order of floating-point sums, which is why results match one process to rounding
@@ -17,13 +22,19 @@ rather than bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
+from ditrun.kernels.attention_payload import Payload, Statistics
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
 from ditrun.model.sampler import EditInputs
-from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows
+from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows, gather_plan
+
+STATISTICS = "attention_statistics"
+"""The exchange kind of a quantized exchange's statistics (every rank's, gathered before the first Q/K/V)."""
 
 
 def even_splits(n: int, parts: int) -> list[int]:
@@ -80,18 +91,32 @@ class SequenceShards:
 
 
 def attention_plans(
-    joint: list[int], batch: int, heads: int, head_dim: int, head_groups: int, dtype: torch.dtype
-) -> tuple[ExchangePlan, ExchangePlan]:
-    """The two exchanges of Ulysses attention over an SP group whose ranks hold ``joint[i]`` tokens.
+    joint: list[int],
+    batch: int,
+    heads: int,
+    head_dim: int,
+    head_groups: int,
+    dtype: torch.dtype,
+    payload: Optional[Payload] = None,
+) -> tuple[ExchangePlan, ...]:
+    """The exchanges of Ulysses attention over an SP group whose ranks hold ``joint[i]`` tokens.
 
     qkv: rank i sends its joint[i] tokens of each destination's heads to every rank, rows
-    [3, B, H/(PG), D]; attention_out: rank i sends rank j's joint[j] tokens back, rows [B, H/(PG), D].
+    [3, B, H/(PG), D] (with a ``payload``: bytes [B, H/(PG), record], its ``RowLayout``); attention_out: rank i
+    sends rank j's joint[j] tokens back, rows [B, H/(PG), D]. With a payload, the statistics' gather comes last.
     """
     p = len(joint)
     per_rank = heads // (p * head_groups)
-    qkv = ExchangePlan("qkv", tuple((n,) * p for n in joint), (3, batch, per_rank, head_dim), dtype, head_groups)
+    counts = tuple((n,) * p for n in joint)
+    if payload is None:
+        qkv = ExchangePlan("qkv", counts, (3, batch, per_rank, head_dim), dtype, head_groups)
+    else:
+        record = payload.layout(head_dim, dtype).nbytes
+        qkv = ExchangePlan("qkv", counts, (batch, per_rank, record), torch.uint8, head_groups)
     out = ExchangePlan("attention_out", (tuple(joint),) * p, (batch, per_rank, head_dim), dtype, head_groups)
-    return qkv, out
+    if payload is None:
+        return qkv, out
+    return qkv, out, gather_plan(STATISTICS, [1] * p, (batch * heads * (head_dim + 3),), torch.float64)
 
 
 class UlyssesAttention:
@@ -103,27 +128,41 @@ class UlyssesAttention:
     """
 
     def __init__(
-        self, transport: Transport, joint_splits: list[int], head_groups: int = 1, inner: AttentionFn = sdpa_attention
+        self,
+        transport: Transport,
+        joint_splits: list[int],
+        head_groups: int = 1,
+        inner: AttentionFn = sdpa_attention,
+        payload: Optional[Payload] = None,
     ):
         self.transport, self.splits, self.head_groups, self.inner = transport, joint_splits, head_groups, inner
+        self.payload = payload
+        """Set: Q, K and V cross the exchange as this format's codes (``inner`` is then not called)."""
 
-    def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ExchangePlan]:
-        """The (qkv, attention_out) plans for queries shaped like ``q`` ([B, L_r, H, D])."""
-        return attention_plans(self.splits, q.shape[0], q.shape[2], q.shape[3], self.head_groups, q.dtype)
+    def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ...]:
+        """The (qkv, attention_out[, statistics]) plans for queries shaped like ``q`` ([B, L_r, H, D])."""
+        b, _, h, d = q.shape
+        return attention_plans(self.splits, b, h, d, self.head_groups, q.dtype, self.payload)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, L_r, H, D] (this rank's tokens, every head) -> [B, L_r, H, D]
         if self.transport.size == 1:
             return self._local(q, k, v)
-        qkv_plan, out_plan = self.plans(q)
+        qkv_plan, out_plan = self.plans(q)[:2]
+        if self.payload is None:
+            send = functools.partial(self._send_qkv, q, k, v, plan=qkv_plan)
+            attend = self._attend_values
+        else:
+            stats = self._statistics(q, k, v)
+            send = functools.partial(self._send_codes, q, k, v, stats, plan=qkv_plan)
+            attend = functools.partial(self._attend_codes, stats, q)
         out = torch.empty_like(q)
-        incoming = [self._send_qkv(q, k, v, 0, qkv_plan)]
+        incoming = [send(0)]
         outgoing: list[Handle] = []
         for g in range(self.head_groups):
             if g + 1 < self.head_groups:
-                incoming.append(self._send_qkv(q, k, v, g + 1, qkv_plan))
-            qkv = incoming[g].wait()  # [S, 3, B, H/(PG), D]
-            attended = self.inner(*(qkv[:, i].transpose(0, 1) for i in range(3)))  # [B, S, H/(PG), D]
+                incoming.append(send(g + 1))
+            attended = attend(incoming[g].wait(), g)  # [B, S, H/(PG), D]
             incoming[g].release()  # attention is queued: the slot may take the next exchange
             incoming[g] = None
             # Sent back at once, so that it travels while the next group's attention runs.
@@ -154,6 +193,37 @@ class UlyssesAttention:
         for i, t in enumerate((q, k, v)):
             blocks[:, :, i].copy_(self._group_heads(t, g).permute(2, 1, 0, 3, 4))
         return self.transport.start(send, plan, g)
+
+    def _attend_values(self, qkv: torch.Tensor, g: int) -> torch.Tensor:
+        # qkv: [S, 3, B, H/(PG), D] -> [B, S, H/(PG), D]
+        return self.inner(*(qkv[:, i].transpose(0, 1) for i in range(3)))
+
+    def _statistics(self, q, k, v) -> Statistics:
+        """The whole sequence's statistics, the same on every rank: each rank's row gathered, combined alike."""
+        rows = all_gather_rows(self.transport, Statistics.of(q, k, v).packed(), [1] * self.transport.size, STATISTICS)
+        return Statistics.combined(rows, q.shape[0], q.shape[2], sum(self.splits))
+
+    def _send_codes(self, q, k, v, stats: Statistics, g: int, plan: ExchangePlan) -> Handle:
+        # q, k, v: [B, L_r, H, D] -> send: [P * L_r, B, H/(PG), record] bytes, the rows for destination j
+        # contiguous: group g's codes written straight into the transport's send slot
+        p, per_group = self.transport.size, q.shape[2] // self.head_groups
+        heads = slice(g * per_group, (g + 1) * per_group)
+        fields = self.payload.encode(
+            q[:, :, heads], k[:, :, heads], v[:, :, heads], stats.heads(heads.start, per_group), p
+        )
+        send = self.transport.send_buffer(plan, g)
+        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *plan.row_shape))
+        for name, codes in fields.items():  # [B, L_r, H/G, w] -> [P, L_r, B, H/(PG), w]
+            slots[name].copy_(codes.unflatten(2, (p, -1)).permute(2, 1, 0, 3, 4))
+        return self.transport.start(send, plan, g)
+
+    def _attend_codes(self, stats: Statistics, q: torch.Tensor, received: torch.Tensor, g: int) -> torch.Tensor:
+        # received: [S, B, H/(PG), record] bytes -> [B, S, H/(PG), D]: this rank's heads of group g
+        per_rank = q.shape[2] // (self.head_groups * self.transport.size)
+        first = (g * self.transport.size + self.transport.rank) * per_rank
+        fields = self.payload.layout(q.shape[3], q.dtype).views(received)
+        received_fields = {name: t.transpose(0, 1) for name, t in fields.items()}
+        return self.payload.attend(received_fields, stats.heads(first, per_rank), q.dtype)
 
     def _send_back(self, attended: torch.Tensor, g: int, plan: ExchangePlan) -> Handle:
         # attended: [B, S, H/(PG), D] -> send: [S, B, H/(PG), D], rank j's tokens contiguous

@@ -25,7 +25,9 @@ transport must know where its rows land in each peer's buffer. The life of one e
 Between ``start`` and ``wait`` the exchange runs on the transport's own streams (GPUs) or
 threads (CPUs), so the caller can compute something else: that is how head groups overlap.
 Every wait is timed through ``ExposedTransfer.timed`` so the run reports how long compute
-really stalled. Splits may be uneven (a sequence that the group size does not divide), and 0.
+really stalled, and every ``start`` adds the bytes it sends to its peers to the transport's ``sent``
+(``SentBytes``), so a record reports what really moved rather than what shapes imply.
+Splits may be uneven (a sequence that the group size does not divide), and 0.
 """
 
 from __future__ import annotations
@@ -88,6 +90,25 @@ def gather_plan(kind: str, sizes: Sequence[int], row_shape: Sequence[int], dtype
     return ExchangePlan(kind, tuple(tuple([n] * len(sizes)) for n in sizes), tuple(row_shape), dtype)
 
 
+class SentBytes:
+    """Bytes a rank's transport sent to its peers, per exchange kind, since the last ``take``. A rank's own
+    rows do not leave it and are not counted."""
+
+    def __init__(self):
+        self.by_kind: dict[str, int] = {}
+
+    def add(self, send: torch.Tensor, plan: ExchangePlan, rank: int) -> None:
+        """Count one exchange's send rows ([sum(send_splits), *row]) bound for the other ranks."""
+        blocks = send.split(plan.send_splits(rank))
+        sent = sum(block.nbytes for peer, block in enumerate(blocks) if peer != rank)
+        self.by_kind[plan.kind] = self.by_kind.get(plan.kind, 0) + sent
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, starting again from zero."""
+        taken, self.by_kind = self.by_kind, {}
+        return taken
+
+
 class Handle(Protocol):
     def wait(self) -> torch.Tensor:
         """Make the compute stream wait for the exchange; returns the received rows."""
@@ -101,6 +122,8 @@ class Transport(Protocol):
     """Ranks along the axis."""
     rank: int
     """This rank's index along the axis."""
+    sent: SentBytes
+    """What ``start`` sent to the peers so far (each transport counts its own)."""
 
     def prepare(self, plans: Sequence[ExchangePlan]) -> None:
         """Size (and map) buffers for these plans; collective, outside every timed region."""
@@ -138,6 +161,7 @@ class LocalTransport:
 
     def __init__(self, device: torch.device = CPU):
         self.device = device
+        self.sent = SentBytes()  # stays empty: nothing leaves an axis of one
 
     def prepare(self, plans) -> None:
         pass

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan, fresh_send_buffer
+from ditrun.transport.base import ExchangePlan, SentBytes, fresh_send_buffer
 
 
 class CollectiveHandle:
@@ -46,6 +46,7 @@ class CollectiveTransport:
         self.group, self.timer, self.device = group, timer, device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.sent = SentBytes()
 
     def prepare(self, plans: Sequence[ExchangePlan]) -> None:
         pass
@@ -56,6 +57,7 @@ class CollectiveTransport:
     def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> CollectiveHandle:
         # send: [sum(send_splits), *row] -> received: [sum(recv_splits), *row]
         send = send.contiguous()
+        self.sent.add(send, plan, self.rank)
         recv = send.new_empty((sum(plan.recv_splits(self.rank)), *send.shape[1:]))
         work = dist.all_to_all_single(
             recv, send, plan.recv_splits(self.rank), plan.send_splits(self.rank), group=self.group, async_op=True

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan
+from ditrun.transport.base import ExchangePlan, SentBytes
 from ditrun.transport.lanes import raise_lane_error
 
 ALIGN = 256
@@ -247,6 +247,7 @@ class CopyEngineTransport:
         self.ranks = dist.get_process_group_ranks(group)
         self.local = peers_on_this_node(self.ranks, nodes, node_size)
         self.chaos_s = chaos_s
+        self.sent = SentBytes()
         self.fabric = _fabric(device, timeout_s)
         self.layout: Optional[SlotLayout] = None
         self.lanes: list = []
@@ -381,6 +382,7 @@ class CopyEngineTransport:
             )
         route = self._route(plan, head_group, epoch % 2)
         sources = route.sources if send.data_ptr() == route.send.data_ptr() else self._foreign(send, plan)
+        self.sent.add(send, plan, self.rank)
         self.started[key] = epoch + 1
         # One mark of the compute stream, taken after the rows were written, which every lane follows:
         # a copy waits for its rows and for nothing the compute stream is given later.

@@ -1,0 +1,160 @@
+"""The quantized exchange (``kernels/attention_payload.py``, ``parallel/ulysses.py``) on real gloo ranks: Q, K and V
+cross the all-to-all as codes and scales, and the outputs are bit for bit those of exchanging the values and
+quantizing after (the same codes and scales), for every quantized attention format, both transports, head groups,
+uneven and empty shards; within the format's tolerance of one process; and the transports count the bytes.
+
+What to expect is derived apart from the code under test: the BF16-exchange path quantizes with the attention
+kernel's own function on the gathered heads, and the byte counts follow from the formats' definitions (INT8 codes
++ an fp32 scale per token and head, V per its format) written out below, not from ``RowLayout``.
+"""
+
+import pytest
+import torch
+from launching import MAX_QUANTIZED_RELATIVE_ERROR, latents, records, relative_error, tiny_config
+from ranks import run_ranks
+
+from ditrun.kernels.attention import ATTENTION_KERNELS, REFERENCE
+from ditrun.kernels.attention_payload import PAYLOADS, payload_for
+from ditrun.launch import worker
+from ditrun.parallel.ulysses import UlyssesAttention
+from ditrun.timers import ExposedTransfer
+
+FORMATS = ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v", "fp8_pv"]
+HEAD_DIM = 32  # one MX block of V per token and head
+
+
+def qkv_bytes_per_token_head(attention: str, head_dim: int, value_bytes: int) -> int:
+    """What one token of one head costs in the qkv exchange, from the formats' definitions."""
+    int8_with_scale = head_dim + 4  # INT8 codes and one fp32 scale
+    v = {
+        "int8qk": head_dim * value_bytes,  # V as it is
+        "int8qk_fp8v": head_dim,  # E4M3 codes; the scale per head comes from the statistics
+        "int8qk_mxfp6v": head_dim * 6 // 8 + head_dim // 32,  # 6-bit codes, one E8M0 byte per 32 channels
+    }
+    if attention == "fp8_pv":
+        return 3 * head_dim  # E4M3 Q, K, V; the scales per call come from the statistics
+    return 2 * int8_with_scale + v[attention]
+
+
+def aligned_record(attention: str, value_bytes: int) -> int:
+    """The same, each token's record rounded up to whole 4-byte words (its fp32 scales are read in place)."""
+    return -(-qkv_bytes_per_token_head(attention, HEAD_DIM, value_bytes) // 4) * 4
+
+
+def _inputs(lengths, heads, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, sum(lengths), heads, HEAD_DIM, generator=g) for _ in range(3))
+    k = k + 0.7 * torch.randn(2, 1, heads, HEAD_DIM, generator=g)  # a key bias: the smoothing matters
+    return [t.to(dtype) for t in (q, k, v)]
+
+
+def _both_exchanges(rank, world, lengths, heads, cases):
+    """Per (transport, attention, head groups): this rank's output with the quantized exchange and with values
+    exchanged then quantized, and the bytes each sent per exchange kind."""
+    from test_ulysses import world_transport
+
+    start = sum(lengths[:rank])
+    q, k, v = (t[:, start : start + lengths[rank]] for t in _inputs(lengths, heads))
+    transports = {
+        name: world_transport(name, ExposedTransfer(torch.device("cpu"))) for name in ("collective", "copy_engine")
+    }
+    results = []
+    for transport_name, attention, head_groups in cases:
+        transport = transports[transport_name]
+        inner = ATTENTION_KERNELS.get(attention).make(REFERENCE)
+        outs, sent = [], []
+        for payload in (payload_for(attention, REFERENCE), None):
+            ulysses = UlyssesAttention(transport, lengths, head_groups, inner, payload)
+            transport.prepare(ulysses.plans(q))
+            transport.sent.take()
+            outs.append(ulysses(q, k, v))
+            sent.append(transport.sent.take())
+        results.append((outs, sent))
+    return results
+
+
+def _one_process(attention, lengths, heads, head_groups, world):
+    """The attention of the whole sequence on one process, in the calls a rank makes (a call's scales are per call
+    for ``fp8_pv``): [B, S, H, D]."""
+    q, k, v = _inputs(lengths, heads)
+    inner = ATTENTION_KERNELS.get(attention).make(REFERENCE)
+    calls = head_groups * world
+    per_call = heads // calls
+    parts = [inner(*(t[:, :, c * per_call : (c + 1) * per_call] for t in (q, k, v))) for c in range(calls)]
+    return torch.cat(parts, dim=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("lengths, heads, head_groups", [([7, 6], 4, (1, 2)), ([5, 0, 4, 6], 8, (1, 2))])
+def test_codes_exchanged_equal_values_exchanged_then_quantized(lengths, heads, head_groups):
+    world = len(lengths)
+    cases = [(t, a, g) for t in ("collective", "copy_engine") for a in FORMATS for g in head_groups]
+    outs = run_ranks(_both_exchanges, world, (lengths, heads, cases), timeout=100)
+    for c, (transport, attention, groups) in enumerate(cases):
+        codes = torch.cat([rank[c][0][0] for rank in outs], dim=1)
+        values = torch.cat([rank[c][0][1] for rank in outs], dim=1)
+        assert torch.equal(codes, values), (transport, attention, groups)
+        # one process, in the same calls: the order of the keys' sums differs (ranks' blocks), nothing else
+        alone = _one_process(attention, lengths, heads, groups, world)
+        assert relative_error(codes, alone) < 1e-5, (transport, attention, groups)
+        for rank, tokens in enumerate(lengths):
+            sent_codes, sent_values = outs[rank][c][1]
+            peers_tokens = tokens * (world - 1)  # this rank's tokens go to every other rank
+            record = aligned_record(attention, 4)
+            assert sent_codes["qkv"] == peers_tokens * 2 * heads // world * record, (transport, attention)
+            assert sent_values["qkv"] == peers_tokens * 2 * heads // world * 3 * HEAD_DIM * 4
+            assert sent_codes["attention_out"] == sent_values["attention_out"]
+            assert sent_codes["attention_statistics"] == (world - 1) * 2 * heads * (HEAD_DIM + 3) * 8
+
+
+def test_every_quantized_attention_kernel_has_a_payload():
+    quantized = [name for name, kernel in ATTENTION_KERNELS.items() if kernel.quantized]
+    assert sorted(quantized) == sorted(PAYLOADS.names()) == sorted(FORMATS)
+
+
+def _run_all(rank, world, runs):
+    return [worker.run(cfg, out_dir) for cfg, out_dir in runs]
+
+
+QUICK = ["precision=krea", "metrics.ssim=false", "metrics.report=false"]
+
+LAYOUTS = {  # world -> (layout, transport, head groups): every layout, both transports, uneven shards
+    2: [("ulysses", "collective", 2), ("cfg_batch", "copy_engine", 1)],
+    4: [("cfg_split", "collective", 2), ("ulysses", "copy_engine", 2), ("cfg_batch", "collective", 1)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_krea_runs_bit_identical_with_either_exchange_and_records_the_bytes(tmp_path, world):
+    """Whole edits of the ``krea`` preset (INT8 Q/K, MXFP6 V): the latents with the quantized exchange (its
+    default) equal those of the BF16 exchange bit for bit, in every layout, and stay within the quantized
+    tolerance of one process; each record carries the bytes its transports counted."""
+    runs, cases = [], []
+    for layout, transport, groups in LAYOUTS[world]:
+        for codes in (True, False):
+            out = tmp_path / f"{layout}-{transport}-{codes}"
+            keys = [f"layout={layout}", f"transport={transport}", f"layout.head_groups={groups}"]
+            cfg = tiny_config(*QUICK, *keys, f"launcher.world={world}", f"precision.quantized_exchange={codes}")
+            runs.append((cfg, out))
+        cases.append((layout, transport, out.with_name(out.name[: -len("False")] + "True"), out))
+    run_ranks(_run_all, world, (runs,), timeout=280)
+    alone = tmp_path / "single"
+    worker.run(tiny_config(*QUICK), alone)
+    sp = world // 2 if world > 2 else world  # cfg_split's SP groups are half the world
+    for layout, transport, codes_dir, values_dir in cases:
+        (with_codes,), (with_values,) = records(codes_dir), records(values_dir)
+        edit = with_codes["edit"]
+        assert torch.equal(latents(codes_dir, edit), latents(values_dir, edit)), (layout, transport)
+        assert relative_error(latents(codes_dir, edit), latents(alone, edit)) < MAX_QUANTIZED_RELATIVE_ERROR
+        assert with_codes["quantized_exchange"] and not with_values["quantized_exchange"]
+        codes, values = with_codes["exchange_bytes"], with_values["exchange_bytes"]
+        # fp32 on the CPU: per token and head, 3 x 32 x 4 bytes of values against the formats' codes and scales
+        ratio = aligned_record("int8qk_mxfp6v", 4) / (3 * HEAD_DIM * 4)
+        assert codes["qkv"] == pytest.approx(ratio * values["qkv"], rel=1e-12), (layout, transport)
+        assert codes["attention_out"] == values["attention_out"] > 0 and "attention_statistics" not in values
+        assert with_codes["exchange_bytes_per_forward"] < with_values["exchange_bytes_per_forward"]
+        if layout != "cfg_split" or sp > 1:
+            assert with_codes["exchange_bytes_per_forward"] > 0
