@@ -1,0 +1,81 @@
+"""The fused Q/K producer (``kernels/qk_producer_triton.py``: RMSNorm + RoPE + INT8 quantization into the send
+rows) against the unfused composition the CPU runs (``nn.RMSNorm``, ``dit.apply_rope``, ``attention.smooth_k``,
+``quantize_int8_rows``), on fresh random inputs: in Triton's CPU interpreter, and on a GPU where there is one.
+
+The kernel's mean square is a tree sum and its rsqrt the device's, so a normalized value may differ from torch's in
+its last bit: a scale within a few ulps, and a code off by one only where its value sits on a rounding boundary
+(a handful in 10^4); K's token sums are fp64 sums of the same values (exact for BF16, ``token_statistics.py``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ditrun.kernels.attention import quantize_int8_rows, smooth_k
+from ditrun.kernels.attention_payload import Field, RowLayout
+from ditrun.kernels.token_statistics import token_mean, token_sum
+from ditrun.model.dit import apply_rope, rope_tables
+
+
+def unfused(x, weight, cos, sin, mean=None):
+    """The composition the CPU runs: x [B, L, H, D] -> (int8 codes [B, L, H, D], fp32 scales [B, L, H])."""
+    y = apply_rope(F.rms_norm(x, (x.shape[-1],), weight, eps=1e-6), cos, sin)
+    return quantize_int8_rows(y if mean is None else smooth_k(y, 1, mean[:, None]))
+
+
+def check_producer(device: str = "cpu", dtype=torch.float32) -> None:
+    """Q without and K with smoothing, written into the send rows' fields (strided views) of a three-rank
+    destination-major slot; L not a multiple of the tile; the statistics pass against fp64 sums of the unfused
+    normalized, rotated K."""
+    from ditrun.kernels.qk_producer_triton import norm_rope_quantize, norm_rope_statistics
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))  # fresh inputs each run
+    b, length, h, d = 2, 45, 3, 32
+    x = (torch.randn(b, length, h, d, generator=g) * 3 + torch.randn(1, 1, h, d, generator=g)).to(device, dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=g)).to(device, dtype)
+    ids = torch.stack([torch.zeros(length), torch.arange(length) // 9, torch.arange(length) % 9], dim=1)
+    cos, sin = (t.to(device) for t in rope_tables(ids, (8, 12, 12)))
+    rotated = apply_rope(F.rms_norm(x, (d,), weight, eps=1e-6), cos, sin)
+
+    k_sum, amax = norm_rope_statistics(x, weight, cos, sin)
+    torch.testing.assert_close(k_sum, token_sum(rotated, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(amax, rotated.abs().amax(dim=(1, 3)).float(), rtol=1e-6, atol=0)
+
+    layout = RowLayout((Field("k", torch.int8, d), Field("k_scale", torch.float32, 1)))
+    mean = token_mean(token_sum(rotated, 1), length, dtype)
+    for smoothed in (None, mean):
+        slot = torch.zeros(length, b, h, layout.nbytes, dtype=torch.uint8, device=device)  # [L, B, H, record]
+        fields = {n: t.transpose(0, 1) for n, t in layout.views(slot).items()}  # [B, L, H, w]
+        norm_rope_quantize(x, weight, cos, sin, fields["k"], fields["k_scale"][..., 0], smoothed)
+        codes, scales = unfused(x, weight, cos, sin, smoothed)
+        torch.testing.assert_close(fields["k_scale"][..., 0], scales, rtol=4e-7, atol=0)
+        off = (fields["k"].int() - codes.int()).abs()
+        assert off.max() <= 1 and (off > 0).float().mean() < 2e-3, (off.max(), (off > 0).sum())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_fused_producer_in_the_cpu_interpreter():
+    pytest.importorskip("triton")
+    # TRITON_INTERPRET is read when kernels are defined: a fresh process.
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import test_qk_producer as t; t.check_producer()"],
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_fused_producer_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA/ROCm GPU")
+    check_producer("cuda", torch.bfloat16)
