@@ -35,6 +35,9 @@
 #                                                            quoted subset of "cold warm fresh"; < 9 min)
 #   bash benchmarks/gpu_suite.sh editor                   (one GPU: the trained editor's precision table and its cache table
 #                                                            at 28 steps, judged by ditrun report; ~8 min)
+#   bash benchmarks/gpu_suite.sh exchange                 (one GPU: the quantized exchange's fused Q/K producer, its GPU
+#                                                            test, then against the unfused sequence at 20992 tokens,
+#                                                            24 heads, P = 2, 4, 8: benchmarks/qk_producer.py; ~3 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -202,6 +205,11 @@ if [[ $what == attention ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_compile.py -k fp8_product 2>&1 \
     | tee -a "$OUT/tests_attention.log" | tail -5
   timeout 200 python3 benchmarks/attention.py --s 20992 8704 --repeats 10 2>&1 | tee "$OUT/attention.txt"
+fi
+if [[ $what == exchange ]]; then
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qk_producer.py 2>&1 \
+    | tee "$OUT/tests_exchange.log" | tail -5
+  timeout 300 python3 benchmarks/qk_producer.py --s 20992 --shards 2 4 8 2>&1 | tee "$OUT/qk_producer.txt"
 fi
 if [[ $what == workload || $what == all ]]; then
   # The published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.

@@ -53,6 +53,29 @@ WORKLOADS = (23, 10_000)
 # Stated fallbacks, used only when their file is missing (the output says so).
 FALLBACK_STARTUP_S = 20.0
 BF16_BYTES = 2
+BF16_EXCHANGE = "+bf16x"
+"""Suffix of a precision whose quantized attention exchanged (or is modelled exchanging) Q, K and V in the model
+dtype (``precision.quantized_exchange=false``): the comparison with the default quantized exchange."""
+
+
+def qkv_ratio(attention: str, head_dim: int, element_bytes: int) -> float:
+    """The qkv exchange's bytes against the model dtype's when ``attention``'s codes and scales cross it: the
+    record of its payload (``kernels/attention_payload.py``; what the transports count, as
+    ``tests/test_quantized_exchange.py`` checks) over 3 values a channel. 1 for an unquantized attention."""
+    import torch
+
+    from ditrun.kernels.attention_payload import payload_for
+
+    payload = payload_for(attention, "reference")
+    if payload is None:
+        return 1.0
+    dtype = torch.float32 if element_bytes == 4 else torch.bfloat16
+    return payload.layout(head_dim, dtype).nbytes / (3 * head_dim * element_bytes)
+
+
+def base_precision(precision: str) -> str:
+    """The precision's formats (``krea+bf16x`` is ``krea``'s, exchanged in the model dtype)."""
+    return precision.removesuffix(BF16_EXCHANGE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,6 +139,9 @@ class Point:
     geometry: Optional[Geometry] = None
     element_bytes: int = BF16_BYTES
     fixed_s: Optional[float] = None  # encode + decode seconds per edit, when real VAE weights ran
+    qkv_ratio: float = 1.0
+    """Bytes of its qkv exchange against the model dtype's: from the bytes its transports counted (a run's record),
+    else 1 (every measured.json point exchanged BF16)."""
 
     @property
     def key(self) -> tuple:
@@ -181,7 +207,7 @@ def point_from_run(run_dir: Path) -> Point:
         config["layout"]["name"],
         int(summary["world"]) // replicas,
         int(config["layout"]["head_groups"]),
-        summary["precision"],
+        summary["precision"] + ("" if record.get("quantized_exchange", True) else exchanged_values(config)),
         config["transport"]["name"],
         summary["dit_s_median"] / steps,
         (summary.get("exposed_transfer_s_median") or 0.0) / steps,
@@ -194,7 +220,23 @@ def point_from_run(run_dir: Path) -> Point:
         ),
         4 if settings["dtype"] == "fp32" else BF16_BYTES,
         fixed_s,
+        measured_qkv_ratio(record),
     )
+
+
+def exchanged_values(config: dict) -> str:
+    """``BF16_EXCHANGE`` for a run whose quantized attention exchanged values (its own precision row), else ''."""
+    return BF16_EXCHANGE if config["precision"].get("attention", "bf16") != "bf16" else ""
+
+
+def measured_qkv_ratio(record: dict) -> float:
+    """The qkv exchange's bytes against the model dtype's, from the bytes the run's transports counted: its qkv
+    exchange against three times its attention output's, which always crosses in the model dtype (exact with
+    shards of one size; 1 for a record from before the count, or without an exchange)."""
+    sent = record.get("exchange_bytes") or {}
+    if not sent.get("qkv") or not sent.get("attention_out"):
+        return 1.0
+    return sent["qkv"] / (3 * sent["attention_out"])
 
 
 def find_run_dirs(paths: list[Path]) -> list[Path]:
@@ -423,19 +465,26 @@ def transfer_step_ms(
     layout: str,
     gpus: int,
     head_groups: int,
+    qkv_ratio: float = 1.0,
 ) -> float:
     """All-to-all milliseconds of one denoising step on one rank, if nothing overlapped them.
 
     Per attention each rank sends (P-1)/P of its shard of S/P tokens twice: Q, K, V (3 x hidden
-    values a token) before and the attention output (1 x hidden) after; with G head groups each
-    exchange is split into G messages of 1/G of the bytes.
+    values a token, times ``qkv_ratio`` when they cross as codes) before and the attention output
+    (1 x hidden) after; with G head groups each exchange is split into G messages of 1/G of the bytes.
+    A quantized exchange (``qkv_ratio`` < 1) first gathers every rank's statistics: one more message
+    a block, of (P-1) x heads x (head dim + 3) fp64 values a batch row.
     """
     sp, passes, batch = exchange_plan(layout, gpus, shape)
     if sp <= 1:
         return 0.0
     shard_mb = shape.tokens / sp * (sp - 1) / sp * scenario_geometry.hidden * element_bytes * batch / 1e6
     message_mb = shard_mb / head_groups
-    per_attention = head_groups * (link.exchange_ms(3 * message_mb) + link.exchange_ms(message_mb))
+    per_attention = head_groups * (link.exchange_ms(3 * message_mb * qkv_ratio) + link.exchange_ms(message_mb))
+    if qkv_ratio < 1.0:
+        heads = scenario_geometry.heads
+        statistics_mb = (sp - 1) * batch * heads * (scenario_geometry.hidden // heads + 3) * 8 / 1e6
+        per_attention += link.exchange_ms(statistics_mb)
     return passes * scenario_geometry.blocks * per_attention
 
 
@@ -512,10 +561,20 @@ class Model:
                 ref.layout,
                 ref.gpus,
                 ref.head_groups,
+                ref.qkv_ratio,
             )
             / 1e3
         )
         return ref.exposed_step_s / total if total > 0 else 0.0
+
+    def exchange_ratio(self, scenario: Scenario, precision: str) -> float:
+        """``qkv_ratio`` of ``precision`` in ``scenario``: its attention's codes (the default exchange), or 1 for a
+        ``+bf16x`` precision or one whose formats are unknown here."""
+        formats = self.inputs.precisions.get(precision)
+        if formats is None:
+            return 1.0
+        head_dim = scenario.geometry.hidden // scenario.geometry.heads
+        return qkv_ratio(formats["attention"], head_dim, scenario.element_bytes)
 
     def efficiency(self, ref: Point, one_gpu_s: float) -> float:
         """Compute efficiency of the reference point: one-GPU step / (GPUs x its step without exposed transfer)."""
@@ -527,8 +586,8 @@ class Model:
         return self.efficiency(*ref) if sp >= 2 and ref is not None else 1.0
 
     def cell(self, scenario: Scenario, layout: str, gpus: int, precision: str) -> Optional[Cell]:
-        one = self.one_gpu(scenario, scenario.shape, precision)
-        if one is None:
+        one = self.one_gpu(scenario, scenario.shape, base_precision(precision))
+        if one is None or (precision != base_precision(precision) and layout == "single"):
             return None
         if layout == "single":
             return Cell("single", 1, 1, 1, precision, one[0], 0.0, one[1])
@@ -542,7 +601,7 @@ class Model:
         if measured is not None:
             return Cell(layout, gpus, sp, head_groups, precision, measured.step_s, measured.exposed_step_s, True)
         compute = one[0] / (gpus * self.compute_efficiency(scenario, point, ref_one_gpu, sp))
-        exposed = self.exposed_s(scenario, point, layout, gpus, head_groups)
+        exposed = self.exposed_s(scenario, point, layout, gpus, head_groups, self.exchange_ratio(scenario, precision))
         return Cell(layout, gpus, sp, head_groups, precision, compute + exposed, exposed, False)
 
     def compute_efficiency(self, scenario: Scenario, point: Point, ref_one_gpu: float, sp: int) -> float:
@@ -557,8 +616,11 @@ class Model:
             * self.sp_efficiency(point.device, scenario.shape, sp)
         )
 
-    def exposed_s(self, scenario: Scenario, point: Point, layout: str, gpus: int, head_groups: int) -> float:
-        """Exposed transfer per step: the reference's exposed fraction of the modelled all-to-all time.
+    def exposed_s(
+        self, scenario: Scenario, point: Point, layout: str, gpus: int, head_groups: int, ratio: float = 1.0
+    ) -> float:
+        """Exposed transfer per step: the reference's exposed fraction of the modelled all-to-all time (``ratio``:
+        the qkv exchange's bytes against the model dtype's, ``exchange_ratio``).
 
         cfg_split's reference (P = 1 on 2 GPUs) has no all-to-all: its exposed time is the
         prediction swap and velocity gather, scaled by output tokens; its all-to-all part borrows
@@ -566,7 +628,9 @@ class Model:
         """
         link = self.link(scenario.device)
         modelled = (
-            transfer_step_ms(link, scenario.geometry, scenario.element_bytes, scenario.shape, layout, gpus, head_groups)
+            transfer_step_ms(
+                link, scenario.geometry, scenario.element_bytes, scenario.shape, layout, gpus, head_groups, ratio
+            )
             / 1e3
         )
         if layout != "cfg_split":
@@ -575,7 +639,14 @@ class Model:
         fraction = self.exposed_fraction(ulysses[0]) if ulysses is not None else 0.0
         ref_modelled = (
             transfer_step_ms(
-                link, self.geometry_of(point), point.element_bytes, point.shape, layout, point.gpus, point.head_groups
+                link,
+                self.geometry_of(point),
+                point.element_bytes,
+                point.shape,
+                layout,
+                point.gpus,
+                point.head_groups,
+                point.qkv_ratio,
             )
             / 1e3
         )
@@ -606,7 +677,7 @@ class Model:
         return self.replicas(nodes, cell.gpus) / self.latency_s(scenario, cell)
 
     def startup_s(self, scenario: Scenario, precision: str, nodes: int) -> float:
-        extra = self.inputs.first_edit_extra.get(precision, {}).get("s", 0.0)
+        extra = self.inputs.first_edit_extra.get(base_precision(precision), {}).get("s", 0.0)
         return self.inputs.startup.seconds(nodes) + scenario.weights_load_s + extra
 
     def makespan_s(self, scenario: Scenario, cell: Cell, nodes: int, edits: int, startup: bool = True) -> float:
@@ -643,7 +714,7 @@ def builtin_scenarios(inputs: Inputs) -> list[Scenario]:
             "NVIDIA H200",
             PUBLISHED,
             28,
-            ("bf16", "fp8", "krea"),
+            ("bf16", "fp8", "krea", "krea" + BF16_EXCHANGE),
             inputs.geometry,
             BF16_BYTES,
             load,
@@ -754,6 +825,12 @@ def assumptions(model: Model) -> list[str]:
         "output: 1 x hidden; bf16), as G head-group messages; per step x blocks x passes (ulysses: one per CFG "
         "branch; cfg_batch: one of batch 2; cfg_split: one branch per group of g/2). The per-rank bandwidth "
         "measured between 2 GPUs is held at P = 4 and 8 (an NVSwitch or full-mesh node).",
+        "Quantized exchange (krea, the default precision.quantized_exchange): Q, K and V cross as their attention "
+        "format's codes and scales, the qkv message "
+        + qkv_ratio_text(inputs)
+        + " of the bf16 one's (the payload's record, what the transports count), after one more message per block "
+        "(every rank's fp64 statistics); krea+bf16x is krea exchanging bf16 (quantized_exchange=false), for "
+        "comparison. A run directory's own ratio is the bytes its transports counted.",
         "Exposed transfer per step = the reference point's exposed fraction of that modelled all-to-all time, at the "
         "new P and size; cfg_split's prediction swap and velocity gather keep their measured seconds, scaled by "
         "output tokens. Head groups: the reference's, raised to the next divisor of the heads per rank (24 heads: "
@@ -777,6 +854,13 @@ def assumptions(model: Model) -> list[str]:
             f"fitted to {link.source}."
         )
     return lines
+
+
+def qkv_ratio_text(inputs: Inputs) -> str:
+    """'x 0.51 (int8qk_mxfp6v)' for each quantized attention of the committed precisions, head dim 128, bf16."""
+    head_dim = inputs.geometry.hidden // inputs.geometry.heads
+    formats = sorted({f["attention"] for f in inputs.precisions.values() if f["attention"] != "bf16"})
+    return ", ".join(f"x {qkv_ratio(a, head_dim, BF16_BYTES):.3f} ({a}, head dim {head_dim})" for a in formats)
 
 
 def fmt_s(value: float) -> str:
