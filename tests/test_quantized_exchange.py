@@ -158,3 +158,23 @@ def test_krea_runs_bit_identical_with_either_exchange_and_records_the_bytes(tmp_
         assert with_codes["exchange_bytes_per_forward"] < with_values["exchange_bytes_per_forward"]
         if layout != "cfg_split" or sp > 1:
             assert with_codes["exchange_bytes_per_forward"] > 0
+
+
+def test_the_scaling_model_scales_the_qkv_exchange_by_the_formats_record():
+    """``benchmarks/scaling.py`` models the quantized exchange with the bytes the formats' definitions give (head dim
+    128, BF16: every field already a multiple of 4 bytes)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "scaling.py"
+    spec = importlib.util.spec_from_file_location("scaling", path)
+    scaling = importlib.util.module_from_spec(spec)
+    sys.modules["scaling"] = scaling  # dataclasses look their module up by name
+    spec.loader.exec_module(scaling)
+    for attention in FORMATS:
+        want = qkv_bytes_per_token_head(attention, 128, 2) / (3 * 128 * 2)
+        assert scaling.qkv_ratio(attention, 128, 2) == pytest.approx(want, rel=1e-12), attention
+    assert scaling.qkv_ratio("bf16", 128, 2) == 1.0
+    record = {"exchange_bytes": {"qkv": 364 * 10, "attention_out": 256 * 10, "attention_statistics": 8}}
+    assert scaling.measured_qkv_ratio(record) == pytest.approx(364 / 768) and scaling.measured_qkv_ratio({}) == 1.0
