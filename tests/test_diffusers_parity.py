@@ -82,7 +82,7 @@ def _embeddings(path) -> dict:
     return tensors
 
 
-def _diffusers_latents(transformer, vae, image, embeds, true_cfg_scale, guidance_scale):
+def _diffusers_latents(transformer, vae, image, embeds, true_cfg_scale, guidance_scale, steps=STEPS):
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
         use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
@@ -102,7 +102,7 @@ def _diffusers_latents(transformer, vae, image, embeds, true_cfg_scale, guidance
             height=HEIGHT,
             width=WIDTH,
             max_area=WIDTH * HEIGHT,
-            num_inference_steps=STEPS,
+            num_inference_steps=steps,
             true_cfg_scale=true_cfg_scale,
             guidance_scale=guidance_scale,
             _auto_resize=False,
@@ -391,3 +391,86 @@ def test_pipeline_prompts_are_encoded_on_rank_0_and_sent_to_the_others(tmp_path)
     names = [sorted(p.name for p in (tmp_path / f"prompts{rank}").glob("*.safetensors")) for rank in (0, 1)]
     assert names[0] == names[1] and len(names[0]) == 3
     assert relative_error(latents(tmp_path / "two", "e"), latents(tmp_path / "one", "e")) <= 1e-5
+
+
+CACHE_STEPS = 10
+
+
+def _diffusers_cached_latents(transformer, vae, image, embeds, threshold):
+    """diffusers' own first-block cache (``FirstBlockCacheConfig``) on the Kontext pipeline, and the steps whose
+    remaining blocks ran. The Kontext pipeline sets no cache context of its own (FluxPipeline sets "cond"), so
+    each transformer call here runs in the "cond" one, as FluxPipeline's conditional branch does."""
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    transformer.enable_cache(FirstBlockCacheConfig(threshold=threshold))
+    computed, step = [], [0]
+    # The hook replaces the tail block's forward on cached steps, so its norm (inside that forward) runs only on
+    # computed ones.
+    transformer.single_transformer_blocks[-1].norm.register_forward_pre_hook(lambda *_: computed.append(step[0]))
+    forward = transformer.forward
+
+    def in_context(*args, **kwargs):
+        with transformer.cache_context("cond"):
+            out = forward(*args, **kwargs)
+        step[0] += 1
+        return out
+
+    transformer.forward = in_context
+    try:
+        latents = _diffusers_latents(transformer, vae, image, embeds, 1.0, 2.0, CACHE_STEPS)
+    finally:
+        transformer.forward = forward
+        transformer.disable_cache()
+    return latents, computed
+
+
+def _ditrun_cached_latents(transformer_dir, vae_dir, image_file, embeds_file, threshold):
+    from ditrun.cache import StepCache
+    from ditrun.config import CacheConfig
+    from ditrun.model.build import ModelParts
+    from ditrun.model.sampler import sequential_branches
+
+    workload = OmegaConf.merge(
+        OmegaConf.structured(WorkloadConfig),
+        {
+            "edits": [{"id": "e", "image": str(image_file), "prompt_embeds": str(embeds_file), "seed": SEED}],
+            **{"width": WIDTH, "height": HEIGHT, "steps": CACHE_STEPS, "ref_resize": "none"},
+            **{"true_cfg_scale": 1.0, "guidance_scale": 2.0},
+        },
+    )
+    edit = resolve_edits(workload)[0]
+    cpu = torch.device("cpu")
+    model, codec = from_pretrained(transformer_dir), DiffusersVAE(str(vae_dir), cpu, torch.float32)
+    inputs = edit_inputs(edit, codec, checkpoint_geometry(transformer_dir), workload, cpu, torch.float32)
+    cache_cfg = OmegaConf.structured(CacheConfig(name="first_block", blocks=1, threshold=threshold, warmup_steps=1))
+    step_cache = StepCache(cache_cfg, CACHE_STEPS, model, ModelParts(model.head, model.tail, model.finish), lambda t: t)
+    with torch.no_grad():
+        velocity = sequential_branches(step_cache, inputs, 1.0, 2.0, torch.float32)
+        latents = denoise(velocity, inputs.noise, CACHE_STEPS)
+    return latents, step_cache.states["cond"].computed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_first_block_cache_equals_diffusers_first_block_cache(tmp_path):
+    """``cache=first_block`` is diffusers' ``FirstBlockCacheConfig`` under ditrun's names (``cache.threshold`` is its
+    ``threshold``, one first block, the first step computed): on the same seeded model and edit, the same steps
+    compute and the final latents agree in fp32, at thresholds that cache no step, some steps and most."""
+    transformer, vae = _transformer(guidance_embeds=True), _vae()
+    transformer.save_pretrained(tmp_path / "transformer", safe_serialization=True)
+    vae.save_pretrained(tmp_path / "vae", safe_serialization=True)
+    pixels = (np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "ref.png")
+    embeds = _embeddings(tmp_path / "embeds.safetensors")
+    cached = []
+    for threshold in (0.0, 0.7, 1.0):  # on this model: no step cached, 2 of 10, 7 of 10
+        expected, diffusers_computed = _diffusers_cached_latents(
+            transformer, vae, Image.open(tmp_path / "ref.png"), embeds, threshold
+        )
+        got, computed = _ditrun_cached_latents(
+            tmp_path / "transformer", tmp_path / "vae", tmp_path / "ref.png", tmp_path / "embeds.safetensors", threshold
+        )
+        assert computed == diffusers_computed, threshold
+        assert relative_error(got, expected) <= 1e-4, threshold
+        cached.append(CACHE_STEPS - len(computed))
+    assert cached[0] == 0 and cached[-1] > cached[1] > 0, cached  # the comparison covered cached steps

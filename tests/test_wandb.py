@@ -3,49 +3,19 @@
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
-from wandb.proto import wandb_internal_pb2
+from wandb_files import _items, read_records
 
 pytestmark = pytest.mark.slow
 
 NET_AUDIT = Path(__file__).parent / "netaudit"
 
 SECRET = "0123456789abcdef0123456789abcdef01234567"  # looks like an API key; must never be written
-_BLOCK = 32768
-_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
-
-
-def read_records(path):
-    """The protobuf records of a ``.wandb`` file: a 7-byte header, then a log of 32 KiB blocks whose
-    chunks (4-byte checksum, 2-byte length, 1-byte type) are joined into records."""
-    data = path.read_bytes()
-    ident, magic, _version = struct.unpack("<4sHB", data[:7])
-    assert (ident, magic) == (b":W&B", 0xBEE1)
-    pos, parts, records = 7, [], []
-    while pos + 7 <= len(data):
-        left = _BLOCK - pos % _BLOCK
-        _checksum, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if left < 7 or (kind == 0 and length == 0):  # block padding
-            pos += left
-            continue
-        parts.append(data[pos + 7 : pos + 7 + length])
-        pos += 7 + length
-        if kind in (_FULL, _LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(b"".join(parts))
-            records.append(record)
-            parts = []
-    return records
-
-
-def _items(items) -> dict:
-    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in items}
 
 
 def run_contents(run_dir):
