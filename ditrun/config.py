@@ -72,6 +72,12 @@ class ModelConfig:
     key before compiling, and global rank 0 writes it after its first edit, so a later job (any node, any rank)
     finds the blocks compiled. ``auto``: ``$XDG_CACHE_HOME/ditrun/compile`` (``~/.cache/ditrun/compile``); on a
     cluster, a folder on shared storage; ``off`` or ``null``: none (Inductor's own cache on the node only)."""
+    compile_cache_trust: list[str] = field(default_factory=list)
+    """Who besides you and root may have written the compile cache's entries that this run loads (they are code it
+    runs): user names (or ids) and at most one ``group:<name>``, whose members are trusted and which may write the
+    entries and the folder (``ditrun/trust.py``, docs/PERFORMANCE.md#trust-what-a-run-loads-as-code). Entries this run
+    writes are readable by them (0640 and the group's; 0644 for users alone; 0600 when empty). An entry anyone else
+    could have written is set aside with a warning and the run compiles as without it."""
     cuda_graphs: str = "auto"
     """Replay the DiT's forward from CUDA graphs (``model/graphs.py``): ``auto`` (on for compiled GPU models),
     ``on``, ``off``. Only forwards that exchange nothing inside are graphed (layout ``single``, or CFG layouts

@@ -101,6 +101,7 @@ def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.devic
 def tune(cfg) -> DispatchTable:
     """Tune the linears of ``cfg``'s model and precision on this device; returns the saved table."""
     from ditrun.model.build import build_model, model_geometry, plan_precision, select_device_dtype
+    from ditrun.model.compile import claim_compiler_caches
     from ditrun.model.folders import vae_folder
     from ditrun.model.latents import make_latent_codec
     from ditrun.model.sampler import sequential_cfg_velocity
@@ -109,6 +110,7 @@ def tune(cfg) -> DispatchTable:
 
     resolve_text_len(cfg)
     device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
+    claim_compiler_caches()  # before anything compiles: Triton's kernels and a compiled model's
     plan = plan_precision(cfg.precision, device_dtype.device)
     table = DispatchTable.load(plan.tuning_file, device_dtype.device, plan.backend, announce=False)
     candidates = DispatchTable(device_dtype.device, plan.backend, announce=False, prepare_all=True)

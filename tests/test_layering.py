@@ -74,7 +74,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # lower one. Why each sits where it does:
 LAYERS = (
     # What everything shares and nothing of ditrun's: errors, registries, the clocks the transports, the step cache
-    # and the worker read, dtype and device names, the user's cache folder, the stop signals, the editor's edits.
+    # and the worker read, dtype and device names, the user's cache folder, whom a cache trusts, the stop signals,
+    # the editor's edits.
     (
         "ditrun",
         "ditrun.errors",
@@ -82,6 +83,7 @@ LAYERS = (
         "ditrun.timers",
         "ditrun.devices",
         "ditrun.user_cache",
+        "ditrun.trust",
         "ditrun.stop_signals",
         "ditrun.editor",
         "ditrun.conf",

@@ -1,11 +1,12 @@
 """A compile cache that a cluster shares (``model.compile_cache``): what Inductor compiled, one file per key.
 
-Inductor keeps the code it compiles on the node (``TORCHINDUCTOR_CACHE_DIR``, default
-``/tmp/torchinductor_<user>``), so every job that lands on a fresh node compiles the DiT's blocks again, inside
-its first edit. PyTorch carries those caches between processes: ``torch.compiler.save_cache_artifacts()``
-serialises every artifact this process compiled or found in its caches (Inductor's FX graphs, AOT autograd's,
-autotuning results), and ``torch.compiler.load_cache_artifacts`` puts them into another process's local caches
-before it compiles; Inductor then finds its graphs there and compiles none of them.
+Inductor keeps the code it compiles in its own cache folder (``TORCHINDUCTOR_CACHE_DIR``; ditrun's default
+``~/.cache/ditrun/inductor``, ``model.compile.claim_compiler_caches``), so every job that lands on a fresh node
+compiles the DiT's blocks again, inside its first edit. PyTorch carries those caches between processes:
+``torch.compiler.save_cache_artifacts()`` serialises every artifact this process compiled or found in its caches
+(Inductor's FX graphs, AOT autograd's, autotuning results), and ``torch.compiler.load_cache_artifacts`` puts them
+into another process's local caches before it compiles; Inductor then finds its graphs there and compiles none
+of them.
 
 PyTorch's artifacts do not hold every Triton kernel a job compiles (the variants Inductor's coordinate-descent
 tuning compiles, the kernels ditrun's custom ops launch): Triton compiles those at their first run into its
@@ -31,9 +32,13 @@ serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; e
 * **Writer**: global rank 0, after each of its edits in which it compiled something the entry lacks (its
   first edit; later ones only when a new shape compiled more). The other ranks of a job compile the graphs
   rank 0 does wherever their inputs have its shapes; a graph only another rank compiles is not in the entry.
-  The file is written under a temporary name in its folder, flushed and renamed over the entry
-  (``results.write_file``): a reader sees an old entry or a new one, whole, and two jobs writing at once leave
-  the one that renamed last.
+  The file is written under a temporary name in its folder (``O_EXCL``, unpredictable), flushed and renamed over
+  the entry (``trust.write_for``): a reader sees an old entry or a new one, whole, and two jobs writing at once
+  leave the one that renamed last. Its mode is for the readers the trust key names (0600; 0640 and the group's).
+* **Trust**: an entry is Inductor's generated code and Triton's kernels, run as whoever loads it, so it is read
+  only when no user but the reader, root and those ``model.compile_cache_trust`` names could have written it or
+  the cache folder (``ditrun/trust.py``: checked on the opened file). Any other is set aside with one warning
+  naming the file, its owner and its mode (status ``discarded``), and nothing of it is read or unpacked.
 * **Bad entries**: a file that does not parse, whose size or checksum differs, whose header names another
   format, key or torch version, whose Triton part holds anything but kernel files, or whose artifacts PyTorch
   cannot read, is discarded with a warning (left in place, and replaced by the writer's entry after its first
@@ -62,17 +67,18 @@ import torch
 
 from ditrun.errors import UserError
 from ditrun.model.compile import CompilePlan
-from ditrun.results.files import write_file
+from ditrun.trust import Trust, Untrusted, read_trusted, write_for
 from ditrun.user_cache import user_cache_dir
 from ditrun.workload.inputs import edit_tokens
 
 FORMAT = "ditrun-compile-cache/2"
 ENTRY_SUFFIX = ".ditrun-compile"
 AUTO, OFF = "auto", "off"
+TRUST_KEY = "model.compile_cache_trust"
 STATUSES = {
     "off": "no compile cache (model.compile_cache=off, or nothing compiles)",
     "miss": "no entry for this key: compiled here",
-    "discarded": "a bad entry was set aside: compiled here",
+    "discarded": "a bad or untrusted entry was set aside: compiled here",
     "hit": "loaded the entry: Inductor compiles only what it lacks",
 }
 
@@ -90,6 +96,7 @@ def check_config(model_cfg, plan: CompilePlan) -> None:
     folder = cache_dir(value)
     if folder is None or not plan.compile:
         return
+    trust_of(model_cfg)
     folder = folder.absolute()
     existing = next(path for path in (folder, *folder.parents) if path.exists())
     said = f"model.compile_cache={value!r}" + (f" ({folder})" if str(folder) != str(value) else "")
@@ -101,6 +108,12 @@ def check_config(model_cfg, plan: CompilePlan) -> None:
             f"{said} is not writable here ({existing}); give a folder this user may write (on a "
             "cluster, shared storage), or off."
         )
+
+
+def trust_of(model_cfg) -> Trust:
+    """Whom ``model.compile_cache_trust`` trusts besides the reader and root; one sentence naming it when a name is
+    unknown here."""
+    return Trust.parse(getattr(model_cfg, "compile_cache_trust", None), TRUST_KEY)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +195,8 @@ def for_run(
         describe_run(cfg, plan, device_dtype, geometry, precision, details, layout, edits) if folder is not None else {}
     )
     kernels_dir = claim_triton_cache_dir(device_dtype.device) if folder is not None else None
-    return CompileCache(folder, described, writer=rank == 0, announce=rank == 0, kernels_dir=kernels_dir)
+    trust = trust_of(cfg.model) if folder is not None else Trust()  # check_config has read it before any work
+    return CompileCache(folder, described, writer=rank == 0, announce=rank == 0, kernels_dir=kernels_dir, trust=trust)
 
 
 def entry_key(described: dict) -> str:
@@ -205,8 +219,9 @@ class Entry:
     """Triton kernel folders, a gzip'd tar (``pack_kernels``); empty when there are none."""
 
 
-def write_entry(path: Path, key: str, described: dict, entry: Entry) -> None:
-    """The entry, whole, at ``path`` (a temporary file in its folder, flushed, renamed over it)."""
+def write_entry(path: Path, key: str, described: dict, entry: Entry, trust: Optional[Trust] = None) -> None:
+    """The entry, whole, at ``path`` (a temporary file in its folder, flushed, renamed over it), for the readers
+    ``trust`` names (``trust.write_for``)."""
     payload = entry.artifacts + entry.kernels
     header = {
         "format": FORMAT,
@@ -217,12 +232,13 @@ def write_entry(path: Path, key: str, described: dict, entry: Entry) -> None:
         "artifacts_bytes": len(entry.artifacts),
         "described": described,
     }
-    write_file(path, json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload)
+    write_for(path, json.dumps(header, sort_keys=True, default=str).encode() + b"\n" + payload, trust or Trust())
 
 
-def read_entry(path: Path, key: str) -> Entry:
-    """The entry at ``path``; ``BadEntry`` when it is not a whole entry of ``key``."""
-    data = path.read_bytes()
+def read_entry(path: Path, key: str, trust: Optional[Trust] = None) -> Entry:
+    """The entry at ``path``; ``Untrusted`` when a user ``trust`` does not name could have written it or its folder
+    (nothing of it is read), ``BadEntry`` when it is not a whole entry of ``key``."""
+    data = read_trusted(path, path.parent, trust or Trust())
     line, newline, payload = data.partition(b"\n")
     try:
         header = json.loads(line) if newline else None
@@ -380,6 +396,9 @@ class CompileCache:
     """The kernel folders that were there before ``load``: the node's, not this job's."""
     kernels_stored: frozenset = field(default_factory=frozenset)
     """The kernel folders of the entry as this process last loaded or wrote it."""
+    trust: Trust = field(default_factory=Trust)
+    """Who besides this user and root may have written an entry this process loads (``model.compile_cache_trust``);
+    what it writes is for them."""
 
     @functools.cached_property
     def key(self) -> str:
@@ -400,6 +419,13 @@ class CompileCache:
         except FileNotFoundError:
             self.status = "miss"
             self._say(f"no entry {self.path}; compiling, and writing it after the first edit")
+        except Untrusted as why:
+            self.status = "discarded"
+            print(
+                f"ditrun: warning: compile cache entry {self.path} set aside: {why}; compiling as without it "
+                f"(this user, root and those {TRUST_KEY} names are trusted)",
+                flush=True,
+            )
         except (OSError, BadEntry) as why:
             self.status = "discarded"
             print(
@@ -413,7 +439,7 @@ class CompileCache:
         return self.status
 
     def _load(self):
-        entry = read_entry(self.path, self.key)
+        entry = read_entry(self.path, self.key, self.trust)
         if self.kernels_dir is not None:
             self.kernels_stored = unpack_kernels(entry.kernels, self.kernels_dir)
         if not entry.artifacts:  # only Triton kernels (nothing PyTorch caches compiled)
@@ -441,7 +467,7 @@ class CompileCache:
         kernels = {name for name in kernels if (self.kernels_dir / name).is_dir()}
         try:
             entry = Entry(artifacts, pack_kernels(self.kernels_dir, kernels))
-            write_entry(self.path, self.key, self.described, entry)
+            write_entry(self.path, self.key, self.described, entry, self.trust)
         except OSError as err:  # a full or read-only shared folder costs later jobs their compile, not this run
             print(f"ditrun: warning: compile cache entry {self.path} not written: {err}", flush=True)
             return False

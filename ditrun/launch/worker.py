@@ -38,7 +38,7 @@ from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Progress
 from ditrun.model.build import build_model, model_geometry, plan_precision, precision_label, select_device_dtype
-from ditrun.model.compile import plan_compile
+from ditrun.model.compile import claim_compiler_caches, plan_compile
 from ditrun.model.folders import vae_folder
 from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
@@ -73,6 +73,7 @@ class Run:
         self.precision = plan_precision(cfg.precision, self.device_dtype.device)
         self.precision_label = precision_label(self.precision, self.device_dtype.dtype_name)
         self.speed = plan_compile(cfg.model, self.device_dtype.device)
+        claim_compiler_caches()  # before anything compiles (the references' model included), in every rank
         self.settings = {edit.id: result_settings(self, edit) for edit in self.edits}
         self.directory_edits = [edit.id for edit in self.edits]  # global rank 0 learns the directory's in ``_claim``
         check_run_memory(self.edits, cfg, self.geometry, plan, self.device_dtype)

@@ -30,16 +30,21 @@ called: ``model/graphs.py`` replays the forward from CUDA graphs (``BuiltModel.f
 
 Compiled code is checked against the eager model in tests (CPU inductor) and in
 ``benchmarks/vs_diffusers.py`` (GPU). Inductor's FX-graph and autotuning caches persist across
-processes (``TORCHINDUCTOR_CACHE_DIR``, default ``/tmp/torchinductor_<user>``), so only the first
+processes (``TORCHINDUCTOR_CACHE_DIR``, and Triton's kernels in ``TRITON_CACHE_DIR``), so only the first
 process on a node pays the full compile, and ``model.compile_cache`` (``inference/compile_cache.py``)
-carries them to every node; the warm-up edits (``metrics.warmup_edits``) carry the compile, and the
-summary reports it apart (``warmup_excess_s``, and ``compile_s`` among the start-up's parts).
+carries them to every node. Both folders hold code that runs as the user, so ``claim_compiler_caches`` puts
+them under the user's own cache before anything compiles (not Inductor's default ``/tmp/torchinductor_<user>``,
+a fixed name that another user may make first), or checks the ones the user set. The warm-up edits
+(``metrics.warmup_edits``) carry the compile, and the summary reports it apart (``warmup_excess_s``, and
+``compile_s`` among the start-up's parts).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -57,6 +62,8 @@ from ditrun.model.dit import (
     gelu_activation,
     no_activation,
 )
+from ditrun.trust import Untrusted, private_folder
+from ditrun.user_cache import user_cache_dir
 
 COMPILE_MODES = {
     "auto": "on for GPUs, off on CPUs (where compiling costs more than it saves at test sizes)",
@@ -105,6 +112,57 @@ class CompilePlan:
         else:
             label = "eager+fused" if self.fuse else "eager"
         return f"{label}, CUDA graphs" if self.graphs else label
+
+
+INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"
+
+
+def claim_compiler_caches() -> dict[str, Path]:
+    """Inductor's and Triton's cache folders for this process, only this user's to write (``trust.private_folder``):
+    the ones ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` name, else ``<user cache>/inductor`` and its
+    ``triton`` (made 0700), set in the environment so that both compilers (and this process's ranks) use them. Runs
+    before anything compiles, in every process that does. One sentence naming the variable when a folder another
+    user could have written would hold the code: refused rather than replaced, since the user named it."""
+    inductor = Path(os.environ.get(INDUCTOR_CACHE_ENV) or user_cache_dir() / "inductor")
+    folders = {
+        INDUCTOR_CACHE_ENV: inductor,
+        TRITON_CACHE_ENV: Path(os.environ.get(TRITON_CACHE_ENV) or inductor / "triton"),
+    }
+    for variable, folder in folders.items():
+        said = f"{variable}={os.environ[variable]}" if os.environ.get(variable) else f"ditrun's {variable} ({folder})"
+        try:
+            folders[variable] = private_folder(folder)
+        except Untrusted as why:
+            raise UserError(
+                f"{said} is a folder another user could have written ({why}), and the compilers run the code they "
+                f"find there as you; name a folder only you can write, or remove or chmod go-w this one."
+            ) from None
+        except OSError as err:
+            raise UserError(f"{said} cannot be made or read ({err}); name a folder only you can write.") from None
+        os.environ[variable] = str(folders[variable])
+    _guard_inductor_default_folder()
+    return folders
+
+
+def _guard_inductor_default_folder() -> None:
+    """Inductor keeps its precompiled C++ headers (included in every CPU kernel it builds) in its default folder,
+    ``/tmp/torchinductor_<user>``, whatever ``TORCHINDUCTOR_CACHE_DIR`` says: that folder is made this user's (0700)
+    where missing, and where another user could have written it, the headers are off for this process (one
+    warning naming it, its owner and its mode) rather than read from there."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    try:
+        private_folder(Path(default_cache_dir()))
+    except (Untrusted, OSError) as why:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.cpp_cache_precompile_headers = False
+        inductor_config.aot_inductor.precompile_headers = False
+        print(
+            f"ditrun: warning: Inductor's precompiled C++ headers are off: it keeps them in {why}, whatever "
+            f"{INDUCTOR_CACHE_ENV} says",
+            flush=True,
+        )
 
 
 def _mode(model_cfg, key: str, modes: dict[str, str]) -> str:
