@@ -14,10 +14,33 @@ from __future__ import annotations
 
 import torch
 
+from ditrun.kernels.linear import triton_available
+
 
 def token_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
-    """The sum of ``x`` over its token dim ``dim``, in fp64 (exact; see the module doc)."""
+    """The sum of ``x`` over its token dim ``dim``, in fp64 (exact; see the module doc).
+
+    A GPU's [B, L, H, D] tensor (eager) is summed by a Triton kernel that widens each tile in registers:
+    ``sum(dtype=float64)`` would first copy the whole tensor to fp64 (four times a BF16 K, every attention call).
+    Compiled code keeps the torch statement, which inductor fuses the same way."""
+    if _summed_by_kernel(x, dim):
+        from ditrun.kernels.attention_triton import token_sum_fp64
+
+        total = token_sum_fp64(x)
+        return total.unsqueeze(1) if keepdim else total
     return x.sum(dim=dim, keepdim=keepdim, dtype=torch.float64)
+
+
+def _summed_by_kernel(x: torch.Tensor, dim: int) -> bool:
+    d = x.shape[-1]
+    return (
+        triton_available(x.device)
+        and not torch.compiler.is_compiling()
+        and x.dim() == 4
+        and dim == 1
+        and d & (d - 1) == 0
+        and x.stride(-1) == 1
+    )
 
 
 def token_mean(total: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
