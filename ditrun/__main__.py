@@ -118,10 +118,14 @@ def _compose_and_run() -> None:
 
 
 def _hydra_error_sentence(err: Exception) -> str | None:
-    """A mistake Hydra found composing the config, or a run directory it could not make or write."""
+    """A mistake Hydra found composing the config, or a run directory it could not make or write (or that its log
+    refused: ``results.files.RunLogFile``)."""
     cause = err
-    while cause is not None and not isinstance(cause, OSError):  # logging wraps its file's error in a ValueError
+    # logging wraps its file's error in a ValueError
+    while cause is not None and not isinstance(cause, (OSError, UserError)):
         cause = cause.__cause__
+    if isinstance(cause, UserError):
+        return str(cause)
     if cause is not None and not _job_started:
         from ditrun.results.rundir import unusable_dir_sentence
 

@@ -166,7 +166,7 @@ def test_outputs_and_their_folders_are_flushed_before_their_record(tmp_path):
     record = first(r'write\(\d+<[^>]*/edits\.jsonl>, "\{\\"edit\\": \\"astronaut\\"')
     for name in [*edit_outputs("astronaut").values(), "summary.json"]:
         folder, file = (out / name).parent, re.escape(Path(name).name)
-        flushed = first(rf"fsync\(\d+<{re.escape(str(folder))}/{re.escape(TEMPORARY_PREFIX)}[^/>]+\.\d+\.{file}>\)")
+        flushed = first(rf"fsync\(\d+<{re.escape(str(folder))}/{re.escape(TEMPORARY_PREFIX)}[0-9a-f]+\.{file}>\)")
         renamed = first(rf'rename[a-z0-9]*\(.*"{re.escape(str(out / name))}"', flushed)
         first(rf"fsync\(\d+<{re.escape(str(folder))}>\)", renamed)  # the folder's entry, after the rename
         if name != "summary.json":

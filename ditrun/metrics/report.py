@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from ditrun.errors import UserError
 from ditrun.metrics import choice as choosing
 from ditrun.metrics.strip import STRIP_CHART, write_strip
+from ditrun.results import files
 from ditrun.results.runs import RunResult, load_runs
 
 # Precision labels of runs that quantized nothing (the compute dtype's name): the speedup baseline.
@@ -140,7 +141,7 @@ def _pyplot():
 
 def _save(plt, fig, path: Path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path)
     plt.close(fig)
 
 
@@ -273,6 +274,7 @@ def write_report(
     rows = table_rows(runs, chosen, choice)
     out_dir = Path(out_dir) if out_dir else Path(root)
     out_dir.mkdir(parents=True, exist_ok=True)
+    files.owned_folder(out_dir)
     plot_dit_time(runs, out_dir / DIT_CHART)
     has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
     # One run has nothing to choose from: its own report keeps to its table and charts, and draws its edits.
@@ -283,7 +285,7 @@ def write_report(
     if strip is not None:
         markdown += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"
     report = out_dir / REPORT_FILE
-    report.write_text(markdown)
+    files.write_file(report, markdown.encode())
     text = format_text(rows)
     return "\n".join([text, *(line for line in choice_lines if line)]), report
 

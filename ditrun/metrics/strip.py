@@ -9,6 +9,8 @@ from typing import Optional
 
 import numpy as np
 
+from ditrun.results import files
+
 STRIP_CHART = "edits.png"
 MAX_ROWS = 12
 """Edits drawn at most (the first ones): a picture of hundreds of rows is neither readable nor drawable."""
@@ -76,7 +78,7 @@ def write_strip(run_dir: Path, records: list[dict], path: Path, plt) -> Optional
                 ax.set_title(title, fontsize=8)
                 ax.axis("off")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        files.save_figure(fig, path)
         plt.close(fig)
     except Exception as err:  # noqa: BLE001
         warnings.warn(f"ditrun: {path.name} was not drawn ({type(err).__name__}: {err}).", stacklevel=2)

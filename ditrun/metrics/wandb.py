@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from ditrun.errors import UserError
 from ditrun.metrics.quality import ssim_map
+from ditrun.results import files
 
 MODES = ("offline", "online", "disabled")
 # Set before W&B starts in offline mode; each closes one way W&B would reach for the network.
@@ -186,6 +187,7 @@ def _init(cfg, out_dir: Path, **run_fields):
         os.environ.update(OFFLINE_ENVIRONMENT)
     import wandb
 
+    files.owned_folder(out_dir / files.WANDB_DIR)  # W&B writes into it as it finds it: a real folder of ours
     settings = wandb.Settings(
         silent=True, console="off", disable_git=True, save_code=False, x_disable_stats=True, x_disable_machine_info=True
     )

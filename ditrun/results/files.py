@@ -8,6 +8,11 @@ written under a temporary name (``TEMPORARY_PREFIX``, which no edit id can start
 renamed into place and its directory flushed, so a crash or a power loss leaves either the whole
 file or none, and an edit's record, written last, never points at a file that is not on disk.
 Who may write which file, and what a rerun does with them, is ``rundir.py``'s protocol.
+
+Nothing another user planted is followed: every file of a run is opened ``O_NOFOLLOW``
+(``open_nofollow``: a symbolic link is refused, one sentence), temporaries are also ``O_EXCL``
+under an unpredictable name, and a folder written into is made, or checked, as a real directory
+of this user (``owned_folder``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,17 @@ import errno
 import hashlib
 import io
 import json
+import logging
 import os
-import socket
+import pwd
+import secrets
+import stat
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+from ditrun.errors import UserError
 
 if TYPE_CHECKING:  # torch is not imported at run time: ``ditrun report`` reads these files without it
     import torch
@@ -31,6 +41,7 @@ SUMMARY_FILE = "summary.json"
 RUN_FILE = "run.json"  # the settings the directory belongs to (``rundir.record_run``)
 IMAGES_DIR = "images"
 LATENTS_DIR = "latents"
+WANDB_DIR = "wandb"  # the offline W&B run's folder (``metrics.wandb``)
 # Temporary files start with a dot, which an edit id cannot (workload.SAFE_ID): recovery removes
 # exactly the files with this prefix, and they are never another file's name.
 TEMPORARY_PREFIX = ".ditrun-tmp."
@@ -43,11 +54,8 @@ def edit_outputs(edit_id: str) -> dict[str, str]:
 
 def finished_edits(out_dir: Path) -> dict[str, dict]:
     """Records in ``edits.jsonl``, by edit id, first one kept (lines that are not records are skipped)."""
-    path = out_dir / EDITS_FILE
-    if not path.exists():
-        return {}
     records = {}
-    for line in path.read_text(errors="replace").splitlines():
+    for line in read_text(out_dir / EDITS_FILE).splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -63,7 +71,7 @@ def append_line(path: Path, line: str) -> None:
     A file whose last line was torn (a crash mid-write) gets a newline first, so the fragment
     stays a line of its own instead of swallowing this one.
     """
-    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_nofollow(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
@@ -91,24 +99,90 @@ def append_record(path: Path, record: dict) -> None:
 
 
 def output_path(out_dir: Path, name: str) -> Path:
-    """``out_dir / name`` for a name of ``edit_outputs``, refusing any that would land outside its folder."""
+    """``out_dir / name`` for a name of ``edit_outputs``, refusing any that would land outside its folder (made,
+    or checked, as a real folder of this user: ``owned_folder``)."""
     path, folder = out_dir / name, Path(name).parent
-    if str(folder) not in (IMAGES_DIR, LATENTS_DIR) or path.resolve().parent != (out_dir / folder).resolve():
+    if str(folder) not in (IMAGES_DIR, LATENTS_DIR) or path.name in ("", ".", ".."):
         raise ValueError(f"output file {name!r} would be written outside {out_dir / folder}")
+    owned_folder(out_dir / folder)
     return path
 
 
-def _temporary(path: Path) -> Path:
-    """A name in the same directory that no other process uses (the rename is then atomic), on any node of a
-    shared file system (process ids repeat across nodes)."""
-    return path.with_name(f"{TEMPORARY_PREFIX}{socket.gethostname()}.{os.getpid()}.{path.name}")
+def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a run's file that never follows a symbolic link planted at ``path``: one is refused."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise refusal(path, os.lstat(path)) from None
+        raise
+
+
+def read_text(path: Path) -> str:
+    """The text of a run's file ("" when there is none), never through a symbolic link."""
+    try:
+        fd = open_nofollow(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return ""
+    with os.fdopen(fd, "rb") as file:
+        return file.read().decode(errors="replace")
+
+
+def owned_folder(folder: Path) -> None:
+    """``folder`` made if absent (its parent must exist), else checked: a real directory owned by this user."""
+    try:
+        os.mkdir(folder)
+        fsync_folder(folder.parent)  # the new folder's own entry
+    except FileExistsError:
+        pass
+    status = check_owned(folder)
+    if status is not None and not stat.S_ISDIR(status.st_mode):
+        raise refusal(folder, status, "a file, not a folder,")
+
+
+def check_owned(path: Path) -> Optional[os.stat_result]:
+    """``path``'s own ``lstat`` (None when absent), refusing a symbolic link or an entry of another user."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(status.st_mode) or status.st_uid != os.geteuid():
+        raise refusal(path, status)
+    return status
+
+
+def refusal(path: Path, status: os.stat_result, kind: str = "") -> UserError:
+    """The one sentence refusing ``path``: what it is, its owner, and what a run writes into."""
+    kind = kind or (
+        "a symbolic link" if stat.S_ISLNK(status.st_mode) else "a folder" if stat.S_ISDIR(status.st_mode) else "a file"
+    )
+    return UserError(
+        f"{path} is {kind} owned by {_user(status.st_uid)}, and ditrun writes a run only into real files and "
+        f"folders owned by {_user(os.geteuid())} (no symbolic links, nothing of another user's); remove it or "
+        "choose another results directory (hydra.run.dir=... or output_dir=...)."
+    )
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new file beside ``path`` (the rename is then atomic) under a name no other process can guess, so nothing
+    can be planted there first; ``O_EXCL`` refuses anything that is there all the same."""
+    tmp = path.with_name(f"{TEMPORARY_PREFIX}{secrets.token_hex(8)}.{path.name}")
+    return open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), tmp
 
 
 def write_file(path: Path, data: bytes) -> str:
-    """``data`` as the whole of ``path``, on disk with its directory entry when this returns; its sha256."""
+    """``data`` as the whole of ``path``, on disk with its directory entry when this returns; its sha256.
+
+    The rename replaces whatever entry ``path`` is, a symbolic link included, and never writes through it."""
     _make_folder(path.parent)
-    tmp = _temporary(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd, tmp = _create_temporary(path)
     try:
         write_all(fd, data, path)
         os.fsync(fd)
@@ -141,7 +215,7 @@ def fsync_folder(folder: Path) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    with open(path, "rb") as file:
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as file:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
@@ -165,6 +239,25 @@ def save_png(image: torch.Tensor | np.ndarray, path: Path) -> str:
     encoded = io.BytesIO()
     Image.fromarray(array).save(encoded, format="PNG")
     return write_file(path, encoded.getvalue())
+
+
+def save_figure(fig, path: Path) -> str:
+    """A matplotlib figure as a PNG at ``path`` (through ``write_file``: ``savefig`` on a path would write through
+    a symbolic link planted there); returns the file's sha256."""
+    encoded = io.BytesIO()
+    fig.savefig(encoded, format="png", dpi=100)
+    return write_file(path, encoded.getvalue())
+
+
+class RunLogFile(logging.FileHandler):
+    """Hydra's job log (``<run dir>/<job>.log``: ``conf/hydra/job_logging/ditrun.yaml``), opened as a run's other
+    files are: in a real folder of this user, never through a symbolic link."""
+
+    def _open(self):
+        path = Path(self.baseFilename)
+        owned_folder(path.parent)
+        fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -33,6 +33,10 @@ whole, and a rerun resumes only what the same settings produced.
   and inputs, an image file's content hash included) and their ``fingerprint``. A rerun whose
   settings differ for an edit already recorded fails before any model is built, naming what
   differs.
+- **Nothing planted is followed.** A results directory, and every entry of it that a run writes, locks or
+  reads (``WRITTEN``, the replica files, the output folders), must be real and this user's: a symbolic link
+  or an entry of another user is refused in one sentence before anything is written (``check_run_dir``),
+  and every file is opened ``O_NOFOLLOW`` all the same (``files.open_nofollow``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -59,6 +64,20 @@ LEASE_FILE = ".ditrun.lease"
 REJECTED_FILE = "edits.rejected.jsonl"
 REPLICA_FILE = "edits.replica{}.jsonl"
 HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
+# What a run writes, locks or reads at the top of its directory (and the replica files, found by name): checked
+# to be real and this user's before anything is written.
+WRITTEN = (
+    LOCK_FILE,
+    LEASE_FILE,
+    files.EDITS_FILE,
+    REJECTED_FILE,
+    files.RUN_FILE,
+    files.SUMMARY_FILE,
+    files.IMAGES_DIR,
+    files.LATENTS_DIR,
+    HYDRA_DIR,
+    files.WANDB_DIR,
+)
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
 # not by the manifest's path), labels, where the text length came from (the length itself is compared), and
@@ -127,11 +146,21 @@ def _as_user_error(err: OSError) -> Exception:
 
 
 def make_run_dir(out_dir: Path) -> None:
-    """The results directory, made if needed; a path that cannot be one is the user's mistake."""
+    """The results directory, made if needed and checked (``check_run_dir``); a path that cannot be one is the
+    user's mistake."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise _as_user_error(err) from None
+    check_run_dir(out_dir)
+
+
+def check_run_dir(out_dir: Path) -> None:
+    """Refuse (``UserError``, one sentence) a results directory that is a symbolic link or another user's, or
+    in which an entry that a run writes, locks or reads is."""
+    files.owned_folder(out_dir)
+    for name in (*WRITTEN, *(path.name for path in out_dir.glob(REPLICA_FILE.format("*")))):
+        files.check_owned(out_dir / name)
 
 
 def records_file(out_dir: Path, replica: int) -> Path:
@@ -152,7 +181,7 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         try:
-            fd = os.open(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = files.open_nofollow(self.out_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         except OSError as err:  # the first file a run writes: a read-only directory shows here
             raise _as_user_error(err) from None
         try:
@@ -189,10 +218,10 @@ class RunLock:
         path = self.out_dir / LEASE_FILE
         for _ in range(2):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = files.open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
             except FileExistsError:
                 if time.time() - _mtime(path) < LEASE_STALE_S:
-                    raise self._busy(path.read_text().strip()) from None
+                    raise self._busy(files.read_text(path).strip()) from None
                 path.unlink(missing_ok=True)  # its holder stopped refreshing it: a dead run
                 continue
             os.write(fd, _holder().encode())
@@ -202,7 +231,7 @@ class RunLock:
                 target=self._refresh, args=(path, self._lease_stop), daemon=True, name="ditrun-lease"
             ).start()
             return self
-        raise self._busy(path.read_text().strip())
+        raise self._busy(files.read_text(path).strip())
 
     @staticmethod
     def _refresh(path: Path, stop: threading.Event) -> None:
@@ -223,7 +252,7 @@ def _written_holder(path: Path, wait_s: float = 2.0) -> str:
     """The holder a locked file names. Its holder writes it just after taking the lock, so a run refused in between
     reads it empty: read again for up to ``wait_s`` (a holder that died in between stays unknown)."""
     deadline = time.monotonic() + wait_s
-    while not (holder := path.read_text().strip()) and time.monotonic() < deadline:
+    while not (holder := files.read_text(path).strip()) and time.monotonic() < deadline:
         time.sleep(0.02)
     return holder
 
@@ -251,9 +280,8 @@ def recover(out_dir: Path) -> list[dict]:
     outputs are damaged, are moved aside; temporary files of interrupted writes are removed.
     """
     merge_replica_files(out_dir)
-    path = out_dir / EDITS_FILE
-    text = path.read_bytes() if path.exists() else b""
-    lines = text.decode(errors="replace").splitlines()
+    text = files.read_text(out_dir / EDITS_FILE)
+    lines = text.splitlines()
     good, rejected, damaged, seen = [], [], [], set()
     for line in lines:
         record = _parse(line)
@@ -267,7 +295,7 @@ def recover(out_dir: Path) -> list[dict]:
             _warn(f"edit {record['edit']!r}: {problem}; its record is moved to {REJECTED_FILE} and the edit runs again")
         else:
             good.append(record)
-    if rejected or damaged or (text and not text.endswith(b"\n")):
+    if rejected or damaged or (text and not text.endswith("\n")):
         _set_aside(out_dir, rejected + damaged, good)
     if rejected:
         _warn(
@@ -279,15 +307,18 @@ def recover(out_dir: Path) -> list[dict]:
 
 
 def output_problem(out_dir: Path, record: dict) -> Optional[str]:
-    """What is wrong with a record's output files (missing, not a file, not what was written), or None."""
+    """What is wrong with a record's output files (missing, not a file, not what was written), or None. A symbolic
+    link is not a file (it is never followed, and rewriting the output replaces it)."""
     checksums = record["sha256"] if isinstance(record["sha256"], dict) else {}
     for field, name in files.edit_outputs(str(record["edit"])).items():
         path = out_dir / name
         if record.get(field) != name or not isinstance(checksums.get(field), str):
             return f"its record names no checked {field} file at {name}"
-        if not path.exists():
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
             return f"{name} is missing"
-        if not path.is_file():
+        if not stat.S_ISREG(mode):
             return f"{name} is not a file"
         if files.file_sha256(path) != checksums[field]:
             return f"{name} is damaged (its sha256 differs from the record's)"
@@ -295,10 +326,14 @@ def output_problem(out_dir: Path, record: dict) -> Optional[str]:
 
 
 def _remove_temporaries(out_dir: Path) -> None:
-    """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce."""
+    """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce (a
+    symbolic link among them is removed itself; a folder that is one is not looked into)."""
     for folder in (out_dir, out_dir / files.IMAGES_DIR, out_dir / files.LATENTS_DIR, out_dir / HYDRA_DIR):
+        if folder.is_symlink():
+            continue
         for tmp in folder.glob(files.TEMPORARY_PREFIX + "*"):
-            if tmp.is_file():
+            mode = tmp.lstat().st_mode
+            if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
                 tmp.unlink(missing_ok=True)
 
 
@@ -329,7 +364,7 @@ def merge_replica_files(out_dir: Path) -> int:
     replica_files = sorted(out_dir.glob(REPLICA_FILE.format("*")))
     present = {r["edit"] for r in _records_in(out_dir / EDITS_FILE)} if replica_files else set()
     for replica_file in replica_files:
-        for line in replica_file.read_text(errors="replace").splitlines():
+        for line in files.read_text(replica_file).splitlines():
             record = _parse(line)
             if record is not None and record["edit"] not in present:
                 append_line(out_dir / EDITS_FILE, json.dumps(record))
@@ -340,9 +375,7 @@ def merge_replica_files(out_dir: Path) -> int:
 
 
 def _records_in(path: Path) -> Iterable[dict]:
-    if not path.exists():
-        return []
-    return [r for r in map(_parse, path.read_text(errors="replace").splitlines()) if r is not None]
+    return [r for r in map(_parse, files.read_text(path).splitlines()) if r is not None]
 
 
 def run_settings(config: dict, resolved: dict, declared_edits: list) -> dict:
@@ -406,11 +439,11 @@ def found_records(out_dir: Path) -> list[dict]:
 
 def _read_run_file(out_dir: Path) -> Optional[dict]:
     path = out_dir / RUN_FILE
-    try:
-        run = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.is_symlink() and not path.exists():
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    try:
+        run = json.loads(files.read_text(path))
+    except (OSError, json.JSONDecodeError):
         run = None
     if not (isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("edits"), list)):
         print(
@@ -502,5 +535,6 @@ class HydraFiles:
     texts: dict
 
     def write(self, out_dir: Path) -> None:
-        for name, text in self.texts.items():  # write_file makes the folder
+        files.owned_folder(out_dir / self.subdir)
+        for name, text in self.texts.items():
             files.write_file(out_dir / self.subdir / name, text.encode())

@@ -3,6 +3,8 @@
 Each rank creates one file (in ``/dev/shm`` where there is one), the group swaps the names over
 the process group, every rank maps the files of its node's peers (``mmap`` shared), and once all
 have mapped them each rank unlinks its own: nothing is left behind even if a rank is killed.
+A file is created 0600 (only this user can map it: it holds the exchanged activations), ``O_EXCL`` and
+``O_NOFOLLOW`` (nothing planted under its name is used).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ class SharedMemoryFabric:
 
     def map(self, nbytes: int, group, local: list[bool], flag_count: int) -> SharedMemoryRegion:
         path = os.path.join(SHM_DIR, f"ditrun-copy-engine-{uuid.uuid4().hex}")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)  # zero-filled: every flag starts at epoch 0
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)  # zero-filled: every flag starts at epoch 0
+        finally:
+            os.close(fd)
         try:
             names: list = [None] * len(local)
             dist.all_gather_object(names, path, group=group)
