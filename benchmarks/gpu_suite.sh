@@ -207,7 +207,7 @@ if [[ $what == attention ]]; then
   timeout 200 python3 benchmarks/attention.py --s 20992 8704 --repeats 10 2>&1 | tee "$OUT/attention.txt"
 fi
 if [[ $what == exchange ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qk_producer.py 2>&1 \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qk_producer.py tests/test_quantized_exchange.py 2>&1 \
     | tee "$OUT/tests_exchange.log" | tail -5
   timeout 300 python3 benchmarks/qk_producer.py --s 20992 --shards 2 4 8 2>&1 | tee "$OUT/qk_producer.txt"
 fi

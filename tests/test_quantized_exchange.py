@@ -178,3 +178,45 @@ def test_the_scaling_model_scales_the_qkv_exchange_by_the_formats_record():
     assert scaling.qkv_ratio("bf16", 128, 2) == 1.0
     record = {"exchange_bytes": {"qkv": 364 * 10, "attention_out": 256 * 10, "attention_statistics": 8}}
     assert scaling.measured_qkv_ratio(record) == pytest.approx(364 / 768) and scaling.measured_qkv_ratio({}) == 1.0
+
+
+@pytest.mark.gpu
+def test_codes_path_on_the_gpu_matches_the_values_path():
+    """One GPU, the fast implementations a model would choose (Triton, the Hopper kernel at head dim 128, cuDNN's
+    FP8 attention): a sequence encoded by two "ranks" and attended from the codes gives the attention of the values
+    quantized by the kernel's own (compiled) operand quantization, up to that compiled code's rounding."""
+    from ditrun.kernels.attention import choose_implementation
+    from ditrun.kernels.attention_payload import Statistics
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA/ROCm GPU")
+    device, (b, s, h, d), calls = torch.device("cuda"), (1, 4096, 8, 128), 2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for attention in FORMATS:
+        kernel = ATTENTION_KERNELS.get(attention)
+        implementation = choose_implementation(kernel, device, d, fast=True)
+        q, k, v = (torch.randn(b, s, h, d, device=device, generator=g).to(torch.bfloat16) for _ in range(3))
+        payload, inner = payload_for(attention, implementation), kernel.make(implementation)
+        shards = [(0, s // 2 + 3), (s // 2 + 3, s)]
+        rows = torch.cat([Statistics.of(*(t[:, i:j] for t in (q, k, v))).packed() for i, j in shards])
+        stats = Statistics.combined(rows, b, h, s)
+        layout = payload.layout(d, torch.bfloat16)
+        slot = layout.views(torch.zeros(s, b, h, layout.nbytes, dtype=torch.uint8, device=device))
+        for i, j in shards:
+            for name, codes in payload.encode(*(t[:, i:j] for t in (q, k, v)), stats, calls).items():
+                slot[name][i:j].copy_(codes.transpose(0, 1))
+        per_call = h // calls
+        heads = [slice(c * per_call, (c + 1) * per_call) for c in range(calls)]
+        got = torch.cat(
+            [
+                payload.attend(
+                    {n: t[:, :, hs].transpose(0, 1) for n, t in slot.items()},
+                    stats.heads(hs.start, per_call),
+                    torch.bfloat16,
+                )
+                for hs in heads
+            ],
+            dim=2,
+        )
+        want = torch.cat([inner(*(t[:, :, hs] for t in (q, k, v))) for hs in heads], dim=2)
+        assert relative_error(got.float(), want.float()) < 2e-2, (attention, implementation)
