@@ -63,3 +63,25 @@ def test_user_mistakes_are_one_sentence(tmp_path, override, message):
     assert proc.returncode == 2
     assert f"ditrun: error: {message}" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "a rank must be at least 0 and below the world size"),
+        ({"PMI_FD": "987", "PMI_RANK": "0"}, "PMI_FD=987 is set, as MPI's launcher sets it for its ranks"),
+    ],
+    ids=["rank-beyond-world", "leftover-pmi"],
+)
+def test_a_launch_environment_that_lies_is_one_sentence_before_any_rendezvous(tmp_path, environ, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditrun", *SMALL, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "MASTER_PORT": "29999", **environ},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert "rendezvous" not in proc.stderr

@@ -1,9 +1,12 @@
 """Rank discovery from the environment tables of each launcher, and the sbatch script's rendering."""
 
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+from ditrun.errors import UserError
 from ditrun.launch import env
 from ditrun.launch.slurm import SbatchParams, render_sbatch
 from ditrun.launch.slurm import main as render_main
@@ -165,6 +168,33 @@ def test_exported_master_address_overrides_the_derived_one():
 def test_a_bad_variable_is_named():
     with pytest.raises(ValueError, match="WORLD_SIZE='eight' must be an integer"):
         env.discover({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "eight"})
+
+
+@pytest.mark.parametrize(
+    "environ, named",
+    [
+        ({"RANK": "3", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK=3, LOCAL_RANK=0, WORLD_SIZE=2: a rank must"),
+        ({"RANK": "-1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "RANK=-1"),
+        ({"RANK": "1", "LOCAL_RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "with 2 ranks on this node"),
+        (
+            {"SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "0", "SLURM_STEP_NUM_TASKS": "2"}
+            | {"SLURM_JOB_ID": "7", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_STEP_NODELIST": "n1"},
+            "SLURM_PROCID=3",
+        ),
+    ],
+)
+def test_ranks_that_cannot_be_are_refused_in_one_sentence(environ, named):
+    with pytest.raises(UserError, match=re.escape(named)):
+        env.discover(environ)
+
+
+def test_mpi_variables_left_from_another_launch_are_named(tmp_path):
+    closed = os.open(tmp_path, os.O_RDONLY)
+    os.close(closed)  # a descriptor number that is not open now
+    with pytest.raises(UserError, match=rf"PMI_FD={closed} is set.*not open.*unset PMI_FD, PMI_RANK, PMI_SIZE"):
+        env.discover({"PMI_FD": str(closed), "PMI_RANK": "0", "PMI_SIZE": "2"})
+    with pytest.raises(UserError, match=r"PMI_PORT=127.0.0.1:\d+ is set.*nothing answers there"):
+        env.discover({"PMI_PORT": f"127.0.0.1:{env.free_port()}", "PMI_RANK": "0"})
 
 
 @pytest.mark.parametrize(

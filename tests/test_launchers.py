@@ -72,6 +72,18 @@ def test_launched_ranks_equal_single(tmp_path, reference, launcher):
     assert_same_latents(out, reference, layout, world)
 
 
+@pytest.mark.timeout(150)
+def test_torchrun_names_a_failed_ranks_exception(tmp_path):
+    """torchrun's own summary shows the failing rank's exception (read from its error file), not just an exit code."""
+    out = tmp_path / "run"
+    command = LAUNCHED["torchrun"][2]([*TINY, "layout=ulysses", "testing.fault.crash_rank=1", f"hydra.run.dir={out}"])
+    proc = run(command, 140, tmp_path)
+    assert proc.returncode != 0
+    root_cause = proc.stderr[proc.stderr.index("Root Cause") :]
+    assert "rank      : 1" in root_cause and "testing.fault.crash_rank=1" in root_cause, proc.stderr[-3000:]
+    assert "error_file: <N/A>" not in root_cause
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 def test_spawned_ranks_take_one_gpu_each_over_nccl(tmp_path):

@@ -5,6 +5,7 @@ job is the real thing: the rendered sbatch script, ``srun`` tasks as ditrun rank
 submitit launcher submitting a job array, Slurm requeueing a job that then resumes.
 """
 
+import json
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
+from wandb_files import wandb_contents
 
 from ditrun.launch.env import expand_hostlist
 
@@ -153,7 +155,8 @@ def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, refere
             "-m",
             "ditrun",
             "-m",
-            "hydra/launcher=submitit_slurm",
+            "hydra/launcher=slurm",  # ditrun's preset; the local node has no GPUs to tie the tasks to
+            "hydra.launcher.gpus_per_node=null",
             "hydra.launcher.tasks_per_node=2",
             "hydra.launcher.timeout_min=10",
             f"hydra.sweep.dir={sweep}",
@@ -173,6 +176,8 @@ def test_submitit_slurm_sweep_runs_one_multi_task_job_per_layout(cluster, refere
         assert [(r["layout"], r["world"]) for r in records(job_dir)] == [(layout, 2)]
         assert_same_latents(job_dir, reference, layout, 2)
         assert f"layout={layout}" in yaml.safe_load((job_dir / ".hydra" / "overrides.yaml").read_text())
+    script = next(sweep.glob(".submitit/*/*_submission.sh")).read_text()
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --signal=USR2@120" in script  # from the preset
 
 
 @pytest.mark.timeout(300)
@@ -192,6 +197,7 @@ def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp
         "workload.height=128",
         "workload.steps=8",
         "layout.replicas=2",
+        "wandb.mode=offline",
     )
     deadline = time.monotonic() + 120
     while not (out / "edits.jsonl").exists() or len(records(out)) < 2:
@@ -205,6 +211,20 @@ def test_a_job_signalled_before_its_time_limit_requeues_and_resumes(cluster, tmp
     assert f"ditrun: time limit near, requeueing job {job}" in log
     assert "ditrun: resuming, " in log
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
+    # One W&B run across the requeue: every attempt's offline file carries one run id; together their history
+    # holds every edit once (both replicas' edits, each by its edit_index), at steps that only go up. (The first
+    # attempt, killed by the requeue, may have written none of its rows: the second then logs them.)
+    runs = [wandb_contents(path) for path in sorted(out.glob("wandb/offline-run-*/run-*.wandb"))]
+    assert len(runs) == 2 and {run.run_id for run, _, _ in runs if run is not None} == {runs[-1][0].run_id}
+    rows = [row for _, history, _ in runs for row in history if "dit_s" in row]
+    by_edit = {r["edit"]: r for r in records(out)}
+    assert sorted(row["edit_index"] for row in rows) == list(range(len(SIX)))
+    edits = json.loads((out / "run.json").read_text())["edits"]
+    assert all(row["dit_s"] == by_edit[edits[row["edit_index"]]]["dit_s"] for row in rows)
+    assert [row["_step"] for row in rows] == sorted(row["_step"] for row in rows)
+    assert runs[-1][2]["attempt"] == 2 and runs[-1][2]["restarts"] == {"SLURM_RESTART_COUNT": 1}
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["attempt"], summary["restarts"]) == (2, {"SLURM_RESTART_COUNT": 1})
 
 
 @pytest.mark.timeout(300)

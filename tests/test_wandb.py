@@ -3,13 +3,18 @@
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
 from wandb_files import _items, read_records
+
+from ditrun.metrics.wandb import SERVER_CHECK_S
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +147,54 @@ def test_default_offline_run_makes_no_network_attempt(tmp_path):
     if trace.exists():
         remote = [line for line in trace.read_text().splitlines() if _REMOTE_SYSCALL.search(line)]
         assert remote == [], remote
+
+
+@pytest.mark.timeout(300)
+def test_online_without_a_key_logs_offline_with_one_warning(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    proc = ditrun(
+        *TINY,
+        "wandb.mode=online",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+        env={"HOME": str(tmp_path), "NETRC": str(tmp_path / "no-netrc")},
+        unset=("WANDB_API_KEY",),
+        prefix=without_network(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "wandb.mode=online" in line]
+    assert len(warnings) == 1 and "there is no W&B API key here" in warnings[0] and "wandb sync" in warnings[0]
+    assert json.loads((out / "summary.json").read_text())["wandb_mode"] == "offline"
+    assert len(list(out.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+
+
+@pytest.mark.timeout(300)
+def test_a_stop_signal_while_waiting_for_a_silent_wandb_server_stops_the_run(tmp_path):
+    """A server that takes the connection and never answers: SIGTERM during the wait ends the run at once (143),
+    before the directory is claimed."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # never accepted: the client connects and waits for an answer that never comes
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "ditrun", *TINY, "wandb.mode=online", f"hydra.run.dir={out}"]
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_API_KEY": SECRET}
+    environ["WANDB_BASE_URL"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    run = subprocess.Popen(
+        command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ
+    )
+    try:
+        for line in run.stdout:
+            if line.startswith("ditrun: asking W&B's server"):
+                break
+        time.sleep(0.5)
+        run.send_signal(signal.SIGTERM)
+        asked = time.monotonic()
+        code = run.wait(timeout=30)
+        waited = time.monotonic() - asked
+    finally:
+        run.kill()
+        silent.close()
+    assert code == 128 + signal.SIGTERM, run.stderr.read()
+    assert waited < SERVER_CHECK_S, waited  # not the server's timeout: the signal ended the wait
+    assert not (out / "run.json").exists()  # stopped before the directory was claimed

@@ -146,10 +146,59 @@ def discover(environ: Mapping[str, str] = os.environ) -> Optional[RankInfo]:
         if table is SLURM and not in_slurm_step(environ):
             continue
         if all(environ.get(name) for name in (table.rank, table.local_rank, table.world)):
-            return _from_table(table, environ)
+            return check_rank_info(_from_table(table, environ), table)
     if under_mpi(environ):
+        check_mpi_leftovers(environ)
         return from_mpi4py()
     return None
+
+
+def check_rank_info(info: RankInfo, table: RankTable) -> RankInfo:
+    """Refuse, in one sentence and before any rendezvous, a launcher's facts that cannot all be true."""
+    names = f"{table.rank}={info.rank}, {table.local_rank}={info.local_rank}, {table.world}={info.world}"
+    if info.world < 1 or not 0 <= info.rank < info.world:
+        raise UserError(f"{info.launcher} says {names}: a rank must be at least 0 and below the world size.")
+    if not 1 <= info.local_world <= info.world or not 0 <= info.local_rank < info.local_world:
+        raise UserError(
+            f"{info.launcher} says {names} with {info.local_world} ranks on this node: a local rank must be at "
+            "least 0 and below the node's ranks, which are at most the world size."
+        )
+    return info
+
+
+def check_mpi_leftovers(environ: Mapping[str, str]) -> None:
+    """An MPI launcher's variables with no launcher behind them (left in a shell from another job) would end in MPI's
+    own abort; name them instead: a descriptor that is not open, an address where nobody listens."""
+    for name in ("PMI_FD", "HYDI_CONTROL_FD"):
+        if environ.get(name) and not _open_descriptor(environ[name]):
+            _leftover(environ, name, "that descriptor is not open in this process")
+    if environ.get("PMI_PORT") and not _answers(environ["PMI_PORT"]):
+        _leftover(environ, "PMI_PORT", "nothing answers there")
+
+
+def _open_descriptor(value: str) -> bool:
+    try:
+        os.fstat(int(value))
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def _answers(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+    except (ValueError, OSError):
+        return False
+    return True
+
+
+def _leftover(environ: Mapping[str, str], name: str, why: str) -> None:
+    found = sorted(var for var in environ if var.startswith(("PMI_", "PMIX_", "HYDI_", "MPI_LOCAL")))
+    raise UserError(
+        f"{name}={environ[name]} is set, as MPI's launcher sets it for its ranks, but {why}: it is left over from "
+        f"another launch; unset {', '.join(found)}, or start ditrun under mpiexec."
+    )
 
 
 def in_slurm_step(environ: Mapping[str, str]) -> bool:

@@ -72,6 +72,7 @@ def run_as_rank(
         # A lost node's ranks surface here as some collective's error: report them, not it.
         failure = job.explain(err)
         job.report(failure)
+        record_for_launcher(failure)
         if failure is not err:
             raise failure from err
         raise
@@ -84,6 +85,18 @@ def run_as_rank(
     if stopped is not None:
         raise stopped
     return summary
+
+
+def record_for_launcher(err: BaseException) -> None:
+    """Under torchrun, write the failure into the error file it names, as its ``@record`` decorator would, so that
+    torchrun's summary shows this rank's exception and traceback rather than only an exit code."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        try:
+            raise err
+        except BaseException as raised:  # record_exception reads the traceback of the exception being handled
+            ErrorHandler().record_exception(raised)
 
 
 # The variables that choose the interface gloo's and NCCL's bootstrap sockets listen on.

@@ -82,6 +82,8 @@ class Run:
         self.built = None
         self.compile_cache: Optional[compile_cache.CompileCache] = None  # once the model is built (``load``)
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
+        self.attempt: dict = {}  # global rank 0's too: ``rundir.attempt_of``
+        self.wandb_mode = cfg.wandb.mode  # what global rank 0 logs in (``wandb.mode_to_run``)
         # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
         self.session = uuid.uuid4().hex[:12]
 
@@ -300,6 +302,9 @@ def run(
     layout = state.layout
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:
+        if layout.rank == 0:
+            with job.stop.raising():  # a stop signal ends the wait for W&B's server at once
+                state.wandb_mode = wandb_log.mode_to_run(cfg, out_dir)  # before the directory is claimed
         done = set(job.share("done", lambda: _claim(lock, state, out_dir, hydra_files)))
         stopped, logger = _load_and_run_edits(state, job, done, out_dir)
         faults.hang(cfg.testing.fault)
@@ -324,7 +329,8 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
     state.directory_edits = rundir.claim(out_dir, settings, state.settings)
     done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
     state.run_id = uuid.uuid4().hex
-    rundir.record_run(out_dir, settings, state.directory_edits, state.run_id)
+    state.attempt = rundir.attempt_of(out_dir, settings)
+    rundir.record_run(out_dir, settings, state.directory_edits, state.run_id, state.attempt)
     if hydra_files is not None:
         hydra_files.write(out_dir)
     print_start(state, out_dir, len(done))
@@ -338,10 +344,21 @@ def _load_and_run_edits(state: Run, job: LocalJob, done: set, out_dir: Path) -> 
         STARTUP.begin("load_s")
         state.load(job)
         STARTUP.end("load_s")
-        logger = wandb_log.start(state.cfg, out_dir, state.layout.rank == 0)  # its start-up stays out of timed regions
+        with state.solo(job, "wandb"):  # a stop signal ends W&B's start-up at once
+            logger = _start_logger(state, out_dir, done)  # its start-up stays out of timed regions
     except RunStopped as stopped:
         return stopped, logger
     return _run_edits(state, job, done, out_dir, logger), logger
+
+
+def _start_logger(state: Run, out_dir: Path, done: set):
+    """Global rank 0's W&B run, which continues that of the directory's earlier attempts; a logger that does nothing
+    on the other ranks."""
+    if state.layout.rank != 0:
+        return wandb_log.NullLogger()
+    finished = files.finished_edits(out_dir)
+    earlier = [finished[edit] for edit in state.directory_edits if edit in done and edit in finished]
+    return wandb_log.start(state.cfg, out_dir, True, state.attempt, state.directory_edits, earlier, state.wandb_mode)
 
 
 def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> Optional[RunStopped]:
@@ -388,7 +405,11 @@ def _finish(
     summary = run_summary(state, records, wall_s, stopped, startup)
     gate = quality.gate_failure(summary, cfg.metrics.min_ssim_pct, cfg.metrics.quality) if stopped is None else None
     summary.update(wandb=str(logger.location) if logger.location else None, wandb_init_s=logger.init_s, failure=gate)
+    summary.update(
+        attempt=state.attempt.get("attempt"), restarts=state.attempt.get("restarts"), wandb_mode=state.wandb_mode
+    )
     files.write_json(out_dir / files.SUMMARY_FILE, summary)
+    logger.log_others(records)  # the other replicas' edits of this attempt reach the history too
     logger.finish(records, summary, out_dir, state.references, failed=gate is not None or stopped is not None)
     if stopped is not None:
         print(

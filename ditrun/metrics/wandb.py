@@ -10,13 +10,15 @@ carries the whole resolved config, one history row per edit, a table of every ed
 grouped by Hydra sweep, typed by layout and tagged with precision and transport so that
 layouts, transports and precisions line up side by side in the W&B UI.
 
-Nothing here reads or writes an API key: online mode takes the login W&B itself keeps.
+Nothing here writes or sends an API key: online mode takes the login W&B itself keeps, and ditrun only looks
+that there is one (and that W&B's server answers) before it starts an online run (``mode_to_run``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -24,6 +26,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from ditrun.errors import UserError
+from ditrun.metrics import wandb_file
 from ditrun.metrics.quality import ssim_map
 from ditrun.results import files
 
@@ -88,6 +91,64 @@ def check_config(wandb_cfg) -> None:
         raise UserError(f"wandb.images={wandb_cfg.images} must be 0 or more.")
 
 
+# How long W&B's server gets to answer the check before an online run (``online_problem``).
+SERVER_CHECK_S = 5.0
+DEFAULT_BASE_URL = "https://api.wandb.ai"
+
+
+def online_problem(environ=os.environ) -> Optional[str]:
+    """Why an online W&B run cannot start from here, as a phrase (None when it can): no API key (W&B's variable or
+    its netrc entry), or a server that does not answer an HTTP request within ``SERVER_CHECK_S``."""
+    base_url = environ.get("WANDB_BASE_URL") or DEFAULT_BASE_URL
+    if not (environ.get("WANDB_API_KEY") or _netrc_key(base_url, environ)):
+        return "there is no W&B API key here (WANDB_API_KEY, or `wandb login`)"
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(base_url, timeout=SERVER_CHECK_S).close()
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        return f"W&B's server {base_url} did not answer within {SERVER_CHECK_S:g} s ({reason})"
+    return None
+
+
+def _netrc_key(base_url: str, environ) -> Optional[str]:
+    import netrc
+    from urllib.parse import urlparse
+
+    path = environ.get("NETRC") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".netrc")
+    try:
+        entry = netrc.netrc(path).authenticators(urlparse(base_url).hostname or "")
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return entry[2] if entry else None
+
+
+def mode_to_run(cfg, out_dir: Path) -> str:
+    """The W&B mode this run logs in: ``wandb.mode``, but offline (with one warning line saying where to upload it
+    from) when an online run cannot start (``online_problem``). Global rank 0 asks before it claims the directory."""
+    if cfg.wandb.mode != "online":
+        return cfg.wandb.mode
+    print(
+        f"ditrun: asking W&B's server {os.environ.get('WANDB_BASE_URL') or DEFAULT_BASE_URL} "
+        f"(up to {SERVER_CHECK_S:g} s)",
+        flush=True,
+    )
+    problem = online_problem()
+    if problem is None:
+        return "online"
+    print(
+        f"ditrun: warning: wandb.mode=online, but {problem}: this run logs offline under {out_dir / 'wandb'}; "
+        f"upload it later with `wandb sync {out_dir / 'wandb'}/offline-run-*`",
+        file=sys.stderr,
+        flush=True,
+    )
+    return "offline"
+
+
 def precision_label(cfg) -> str:
     """The precision that runs (a CPU run of the bf16 preset computes in fp32: ``fp32``), not the preset's name."""
     from ditrun.model.build import run_precision_label
@@ -123,13 +184,29 @@ class NullLogger:
     def log_edit(self, record: dict) -> None:
         pass
 
+    def log_others(self, records: list[dict]) -> None:
+        pass
+
     def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None, failed: bool = False) -> None:
         pass
 
 
 class WandbLogger:
-    def __init__(self, run, init_s: float, images: int):
+    """One history row per edit, with ``edit_index`` (the edit's place in the directory's workload) as the x-axis of
+    every per-edit metric.
+
+    Every attempt of a run (a requeued job, a rerun) continues one W&B run (``start``). An attempt first logs the
+    edits earlier attempts finished but whose rows no earlier offline file holds (an attempt killed outright
+    loses what W&B had not yet written), then its own: across the attempts' files every edit is logged once, at
+    steps that only go up (W&B drops a resumed run's rows whose step goes back)."""
+
+    def __init__(self, run, init_s: float, images: int, edits: list[str], logged: set[str], first_step: int):
         self.run, self.init_s, self.images = run, init_s, images
+        self.index = {edit: i for i, edit in enumerate(edits)}
+        self.logged, self.step = set(logged), first_step
+        run.define_metric("edit_index")
+        for key in HISTORY_FIELDS:
+            run.define_metric(key, step_metric="edit_index")
 
     @property
     def location(self) -> Path:
@@ -138,7 +215,16 @@ class WandbLogger:
     def log_edit(self, record: dict) -> None:
         """One history row; called after the edit's timed region has ended."""
         row = {key: record[key] for key in HISTORY_FIELDS if _is_number(record.get(key))}
-        self.run.log(row)
+        self.run.log({**row, "edit_index": self.index.get(record["edit"], -1)}, step=self.step)
+        self.step += 1
+        self.logged.add(record["edit"])
+
+    def log_others(self, records: list[dict]) -> None:
+        """The rows of finished edits not logged yet: earlier attempts' that their files lack, and other replicas'
+        (only global rank 0 logs as edits finish)."""
+        for record in records:
+            if record["edit"] not in self.logged:
+                self.log_edit(record)
 
     def finish(self, records: list[dict], summary: dict, out_dir: Path, references=None, failed: bool = False) -> None:
         import wandb
@@ -181,9 +267,11 @@ def _loggable(value) -> bool:
     return value is None or isinstance(value, (str, bool)) or _is_number(value)
 
 
-def _init(cfg, out_dir: Path, **run_fields):
-    """``wandb.init`` under ``out_dir/wandb`` in ``wandb.mode`` (offline: nothing leaves the machine)."""
-    if cfg.wandb.mode == "offline":
+def _init(cfg, out_dir: Path, mode: Optional[str] = None, **run_fields):
+    """``wandb.init`` under ``out_dir/wandb`` in ``mode`` (``wandb.mode`` unless given; offline: nothing leaves the
+    machine)."""
+    mode = mode or cfg.wandb.mode
+    if mode == "offline":
         os.environ.update(OFFLINE_ENVIRONMENT)
     import wandb
 
@@ -192,7 +280,7 @@ def _init(cfg, out_dir: Path, **run_fields):
         silent=True, console="off", disable_git=True, save_code=False, x_disable_stats=True, x_disable_machine_info=True
     )
     return wandb.init(
-        mode=cfg.wandb.mode,
+        mode=mode,
         dir=str(out_dir),
         project=cfg.wandb.project,
         entity=cfg.wandb.entity,
@@ -202,21 +290,60 @@ def _init(cfg, out_dir: Path, **run_fields):
     )
 
 
-def start(cfg, out_dir: Path, is_global_rank0: bool = True):
-    """The run's logger: a W&B run under ``out_dir/wandb`` on global rank 0, else one that does nothing."""
-    if cfg.wandb.mode == "disabled" or not is_global_rank0:
+def start(
+    cfg,
+    out_dir: Path,
+    is_global_rank0: bool = True,
+    attempt: Optional[dict] = None,
+    edits=(),
+    done=(),
+    mode: Optional[str] = None,
+):
+    """The run's logger: a W&B run under ``out_dir/wandb`` on global rank 0, else one that does nothing.
+
+    ``attempt`` (``results.rundir.attempt_of``) gives the W&B run's id, so that every attempt of a run continues
+    one W&B run; ``edits`` are the directory's edits, ``done`` the records earlier attempts finished; ``mode`` the
+    mode to run (``mode_to_run``; unset: ``wandb.mode``)."""
+    mode = mode or cfg.wandb.mode
+    if mode == "disabled" or not is_global_rank0:
         return NullLogger()
+    attempt = attempt or {}
     begin = time.perf_counter()
     run = _init(
         cfg,
         out_dir,
+        mode,
+        id=attempt.get("wandb_id"),
+        resume="allow" if attempt.get("wandb_id") else None,
         group=cfg.wandb.group,
         name=cfg.wandb.name or default_name(cfg),
         job_type=cfg.layout.name,
         tags=[f"precision:{precision_label(cfg)}", f"transport:{cfg.transport.name}", *cfg.wandb.tags],
         config=OmegaConf.to_container(cfg, resolve=True),
     )
-    return WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images)
+    if attempt:
+        run.summary.update({"attempt": attempt["attempt"], "restarts": attempt.get("restarts", {})})
+    logged, first_step = _earlier_rows(mode, run, list(edits), [r["edit"] for r in done])
+    logger = WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images, list(edits), logged, first_step)
+    logger.log_others(list(done))
+    return logger
+
+
+def _earlier_rows(mode: str, run, edits: list[str], done: list[str]) -> tuple[set[str], int]:
+    """The edits whose rows earlier attempts' W&B files hold, and the step after their last row. Offline, read from
+    those files; online, W&B's server holds them: it says where the run's steps go on, and what was logged there
+    is taken to be every edit done."""
+    if mode != "offline":
+        return set(done), int(getattr(run, "starting_step", 0) or 0)
+    own = Path(run.dir).parent
+    rows = [
+        row
+        for path in wandb_file.offline_files(own.parent, run.id)
+        if path.parent != own
+        for row in wandb_file.history(path)
+    ]
+    logged = {edits[int(row["edit_index"])] for row in rows if 0 <= int(row.get("edit_index", -1)) < len(edits)}
+    return logged, max((int(row.get("_step", -1)) for row in rows), default=-1) + 1
 
 
 def log_sweep_table(cfg, sweep_dir: Path, key: str, columns, rows: list[list]) -> None:

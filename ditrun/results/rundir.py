@@ -51,6 +51,7 @@ import stat
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -105,6 +106,8 @@ MAY_DIFFER = (
     "precision.name",
     "precision.tuning_file",
     "layout.allow_cross_node_sp",
+    "model.compile_cache",
+    "model.compile_cache_trust",
 )
 _ABSENT = object()
 LEASE_REFRESH_S = 5.0
@@ -424,11 +427,34 @@ def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list
     return known + [edit for edit in edit_settings if edit not in known]
 
 
-def record_run(out_dir: Path, settings: dict, edits: list[str], run_id: Optional[str] = None) -> None:
-    """``run.json``: the settings the directory belongs to, its edits (after ``claim``), and the id of the run that
-    claimed it last, which its summary repeats once written (a summary with another id is an earlier run's)."""
+def record_run(
+    out_dir: Path, settings: dict, edits: list[str], run_id: Optional[str] = None, attempt: Optional[dict] = None
+) -> None:
+    """``run.json``: the settings the directory belongs to, its edits (after ``claim``), the id of the run that
+    claimed it last, which its summary repeats once written (a summary with another id is an earlier run's), and
+    that run's ``attempt`` (``attempt_of``)."""
     run = {"fingerprint": fingerprint(settings), "settings": settings, "edits": edits, "run_id": run_id}
+    run.update(attempt or {})
     files.write_file(out_dir / RUN_FILE, json.dumps(run, indent=2, default=str).encode())
+
+
+# The launchers' counts of how often they restarted this job (Slurm's requeue, torchrun's restarts).
+RESTART_COUNT_VARS = ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT")
+
+
+def attempt_of(out_dir: Path, settings: dict, environ=os.environ) -> dict:
+    """Which start of this directory's run this is: ``attempt`` counts the runs that claimed the directory with the
+    same settings (a requeued job and a rerun alike), ``wandb_id`` is the first one's W&B run id, which every later
+    attempt continues, and ``restarts`` the launcher's own counts where it keeps them."""
+    recorded = _read_run_file(out_dir) if (out_dir / RUN_FILE).is_file() else None
+    if recorded is None or recorded.get("fingerprint") != fingerprint(settings):
+        recorded = {}
+    restarts = {name: int(environ[name]) for name in RESTART_COUNT_VARS if environ.get(name, "").isdigit()}
+    return {
+        "attempt": int(recorded.get("attempt") or 0) + 1,
+        "wandb_id": recorded.get("wandb_id") or uuid.uuid4().hex[:16],
+        "restarts": restarts,
+    }
 
 
 def found_records(out_dir: Path) -> list[dict]:
