@@ -55,7 +55,7 @@ def test_config_docstrings_name_every_registered_choice():
         (
             "precision.backend=cuda",
             "precision.backend='cuda' is not a known linear backend; allowed: auto, fast, "
-            "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, aiter_fp8.",
+            "emulation, fp8_rowwise, fp8_rowwise_fast, mx_repack_fp8, mx_scaled_mm, mx_triton, aiter_fp8.",
         ),
         ("precision.scale_mode=round", "precision.scale_mode='round' is unknown; allowed: rceil, floor."),
         (

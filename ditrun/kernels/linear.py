@@ -17,7 +17,10 @@ Backends, by device:
   such rows are counted (``inexact_rows``) and reported;
 * ``mx_scaled_mm`` — MXFP8/MXFP4 on ``torch._scaled_mm`` with E8M0 block scales, on gfx950
   (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md#not-run-yet. MXFP6 has no library
-  GEMM there; a kernel for it plugs in as one more backend;
+  GEMM there;
+* ``mx_triton`` — MXFP8, MXFP6 and MXFP4 on ditrun's own Triton GEMM (``kernels/mx_gemm_triton.py``: the scaled
+  MFMA, MXFP6 carried as E4M3) on gfx950. Unrun there: its gfx950 build is checked in CI
+  (``kernels/builds.py``), its numerics in Triton's CPU interpreter;
 * ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
 """
 
@@ -419,6 +422,35 @@ class MxScaledMm:
         )
 
 
+class MxTriton:
+    """MX formats on ditrun's own Triton GEMM (``kernels/mx_gemm_triton.py``), gfx950 only. Unrun: guarded."""
+
+    name = "mx_triton"
+    ELEMENTS = ("fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1")
+    """The element formats the kernel reads (``mx_gemm_triton.ELEMENTS``)."""
+
+    def unavailable(self, fmt, device):
+        if fmt.block != 32 or fmt.element not in self.ELEMENTS:
+            return "runs MXFP8, MXFP6 and MXFP4 (blocks of 32) only"
+        if device.type != "cuda" or not torch.version.hip or not TRITON:
+            return "needs ROCm and Triton on gfx950 (MI350/MI355X)"
+        ok = "gfx950" in torch.cuda.get_device_properties(device).gcnArchName
+        return None if ok else "needs gfx950 (MI350/MI355X): the scaled MFMA"
+
+    @staticmethod
+    def quantize(x, fmt, scale_mode):
+        return formats.quantize_mx(x, fmt.element, fmt.block, scale_mode)  # packed codes, E8M0 scales
+
+    def prepare(self, weight, fmt, scale_mode):
+        codes, scales = self.quantize(weight, fmt, scale_mode)
+        return {"codes": codes, "scales": scales}
+
+    def gemm(self, operand, weights, fmt, out_dtype):
+        from ditrun.kernels.mx_gemm_triton import mx_gemm
+
+        return mx_gemm(*operand, weights["codes"], weights["scales"], fmt.element, out_dtype)
+
+
 def aiter_function(name: str):
     """AITER's function ``name`` when AITER is installed and has it; None otherwise."""
     try:
@@ -456,11 +488,20 @@ class AiterFp8:
 
 
 LINEAR_BACKENDS: Registry[Callable[[], LinearBackend]] = Registry("linear backend", "precision.backend")
-for _backend in (Emulation, Fp8Rowwise, Fp8RowwiseFastAccum, MxRepackFp8, MxScaledMm, AiterFp8):
+for _backend in (Emulation, Fp8Rowwise, Fp8RowwiseFastAccum, MxRepackFp8, MxScaledMm, MxTriton, AiterFp8):
     LINEAR_BACKENDS.register(_backend.name, _backend)
-# Order of preference where nothing was tuned: the most specific hardware path first; AITER's API is
-# not pinned, so it comes after torch's own GEMM and runs first only where tuning chose it.
-DEFAULT_PREFERENCE = ("mx_scaled_mm", "mx_repack_fp8", "fp8_rowwise", "fp8_rowwise_fast", "aiter_fp8", "emulation")
+# Order of preference where nothing was tuned: the most specific hardware path first (on gfx950 the library's MX GEMM,
+# then ditrun's, which alone runs MXFP6); AITER's API is not pinned, so it comes after torch's own GEMM and runs
+# first only where tuning chose it.
+DEFAULT_PREFERENCE = (
+    "mx_scaled_mm",
+    "mx_triton",
+    "mx_repack_fp8",
+    "fp8_rowwise",
+    "fp8_rowwise_fast",
+    "aiter_fp8",
+    "emulation",
+)
 
 
 def fast_backends(fmt: LinearFormat, device: torch.device) -> list[str]:
