@@ -162,10 +162,12 @@ def test_stacked_projections_equal_separate_quantized_ones(variant):
     x = torch.randn(2, 5, 256, generator=gen(3))
     fmt = L.LINEAR_FORMATS.get("fp8", "test")
     stacked = attn.project(x)
-    for got, linear in zip(stacked, [plain.to_q, plain.to_k, plain.to_v]):
+    # Q and K are normalised per head after projection (the plain model's norms hold the same seeded weights); V is not.
+    for got, linear, norm in zip(stacked, [plain.to_q, plain.to_k, plain.to_v], [plain.norm_q, plain.norm_k, None]):
         want = F.linear(fmt.fake_quantize(x, "rceil"), fmt.fake_quantize(linear.weight, "rceil"), linear.bias)
-        assert relative_error(got.flatten(2) if got.ndim == 4 else got, want) < 1e-6 or got.ndim == 4
-    # Q and K are normalised per head after projection; V is not: compare V exactly.
+        want = want.unflatten(-1, got.shape[-2:])
+        want = norm(want) if norm is not None else want
+        assert relative_error(got, want) < 1e-5  # fp32 rounding of the same products, summed in another order
     want_v = F.linear(fmt.fake_quantize(x, "rceil"), fmt.fake_quantize(plain.to_v.weight, "rceil"), plain.to_v.bias)
     assert torch.allclose(stacked[2].flatten(2), want_v, rtol=1e-6, atol=1e-6)
     assert (stacked[3] is None) == (variant == "flux")
