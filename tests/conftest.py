@@ -50,6 +50,14 @@ FILE_SECONDS = {
 }  # its tests one by one, summed
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line per tier that did not run (``tiers.missing``), and how to get it."""
+    from tiers import NOT_RUN
+
+    for tier, reason in NOT_RUN.items():
+        terminalreporter.write_line(f"the {tier} tier did not run: {reason}")
+
+
 def pytest_collection_modifyitems(config, items):
     # a stable sort: the tests of a file stay together and in their order
     items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))

@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 from typing import Optional, Sequence
 
-import pytest
+from tiers import missing
 
 AGENT = Path(__file__).parent / "emulated_node_agent.sh"
 NODE_ENV = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -49,7 +49,7 @@ def why_no_emulated_nodes() -> Optional[str]:
 def need_emulated_nodes() -> None:
     reason = why_no_emulated_nodes()
     if reason:
-        pytest.skip(reason)
+        missing("emulated-node", reason)
 
 
 def hostfile(folder: Path, slots: dict[str, int]) -> Path:

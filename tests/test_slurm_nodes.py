@@ -21,6 +21,7 @@ import pytest
 from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
 from test_launchers import start_rank
 from test_slurm import CLUSTER_SCRIPT, DAEMONS, job_state, render_script, slurm, submit, wait_for_jobs
+from tiers import missing
 
 from ditrun.launch.env import free_port
 
@@ -50,14 +51,15 @@ EDITS = ["workload.limit=3", "metrics.ssim=false", "metrics.report=false"]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two emulated nodes; their SLURM_CONF is what every Slurm command here is given."""
-    missing = [name for name in (*DAEMONS, "srun", "unshare") if shutil.which(name) is None]
-    if missing:
-        pytest.skip(
-            f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs "
-            "slurm-wlm munge libpmix2"
+    absent = [name for name in (*DAEMONS, "srun", "unshare") if shutil.which(name) is None]
+    if absent:
+        missing(
+            "emulated Slurm node",
+            f"Slurm is not installed here (no {', '.join(absent)}); `make install` as root installs "
+            "slurm-wlm munge libpmix2",
         )
     if os.geteuid() != 0:
-        pytest.skip("emulated nodes need root: each slurmd runs in its own UTS and mount namespace")
+        missing("emulated Slurm node", "emulated nodes need root: each slurmd runs in its own UTS and mount namespace")
     state = tmp_path_factory.mktemp("slurm-nodes")
     try:  # stopped even when it failed half-way through starting
         started = subprocess.run(

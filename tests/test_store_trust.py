@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from ditrun_cli import TINY
+from tiers import missing
 
 from ditrun.errors import UserError
 from ditrun.launch import env, secret
@@ -133,7 +134,7 @@ def test_a_secret_file_others_could_read_or_plant_is_refused(tmp_path):
 def stranger():
     """A second ordinary user of this machine."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to create a second user (useradd)")
+        missing("second-user", "needs root to create a second user (useradd)")
     try:
         pwd.getpwnam(STRANGER)
     except KeyError:

@@ -25,6 +25,7 @@ from typing import Optional
 
 import pytest
 from launching import ditrun_command, quiet_env
+from tiers import missing
 
 from ditrun.errors import UserError
 from ditrun.inference.compile_cache import TRUST_KEY, CompileCache, Entry, kernel_folders, read_entry, write_entry
@@ -49,7 +50,7 @@ class User:
 def other() -> User:
     """A second user of this machine, in a team group; both removed afterwards."""
     if os.geteuid() != 0 or not shutil.which("useradd") or not shutil.which("setpriv"):
-        pytest.skip("needs root, useradd and setpriv to act as a second user of this machine")
+        missing("second-user", "needs root, useradd and setpriv to act as a second user of this machine")
     suffix = secrets.token_hex(3)
     name, team = f"ditrun-u{suffix}", f"ditrun-team{suffix}"
     subprocess.run(["groupadd", team], check=True)
