@@ -11,6 +11,7 @@ SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
+	@echo "make: ditrun is $(VENV)/bin/ditrun; to type plain ditrun, run '. $(VENV)/bin/activate' in this shell first (then: ditrun --help)"
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures, such as the
 # local Slurm clusters, in one worker): most tests wait on subprocesses, so two files at once fit 2 cores.

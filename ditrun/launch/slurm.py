@@ -20,6 +20,7 @@ import shlex
 import string
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from ditrun.errors import UserError
@@ -42,7 +43,9 @@ set -euo pipefail
 # One results directory per job id: a requeued job keeps its id, finds its edits.jsonl there
 # and skips the edits already finished.
 OUT=$${DITRUN_OUTPUT_DIR:-results/slurm-$$SLURM_JOB_ID}
-DITRUN=$${DITRUN:-ditrun}
+# ditrun by absolute path (the venv's entry point), so a job submitted from a shell without the venv
+# on PATH runs as well; DITRUN=... names another (DITRUN="python -m ditrun": the nodes' own python).
+DITRUN=$${DITRUN:-${ditrun}}
 
 # USR1 arrives ${signal_s} s before the time limit: requeue (the running step is stopped).
 trap 'echo "ditrun: time limit near, requeueing job $$SLURM_JOB_ID"; scontrol requeue "$$SLURM_JOB_ID"' USR1
@@ -65,7 +68,12 @@ class SbatchParams:
     partition: Optional[str] = None
     cpus_per_task: Optional[int] = None
     job_name: str = "ditrun"
-    log: str = "ditrun-%j.out"
+    log: str = "results/slurm-%j.out"
+    """sbatch's ``--output``: beside the job's results directory, under ``results/`` (a folder git ignores, which
+    exists in the repository; Slurm makes no folder for it)."""
+    ditrun: str = "$SLURM_SUBMIT_DIR/.venv/bin/ditrun"
+    """The ``ditrun`` the job runs: the repository's venv when submitted from its root; ``python -m
+    ditrun.launch.slurm`` writes the absolute path of the venv it runs in."""
     signal_s: int = 120
     """Seconds before the time limit at which the job requeues itself."""
     ditrun_args: list[str] = field(default_factory=list)
@@ -103,11 +111,17 @@ def render_sbatch(params: SbatchParams, render_args: str = "") -> str:
         resource_lines="".join(f"#SBATCH {line}\n" for line in resources),
         time=params.time,
         log=params.log,
+        ditrun=params.ditrun,
         job_name=params.job_name,
         signal_s=params.signal_s,
         render_command=" ".join(["python -m ditrun.launch.slurm", render_args]).strip(),
         ditrun_args="".join(" " + shlex.quote(arg) for arg in params.ditrun_args),
     )
+
+
+def venv_entry_point() -> Path:
+    """The ``ditrun`` script of the environment this Python runs in (a venv's ``bin/``), absolute."""
+    return Path(sys.prefix).absolute() / "bin" / "ditrun"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--job-name", default=defaults.job_name)
     parser.add_argument("--log", default=defaults.log, help="sbatch --output pattern")
     parser.add_argument("--signal-s", type=int, default=defaults.signal_s)
+    parser.add_argument(
+        "--ditrun", default=str(venv_entry_point()), help="the ditrun the job runs (default: this venv's, by path)"
+    )
     parser.add_argument("-o", "--output", default=None, help="write the script here instead of printing it")
     parser.add_argument("ditrun_args", nargs="*", help="ditrun overrides baked into the script")
     return parser
@@ -155,6 +172,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         job_name=args.job_name,
         log=args.log,
         signal_s=args.signal_s,
+        ditrun=args.ditrun,
         ditrun_args=args.ditrun_args,
     )
     try:
