@@ -392,7 +392,7 @@ class RunConfig:
     output_dir: Optional[str] = None
     """Where results go; unset means Hydra's run directory."""
     progress: bool = True
-    """Show progress bars on rank 0 (only when writing to a terminal)."""
+    """Show progress on rank 0: bars on a terminal; in a log, a line every 30 s while a phase lasts longer."""
 
 
 def register_configs() -> None:

@@ -36,7 +36,7 @@ from ditrun.launch.stop import RunStopped
 from ditrun.metrics import quality
 from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
-from ditrun.metrics.progress import Progress
+from ditrun.metrics.progress import ACTIVITY, PHASES, Progress
 from ditrun.model.build import build_model, model_geometry, plan_precision, precision_label, select_device_dtype
 from ditrun.model.compile import claim_compiler_caches, plan_compile
 from ditrun.model.folders import vae_folder
@@ -90,8 +90,10 @@ class Run:
     @contextmanager
     def solo(self, job: LocalJob, phase: str) -> Iterator[None]:
         """Work of this rank alone, with no collective until the next stop point: a stop signal ends it at once
-        (``RunStopped``). ``testing.fault.pause_in`` holds a rank here, for the tests."""
-        with job.stop.raising():
+        (``RunStopped``). ``testing.fault.pause_in`` holds a rank here, for the tests. In a log, rank 0 says what
+        runs every half minute while a phase lasts longer (``metrics/progress.py``)."""
+        logged = self.cfg.progress and self.layout.rank == 0
+        with job.stop.raising(), ACTIVITY.phase(PHASES.get(phase, phase), enabled=logged):
             faults.pause(self.cfg.testing.fault, phase, self.layout.rank)
             yield
 

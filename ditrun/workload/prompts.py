@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
@@ -91,12 +92,25 @@ class PromptCache:
         os.replace(tmp, self.file(prompt))
 
 
+def _library_bars_on_a_terminal_only() -> None:
+    """diffusers' and transformers' bars (the pipeline loading its parts) redraw with carriage returns: off a
+    terminal they are turned off for this process, as ditrun's own are (``metrics/progress.py``)."""
+    if sys.stderr.isatty():
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def encode(cache: PromptCache, prompts: list[str], device: torch.device, dtype: torch.dtype) -> None:
     """Encode ``prompts`` with the folder's CLIP and T5 through diffusers' ``encode_prompt``; the
     encoders are freed before this returns."""
     from diffusers import FluxPipeline
     from safetensors.torch import save
 
+    _library_bars_on_a_terminal_only()
     pipe = FluxPipeline.from_pretrained(
         cache.folder, transformer=None, vae=None, torch_dtype=dtype, low_cpu_mem_usage=False
     ).to(device)
