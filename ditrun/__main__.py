@@ -21,10 +21,12 @@ from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from ditrun import hydra_errors
+from ditrun.cli_help import register_help
 from ditrun.config import RunConfig, register_configs
 from ditrun.errors import UserError
 
 register_configs()
+register_help()
 
 # Runs of a multirun that failed the quality gate: the sweep goes on, and the command exits 1 at its end.
 _gate_failures: list[str] = []

@@ -95,7 +95,7 @@ def test_spawned_ranks_take_one_gpu_each_over_nccl(tmp_path):
         ditrun_module(*TINY, "device=cuda", "launcher.world=2", "layout=ulysses", f"hydra.run.dir={out}"), 280, tmp_path
     )
     assert proc.returncode == 0, proc.stderr
-    assert "ditrun: 2 ranks on 1 node(s) (torchrun) met at 127.0.0.1:" in proc.stdout
+    assert "ditrun: 2 ranks on 1 node(s) (ditrun's spawner) met at 127.0.0.1:" in proc.stdout
     assert "nccl, rank 0 on cuda:0" in proc.stdout
     assert [(r["layout"], r["world"]) for r in records(out)] == [("ulysses", 2)]
 

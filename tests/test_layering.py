@@ -88,8 +88,8 @@ LAYERS = (
         "ditrun.editor",
         "ditrun.conf",
     ),
-    # The config schema (and the precision presets it reads), and Hydra's errors in one sentence.
-    ("ditrun.config", "ditrun.hydra_errors"),
+    # The config schema (and the precision presets it reads), Hydra's errors in one sentence, and the help's groups.
+    ("ditrun.config", "ditrun.hydra_errors", "ditrun.cli_help"),
     # Kernels know nothing of the model they serve.
     ("ditrun.kernels",),
     # The DiT, how it is built and sampled: no ranks, no transports, no edits, no measures.

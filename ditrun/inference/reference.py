@@ -300,8 +300,8 @@ class References:
             return
         if announce:
             print(
-                f"ditrun: making the references of {len(missing)} edits (precision bf16, layout single, "
-                f"{dtype_name(self.dtype)}; 2 runs each), cached in {self.cache.root}",
+                f"ditrun: making the references of {len(missing)} edits (full quality: {dtype_name(self.dtype)}, "
+                f"no quantization, no cache, layout single; 2 runs each), cached in {self.cache.root}",
                 flush=True,
             )
         model = build_model(self.dtype)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from ditrun.devices import device_name
+from ditrun.metrics import columns
 from ditrun.metrics import target as targets
 from ditrun.metrics.report import format_text
 from ditrun.results import files
@@ -34,24 +35,25 @@ def _margin_cell(record: dict) -> str:
 
 def print_table(records: list[dict], summary: dict) -> None:
     """The run's edits, one row each; the headline quality is against the correct edit (PSNR, its margin over
-    doing nothing and every wrong edit, the colour error), beside SSIM against the BF16 reference."""
-    rows = [
-        (
-            "edit",
-            "size",
-            "steps",
-            "DiT s",
-            "s/step",
-            "exposed %",
-            "SSIM",
-            "% of rerun",
-            "PSNR target",
-            "margin dB",
-            "dE00",
-            "(BF16)",
-            "image",
-        )
-    ]
+    doing nothing and every wrong edit, the colour error), beside SSIM against the full-quality reference and the
+    reference's own PSNR (its column named by the dtype it ran in). Every column is explained under the table."""
+    reference_dtype = summary.get("reference_dtype")
+    header = (
+        "edit",
+        "size",
+        "steps",
+        "DiT s",
+        "s/step",
+        "exposed %",
+        "SSIM",
+        "% of rerun",
+        "PSNR target",
+        "margin dB",
+        "dE00",
+        columns.reference_column(reference_dtype),
+        "image",
+    )
+    rows = [header]
     for r in records:
         steps = f"{r['steps_computed']}/{r['steps']}" if r.get("steps_cached") else str(r["steps"])  # computed/all
         rows.append(
@@ -78,10 +80,11 @@ def print_table(records: list[dict], summary: dict) -> None:
         f"exposed transfer: {_cell(summary['exposed_transfer_pct_median'], '.1f')}%   "
         f"SSIM: {_cell(summary['ssim_median'], '.4f')} "
         f"({_cell(summary['ssim_pct_of_rerun_median'], '.2f')}% of rerun)   "
-        f"device: {summary['device']} ({summary['dtype']})"
+        f"device: {summary['device']}, {summary.get('compute_dtype') or summary['dtype']}"
     )
     if summary.get("edits_right_share") is not None:
         print(targets.describe(summary))
+    print(columns.legend(header, columns.EDIT_COLUMNS, reference_dtype))
 
 
 def print_locations(cfg, summary: dict, out_dir: Path, report_file: Optional[Path]) -> None:

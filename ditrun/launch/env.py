@@ -99,6 +99,8 @@ SLURM = RankTable(
 RANK_TABLES = (TORCHRUN, OPEN_MPI, MPICH, SUBMITIT_LOCAL, SLURM)
 MPI4PY = "MPI (mpi4py)"
 MPI_LAUNCHERS = {OPEN_MPI.launcher, MPICH.launcher, MPI4PY}
+LOCAL_SPAWN = "ditrun's spawner"
+"""The launcher of ``launch/spawn.py``'s ranks, which it starts with torchrun's variables."""
 
 # Any of these means an MPI launcher started this process (PMI, PMI-2, PMIx, Open MPI, Hydra).
 MPI_MARKERS = (

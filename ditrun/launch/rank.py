@@ -7,6 +7,7 @@ ditrun's own spawner, whose ranks enter through ``spawned_rank_main``); each che
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import signal
@@ -165,7 +166,8 @@ def spawned_rank_main(
     tqdm.set_lock(threading.RLock())
 
     try:
-        summary = run_as_rank(cfg, out_dir, env.discover(), hydra_files=hydra_files)
+        info = dataclasses.replace(env.discover(), launcher=env.LOCAL_SPAWN)  # torchrun's variables, not torchrun
+        summary = run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)
     except (RunStopped, KeyboardInterrupt) as err:
         stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
         sender.send(("stopped", rank, stopped.signum))

@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from ditrun.devices import device_name
+from ditrun.devices import device_name, dtype_name
 from ditrun.inference import reference
 from ditrun.launch.stop import RunStopped
 from ditrun.metrics import full_quality, quality, timing
@@ -131,6 +131,9 @@ def run_summary(
         "peak_memory_bytes": peak_memory_bytes(run.device_dtype.device),
         "device": device_name(run.device_dtype.device),
         "dtype": run.device_dtype.dtype_note,
+        "compute_dtype": run.device_dtype.dtype_name,
+        # What the full-quality reference ran in: BF16 on GPUs, the CPU's fp32 unless metrics.reference_dtype says.
+        "reference_dtype": dtype_name(run.references.dtype) if run.references is not None else None,
         "precision": run.precision_label,
         "precision_detail": run.built.details if run.built is not None else None,
         "mx_repack_inexact_rows": inexact_repack_rows(run.model) if run.built is not None else 0,

@@ -15,10 +15,13 @@ import json
 import shlex
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from ditrun.metrics.quality import AUTO, DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure, measure_name
 from ditrun.metrics.timing import after_warmup
+
+if TYPE_CHECKING:
+    from ditrun.results.runs import RunResult
 
 PARETO_CHART = "pareto.png"
 # Precision labels of runs that quantized nothing (the compute dtype's name).
@@ -221,8 +224,9 @@ def steps_cell(run) -> str:
     return f"{computed:g}/{steps}" if steps is not None else f"{computed:g}"
 
 
-def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
-    """The report table's last two columns for one run: quality % and whether it meets the target."""
+def table_cells(choice: Choice, index: int, run: Optional[RunResult] = None) -> tuple[str, ...]:
+    """The report table's last two columns for one run: quality % and whether it meets the target (a run whose
+    format ran in its exact emulation says so beside the verdict: its quality is the format's, its time is not)."""
     pct = choice.pcts[index]
     if index in choice.apart:
         mark = choice.apart[index].split(":")[0]  # incomplete, unreadable, not comparable
@@ -230,7 +234,23 @@ def table_cells(choice: Choice, index: int) -> tuple[str, ...]:
         mark = "yes" if choice.meets[index] else ("-" if pct is None else "no")
     if index == choice.fastest:
         mark = "fastest"  # meets it, and is the fastest that does
+    if run is not None and emulated_components(run.summary) and mark in ("yes", "no", "fastest"):
+        mark += " (emulated)"
     return ("-" if pct is None else f"{pct:.2f}", mark)
+
+
+EMULATED_BACKENDS = ("emulation", "reference")
+"""The backends that compute a format exactly by dequantizing (linears: ``emulation``; attention: ``reference``)."""
+
+
+def emulated_components(summary: dict) -> list[str]:
+    """The components of a run whose quantized format ran in its emulation (``precision_detail``'s backends)."""
+    detail = summary.get("precision_detail") or {}
+    return [
+        name
+        for name, part in detail.items()
+        if isinstance(part, dict) and set(part.get("backends") or ()) & set(EMULATED_BACKENDS)
+    ]
 
 
 def wandb_rows(runs, choice: Choice) -> list[list]:

@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 
 from ditrun.errors import UserError
 from ditrun.metrics import choice as choosing
+from ditrun.metrics.columns import RUN_COLUMNS, legend
 from ditrun.metrics.strip import STRIP_CHART, write_strip
 from ditrun.results import files
 from ditrun.results.runs import RunResult, load_runs
@@ -109,7 +110,7 @@ def table_rows(
                 _fmt(s.get("psnr_target_median"), ".2f"),
                 _fmt(s.get("margin_db_median"), "+.2f"),
                 _share(s.get("edits_right_share")),
-                *choosing.table_cells(choice, i),
+                *choosing.table_cells(choice, i, r),
             )
         )
     return rows
@@ -229,7 +230,7 @@ def markdown_report(
     choice_lines: list[str] = (),
     has_pareto: bool = False,
 ) -> str:
-    parts = ["# ditrun report", "", format_markdown(rows), ""]
+    parts = ["# ditrun report", "", format_markdown(rows), "", legend(rows[0], RUN_COLUMNS), ""]
     if choice_lines:
         parts += ["## The choice", "", *choice_lines, ""]
         parts += [f"![Speed and quality]({choosing.PARETO_CHART})", ""] if has_pareto else []
@@ -246,7 +247,8 @@ def markdown_report(
         s = r.summary
         state = r.status if r.complete else f"**{r.status}** ({r.reason})"
         parts.append(
-            f"- `{r.label}`: {state}, {len(r.records)} edits, {s.get('device')} ({s.get('dtype')}), "
+            f"- `{r.label}`: {state}, {len(r.records)} edits, {s.get('device')}, "
+            f"{s.get('compute_dtype') or s.get('dtype')}, "
             f"torch {s.get('torch')}, git {s.get('git')}"
             + (f", **failed**: {s['failure']}" if s.get("failure") else "")
         )
@@ -287,13 +289,31 @@ def write_report(
     report = out_dir / REPORT_FILE
     files.write_file(report, markdown.encode())
     text = format_text(rows)
-    return "\n".join([text, *(line for line in choice_lines if line)]), report
+    return "\n".join([text, *(line for line in choice_lines if line), legend(rows[0], RUN_COLUMNS)]), report
+
+
+REPORT_HELP = """\
+Compare the runs of a ditrun run or sweep directory: one row per run (DiT time per edit, speedup, exposed
+transfer, quality against the full-quality reference and the correct edit), and of several runs, which keep
+the quality target and the fastest of those, with the command that runs it again."""
+REPORT_FILES_HELP = f"""\
+Writes {REPORT_FILE}, {DIT_CHART}, {SSIM_CHART} (of several runs {choosing.PARETO_CHART}; of one, {STRIP_CHART}) into
+DIR or --out, reading only ditrun's own files of each run (summary.json, edits.jsonl, .hydra/overrides.yaml).
+A sweep (ditrun -m ...) writes its own report when it ends. Examples:
+  ditrun report outputs/<date>/<time>
+  ditrun report multirun/<date>/<time> --baseline <run>"""
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="ditrun report", description=__doc__.splitlines()[0])
-    parser.add_argument("path", type=Path, help="a ditrun run directory or a multirun (sweep) directory")
-    parser.add_argument("--out", type=Path, default=None, help="where report.md and the charts go (default: PATH)")
+    parser = argparse.ArgumentParser(
+        prog="ditrun report",
+        usage="ditrun report DIR [--out OUT] [--baseline RUN] [--quality Q] [--target-pct PCT]",
+        description=REPORT_HELP,
+        epilog=REPORT_FILES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", type=Path, metavar="DIR", help="a ditrun run directory or a multirun (sweep) directory")
+    parser.add_argument("--out", type=Path, default=None, help="where report.md and the charts go (default: DIR)")
     parser.add_argument("--baseline", default=None, help="the run the speedup is relative to (its label)")
     parser.add_argument(
         "--quality",

@@ -156,7 +156,8 @@ def describe(summary: dict) -> str:
     ]
     if summary.get("psnr_target_bf16_median") is not None:
         parts.append(
-            f"(BF16 reference: {100 * summary['edits_right_share_bf16']:.0f}%, "
+            f"({(summary.get('reference_dtype') or 'bf16').upper()} reference: "
+            f"{100 * summary['edits_right_share_bf16']:.0f}%, "
             f"{summary['psnr_target_bf16_median']:.2f} dB, {summary['margin_db_bf16_median']:+.2f} dB)"
         )
     return ", ".join(parts[:3]) + (" " + parts[3] if len(parts) > 3 else "")

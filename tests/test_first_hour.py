@@ -1,0 +1,230 @@
+"""A newcomer's first hour: the README's commands in a clean shell (``make run``, then ``ditrun``) and the Slurm
+recipe from one, the help, progress in a log, and labels that say what ran."""
+
+import io
+import json
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from ditrun_cli import TINY, ditrun
+
+from ditrun.metrics.progress import Activity, Progress
+from ditrun.metrics.report import HEADER, write_report
+
+REPO = Path(__file__).resolve().parents[1]
+QUICK = [*TINY, "workload.limit=1", "wandb.mode=disabled"]
+
+
+@pytest.mark.slow
+def test_readme_commands_run_after_make_run_in_a_clean_environment(tmp_path):
+    """Only what the README says: ``make run``, ``. .venv/bin/activate``, then bare ``ditrun`` commands, in a shell
+    started by ``env -i`` (no PATH of ours, no venv). The venv is the one installed already: ``-o`` keeps make from
+    installing it again when the Makefile is newer than its stamp."""
+    args = " ".join(QUICK)
+    script = f"""set -e
+cd {REPO}
+make -o .venv/.installed run ARGS='{args} hydra.run.dir={tmp_path}/run'
+. .venv/bin/activate
+ditrun --help > {tmp_path}/help.txt
+ditrun report --help > {tmp_path}/report-help.txt
+ditrun report {tmp_path}/run
+"""
+    proc = subprocess.run(
+        ["env", "-i", f"HOME={tmp_path}", "bash", "--noprofile", "--norc", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    made = proc.stdout.split(f"results: {tmp_path}/run\n", 1)[1]
+    assert made.startswith("make: ditrun is .venv/bin/ditrun; to type plain ditrun, run '. .venv/bin/activate'")
+    assert (tmp_path / "run" / "report.md").exists() and not (tmp_path / "outputs").exists()
+    check_help((tmp_path / "help.txt").read_text())
+    check_report_help((tmp_path / "report-help.txt").read_text())
+
+
+def _conf_groups() -> dict[str, list[str]]:
+    """The groups a user chooses from, read from the package's conf/ folder: each folder but hydra/, its files."""
+    conf = REPO / "ditrun" / "conf"
+    return {
+        folder.name: sorted(p.stem for p in folder.glob("*.yaml"))
+        for folder in conf.iterdir()
+        if folder.is_dir() and folder.name not in ("hydra", "__pycache__")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_slurm_recipe_runs_from_a_shell_without_the_venv(tmp_path):
+    """slurm/README.md's ``sbatch slurm/ditrun.sbatch ...`` from the repository's root, in a shell that has only
+    the system's PATH: the job runs the venv's ditrun by path, and its log lands in ``results/``, which git
+    ignores. On CPUs: one task, no GPU (sbatch's options override the script's)."""
+    missing = [name for name in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(name) is None]
+    if missing:
+        pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs it")
+    state = tmp_path / "slurm"
+    state.mkdir()
+    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SLURM_CONF": str(state / "slurm.conf")}
+    job_log = None
+    try:
+        started = subprocess.run([str(REPO / "slurm" / "local-cluster.sh"), "start", str(state)], capture_output=True)
+        assert started.returncode == 0, started.stderr
+        submit = ["sbatch", "--wait", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/ditrun.sbatch"]
+        job = subprocess.run(
+            [*submit, *QUICK],
+            cwd=REPO,
+            env={**env, "DITRUN_OUTPUT_DIR": str(tmp_path / "run")},
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        job_log = REPO / "results" / f"slurm-{job.stdout.strip()}.out"
+        assert job.returncode == 0, job.stderr + (job_log.read_text() if job_log.exists() else "")
+        assert f"results: {tmp_path / 'run'}" in job_log.read_text()
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(job_log)], cwd=REPO)
+        assert ignored.returncode == 0, f"{job_log} is not ignored by git"
+    finally:
+        subprocess.run([str(REPO / "slurm" / "local-cluster.sh"), "stop", str(state)], capture_output=True)
+        if job_log is not None:
+            job_log.unlink(missing_ok=True)
+
+
+def check_help(text: str) -> None:
+    """``ditrun --help``: what ditrun does, how to call it, each group on one line (every option of ``conf/``'s
+    folders), where results land."""
+    assert "powered by Hydra" not in text and "__main__" not in text
+    assert text.startswith("ditrun runs diffusion-transformer (DiT) image-editing inference")
+    for form in ("ditrun [key=value ...]", "ditrun -m key=a,b", "ditrun report DIR"):
+        assert f"\n  {form}" in text
+    lines = text.splitlines()
+    for group, options in _conf_groups().items():
+        (line,) = [line for line in lines if line.startswith(f"  {group}=")]  # one line each
+        usage, phrase = line.split(maxsplit=1)
+        assert sorted(usage.split("=", 1)[1].split("|")) == options and phrase
+    assert any(line.startswith("  metrics.<key>=") for line in lines)
+    assert "Results land in outputs/<date>/<time>/" in text
+
+
+def check_report_help(text: str) -> None:
+    assert text.startswith("usage: ditrun report DIR")
+    assert "Compare the runs of a ditrun run or sweep directory" in text and "Writes report.md" in text
+
+
+def test_progress_in_a_log_is_a_plain_line_while_a_phase_lasts_longer_than_the_interval():
+    """Off a terminal, a slow phase (longer than the interval) gets lines naming it, its edit and step and its
+    seconds so far; a quick one gets none; nothing has a carriage return. The clock is the test's."""
+    now = [0.0]
+    log = io.StringIO()  # not a terminal
+    activity = Activity(every_s=3600, stream=log, clock=lambda: now[0])  # the test prints the lines itself
+    with activity.phase("loading the model"):
+        now[0] += 41
+        assert activity.line() == "ditrun: loading the model, 41 s"
+    assert activity.line() is None
+    with Progress(True, 20, stream=io.StringIO(), activity=activity) as progress:
+        for _ in range(2):
+            progress.edit("skipped", 28).close()
+            progress.advance()
+        bar = progress.edit("astronaut", 28)
+        for _ in range(12):
+            bar.update(1)
+        now[0] += 34
+        with activity.phase("compiling"):
+            now[0] += 7
+            assert activity.line() == "ditrun: edit 3/20, astronaut step 12/28, compiling, 7 s"
+        assert activity.line() == "ditrun: edit 3/20, astronaut step 12/28, 41 s"
+        bar.close()
+    assert activity.line() is None
+
+
+def test_progress_lines_are_printed_by_the_interval_and_never_on_a_terminal():
+    log = io.StringIO()
+    activity = Activity(every_s=0.02, stream=log)
+    with activity.phase("making the references"):
+        time.sleep(0.3)  # a slow phase: several intervals
+    lines = log.getvalue().splitlines()
+    assert lines and all(re.fullmatch(r"ditrun: making the references, \d+ s", line) for line in lines)
+    assert "\r" not in log.getvalue()
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    activity = Activity(every_s=0.02, stream=terminal)
+    with activity.phase("making the references"):
+        time.sleep(0.1)
+    assert terminal.getvalue() == ""  # the bars draw there instead
+
+
+def _fake_run(path: Path, precision: str, dit_s: float, ssim: float, backends: list[str]) -> None:
+    """A run's directory as the report reads it: summary.json (with the backends each component ran on)."""
+    path.mkdir(parents=True)
+    summary = {
+        "config": {"model": {"preset": "tiny"}, "layout": {"name": "single"}, "precision": {"name": precision}},
+        "precision": precision,
+        "precision_detail": {"mlp": {"format": precision, "backends": backends}},
+        "dit_s_median": dit_s,
+        "ssim_median": ssim,
+        "ssim_rerun_median": 1.0,
+        "ssim_pct_of_rerun_median": 100 * ssim,
+        "complete": True,
+        "reference": {"steps": 2, "true_cfg_scale": "off"},
+    }
+    (path / "summary.json").write_text(json.dumps(summary))
+    (path / "edits.jsonl").write_text(json.dumps({"edit": "a", "dit_s": dit_s, "ssim": ssim}) + "\n")
+
+
+def test_report_says_emulated_beside_the_verdict_and_explains_every_column_once(tmp_path):
+    _fake_run(tmp_path / "bf16", "bf16", 2.0, 1.0, ["bf16"])
+    _fake_run(tmp_path / "mxfp6", "mxfp6", 3.0, 0.985, ["emulation"])
+    _fake_run(tmp_path / "fp8", "fp8", 1.0, 0.9, ["fp8_rowwise"])
+    text, report = write_report(tmp_path)
+    verdicts = {line.split()[0]: line.split()[-2:] for line in text.splitlines()[1:4]}
+    assert verdicts["mxfp6"] == ["yes", "(emulated)"] and verdicts["fp8"][-1] == "no"
+    for document in (text, report.read_text()):
+        assert _legend_names(document, "run") == list(HEADER)  # each column once, in the table's order
+
+
+def _legend_names(document: str, first: str) -> list[str]:
+    """The names a legend explains (``name: meaning; name: ...``), with the parentheses' own names left out."""
+    paragraph = document[document.index(f"\n{first}: ") :].strip().split("\n\n")[0]
+    text = " ".join(paragraph.split())
+    names, depth = [], 0
+    for item in text.split("; "):
+        if depth == 0:
+            names.append(item.split(": ", 1)[0])
+        depth += item.count("(") - item.count(")")
+    return names
+
+
+@pytest.mark.slow
+def test_a_cpu_run_says_what_ran_and_leaves_no_empty_log(tmp_path):
+    """Two spawned ranks on the CPU: the reference is named fp32, the device line has no nested parentheses, the
+    launcher is ditrun's spawner, the table's columns are explained once under it; no carriage return in a log, no
+    empty file in the run directory."""
+    out = tmp_path / "run"
+    proc = ditrun(
+        *QUICK,
+        "launcher.world=2",
+        "layout=ulysses",
+        f"metrics.reference_dir={tmp_path / 'references'}",
+        f"hydra.run.dir={out}",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "ditrun: 2 ranks on 1 node(s) (ditrun's spawner) met at 127.0.0.1:" in proc.stdout
+    assert any(line.startswith("ditrun: making the references of 1 edits (full quality: fp32,") for line in lines)
+    header = next(line for line in lines if line.startswith("edit "))
+    assert "(FP32)" in header.split() and "(BF16)" not in proc.stdout
+    (device,) = [line.split("device: ", 1)[1] for line in lines if "device: " in line]
+    assert device.endswith(", fp32") and "(" not in device
+    assert (
+        _legend_names(proc.stdout, "edit") == re.split(r"\s{2,}", header.strip()) and "(it ran in fp32)" in proc.stdout
+    )
+    assert "\r" not in proc.stdout + proc.stderr
+    assert not [p.name for p in out.rglob("*") if p.is_file() and p.stat().st_size == 0]
