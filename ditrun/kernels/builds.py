@@ -303,6 +303,8 @@ class Built:
     """Scratch (private) bytes per work item (AMD) or stack bytes per thread (sm_90a)."""
     occupancy: int | None = None
     """AMD: waves per SIMD the register use allows (the compiler's estimate)."""
+    loop_matrix: dict[str, int] = field(default_factory=dict)
+    """AMD: the matrix instructions one wave issues per pass of the loop that holds the most (the K loop)."""
     lds: int = 0
     """Shared memory / LDS bytes per workgroup (Triton's allocation)."""
     seconds: float = 0.0
@@ -349,7 +351,21 @@ def _amd_facts(build: Build, target: str, amdgcn: str) -> Built:
         sgpr_spills=_field(r"\.sgpr_spill_count:", amdgcn),
         scratch=_field(r"\.private_segment_fixed_size:", amdgcn),
         occupancy=_field(r"; Occupancy:", amdgcn),
+        loop_matrix=_loop_matrix(amdgcn),
     )
+
+
+def _loop_matrix(amdgcn: str) -> dict[str, int]:
+    """The ``v_mfma*`` counts of the loop (a label and a later branch back to it) that holds the most."""
+    lines = amdgcn.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\.LBB\w+):", line))}
+    best: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        m = re.search(r"\bs_c?branch\w*\s+(\.LBB\w+)", line)
+        if m and labels.get(m.group(1), i) < i:
+            found = _count(r"\bv_mfma\w*", "\n".join(lines[labels[m.group(1)] : i]))
+            best = max(best, found, key=lambda counts: sum(counts.values()))
+    return best
 
 
 def _nvidia_facts(build: Build, target: str, ptx: str, cubin: bytes) -> Built:
