@@ -150,15 +150,33 @@ class Startup:
     over the run's compilations, so mostly the first edit's; Dynamo's tracing is not in it) and capturing
     CUDA graphs (``graphs_s``); and
     the compile cache's reads and writes (``compile_cache_s``). ``notes`` carry what the parts did
-    (``compile_cache``: hit, miss, ...)."""
+    (``compile_cache``: hit, miss, ...).
+
+    A process may run several jobs (a local Hydra sweep runs each in the sweep's process): ``start_job`` begins
+    each, and a job after the first counts its ages from its own start, has no ``imports_s`` (the process
+    imported once, for the first job) and says so (``process``: ``reused``)."""
 
     PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
     PARTS = ("references_s", "build_s", "compile_s", "graphs_s", "compile_cache_s")
 
     def __init__(self):
+        self._clear()
+        self._job_age: Optional[float] = None  # the process's age when its current job began
+
+    def _clear(self) -> None:
         self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES + self.PARTS)
         self.notes: dict[str, str] = {}
         self._begun: dict[str, float] = {}
+
+    def start_job(self) -> None:
+        """A job begins in this process: the first counts from the process's start, a later one from here."""
+        if self._job_age is None:
+            self._job_age = 0.0
+            self.at_age("imports_s")
+            return
+        self._clear()
+        self._job_age = process_age_s() or 0.0
+        self.notes["process"] = "reused"
 
     def begin(self, phase: str) -> None:
         self._begun[phase] = time.perf_counter()
@@ -176,9 +194,11 @@ class Startup:
             self.fields[part] = (self.fields[part] or 0.0) + time.perf_counter() - start
 
     def at_age(self, phase: str) -> None:
-        """Record the process's age as ``phase`` the first time only (the first step, not every step)."""
+        """Record the job's age (the process's, in its first job) as ``phase`` the first time only (the first
+        step, not every step)."""
         if self.fields[phase] is None:
-            self.fields[phase] = process_age_s()
+            age = process_age_s()
+            self.fields[phase] = None if age is None else age - (self._job_age or 0.0)
 
     def report(self, rank: int = 0) -> dict:
         return {"rank": rank, "host": socket.gethostname(), **self.fields, **self.notes}

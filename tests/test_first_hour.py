@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from ditrun_cli import TINY, ditrun
 
+from ditrun import timers
 from ditrun.metrics.progress import Activity, Progress
 from ditrun.metrics.report import HEADER, write_report
 
@@ -228,3 +229,28 @@ def test_a_cpu_run_says_what_ran_and_leaves_no_empty_log(tmp_path):
     )
     assert "\r" not in proc.stdout + proc.stderr
     assert not [p.name for p in out.rglob("*") if p.is_file() and p.stat().st_size == 0]
+
+
+def test_a_later_job_of_the_process_counts_its_start_up_from_its_own_start(monkeypatch):
+    ages = iter([10.0, 20.0, 50.0, 53.0])  # the process's age at each reading
+    monkeypatch.setattr(timers, "process_age_s", lambda: next(ages))
+    startup = timers.Startup()
+    startup.start_job()
+    startup.at_age("startup_s")
+    assert (startup.fields["imports_s"], startup.fields["startup_s"]) == (10.0, 20.0) and not startup.notes
+    startup.start_job()  # the sweep's next job, in the same process
+    startup.at_age("startup_s")
+    assert (startup.fields["imports_s"], startup.fields["startup_s"]) == (None, 3.0)
+    assert startup.notes == {"process": "reused"}
+
+
+@pytest.mark.slow
+def test_each_job_of_a_local_sweep_reports_its_own_start_up(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = ditrun("-m", *QUICK, "workload.steps=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    first, second = (json.loads((sweep / job / "summary.json").read_text())["startup_by_rank"] for job in "01")
+    assert first[0]["imports_s"] > 0 and "process" not in first[0]
+    assert second[0]["imports_s"] is None and second[0]["process"] == "reused"
+    assert second[0]["startup_s"] != first[0]["startup_s"]  # its own, not the first job's
+    assert not [p for p in sweep.rglob("*") if p.is_file() and p.stat().st_size == 0]  # no empty log either

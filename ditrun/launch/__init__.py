@@ -36,7 +36,7 @@ def launch(cfg, out_dir: Path, hydra_files: Optional[rundir.HydraFiles] = None) 
     """Run the job described by ``cfg`` with results in ``out_dir``; returns the summary on rank 0.
 
     ``hydra_files`` reach global rank 0, which writes them once the directory is this run's."""
-    STARTUP.at_age("imports_s")
+    STARTUP.start_job()
     info = env.discover()
     if info is not None and info.world > 1:
         return run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)

@@ -43,7 +43,8 @@ RUN_COLUMNS = {
     "SSIM": f"median SSIM against {REFERENCE}",
     "rerun SSIM": "the second reference run's SSIM against the first (1.0000 where two runs agree, as on CPUs)",
     "% of rerun": "SSIM over rerun SSIM, in percent",
-    "start-up s": "the slowest rank's seconds from its start to its first denoising step",
+    "start-up s": "the slowest rank's seconds from its start (a sweep job in the sweep's process: the job's) to its "
+    "first denoising step",
     "cache": "the step cache",
     "steps": "denoising steps (computed/all where the step cache skipped some)",
     "PSNR target": "median dB against the correct edit",
