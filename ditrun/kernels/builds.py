@@ -8,7 +8,7 @@ makes it fast there: the matrix instructions (scaled MFMA for MX operands on gfx
 INT8-QK attention, ``wgmma`` on sm_90a), and on AMD the registers, scratch (spills) and LDS against the chip's
 limits. None of these builds has run on AMD hardware (docs/PRECISION.md#built-for-every-target).
 
-``BUILDS`` is the inventory; ``NOT_BUILT`` names each kernel a target never gets, and why;
+``builds()`` is the inventory; ``NOT_BUILT`` names each kernel a target never gets, and why;
 ``tests/test_kernel_builds.py`` builds and checks them, ``benchmarks/kernel_builds.py`` prints the table.
 """
 
@@ -27,7 +27,7 @@ TARGETS = {"gfx950": ("hip", "gfx950", 64), "gfx942": ("hip", "gfx942", 64), "sm
 """Target name -> ``GPUTarget`` arguments (backend, arch, warp size)."""
 
 LDS_BYTES = {"gfx950": 160 * 1024, "gfx942": 64 * 1024}
-"""LDS per workgroup (CDNA4 doubled CDNA3's 64 KiB)."""
+"""LDS a workgroup can have: CDNA4's 160 KiB per CU, CDNA3's 64 KiB."""
 VGPRS = 512
 """Vector registers a wave can hold on gfx90a and later (256 architectural + 256 accumulation, unified)."""
 
