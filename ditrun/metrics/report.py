@@ -75,7 +75,8 @@ def choose_baseline(
 
 
 def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+    """A number of a run's files as the table shows it; anything else there (absent, or not a number) is "-"."""
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
 def _share(value: Optional[float]) -> str:
@@ -222,6 +223,17 @@ def plot_pareto(runs, choice: choosing.Choice, path: Path) -> bool:
     return True
 
 
+def _draw(plot, runs: list[RunResult], path: Path, *args) -> bool:
+    """Whether ``plot`` drew its chart at ``path``; a chart that cannot be drawn or written (a full disk, a
+    folder that refuses it) is one warning line, never the report's failure."""
+    try:
+        return plot(runs, *args, path) is not False
+    except Exception as err:  # noqa: BLE001 - the table and report.md matter more than a picture
+        print(f"ditrun: warning: {path} was not drawn ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
+        _pyplot().close("all")
+        return False
+
+
 def markdown_report(
     runs: list[RunResult],
     rows,
@@ -229,6 +241,7 @@ def markdown_report(
     has_ssim: bool,
     choice_lines: list[str] = (),
     has_pareto: bool = False,
+    has_dit: bool = True,
 ) -> str:
     parts = ["# ditrun report", "", format_markdown(rows), "", legend(rows[0], RUN_COLUMNS), ""]
     if choice_lines:
@@ -240,7 +253,7 @@ def markdown_report(
             "warm-up; exposed transfer is the time the compute stream waited on the transport.",
             "",
         ]
-    parts += [f"![DiT time per edit]({DIT_CHART})", ""]
+    parts += [f"![DiT time per edit]({DIT_CHART})", ""] if has_dit else []
     parts += [f"![SSIM per precision]({SSIM_CHART})" if has_ssim else "No run computed SSIM (metrics.ssim=false).", ""]
     parts += ["## Runs", ""]
     for r in runs:
@@ -277,13 +290,13 @@ def write_report(
     out_dir = Path(out_dir) if out_dir else Path(root)
     out_dir.mkdir(parents=True, exist_ok=True)
     files.owned_folder(out_dir)
-    plot_dit_time(runs, out_dir / DIT_CHART)
-    has_ssim = plot_ssim(runs, out_dir / SSIM_CHART)
+    has_dit = _draw(plot_dit_time, runs, out_dir / DIT_CHART)
+    has_ssim = _draw(plot_ssim, runs, out_dir / SSIM_CHART)
     # One run has nothing to choose from: its own report keeps to its table and charts, and draws its edits.
     choice_lines = choosing.summary_lines(runs, choice) if len(runs) > 1 else _single_run_lines(runs[0])
-    has_pareto = len(runs) > 1 and plot_pareto(runs, choice, out_dir / choosing.PARETO_CHART)
+    has_pareto = len(runs) > 1 and _draw(plot_pareto, runs, out_dir / choosing.PARETO_CHART, choice)
     strip = write_strip(runs[0].path, runs[0].records, out_dir / STRIP_CHART, _pyplot()) if len(runs) == 1 else None
-    markdown = markdown_report(runs, rows, chosen, has_ssim, choice_lines, has_pareto)
+    markdown = markdown_report(runs, rows, chosen, has_ssim, choice_lines, has_pareto, has_dit)
     if strip is not None:
         markdown += f"\n![reference, instruction, output and correct edit of each edit]({STRIP_CHART})\n"
     report = out_dir / REPORT_FILE

@@ -3,6 +3,7 @@ edit names one) correct result. ``ditrun report`` writes it as ``edits.png`` for
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -36,15 +37,14 @@ def _edit(record: dict, image: str, target: Optional[str] = None):
 
 def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.ndarray], list[str]]:
     """The row's pictures, 8-bit RGB, and their titles; a picture that cannot be read is a white cell saying so."""
-    from skimage import io
-
     from ditrun.results.files import to_rgb8
-    from ditrun.workload.images import load_image, target_image
+    from ditrun.workload.images import check_sources, load_image, target_image
 
-    output = io.imread(run_dir / record["image"])[..., :3]
+    output = _output_picture(record, run_dir)
     blank = np.full_like(output, 255)
     source = record.get("reference")
     try:
+        check_sources([_edit(record, source)])  # a regular file, a picture by its header, before it is decoded
         reference = to_rgb8(load_image(_edit(record, source)))
         reference_title = record["edit"]
     except Exception:  # noqa: BLE001 - moved or unreadable: the row still shows the output
@@ -54,12 +54,24 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
     if with_target:
         psnr, margin = record.get("psnr_target"), record.get("margin_db")
         try:
+            check_sources([_edit(record, source, record.get("target"))])
             target = target_image(_edit(record, source, record.get("target")))
         except Exception:  # noqa: BLE001
             target = None
         pictures.append(blank if target is None else target)
         titles.append("correct edit" + (f" ({psnr:.1f} dB, margin {margin:+.1f})" if margin is not None else ""))
     return pictures, titles
+
+
+def _output_picture(record: dict, run_dir: Path) -> np.ndarray:
+    """The edit's output as 8-bit RGB, read as the run's own file (``images/<edit>.png``, a regular file of a capped
+    size, never through a link) and decoded within PIL's pixel limit."""
+    from PIL import Image
+
+    if record.get("image") != files.edit_outputs(str(record["edit"]))["image"]:
+        raise ValueError(f"edit {record['edit']!r}: its record names no picture of the run")
+    with Image.open(io.BytesIO(files.read_bytes(run_dir / record["image"]))) as picture:
+        return np.asarray(picture.convert("RGB"))
 
 
 def write_strip(run_dir: Path, records: list[dict], path: Path, plt) -> Optional[Path]:

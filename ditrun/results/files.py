@@ -56,13 +56,39 @@ def finished_edits(out_dir: Path) -> dict[str, dict]:
     """Records in ``edits.jsonl``, by edit id, first one kept (lines that are not records are skipped)."""
     records = {}
     for line in read_text(out_dir / EDITS_FILE).splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and "edit" in record:
+        record = parse_json(line)
+        if isinstance(record, dict) and isinstance(record.get("edit"), str):
             records.setdefault(record["edit"], record)
     return records
+
+
+READ_CAP = 64 << 20
+"""Bytes of a run's file read at most: ``run.json`` and ``summary.json`` hold kilobytes, ``edits.jsonl`` a few per
+edit. A larger file is refused unread, so what a tree holds never sets how much memory its reader takes."""
+MAX_DEPTH = 32
+"""Nesting of a run's JSON at most (ditrun writes 6 levels); deeper is refused, so no reader of it recurses far."""
+
+
+def parse_json(text: str | bytes):
+    """The JSON value of ``text``, or None when it is not JSON ditrun could have written: malformed, not UTF-8,
+    nested deeper than ``MAX_DEPTH`` (which would otherwise end in a ``RecursionError`` here or in a reader)."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return value if _depth_within(value, MAX_DEPTH) else None
+
+
+def _depth_within(value, limit: int) -> bool:
+    """Whether ``value``'s lists and objects nest at most ``limit`` deep (iterative: a deep one cannot recurse)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        if children and depth > limit:
+            return False
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return True
 
 
 def append_line(path: Path, line: str) -> None:
@@ -118,14 +144,50 @@ def open_nofollow(path: Path, flags: int, mode: int = 0o644) -> int:
         raise
 
 
-def read_text(path: Path) -> str:
-    """The text of a run's file ("" when there is none), never through a symbolic link."""
+def read_text(path: Path, cap: int = READ_CAP) -> str:
+    """The text of a run's file ("" when there is none): ``read_bytes``."""
+    return read_bytes(path, cap).decode(errors="replace")
+
+
+def read_bytes(path: Path, cap: int = READ_CAP) -> bytes:
+    """The bytes of a run's regular file (b"" when there is none), never through a symbolic link and never waiting
+    (a FIFO is not opened for reading until it is known to be a file); anything other than a regular file, or a
+    file larger than ``cap`` bytes, is refused (``Refused``) unread."""
+    status = check_regular(path)
+    if status is None:
+        return b""
     try:
-        fd = open_nofollow(path, os.O_RDONLY)
+        fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
-        return ""
+        return b""
     with os.fdopen(fd, "rb") as file:
-        return file.read().decode(errors="replace")
+        check_regular(path, os.fstat(fd), cap)  # what was opened, if it changed since the lstat
+        data = file.read(cap + 1)
+    if len(data) > cap:
+        raise _too_large(path, len(data), cap)
+    return data
+
+
+def check_regular(path: Path, status: Optional[os.stat_result] = None, cap: int = READ_CAP) -> Optional[os.stat_result]:
+    """``path``'s status (``lstat`` unless given; None when absent), refusing anything but a regular file of at
+    most ``cap`` bytes: a symbolic link, FIFO, device, socket or folder where a run's file belongs."""
+    try:
+        status = status or os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(status.st_mode):
+        raise refusal(path, status)
+    if status.st_size > cap:
+        raise _too_large(path, status.st_size, cap)
+    return status
+
+
+def _too_large(path: Path, size: int, cap: int) -> "Refused":
+    return Refused(
+        f"{path} holds {size} bytes, more than the {cap >> 20} MiB a run's file may (ditrun reads no larger one); "
+        "remove it or choose another results directory (hydra.run.dir=... or output_dir=...).",
+        f"{path.name} is larger than {cap >> 20} MiB",
+    )
 
 
 def owned_folder(folder: Path) -> None:
@@ -151,15 +213,37 @@ def check_owned(path: Path) -> Optional[os.stat_result]:
     return status
 
 
-def refusal(path: Path, status: os.stat_result, kind: str = "") -> UserError:
+class Refused(UserError):
+    """A run's file or folder ditrun will not use; ``short`` says why in a few words (``ditrun report``'s line)."""
+
+    def __init__(self, sentence: str, short: str):
+        super().__init__(sentence)
+        self.short = short
+
+
+_KINDS = (
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def kind_of(mode: int) -> str:
+    return next((kind for is_kind, kind in _KINDS if is_kind(mode)), "not a file")
+
+
+def refusal(path: Path, status: os.stat_result, kind: str = "") -> Refused:
     """The one sentence refusing ``path``: what it is, its owner, and what a run writes into."""
-    kind = kind or (
-        "a symbolic link" if stat.S_ISLNK(status.st_mode) else "a folder" if stat.S_ISDIR(status.st_mode) else "a file"
-    )
-    return UserError(
+    kind = kind or kind_of(status.st_mode)
+    return Refused(
         f"{path} is {kind} owned by {_user(status.st_uid)}, and ditrun writes a run only into real files and "
         f"folders owned by {_user(os.geteuid())} (no symbolic links, nothing of another user's); remove it or "
-        "choose another results directory (hydra.run.dir=... or output_dir=...)."
+        "choose another results directory (hydra.run.dir=... or output_dir=...).",
+        f"{path.name} is {kind} owned by {_user(status.st_uid)}",
     )
 
 

@@ -79,6 +79,7 @@ WRITTEN = (
     HYDRA_DIR,
     files.WANDB_DIR,
 )
+FOLDERS = (files.IMAGES_DIR, files.LATENTS_DIR, HYDRA_DIR, files.WANDB_DIR)  # of ``WRITTEN``; the others are files
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
 # not by the manifest's path), labels, where the text length came from (the length itself is compared), and
@@ -163,7 +164,9 @@ def check_run_dir(out_dir: Path) -> None:
     in which an entry that a run writes, locks or reads is."""
     files.owned_folder(out_dir)
     for name in (*WRITTEN, *(path.name for path in out_dir.glob(REPLICA_FILE.format("*")))):
-        files.check_owned(out_dir / name)
+        status = files.check_owned(out_dir / name)
+        if status is not None and name not in FOLDERS:
+            files.check_regular(out_dir / name, status)  # a FIFO would hang the run's read of it
 
 
 def records_file(out_dir: Path, replica: int) -> Path:
@@ -345,10 +348,7 @@ def _warn(message: str) -> None:
 
 
 def _parse(line: str) -> Optional[dict]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
+    record = files.parse_json(line)
     if not isinstance(record, dict) or any(key not in record for key in RECORD_KEYS):
         return None
     return record
@@ -468,8 +468,8 @@ def _read_run_file(out_dir: Path) -> Optional[dict]:
     if not path.is_symlink() and not path.exists():
         return None
     try:
-        run = json.loads(files.read_text(path))
-    except (OSError, json.JSONDecodeError):
+        run = files.parse_json(files.read_bytes(path))
+    except OSError:
         run = None
     if not (isinstance(run, dict) and isinstance(run.get("settings"), dict) and isinstance(run.get("edits"), list)):
         print(

@@ -11,7 +11,7 @@ one finished leaves that earlier summary behind, which must not speak for it.
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -19,7 +19,15 @@ from typing import Optional
 import yaml
 
 from ditrun.errors import UserError
-from ditrun.results.files import RUN_FILE, SUMMARY_FILE, finished_edits
+from ditrun.results.files import (
+    RUN_FILE,
+    SUMMARY_FILE,
+    WANDB_DIR,
+    Refused,
+    finished_edits,
+    parse_json,
+    read_bytes,
+)
 
 COMPLETE = "complete"
 INCOMPLETE = "incomplete"
@@ -29,6 +37,7 @@ MODEL_SPEED_KEYS = ("compile", "compile_backend", "fuse", "compile_tuning", "cud
 # Workload keys a run may trade for speed (the reference keeps its own: ``full_quality.TRADED``), or that do not
 # change the pictures.
 WORKLOAD_FREE_KEYS = ("steps", "true_cfg_scale", "prompt_cache_dir", "manifest")
+OVERRIDES_CAP = 1 << 20  # bytes of Hydra's overrides.yaml read at most (a command line's worth)
 
 
 @dataclass
@@ -60,52 +69,72 @@ class RunResult:
 
     @property
     def dit_s(self) -> Optional[float]:
-        return self.summary.get("dit_s_median")
+        return _number(self.summary.get("dit_s_median"))
 
     @property
     def exposed_s(self) -> float:
-        return self.summary.get("exposed_transfer_s_median") or 0.0
+        return _number(self.summary.get("exposed_transfer_s_median")) or 0.0
 
     @property
     def complete(self) -> bool:
         return self.status == COMPLETE
 
 
-def find_runs(root: Path) -> list[Path]:
-    """``root`` itself when it is a run directory, else every run directory below it, sweep jobs in order."""
+def _number(value) -> Optional[float]:
+    """``value`` when it is a number (a file of another origin may hold anything there), else None."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def find_runs(root: Path) -> tuple[list[Path], dict[Path, str]]:
+    """(``root`` itself when it is a run directory, else every run directory below it, sweep jobs in order; the
+    folders below it that cannot be listed, with why). Symbolic links are not followed, W&B's folders not entered."""
     if _is_run(root):
-        return [root]
-    found = {
-        p.parent
-        for name in (SUMMARY_FILE, RUN_FILE)
-        for p in root.rglob(name)
-        if "wandb" not in p.relative_to(root).parts
-    }
-    return sorted(
-        found, key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts]
-    )
+        return [root], {}
+    found, unlisted, folders = set(), {}, [root]
+    while folders:
+        folder = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    if entry.name in (SUMMARY_FILE, RUN_FILE):
+                        found.add(folder)
+                    elif entry.is_dir(follow_symlinks=False) and entry.name != WANDB_DIR:
+                        folders.append(Path(entry.path))
+        except OSError as err:
+            unlisted[folder] = f"cannot be listed ({err.strerror})"
+    return sorted(found, key=lambda p: _sort_key(p, root)), unlisted
+
+
+def _sort_key(path: Path, root: Path) -> list:
+    return [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in path.relative_to(root).parts]
 
 
 def _is_run(path: Path) -> bool:
-    return (path / SUMMARY_FILE).is_file() or (path / RUN_FILE).is_file()
+    return any(os.path.lexists(path / name) for name in (SUMMARY_FILE, RUN_FILE))
 
 
 def _read_json(path: Path) -> tuple[Optional[dict], Optional[str]]:
-    """(the JSON object in ``path``, None), (None, None) when there is no such file, or (None, what is wrong)."""
+    """(the JSON object in ``path``, None), (None, None) when there is no such file, or (None, what is wrong): a
+    file that is not a regular one of this tree, too large, or not JSON ditrun writes is never read or parsed."""
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return None, f"{path.name} cannot be read ({type(err).__name__})"
-    return (data, None) if isinstance(data, dict) else (None, f"{path.name} is not a JSON object")
+        text = read_bytes(path)
+    except Refused as err:
+        return None, err.short
+    except OSError as err:
+        return None, f"{path.name} cannot be read ({err.strerror})"
+    if not text:
+        return None, None if not os.path.lexists(path) else f"{path.name} is empty"
+    data = parse_json(text)
+    return (data, None) if isinstance(data, dict) else (None, f"{path.name} is not a JSON object ditrun writes")
 
 
 def _overrides(path: Path) -> list[str]:
+    """The run's command-line overrides (Hydra's list of strings); anything else there is left out."""
     try:
-        return [str(o) for o in yaml.safe_load((path / ".hydra" / "overrides.yaml").read_text()) or []]
-    except (OSError, yaml.YAMLError, TypeError):
+        data = yaml.safe_load(read_bytes(path / ".hydra" / "overrides.yaml", OVERRIDES_CAP))
+    except (OSError, UserError, ValueError, RecursionError, yaml.YAMLError):
         return []
+    return [o for o in data if isinstance(o, str)] if isinstance(data, list) else []
 
 
 def load_run(path: Path, root: Path) -> RunResult:
@@ -115,15 +144,24 @@ def load_run(path: Path, root: Path) -> RunResult:
     run_file, run_problem = _read_json(path / RUN_FILE)
     try:
         records = list(finished_edits(path).values())
+    except Refused as err:
+        return _unreadable(path, label, err.short)
     except OSError as err:
-        return RunResult(path, label, {}, [], status=UNREADABLE, reason=f"its records cannot be read ({err.strerror})")
+        return _unreadable(path, label, f"its records cannot be read ({err.strerror})")
     run = RunResult(path, label, summary or {}, records, _overrides(path), run_file or {})
     problem = summary_problem or run_problem
     if problem:
         run.status, run.reason = UNREADABLE, problem
     else:
-        run.status, run.reason = _status(run)
+        try:
+            run.status, run.reason = _status(run)
+        except (TypeError, ValueError, AttributeError) as err:  # values of the wrong kind in its files
+            run.status, run.reason = UNREADABLE, f"its files hold values ditrun does not write ({err})"
     return run
+
+
+def _unreadable(path: Path, label: str, reason: str) -> RunResult:
+    return RunResult(path, label, {}, [], status=UNREADABLE, reason=reason)
 
 
 def _status(run: RunResult) -> tuple[str, Optional[str]]:
@@ -163,11 +201,11 @@ def load_runs(root: Path) -> list[RunResult]:
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} is not a directory; give a ditrun run or multirun directory.")
-    try:
-        paths = find_runs(root)
-    except OSError as err:
-        raise UserError(f"{root} cannot be read ({err.strerror}: {err.filename}).") from None
+    paths, unlisted = find_runs(root)
+    if root in unlisted:
+        raise UserError(f"{root} cannot be read ({unlisted[root]}).")
     runs = [load_run(p, root) for p in paths]
+    runs += [_unreadable(p, str(p.relative_to(root)), why) for p, why in unlisted.items()]
     if not runs:
         raise UserError(f"{root} holds no ditrun run (no {SUMMARY_FILE} or {RUN_FILE} in it or below it).")
     label_with_overrides(runs)
