@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from typing import Iterator, Optional
 
@@ -47,8 +48,17 @@ def sentence(err: BaseException) -> Optional[str]:
         if isinstance(cause, ValidationError) and cause.full_key:
             return _wrong_type(cause)
     if isinstance(err, HydraException):
-        return _first_line(err)
+        return _with_hints(err)
     return None
+
+
+def _with_hints(err: BaseException) -> str:
+    """Hydra's message as one sentence, its numbered hints kept ("... add --multirun to your command line")."""
+    lines = [line.strip().replace("\\'", "'") for line in str(err).strip().splitlines() if line.strip()]
+    hints = [re.sub(r"^\d+\.\s*", "", line).rstrip(".") for line in lines[1:]]
+    if not hints:
+        return _first_line(err)
+    return f"{lines[0].rstrip('.:')}: {'; '.join(hint[:1].lower() + hint[1:] for hint in hints)}."
 
 
 def _first_line(err: BaseException) -> str:

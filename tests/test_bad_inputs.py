@@ -340,7 +340,7 @@ def test_hydra_flags_sweeps_and_debug_keep_working(tmp_path):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     helped, shown, swept = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert helped["exit"] == 0 and "== Configuration groups ==" in helped["stdout"]
+    assert helped["exit"] == 0 and "\nConfig groups (group=option" in helped["stdout"]
     assert shown["exit"] == 0 and "steps: 3" in shown["stdout"]
     assert swept["exit"] == 2 and "ditrun: error: workload.steps='abc' is not an integer" in swept["stderr"]
     for debug in ({"DITRUN_DEBUG": "1"}, {"HYDRA_FULL_ERROR": "1"}):  # the traceback behind the sentence

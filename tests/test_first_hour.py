@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from ditrun_cli import TINY, ditrun
 
 from ditrun import timers
@@ -254,3 +255,27 @@ def test_each_job_of_a_local_sweep_reports_its_own_start_up(tmp_path):
     assert second[0]["imports_s"] is None and second[0]["process"] == "reused"
     assert second[0]["startup_s"] != first[0]["startup_s"]  # its own, not the first job's
     assert not [p for p in sweep.rglob("*") if p.is_file() and p.stat().st_size == 0]  # no empty log either
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_rerun_line_after_a_submitit_sweep_keeps_the_launcher(tmp_path):
+    """Through submitit's launcher on this machine (hydra/launcher=local): the report's command runs the chosen
+    job again through the same launcher, with every override given."""
+    sweep = tmp_path / "sweep"
+    launcher = ["hydra/launcher=local", "hydra.launcher.timeout_min=5"]
+    proc = ditrun("-m", *launcher, *QUICK, "workload.steps=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    command = lines[lines.index(next(line for line in lines if line.endswith("Run it again with:"))) + 1].split()
+    jobs = [yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text()) for job in "01"]
+    assert command[:4] == ["ditrun", "-m", *launcher] and command[4:] in jobs
+
+
+@pytest.mark.slow
+def test_hydras_hints_are_kept_whole(tmp_path):
+    proc = ditrun("layout=ulysses,single", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("ditrun: error: Ambiguous value for argument 'layout=ulysses,single': ")
+    assert line.endswith("; to sweep over it, add --multirun to your command line.")

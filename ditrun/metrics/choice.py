@@ -15,10 +15,16 @@ import json
 import shlex
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+import yaml
+
+from ditrun.errors import UserError
 from ditrun.metrics.quality import AUTO, DEFAULT_TARGET_PCT, QUALITY_MEASURES, QualityMeasure, measure_name
 from ditrun.metrics.timing import after_warmup
+from ditrun.results import files
+from ditrun.results.rundir import HYDRA_DIR
 
 if TYPE_CHECKING:
     from ditrun.results.runs import RunResult
@@ -211,8 +217,23 @@ def time_spread(run) -> Optional[tuple[float, float]]:
 
 
 def rerun_command(run) -> str:
-    """The command that runs ``run`` again: ``ditrun`` with its Hydra overrides, quoted for a shell."""
-    return " ".join(["ditrun", *(shlex.quote(o) for o in run.overrides)])
+    """The command that runs ``run`` again: ``ditrun`` with its Hydra overrides, quoted for a shell; a run that a
+    sweep launcher started (submitit's, on Slurm or here) again through that launcher, as a sweep of one."""
+    launcher = launcher_overrides(run.path)
+    return " ".join(["ditrun", *(["-m"] if launcher else []), *(shlex.quote(o) for o in launcher + run.overrides)])
+
+
+def launcher_overrides(run_dir: Path) -> list[str]:
+    """The overrides that chose and set the launcher of the sweep that ran ``run_dir`` (``hydra/launcher=slurm``,
+    ``hydra.launcher.*``): Hydra keeps them with its own (``.hydra/hydra.yaml``), apart from the run's."""
+    try:
+        hydra = yaml.safe_load(files.read_text(run_dir / HYDRA_DIR / "hydra.yaml"))
+        given = hydra["hydra"]["overrides"]["hydra"]
+    except (OSError, UserError, ValueError, RecursionError, yaml.YAMLError, KeyError, TypeError):
+        return []
+    if not isinstance(given, list):
+        return []
+    return [o for o in given if isinstance(o, str) and o.startswith(("hydra/launcher=", "hydra.launcher."))]
 
 
 def steps_cell(run) -> str:
