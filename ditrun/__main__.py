@@ -105,6 +105,9 @@ def _compose_and_run() -> None:
     Hydra prints its own errors and exits 1 unless ``HYDRA_FULL_ERROR`` is set, in which case it
     raises them: ditrun sets it (a user who set it already sees Hydra's traceback, as Hydra says).
     """
+    from ditrun.launch.slurm import warn_of_sacct_once
+
+    warn_of_sacct_once()  # a Slurm sweep's launcher polls sacct, which may fail at every poll
     users_setting = os.environ.get("HYDRA_FULL_ERROR")
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
@@ -128,6 +131,11 @@ def _hydra_error_sentence(err: Exception) -> str | None:
         cause = cause.__cause__
     if isinstance(cause, UserError):
         return str(cause)
+    from ditrun.launch.slurm import refused_submission
+
+    refused = refused_submission(err)
+    if refused is not None:
+        return refused
     if cause is not None and not _job_started:
         from ditrun.results.rundir import unusable_dir_sentence
 

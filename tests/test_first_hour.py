@@ -59,27 +59,35 @@ def _conf_groups() -> dict[str, list[str]]:
     }
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_the_slurm_recipe_runs_from_a_shell_without_the_venv(tmp_path):
-    """slurm/README.md's ``sbatch slurm/ditrun.sbatch ...`` from the repository's root, in a shell that has only
-    the system's PATH: the job runs the venv's ditrun by path, and its log lands in ``results/``, which git
-    ignores. On CPUs: one task, no GPU (sbatch's options override the script's)."""
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory):
+    """A one-node Slurm cluster (slurm/local-cluster.sh) and the environment of a shell that has only the system's
+    PATH and the cluster's config: no venv."""
     missing = [name for name in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(name) is None]
     if missing:
         pytest.skip(f"Slurm is not installed here (no {', '.join(missing)}); `make install` as root installs it")
-    state = tmp_path / "slurm"
-    state.mkdir()
-    env = {"HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "SLURM_CONF": str(state / "slurm.conf")}
-    job_log = None
+    state = tmp_path_factory.mktemp("slurm")
     try:
         started = subprocess.run([str(REPO / "slurm" / "local-cluster.sh"), "start", str(state)], capture_output=True)
         assert started.returncode == 0, started.stderr
+        yield {"HOME": str(state), "PATH": "/usr/bin:/bin", "SLURM_CONF": str(state / "slurm.conf")}
+    finally:
+        subprocess.run([str(REPO / "slurm" / "local-cluster.sh"), "stop", str(state)], capture_output=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_slurm_recipe_runs_from_a_shell_without_the_venv(tmp_path, slurm_env):
+    """slurm/README.md's ``sbatch slurm/ditrun.sbatch ...`` from the repository's root, from a shell without the
+    venv: the job runs the venv's ditrun by path, and its log lands in ``results/``, which git ignores. On CPUs: one
+    task, no GPU (sbatch's options override the script's)."""
+    job_log = None
+    try:
         submit = ["sbatch", "--wait", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/ditrun.sbatch"]
         job = subprocess.run(
             [*submit, *QUICK],
             cwd=REPO,
-            env={**env, "DITRUN_OUTPUT_DIR": str(tmp_path / "run")},
+            env={**slurm_env, "DITRUN_OUTPUT_DIR": str(tmp_path / "run")},
             capture_output=True,
             text=True,
             timeout=150,
@@ -90,9 +98,30 @@ def test_the_slurm_recipe_runs_from_a_shell_without_the_venv(tmp_path):
         ignored = subprocess.run(["git", "check-ignore", "-q", str(job_log)], cwd=REPO)
         assert ignored.returncode == 0, f"{job_log} is not ignored by git"
     finally:
-        subprocess.run([str(REPO / "slurm" / "local-cluster.sh"), "stop", str(state)], capture_output=True)
         if job_log is not None:
             job_log.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_slurm_sweep_refused_by_sbatch_is_one_sentence_and_one_that_runs_warns_of_sacct_once(tmp_path, slurm_env):
+    """The launcher's default asks for 8 GPUs, which the local node lacks: sbatch refuses (an unknown gres), and
+    ditrun says so in one sentence, exits 2 and leaves no sweep folder. A sweep that fits runs, and sacct (no
+    accounting on the local cluster) is warned of once, however often submitit polls it."""
+    env = {**slurm_env, "PYTHONUNBUFFERED": "1"}
+    sweep = tmp_path / "refused"
+    refused = ditrun("-m", "hydra/launcher=slurm", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=env)
+    assert refused.returncode == 2, refused.stderr
+    (sentence,) = [line for line in refused.stderr.splitlines() if line.startswith("ditrun: error:")]
+    assert sentence.startswith("ditrun: error: sbatch refused the sweep's jobs (Invalid generic resource (gres)")
+    assert "Traceback" not in refused.stderr and not sweep.exists()
+
+    sweep = tmp_path / "runs"
+    launcher = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0", "hydra.launcher.tasks_per_node=1"]
+    ran = ditrun("-m", *launcher, *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=env)
+    assert ran.returncode == 0, ran.stderr
+    assert (sweep / "0" / "edits.jsonl").exists()
+    assert (ran.stdout + ran.stderr).count("ditrun: warning: sacct") <= 1 and "Bypassing" not in ran.stdout + ran.stderr
 
 
 def check_help(text: str) -> None:

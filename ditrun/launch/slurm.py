@@ -16,8 +16,11 @@ every edit already in ``edits.jsonl``.
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
+import shutil
 import string
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +120,73 @@ def render_sbatch(params: SbatchParams, render_args: str = "") -> str:
         render_command=" ".join(["python -m ditrun.launch.slurm", render_args]).strip(),
         ditrun_args="".join(" " + shlex.quote(arg) for arg in params.ditrun_args),
     )
+
+
+def refused_submission(err: BaseException) -> Optional[str]:
+    """The sentence for a sweep whose jobs sbatch refused (submitit raises its error, with sbatch's own lines, from
+    the failed ``sbatch`` command), None for any other error. Nothing ran: the sweep folder it leaves is removed."""
+    cause = err
+    while cause is not None and not _is_sbatch_failure(cause):
+        cause = cause.__cause__
+    if cause is None:
+        return None
+    lines = [line.strip() for line in (cause.stderr or "").splitlines() if line.strip()]
+    reason = "; ".join(line.removeprefix("sbatch: ").removeprefix("error: ") for line in lines)
+    removed = _remove_unrun_sweep(Path(cause.cmd[-1]))
+    return (
+        f"sbatch refused the sweep's jobs ({reason or f'exit status {cause.returncode}'}), so none ran{removed}; "
+        "they ask for what the launcher's config says (hydra.launcher.gpus_per_node, partition, ...: "
+        "ditrun/conf/hydra/launcher/)."
+    )
+
+
+class SacctWarnedOnce(logging.Filter):
+    """submitit polls ``sacct`` for its jobs' states and warns at every poll that fails (a cluster without Slurm's
+    accounting): one sentence, the first time, instead of a warning per poll and per log handler."""
+
+    def __init__(self):
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if "Bypassing sacct error" not in message:
+            return True
+        if not self.said:
+            self.said = True
+            error = message.split("Bypassing sacct error ", 1)[1].removesuffix(", status may be inaccurate.")
+            print(
+                f"ditrun: warning: sacct cannot say how the sweep's jobs are doing ({error}); submitit follows them "
+                "without it, their states perhaps late (said once).",
+                file=sys.stderr,
+                flush=True,
+            )
+        return False
+
+
+def warn_of_sacct_once() -> None:
+    """Install ``SacctWarnedOnce`` on submitit's logger (once per process)."""
+    submitit_logger = logging.getLogger("submitit")
+    if not any(isinstance(f, SacctWarnedOnce) for f in submitit_logger.filters):
+        submitit_logger.addFilter(SacctWarnedOnce())
+
+
+def _is_sbatch_failure(err: BaseException) -> bool:
+    return isinstance(err, subprocess.CalledProcessError) and bool(err.cmd) and Path(err.cmd[0]).name == "sbatch"
+
+
+def _remove_unrun_sweep(submission: Path) -> str:
+    """Remove the sweep folder of a refused submission when it holds only what the submission wrote (Hydra's
+    ``multirun.yaml``, submitit's pickled jobs and sbatch script); the words saying so, or ""."""
+    folder = submission.parent
+    sweep = folder.parent
+    if folder.name != ".submitit" or sweep.is_symlink() or folder.is_symlink() or not folder.is_dir():
+        return ""
+    written = all(p.suffix == ".pkl" or p.name.startswith(".submission_file_") for p in folder.iterdir())
+    if not written or any(p.name not in (".submitit", "multirun.yaml") for p in sweep.iterdir()):
+        return ""
+    shutil.rmtree(sweep)
+    return f" and the sweep's folder {sweep}, which held nothing else, is removed"
 
 
 def venv_entry_point() -> Path:
