@@ -189,6 +189,8 @@ fi
 if [[ $what == kernels ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py 2>&1 \
     | tee "$OUT/tests_kernels.log" | tail -15
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_builds.py 2>&1 \
+    | tee "$OUT/tests_mx_gemm.log" | tail -8  # the MX GEMM's sm_90 build (Triton emulates the scaled dot)
   python3 benchmarks/attention.py 2>&1 | tee "$OUT/attention.txt"
   python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
   python3 benchmarks/attention.py --configs --s 8704 --repeats 5 2>&1 | grep -v "^{" | tee "$OUT/attention_configs.txt"
