@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # Debian packages the Slurm tests need (a one-node cluster started by slurm/local-cluster.sh).
 SYSTEM_PACKAGES := slurm-wlm munge libpmix2
 
-.PHONY: run test test-quick lint format install system-packages clean
+.PHONY: run test test-quick mutants lint format install system-packages clean
 
 run: $(STAMP)
 	$(VENV)/bin/ditrun $(ARGS)
@@ -24,6 +24,14 @@ test: system-packages $(STAMP) lint
 # command, ranks, a Slurm cluster, a training; or compile, or run whole edits), so it needs no Slurm and no MPI.
 test-quick: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(PYTEST_ARGS)
+
+# Mutation testing of the numeric modules ([tool.mutmut] in pyproject.toml; docs/TESTING.md lists the score and the
+# surviving mutants with why each is equivalent). Outside `make test`: about 2 minutes on 2 cores.
+mutants: $(STAMP)
+	$(PY) -m pip install -q -e '.[mutants]'
+	rm -rf mutants
+	$(VENV)/bin/mutmut run --max-children 2 >mutants.log 2>&1 || (tail -c 2000 mutants.log; exit 1)
+	$(VENV)/bin/mutmut results
 
 # ruff's lint and format checks (pyproject.toml's [tool.ruff]); `make format` rewrites the files it would change.
 lint: $(STAMP)
