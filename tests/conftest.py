@@ -26,6 +26,7 @@ FILE_SECONDS = {
     "test_launchers.py": 112,
     "test_run_directory.py": 93,
     "test_verdicts.py": 89,
+    "test_first_hour.py": 80,
     "test_compile_cache.py": 75,
     "test_copy_engine.py": 68,
     "test_layouts.py": 62,

@@ -83,23 +83,32 @@ def test_the_slurm_recipe_runs_from_a_shell_without_the_venv(tmp_path, slurm_env
     task, no GPU (sbatch's options override the script's)."""
     job_log = None
     try:
-        submit = ["sbatch", "--wait", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/ditrun.sbatch"]
-        job = subprocess.run(
-            [*submit, *QUICK],
-            cwd=REPO,
-            env={**slurm_env, "DITRUN_OUTPUT_DIR": str(tmp_path / "run")},
-            capture_output=True,
-            text=True,
-            timeout=150,
-        )
+        submit = ["sbatch", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=0", "slurm/ditrun.sbatch"]
+        env = {**slurm_env, "DITRUN_OUTPUT_DIR": str(tmp_path / "run")}
+        job = subprocess.run([*submit, *QUICK], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert job.returncode == 0, job.stderr
         job_log = REPO / "results" / f"slurm-{job.stdout.strip()}.out"
-        assert job.returncode == 0, job.stderr + (job_log.read_text() if job_log.exists() else "")
+        state = _job_end(job.stdout.strip(), slurm_env, timeout=150)
+        assert state == "COMPLETED", state + (job_log.read_text() if job_log.exists() else "")
         assert f"results: {tmp_path / 'run'}" in job_log.read_text()
         ignored = subprocess.run(["git", "check-ignore", "-q", str(job_log)], cwd=REPO)
         assert ignored.returncode == 0, f"{job_log} is not ignored by git"
     finally:
         if job_log is not None:
             job_log.unlink(missing_ok=True)
+
+
+def _job_end(job: str, env: dict, timeout: float) -> str:
+    """The job's final state (scontrol: the local cluster keeps no accounting), polled more often than
+    ``sbatch --wait`` does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", "--oneliner", job], env=env, capture_output=True, text=True)
+        state = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field).get("JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return state
+        time.sleep(0.3)
+    raise AssertionError(f"job {job} still running after {timeout} s")
 
 
 @pytest.mark.slow

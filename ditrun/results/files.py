@@ -335,7 +335,14 @@ def save_figure(fig, path: Path) -> str:
 
 class RunLogFile(logging.FileHandler):
     """Hydra's job log (``<run dir>/<job>.log``: ``conf/hydra/job_logging/ditrun.yaml``), opened as a run's other
-    files are: in a real folder of this user, never through a symbolic link."""
+    files are: in a real folder of this user, never through a symbolic link. The file is made at its first record,
+    so a run that logs nothing leaves none; what is at its path is checked at once, before the run starts."""
+
+    def __init__(self, filename, mode: str = "a", encoding=None, delay: bool = True, errors=None):
+        super().__init__(filename, mode, encoding, delay=True, errors=errors)
+        path = Path(self.baseFilename)
+        owned_folder(path.parent)
+        check_owned(path)
 
     def _open(self):
         path = Path(self.baseFilename)
