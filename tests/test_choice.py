@@ -107,7 +107,8 @@ def test_report_names_the_fastest_run_that_meets_the_target(tmp_path):
         "cache=none`" in text
     )
     assert (
-        "Quality target: SSIM against the BF16 output, as a share of a second BF16 run's at least 98% of the "
+        "Quality target: SSIM against the full-quality output, as a share of a second full-quality run's at least 98% "
+        "of the "
         "full-quality reference's (metrics.quality=rerun); 3 of 5 judged runs meet it." in text
     )
     assert "Fastest run that meets it: `3: precision=fp8_all cache=first_block` (4.0000 s/edit, 98.50%)." in text
@@ -279,7 +280,7 @@ def test_gate_measures():
     }
     assert quality.gate_failure(summary, 97.0, "bf16") is None
     assert quality.gate_failure(summary, 97.5, "bf16") == (
-        "quality gate failed: median SSIM against the BF16 output "
+        "quality gate failed: median SSIM against the full-quality output "
         "(the reference's own is 1) is 97.00% of the full-quality "
         "reference's, below metrics.min_ssim_pct=97.5."
     )

@@ -78,7 +78,7 @@ def test_gate_passes_at_or_above_the_threshold_and_says_why_it_fails():
     assert quality.gate_failure(summary, 95.0) is None
     message = quality.gate_failure(summary, 97.5)
     assert message == (
-        "quality gate failed: median SSIM 0.9500 is 95.00% of the BF16 rerun SSIM 1.0000, "
+        "quality gate failed: median SSIM 0.9500 is 95.00% of the full-quality rerun's SSIM 1.0000, "
         "below metrics.min_ssim_pct=97.5."
     )
 

@@ -306,8 +306,8 @@ def wandb_rows(runs, choice: Choice) -> list[list]:
 def _baseline_line(runs, choice: Choice) -> str:
     if choice.baseline is None:
         return (
-            "Baseline: the sweep has no full-quality run (BF16, no cache, the reference's steps); each run is "
-            "judged against the cached BF16 reference its summary names."
+            "Baseline: the sweep has no full-quality run (nothing quantized, no cache, the reference's steps); each "
+            "run is judged against the cached full-quality reference its summary names."
         )
     best = runs[choice.baseline]
     reference = best.summary.get("reference") or {}

@@ -97,7 +97,7 @@ class QualityMeasure:
         """The sentence of a failed gate: the run's score and what it is a percentage of."""
         if self.name == "rerun":
             return (
-                f"median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the BF16 rerun SSIM "
+                f"median SSIM {summary['ssim_median']:.4f} is {pct:.2f}% of the full-quality rerun's SSIM "
                 f"{summary['ssim_rerun_median']:.4f}"
             )
         if self.name == "target":
@@ -152,13 +152,13 @@ QUALITY_MEASURES: Registry[QualityMeasure] = Registry("quality measure")
 for _measure in (
     QualityMeasure(
         "rerun",
-        "SSIM against the BF16 output, as a share of a second BF16 run's",
+        "SSIM against the full-quality output, as a share of a second full-quality run's",
         lambda s, _: s.get("ssim_pct_of_rerun_median"),
         _no_ssim,
     ),
     QualityMeasure(
         "bf16",
-        "SSIM against the BF16 output (the reference's own is 1)",
+        "SSIM against the full-quality output (the reference's own is 1)",
         lambda s, _: _pct_of(s.get("ssim_median"), 1.0),
         _no_ssim,
     ),
