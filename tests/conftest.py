@@ -36,6 +36,7 @@ FILE_SECONDS = {
     "test_multinode_launchers.py": 45,
     "test_editor_recipe.py": 44,
     "test_bad_inputs.py": 43,
+    "test_kernel_builds.py": 42,
     "test_step_cache.py": 29,
     "test_precision_layouts.py": 28,
     "test_reference_size.py": 22,
