@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -32,6 +35,7 @@ register_help()
 _gate_failures: list[str] = []
 # Set when Hydra hands the job over: an OSError before that is Hydra's, making or writing the run directory.
 _job_started = False
+_STARTED = time.time()  # a folder changed since then was made by this run
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -45,6 +49,7 @@ def _hydra_main(cfg: RunConfig) -> None:
     global _job_started
     _job_started = True
     hydra_cfg = HydraConfig.get()
+    made = _made_by_hydra(Path(hydra_cfg.runtime.output_dir))
     try:
         hydra_errors.check_composed(cfg)
         OmegaConf.resolve(cfg)  # ranks and Slurm jobs get literal values (conf/model/editor.yaml's folder)
@@ -66,10 +71,40 @@ def _hydra_main(cfg: RunConfig) -> None:
     except WorkerFailed as err:
         # The failed rank printed its own traceback; this names it once more, last.
         print(f"ditrun: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            sys.exit(1)
+        _job_failed(hydra_cfg, str(err))
     except UserError as err:
-        # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway.
+        # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway. A refused run
+        # leaves nothing behind, not even the empty folder Hydra made for it.
+        if made is not None and not any(made.iterdir()):
+            made.rmdir()
         _user_error(err)
+    except Exception as err:
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            raise
+        # A crash of one job of a sweep: its traceback, one line naming it, and the sweep goes on.
+        traceback.print_exc()
+        _job_failed(hydra_cfg, f"{type(err).__name__}: {err}")
+
+
+def _made_by_hydra(folder: Path) -> Optional[Path]:
+    """``folder`` when Hydra made it for this run (empty, and new since this process started), else None."""
+    try:
+        new = folder.stat().st_ctime >= _STARTED and not any(folder.iterdir())
+    except OSError:
+        return None
+    return folder if new else None
+
+
+def _job_failed(hydra_cfg, why: str) -> None:
+    """Note a sweep's job that failed (its report lists it as incomplete) and name it in one line."""
+    from ditrun.metrics.report import FAILED_JOBS
+
+    overrides = list(hydra_cfg.overrides.task)
+    why = " ".join(why.split())  # one line, whatever the error's text holds
+    FAILED_JOBS[Path(hydra_cfg.runtime.output_dir)] = (overrides, why)
+    print(f"ditrun: error: job {hydra_cfg.job.num} ({' '.join(overrides)}) failed: {why}", file=sys.stderr, flush=True)
 
 
 def _hydra_files(cfg):
@@ -153,10 +188,24 @@ def main() -> None:
 
         sys.exit(tune_main(sys.argv[2:]))
     _compose_and_run()
+    _name_failed_jobs()
     if _gate_failures:
         print(f"ditrun: error: {len(_gate_failures)} run(s) of the sweep failed the quality gate:", file=sys.stderr)
         for failure in _gate_failures:
             print(f"  {failure}", file=sys.stderr)
+        sys.exit(1)
+
+
+def _name_failed_jobs() -> None:
+    """At the end of a sweep, every job that failed, one line each (its overrides, why); the command then exits 1."""
+    from ditrun.metrics.report import FAILED_JOBS
+
+    if not FAILED_JOBS:
+        return
+    print(f"ditrun: error: {len(FAILED_JOBS)} job(s) of the sweep failed:", file=sys.stderr)
+    for folder, (overrides, why) in FAILED_JOBS.items():
+        print(f"  {folder} ({' '.join(overrides)}): {why}", file=sys.stderr)
+    if not _gate_failures:
         sys.exit(1)
 
 

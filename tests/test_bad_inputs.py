@@ -122,6 +122,7 @@ def _workload_file_cases(files: Path) -> list[tuple[list[str], str]]:
     ]
     (files / "twice.jsonl").write_text("".join(json.dumps(entry) + "\n" for entry in entries))
     (files / "words.txt").write_text("not a picture")
+    (files / "octal.yaml").write_text("- id: 010\n  image: skimage:coffee\n  prompt: unquoted\n")
     Image.new("CMYK", (16, 16)).save(files / "cmyk_target.tiff")
     not_regular = "is not a regular file (a device, pipe or socket); give a YAML or JSONL file."
     return [
@@ -132,6 +133,11 @@ def _workload_file_cases(files: Path) -> list[tuple[list[str], str]]:
         (
             [f"workload.manifest={files / 'twice.jsonl'}"],
             "edit id 'a' appears twice in the workload (entries 0 and 2, counting from 0); ids name output files.",
+        ),
+        (
+            [f"workload.manifest={files / 'octal.yaml'}"],
+            "workload edit #0 has id 8, a int, not a string (YAML reads an unquoted 010 as the number 8, and on, "
+            'yes, no as booleans); quote the id in the manifest, e.g. id: "010".',
         ),
         ([_manifest(files, "folder", target=str(files))], f"edit 'folder': target file '{files}' is a directory;"),
         (

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from ditrun_cli import ditrun
+from ditrun_cli import TINY, ditrun
 from test_report import _fake_run
 
 pytestmark = pytest.mark.slow
@@ -94,12 +94,14 @@ def test_a_runs_own_pictures_that_are_not_files_leave_blank_cells(tmp_path):
     assert (run / "report.md").is_file() and not (run / "edits.png").exists()
 
 
+@pytest.mark.timeout(TIMEOUT_S)
 def test_a_fifo_planted_as_run_json_refuses_the_run_before_it_starts(tmp_path):
     """The run reads its ``run.json`` and ``summary.json`` as the report does: a FIFO there is refused up front
-    (one sentence) instead of a read that never ends."""
-    from ditrun.errors import UserError
-    from ditrun.results.rundir import check_run_dir
-
-    os.mkfifo(tmp_path / "run.json")
-    with pytest.raises(UserError, match="run.json is a FIFO owned by"):
-        check_run_dir(tmp_path)
+    (one sentence, exit 2, nothing written) instead of a read that never ends."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.mkfifo(run / "run.json")
+    proc = ditrun(*TINY, "wandb.mode=disabled", f"hydra.run.dir={run}", cwd=tmp_path, timeout=TIMEOUT_S)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"ditrun: error: {run / 'run.json'} is a FIFO owned by"), proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["run.json"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from ditrun import cache
 from ditrun.devices import DTYPES
 from ditrun.inference import compile_cache, reference
-from ditrun.launch import faults
+from ditrun.launch import faults, folders
 from ditrun.launch.checks import check_run_config, check_run_memory
 from ditrun.launch.console import print_locations, print_start, print_table
 from ditrun.launch.job import LocalJob, job_of_process_group
@@ -304,6 +305,9 @@ def run(
     layout = state.layout
     lock = rundir.RunLock(out_dir) if layout.rank == 0 else None
     try:
+        # Every rank: a cache that moves into the run directory moves for all of them.
+        wandb_on = layout.rank == 0 and cfg.wandb.mode != "disabled"
+        folders.check_run_folders(cfg, out_dir, wandb_on, announce=layout.rank == 0)  # before the claim
         if layout.rank == 0:
             with job.stop.raising():  # a stop signal ends the wait for W&B's server at once
                 state.wandb_mode = wandb_log.mode_to_run(cfg, out_dir)  # before the directory is claimed
@@ -327,6 +331,13 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
     """Global rank 0: lock the directory and check that it is this run's (a refused run writes nothing there),
     then recover its records, say which edits are done and record the run's settings and Hydra's files."""
     lock.acquire()
+    try:
+        return _claim_locked(state, out_dir, hydra_files)
+    except OSError as err:  # the directory is this run's now: it ends as a stop does
+        raise _as_stop(err, state.layout) from None
+
+
+def _claim_locked(state: Run, out_dir: Path, hydra_files: Optional[rundir.HydraFiles]) -> list[str]:
     settings = run_settings(state)
     state.directory_edits = rundir.claim(out_dir, settings, state.settings)
     done = rundir.resumable(rundir.recover(out_dir), state.settings, out_dir)
@@ -350,7 +361,17 @@ def _load_and_run_edits(state: Run, job: LocalJob, done: set, out_dir: Path) -> 
             logger = _start_logger(state, out_dir, done)  # its start-up stays out of timed regions
     except RunStopped as stopped:
         return stopped, logger
+    except OSError as err:  # a cache the disk refused
+        return _as_stop(err, state.layout), logger
     return _run_edits(state, job, done, out_dir, logger), logger
+
+
+def _as_stop(err: OSError, layout) -> folders.NodeFault:
+    """A node's fault (a full disk) in a one-process run, which then ends as a stop does; raised again otherwise (in
+    a job of several ranks a rank's failure ends it: ``faults``)."""
+    if layout.plan.world > 1 or not folders.is_node_fault(err):
+        raise err
+    return folders.NodeFault(err)
 
 
 def _start_logger(state: Run, out_dir: Path, done: set):
@@ -375,12 +396,15 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
             try:
                 _stop_if_asked(job, layout)
                 record = state.run_edit(edit, job, bar)
+                if record is not None:
+                    files.append_record(records_file, record)
             except RunStopped as stopped:
                 return stopped
+            except OSError as err:
+                return _as_stop(err, layout)
             finally:
                 bar.close()
             if record is not None:
-                files.append_record(records_file, record)
                 logger.log_edit(record)
             state.after_edit()
             progress.advance()
@@ -410,15 +434,21 @@ def _finish(
     summary.update(
         attempt=state.attempt.get("attempt"), restarts=state.attempt.get("restarts"), wandb_mode=state.wandb_mode
     )
-    files.write_json(out_dir / files.SUMMARY_FILE, summary)
+    fault = _node_fault(files.SUMMARY_FILE, files.write_json, out_dir / files.SUMMARY_FILE, summary)
     logger.log_others(records)  # the other replicas' edits of this attempt reach the history too
-    logger.finish(records, summary, out_dir, state.references, failed=gate is not None or stopped is not None)
+    failed = gate is not None or stopped is not None or fault is not None
+    fault = fault or _node_fault(
+        "the W&B run", logger.finish, records, summary, out_dir, state.references, failed=failed
+    )
+    stopped = stopped or (folders.NodeFault(fault) if fault else None)
     if stopped is not None:
         print(
             f"ditrun: {stopped}; {len(records)} of {len(state.directory_edits)} edits are in "
             f"{out_dir / files.EDITS_FILE}; rerun the same command to resume",
             flush=True,
         )
+        if fault is not None:
+            raise stopped  # the records are whole; what the disk refused is said, and the exit status is 1
         return summary
     report_file = _write_report(out_dir) if cfg.metrics.report else None
     print_table(records, summary)
@@ -428,7 +458,26 @@ def _finish(
     return summary
 
 
-def _write_report(out_dir: Path) -> Path:
+def _node_fault(what: str, write: Callable, *args, **kwargs) -> Optional[OSError]:
+    """``write(*args, **kwargs)``; a node's fault there (a full disk) is one line and returned, not raised."""
+    try:
+        write(*args, **kwargs)
+    except OSError as err:
+        if not folders.is_node_fault(err):
+            raise
+        print(f"ditrun: warning: {what} was not written ({err})", file=sys.stderr, flush=True)
+        return err
+    return None
+
+
+def _write_report(out_dir: Path) -> Optional[Path]:
+    """The run's report; one that cannot be written (a full disk) is a warning: the run's results are whole."""
     from ditrun.metrics.report import write_report
 
-    return write_report(out_dir)[1]
+    try:
+        return write_report(out_dir)[1]
+    except OSError as err:
+        if not folders.is_node_fault(err):
+            raise
+        print(f"ditrun: warning: the report was not written ({err})", file=sys.stderr, flush=True)
+        return None

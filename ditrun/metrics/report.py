@@ -279,11 +279,13 @@ def write_report(
     baseline: Optional[str] = None,
     quality: Optional[str] = None,
     target_pct: Optional[float] = None,
+    failed: Optional[dict[Path, tuple[list[str], str]]] = None,
 ) -> tuple[str, Path]:
     """Write ``report.md`` and the charts for the runs under ``root``; returns (text table, report path).
 
-    ``quality`` and ``target_pct`` override the runs' own ``metrics.quality`` and ``metrics.min_ssim_pct``."""
-    runs = load_runs(root)
+    ``quality`` and ``target_pct`` override the runs' own ``metrics.quality`` and ``metrics.min_ssim_pct``;
+    ``failed`` are a sweep's failed jobs (``runs.load_runs``)."""
+    runs = load_runs(root, failed)
     choice = choosing.choose(runs, quality, target_pct)
     chosen = choose_baseline(runs, baseline, choice)
     rows = table_rows(runs, chosen, choice)
@@ -351,6 +353,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+FAILED_JOBS: dict[Path, tuple[list[str], str]] = {}
+"""The jobs of this process's sweep that failed (directory -> (overrides, why)), noted by the command as each fails:
+the sweep's report lists them as incomplete, beside the jobs that finished."""
+
+
 class SweepReport(Callback):
     """Hydra callback: when a multirun ends, write its report into the sweep directory."""
 
@@ -359,7 +366,7 @@ class SweepReport(Callback):
             return
         sweep = Path(config.hydra.sweep.dir)
         try:
-            text, report = write_report(sweep)
+            text, report = write_report(sweep, failed=FAILED_JOBS)
         except UserError as err:  # every job failed before writing a summary
             print(f"ditrun: no sweep report: {err}", file=sys.stderr)
             return
@@ -372,7 +379,7 @@ def log_choice(config, sweep: Path) -> None:
     """The sweep's choice table as one W&B table in the sweep's group (``wandb.mode`` of the sweep)."""
     from ditrun.metrics import wandb as wandb_log
 
-    runs = load_runs(sweep)
+    runs = load_runs(sweep, FAILED_JOBS)
     choice = choosing.choose(runs)
     try:
         wandb_log.log_sweep_table(config, sweep, "choice", choosing.COLUMNS, choosing.wandb_rows(runs, choice))

@@ -4,7 +4,7 @@ edit names one) correct result. ``ditrun report`` writes it as ``edits.png`` for
 from __future__ import annotations
 
 import io
-import warnings
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -93,7 +93,7 @@ def write_strip(run_dir: Path, records: list[dict], path: Path, plt) -> Optional
         files.save_figure(fig, path)
         plt.close(fig)
     except Exception as err:  # noqa: BLE001
-        warnings.warn(f"ditrun: {path.name} was not drawn ({type(err).__name__}: {err}).", stacklevel=2)
+        print(f"ditrun: warning: {path} was not drawn ({type(err).__name__}: {err})", file=sys.stderr, flush=True)
         plt.close("all")
         return None
     return path

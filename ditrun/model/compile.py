@@ -41,8 +41,12 @@ a fixed name that another user may make first), or checks the ones the user set.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -123,7 +127,7 @@ def claim_compiler_caches() -> dict[str, Path]:
     ``triton`` (made 0700), set in the environment so that both compilers (and this process's ranks) use them. Runs
     before anything compiles, in every process that does. One sentence naming the variable when a folder another
     user could have written would hold the code: refused rather than replaced, since the user named it."""
-    inductor = Path(os.environ.get(INDUCTOR_CACHE_ENV) or user_cache_dir() / "inductor")
+    inductor = Path(os.environ.get(INDUCTOR_CACHE_ENV) or _default_inductor_folder())
     folders = {
         INDUCTOR_CACHE_ENV: inductor,
         TRITON_CACHE_ENV: Path(os.environ.get(TRITON_CACHE_ENV) or inductor / "triton"),
@@ -142,6 +146,30 @@ def claim_compiler_caches() -> dict[str, Path]:
         os.environ[variable] = str(folders[variable])
     _guard_inductor_default_folder()
     return folders
+
+
+def _default_inductor_folder() -> Path:
+    """``<user cache>/inductor``; where that cannot be written (a full or read-only disk, a HOME that is unset or not
+    this user's), a private temporary folder removed at exit, with one warning: compiled code is then not kept."""
+    try:
+        folder = user_cache_dir() / "inductor"
+        private_folder(folder)  # made 0700 where missing
+        if os.access(folder, os.W_OK | os.X_OK):
+            return folder
+        problem = f"{folder} is not writable"
+    except Untrusted:
+        return folder  # refused in one sentence by the caller, never replaced
+    except (OSError, RuntimeError) as err:  # RuntimeError: no HOME and no home in the password database
+        problem = str(err)
+    temporary = Path(tempfile.mkdtemp(prefix="ditrun-inductor-"))
+    atexit.register(shutil.rmtree, temporary, True)
+    print(
+        f"ditrun: warning: the compilers' cache cannot be kept in the user's cache ({problem}); this process uses "
+        f"{temporary} (set {INDUCTOR_CACHE_ENV} or XDG_CACHE_HOME to keep compiled code between runs)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return temporary
 
 
 def _guard_inductor_default_folder() -> None:

@@ -65,6 +65,7 @@ LEASE_FILE = ".ditrun.lease"
 REJECTED_FILE = "edits.rejected.jsonl"
 REPLICA_FILE = "edits.replica{}.jsonl"
 HYDRA_DIR = ".hydra"  # where ``HydraFiles`` go
+CACHE_DIR = "cache"  # a run's own caches, where the user's cannot be written (``launch.folders``)
 # What a run writes, locks or reads at the top of its directory (and the replica files, found by name): checked
 # to be real and this user's before anything is written.
 WRITTEN = (
@@ -78,8 +79,9 @@ WRITTEN = (
     files.LATENTS_DIR,
     HYDRA_DIR,
     files.WANDB_DIR,
+    CACHE_DIR,
 )
-FOLDERS = (files.IMAGES_DIR, files.LATENTS_DIR, HYDRA_DIR, files.WANDB_DIR)  # of ``WRITTEN``; the others are files
+FOLDERS = (files.IMAGES_DIR, files.LATENTS_DIR, HYDRA_DIR, files.WANDB_DIR, CACHE_DIR)  # of WRITTEN; others: files
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
 # not by the manifest's path), labels, where the text length came from (the length itself is compared), and

@@ -187,6 +187,19 @@ def _status(run: RunResult) -> tuple[str, Optional[str]]:
     return COMPLETE, None
 
 
+def _with_failures(runs: list[RunResult], root: Path, failed: dict[Path, tuple[list[str], str]]) -> list[RunResult]:
+    found = {run.path: run for run in runs}
+    for path, (overrides, why) in failed.items():
+        path = Path(path)
+        run = found.get(path)
+        if run is None and path.is_relative_to(root):
+            run = RunResult(path, str(path.relative_to(root)), {}, [], list(overrides))
+            runs.append(run)
+        if run is not None:
+            run.status, run.reason = INCOMPLETE, f"its job failed: {why}"
+    return sorted(runs, key=lambda run: _sort_key(run.path, root))
+
+
 def label_with_overrides(runs: list[RunResult]) -> None:
     """Append to each label the overrides that tell the runs apart (those not shared by all)."""
     shared = set.intersection(*(set(r.overrides) for r in runs)) if runs else set()
@@ -196,8 +209,11 @@ def label_with_overrides(runs: list[RunResult]) -> None:
             run.label = f"{run.label}: {' '.join(distinct)}"
 
 
-def load_runs(root: Path) -> list[RunResult]:
-    """Every run under ``root``, labelled by the overrides that tell them apart; one sentence if there is none."""
+def load_runs(root: Path, failed: Optional[dict[Path, tuple[list[str], str]]] = None) -> list[RunResult]:
+    """Every run under ``root``, labelled by the overrides that tell them apart; one sentence if there is none.
+
+    ``failed`` (a sweep's jobs that failed: directory -> (overrides, why)) are listed as incomplete with why, found
+    in the tree or not (a job that failed before it claimed its directory left no file there)."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root} is not a directory; give a ditrun run or multirun directory.")
@@ -206,6 +222,7 @@ def load_runs(root: Path) -> list[RunResult]:
         raise UserError(f"{root} cannot be read ({unlisted[root]}).")
     runs = [load_run(p, root) for p in paths]
     runs += [_unreadable(p, str(p.relative_to(root)), why) for p, why in unlisted.items()]
+    runs = _with_failures(runs, root, failed or {})
     if not runs:
         raise UserError(f"{root} holds no ditrun run (no {SUMMARY_FILE} or {RUN_FILE} in it or below it).")
     label_with_overrides(runs)

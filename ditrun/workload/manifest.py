@@ -55,11 +55,15 @@ def _read_manifest(path: str) -> list[dict]:
                     entries.append(json.loads(line))
                 except json.JSONDecodeError as err:
                     raise WorkloadError(f"{path} line {n} is not valid JSON: {err.msg}.")
+                except RecursionError:
+                    raise WorkloadError(f"{path} line {n} nests too deeply to be an edit.") from None
         return entries
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise WorkloadError(f"workload.manifest={path!r} is not valid YAML: {err}.")
+    except RecursionError:
+        raise WorkloadError(f"workload.manifest={path!r} nests too deeply to be a list of edits.") from None
     data = data.get("edits") if isinstance(data, dict) else data
     if not isinstance(data, list):
         raise WorkloadError(f"workload.manifest={path!r} must be a list of edits (or a mapping with 'edits:').")
@@ -124,8 +128,18 @@ def resolve_edits(workload_cfg) -> list[Edit]:
 
 
 def declared_id(index: int, entry) -> str:
-    """The id of the workload's entry ``index`` as declared: its ``id``, else ``edit<index>``."""
-    return str(entry.get("id") or f"edit{index:04d}") if isinstance(entry, dict) else f"edit{index:04d}"
+    """The id of the workload's entry ``index`` as declared: its ``id``, else ``edit<index>``. An id that is not a
+    string is refused: YAML reads an unquoted ``010`` as the number 8 and ``on`` as true, which would name files."""
+    if not isinstance(entry, dict) or entry.get("id") is None:
+        return f"edit{index:04d}"
+    value = entry["id"]
+    if not isinstance(value, str):
+        raise WorkloadError(
+            f"workload edit #{index} has id {value!r}, a {type(value).__name__}, not a string (YAML reads an "
+            "unquoted 010 as the number 8, and on, yes, no as booleans); quote the id in the manifest, e.g. "
+            'id: "010".'
+        )
+    return value or f"edit{index:04d}"
 
 
 def _check_unique_ids(raw: list) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -111,6 +112,8 @@ def encode(cache: PromptCache, prompts: list[str], device: torch.device, dtype: 
     from safetensors.torch import save
 
     _library_bars_on_a_terminal_only()
+    # ditrun says which prompts are cut, edit by edit (``warn_truncated``); diffusers' own lines would repeat it.
+    logging.getLogger("diffusers.pipelines.flux.pipeline_flux").setLevel(logging.ERROR)
     pipe = FluxPipeline.from_pretrained(
         cache.folder, transformer=None, vae=None, torch_dtype=dtype, low_cpu_mem_usage=False
     ).to(device)
@@ -186,7 +189,9 @@ def _prompts(edits: list, cfg) -> list[str]:
 
 
 def encode_missing(cache: PromptCache, edits: list, cfg, device: torch.device, dtype: torch.dtype) -> None:
-    """Encode the prompts of ``edits`` that ``cache`` lacks (global rank 0's work, alone)."""
+    """Encode the prompts of ``edits`` that ``cache`` lacks (global rank 0's work, alone), after saying which the
+    encoders cut (``warn_truncated``: on every run, cached or not)."""
+    warn_truncated(cache, [e for e in edits if not e.prompt_embeds])
     missing = cache.missing(_prompts(edits, cfg))
     if missing:
         print(
@@ -195,6 +200,29 @@ def encode_missing(cache: PromptCache, edits: list, cfg, device: torch.device, d
             flush=True,
         )
         encode(cache, missing, device, dtype)
+
+
+def warn_truncated(cache: PromptCache, edits: list) -> None:
+    """One warning line per edit whose prompt a text encoder cuts: CLIP at its tokenizer's length, T5 at
+    ``workload.text_len`` (as diffusers' ``encode_prompt`` does). Only the tokenizers are loaded, so every run that
+    uses the prompt says it, not only the one that encodes it."""
+    from transformers import AutoTokenizer
+
+    encoders = {
+        "CLIP": AutoTokenizer.from_pretrained(cache.folder / "tokenizer"),
+        "T5": AutoTokenizer.from_pretrained(cache.folder / "tokenizer_2"),
+    }
+    kept = {"CLIP": encoders["CLIP"].model_max_length, "T5": cache.max_sequence_length}
+    for edit in edits:
+        lengths = {name: len(tokenizer(edit.prompt, verbose=False).input_ids) for name, tokenizer in encoders.items()}
+        cut = [f"{name} keeps {kept[name]} of its {n} tokens" for name, n in lengths.items() if n > kept[name]]
+        if cut:
+            print(
+                f"ditrun: warning: edit {edit.id!r}: its prompt is cut short ({'; '.join(cut)}; T5's length is "
+                "workload.text_len): the model never sees the rest",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def with_embeddings(cache: PromptCache, edits: list, cfg, control) -> list:

@@ -1,0 +1,41 @@
+"""A sweep whose jobs crash: the others run, each failed job is named in one line (its overrides, why), and the
+sweep's report and table are written over the jobs that finished, the failed ones listed as incomplete."""
+
+import re
+
+import pytest
+from ditrun_cli import TINY, ditrun, reference_dir
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_with_crashing_jobs_names_each_and_reports_the_rest(tmp_path, tmp_path_factory):
+    sweep = tmp_path / "sweep"
+    proc = ditrun(
+        "-m",
+        *TINY,
+        "wandb.mode=disabled",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        "testing.fault.crash_rank=null,0",  # jobs 2 and 3 crash, at steps 0 and 1
+        "testing.fault.crash_at_step=0,1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert proc.returncode == 1, proc.stderr
+    for job, step in ((2, 0), (3, 1)):
+        named = re.findall(rf"^ditrun: error: job {job} \((.*)\) failed: (.*)$", proc.stderr, re.MULTILINE)
+        assert len(named) == 1, proc.stderr
+        overrides, why = named[0]
+        assert f"testing.fault.crash_rank=0 testing.fault.crash_at_step={step}" in overrides
+        assert why.startswith(f"InjectedFault: rank 0 failed on purpose at denoising step {step}")
+        assert f"  {sweep / str(job)} ({overrides}): {why}" in proc.stderr  # listed again at the end
+    assert "ditrun: error: 2 job(s) of the sweep failed:" in proc.stderr
+    assert f"sweep report: {sweep / 'report.md'}" in proc.stdout
+    rows = {line.split(":")[0]: line for line in proc.stdout.splitlines() if re.match(r"^\d: testing", line)}
+    assert set(rows) == {"0", "1", "2", "3"}
+    assert all(re.search(r"\d\.\d{4}", rows[j]) for j in ("0", "1"))  # the finished jobs' times
+    assert all(rows[j].rstrip().endswith("incomplete") for j in ("2", "3"))
+    markdown = (sweep / "report.md").read_text()
+    assert markdown.count("**incomplete** (its job failed: InjectedFault") == 2
