@@ -9,11 +9,14 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from ditrun_cli import TINY, ditrun
+from skimage import io as io_image
 
 from ditrun import timers
+from ditrun.metrics import strip
 from ditrun.metrics.progress import Activity, Progress
 from ditrun.metrics.report import HEADER, write_report
 
@@ -317,3 +320,25 @@ def test_hydras_hints_are_kept_whole(tmp_path):
     (line,) = proc.stderr.splitlines()
     assert line.startswith("ditrun: error: Ambiguous value for argument 'layout=ulysses,single': ")
     assert line.endswith("; to sweep over it, add --multirun to your command line.")
+
+
+def test_the_edits_picture_puts_the_outputs_scores_under_the_output(tmp_path):
+    """edits.png's row: reference, output, correct edit; the output's PSNR against the correct edit and its margin
+    are the output's, so they are written under the output, and the correct edit's cell is only titled."""
+    (tmp_path / "images").mkdir()
+    io_image.imsave(tmp_path / "images" / "astronaut.png", np.zeros((32, 32, 3), np.uint8), check_contrast=False)
+    record = {
+        "edit": "astronaut",
+        "reference": "skimage:astronaut",
+        "target": "grayscale",
+        "width": 32,
+        "height": 32,
+        "image": "images/astronaut.png",
+        "settings": {"edit": {"prompt": "make it black and white"}},
+        "psnr_target": 27.48,
+        "margin_db": 8.39,
+    }
+    pictures, titles, captions = strip._pictures(record, tmp_path, with_target=True)
+    assert titles == ["astronaut", '"make it black and white"', "correct edit"]
+    assert captions == ["", "27.5 dB to the correct edit, margin +8.4 dB", ""]
+    assert [p.shape for p in pictures] == [(32, 32, 3)] * 3

@@ -35,8 +35,9 @@ def _edit(record: dict, image: str, target: Optional[str] = None):
     )
 
 
-def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.ndarray], list[str]]:
-    """The row's pictures, 8-bit RGB, and their titles; a picture that cannot be read is a white cell saying so."""
+def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.ndarray], list[str], list[str]]:
+    """The row's pictures, 8-bit RGB, their titles and the words under them (the output's scores against the
+    correct edit, under the output); a picture that cannot be read is a white cell saying so."""
     from ditrun.results.files import to_rgb8
     from ditrun.workload.images import check_sources, load_image, target_image
 
@@ -51,16 +52,20 @@ def _pictures(record: dict, run_dir: Path, with_target: bool) -> tuple[list[np.n
         reference, reference_title = blank, f"{record['edit']} (reference not found)"
     pictures = [reference, output]
     titles = [reference_title, f'"{record["settings"]["edit"]["prompt"]}"']
+    captions = ["", ""]
     if with_target:
         psnr, margin = record.get("psnr_target"), record.get("margin_db")
+        if margin is not None:
+            captions[1] = f"{psnr:.1f} dB to the correct edit, margin {margin:+.1f} dB"
         try:
             check_sources([_edit(record, source, record.get("target"))])
             target = target_image(_edit(record, source, record.get("target")))
         except Exception:  # noqa: BLE001
             target = None
         pictures.append(blank if target is None else target)
-        titles.append("correct edit" + (f" ({psnr:.1f} dB, margin {margin:+.1f})" if margin is not None else ""))
-    return pictures, titles
+        titles.append("correct edit")
+        captions.append("")
+    return pictures, titles, captions
 
 
 def _output_picture(record: dict, run_dir: Path) -> np.ndarray:
@@ -85,9 +90,10 @@ def write_strip(run_dir: Path, records: list[dict], path: Path, plt) -> Optional
     try:
         fig, axes = plt.subplots(len(records), columns, figsize=(2.6 * columns, 2.6 * len(records)), squeeze=False)
         for row, record in zip(axes, records):
-            for ax, picture, title in zip(row, *_pictures(record, run_dir, columns == 3)):
+            for ax, picture, title, caption in zip(row, *_pictures(record, run_dir, columns == 3)):
                 ax.imshow(picture)
                 ax.set_title(title, fontsize=8)
+                ax.text(0.5, -0.03, caption, transform=ax.transAxes, ha="center", va="top", fontsize=8)
                 ax.axis("off")
         fig.tight_layout()
         files.save_figure(fig, path)
