@@ -17,6 +17,7 @@ from skimage import io as io_image
 
 from ditrun import timers
 from ditrun.metrics import strip
+from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import Activity, Progress
 from ditrun.metrics.report import HEADER, write_report
 
@@ -342,3 +343,13 @@ def test_the_edits_picture_puts_the_outputs_scores_under_the_output(tmp_path):
     assert titles == ["astronaut", '"make it black and white"', "correct edit"]
     assert captions == ["", "27.5 dB to the correct edit, margin +8.4 dB", ""]
     assert [p.shape for p in pictures] == [(32, 32, 3)] * 3
+
+
+def test_the_ssim_map_shows_where_the_output_differs_and_says_so_when_nowhere():
+    local = np.ones((8, 8))
+    local[2:4, 2:4] = 0.96  # a patch that differs; the rest identical
+    picture, caption = wandb_log.ssim_map_picture(local, 0.999)
+    assert picture.dtype == np.uint8 and picture[2:4, 2:4].min() == 255 and picture.sum() == 255 * 4
+    assert caption == "SSIM map (0.9990): black = identical, white = local SSIM 0.9600"
+    picture, caption = wandb_log.ssim_map_picture(np.ones((8, 8)), 1.0)
+    assert not picture.any() and caption == "SSIM map (1.0000): identical everywhere"

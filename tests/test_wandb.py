@@ -68,7 +68,11 @@ def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp
     assert [row["ssim_pct_of_rerun"] for row in per_edit] == [r["ssim_pct_of_rerun"] for r in records]
     media = next(row for row in history if "edits/_type" in row)
     assert media["edits/_type"] == "table-file" and media["edits/nrows"] == len(records)
-    assert media["images/astronaut/captions"] == ["output", "BF16 reference", "SSIM map (1.0000)"]
+    assert media["images/astronaut/captions"] == [
+        "output",
+        f"full-quality reference ({PLAIN})",
+        "SSIM map (1.0000): identical everywhere",
+    ]
     assert not any(key.startswith("images/coffee") for key in media)  # wandb.images=1: the first edit only
     table = next(out.glob("wandb/offline-run-*/files/media/table/edits_*.table.json"))
     assert [row[0] for row in json.loads(table.read_text())["data"]] == [r["edit"] for r in records]

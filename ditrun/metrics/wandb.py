@@ -23,8 +23,10 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 from omegaconf import OmegaConf
 
+from ditrun.devices import dtype_name
 from ditrun.errors import UserError
 from ditrun.metrics import wandb_file
 from ditrun.metrics.quality import ssim_map
@@ -253,10 +255,21 @@ def _edit_images(record: dict, out_dir: Path, references) -> dict:
     images = [wandb.Image(output, caption="output")]
     reference = references.get(record["edit"]) if references is not None else None
     if reference is not None:
-        local = ssim_map(output, reference.image).clip(0, 1)
-        images.append(wandb.Image(reference.image, caption="BF16 reference"))
-        images.append(wandb.Image((local * 255).round().astype("uint8"), caption=f"SSIM map ({record['ssim']:.4f})"))
+        images.append(wandb.Image(reference.image, caption=f"full-quality reference ({dtype_name(references.dtype)})"))
+        picture, caption = ssim_map_picture(ssim_map(output, reference.image), record["ssim"])
+        images.append(wandb.Image(picture, caption=caption))
     return {f"images/{record['edit']}": images}
+
+
+def ssim_map_picture(local: np.ndarray, ssim: float) -> tuple[np.ndarray, str]:
+    """Where the output differs from the reference, as a picture and its caption: 1 - local SSIM, stretched so that
+    the largest difference is white (drawn as it is, SSIM near 1 everywhere is a blank white square)."""
+    loss = 1.0 - local.clip(-1.0, 1.0)  # 0 where identical
+    top = float(loss.max())
+    if top <= 0:
+        return np.zeros(loss.shape, np.uint8), f"SSIM map ({ssim:.4f}): identical everywhere"
+    picture = (loss / top * 255).round().astype(np.uint8)
+    return picture, f"SSIM map ({ssim:.4f}): black = identical, white = local SSIM {1 - top:.4f}"
 
 
 def _is_number(value) -> bool:
