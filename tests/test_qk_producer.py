@@ -1,5 +1,5 @@
 """The fused Q/K producer (``kernels/qk_producer_triton.py``: RMSNorm + RoPE + INT8 quantization into the send
-rows) and the fp64 token sum (``attention_triton.token_sum_fp64``) against the unfused composition the CPU runs (``nn.RMSNorm``, ``dit.apply_rope``, ``attention.smooth_k``,
+rows) and the fp64 token sum (``token_sum_triton.token_sum_fp64``) against the unfused composition the CPU runs (``nn.RMSNorm``, ``dit.apply_rope``, ``attention.smooth_k``,
 ``quantize_int8_rows``), on fresh random inputs: in Triton's CPU interpreter, and on a GPU where there is one.
 
 The kernel's mean square is a tree sum and its rsqrt the device's, so a normalized value may differ from torch's in
@@ -46,7 +46,7 @@ def check_producer(device: str = "cpu", dtype=torch.float32) -> None:
     torch.testing.assert_close(amax, rotated.abs().amax(dim=(1, 3)).float(), rtol=1e-6, atol=0)
 
     # K's token sums without an fp64 copy (what ``token_sum`` runs on GPUs), of a strided view of some heads
-    from ditrun.kernels.attention_triton import token_sum_fp64
+    from ditrun.kernels.token_sum_triton import token_sum_fp64
 
     heads = x.to(torch.bfloat16).to(dtype)[:, :, 1:]  # BF16 values: exact fp64 sums, whichever order
     assert torch.equal(token_sum_fp64(heads, block_l=16), heads.sum(dim=1, dtype=torch.float64))

@@ -165,7 +165,7 @@ def _attention_builds() -> list[Build]:
     )
     sig = _signature("X", "OUT", "L", "H", "stride_xb", "stride_xl", "stride_xh", X="*bf16", OUT="*fp64")
     const = _constexprs(sig, D=d, BLOCK_L=64)
-    builds.append(Build("attention_triton._token_sum_kernel", f"D={d}", sig, const, {"num_warps": 4}, EVERY_GPU))
+    builds.append(Build("token_sum_triton._token_sum_kernel", f"D={d}", sig, const, {"num_warps": 4}, EVERY_GPU))
     sig = _signature("X", "AMAX", "S", "H", "stride_xb", "stride_xs", "stride_xh", X="*bf16", AMAX="*fp32")
     const = _constexprs(sig, D=d, BLOCK_S=128)
     builds.append(Build("attention_triton._head_amax_kernel", f"D={d}", sig, const, {"num_warps": 4}, ("sm_90a",)))

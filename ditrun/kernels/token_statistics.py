@@ -24,7 +24,7 @@ def token_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
     ``sum(dtype=float64)`` would first copy the whole tensor to fp64 (four times a BF16 K, every attention call).
     Compiled code keeps the torch statement, which inductor fuses the same way."""
     if _summed_by_kernel(x, dim):
-        from ditrun.kernels.attention_triton import token_sum_fp64
+        from ditrun.kernels.token_sum_triton import token_sum_fp64
 
         total = token_sum_fp64(x)
         return total.unsqueeze(1) if keepdim else total
