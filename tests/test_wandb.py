@@ -202,3 +202,16 @@ def test_a_stop_signal_while_waiting_for_a_silent_wandb_server_stops_the_run(tmp
     assert code == 128 + signal.SIGTERM, run.stderr.read()
     assert waited < SERVER_CHECK_S, waited  # not the server's timeout: the signal ended the wait
     assert not (out / "run.json").exists()  # stopped before the directory was claimed
+
+
+@pytest.mark.timeout(300)
+def test_a_rerun_with_nothing_left_adds_no_wandb_run(tmp_path, tmp_path_factory):
+    out = tmp_path / "run"
+    args = (*TINY, f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.run.dir={out}")
+    first = ditrun(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = ditrun(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "resuming, 2 edits already in edits.jsonl are skipped" in again.stdout
+    assert len(list(out.glob("wandb/offline-run-*"))) == 1
+    assert json.loads((out / "summary.json").read_text())["attempt"] == 2

@@ -321,6 +321,8 @@ def start(
     if mode == "disabled" or not is_global_rank0:
         return NullLogger()
     attempt = attempt or {}
+    if _already_whole(mode, out_dir, attempt, list(edits), [r["edit"] for r in done]):
+        return NullLogger()  # a rerun with nothing left to do adds nothing to the W&B run
     begin = time.perf_counter()
     run = _init(
         cfg,
@@ -340,6 +342,19 @@ def start(
     logger = WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images, list(edits), logged, first_step)
     logger.log_others(list(done))
     return logger
+
+
+def _already_whole(mode: str, out_dir: Path, attempt: dict, edits: list[str], done: list[str]) -> bool:
+    """Whether earlier attempts finished every edit and their W&B run holds them all and ended (offline: read from
+    its files; online: taken to be so once every edit is done)."""
+    if not edits or not set(edits) <= set(done) or not attempt.get("wandb_id"):
+        return False
+    if mode != "offline":
+        return True
+    paths = wandb_file.offline_files(out_dir / files.WANDB_DIR, attempt["wandb_id"])
+    rows = [row for path in paths for row in wandb_file.history(path)]
+    logged = {int(row["edit_index"]) for row in rows if "edit_index" in row}
+    return bool(paths) and logged >= set(range(len(edits))) and wandb_file.finished(paths[-1])
 
 
 def _earlier_rows(mode: str, run, edits: list[str], done: list[str]) -> tuple[set[str], int]:

@@ -54,6 +54,11 @@ def history(path: Path) -> list[dict]:
     return [items(r.history.item) for r in read_records(path) if r.WhichOneof("record_type") == "history"]
 
 
+def finished(path: Path) -> bool:
+    """Whether the file's run ended (its exit record was written)."""
+    return any(r.WhichOneof("record_type") == "exit" for r in read_records(path))
+
+
 def offline_files(wandb_dir: Path, run_id: str) -> list[Path]:
     """The ``.wandb`` files of every offline attempt of the W&B run ``run_id`` under ``wandb_dir``, oldest first."""
     return sorted(wandb_dir.glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
