@@ -75,7 +75,7 @@ class ModelConfig:
     compile_cache_trust: list[str] = field(default_factory=list)
     """Who besides you and root may have written the compile cache's entries that this run loads (they are code it
     runs): user names (or ids) and at most one ``group:<name>``, whose members are trusted and which may write the
-    entries and the folder (``ditrun/trust.py``, docs/PERFORMANCE.md#trust-what-a-run-loads-as-code). Entries this run
+    entries and the folder (``ditrun/trust.py``, docs/COMPILE_CACHE.md#trust-what-a-run-loads-as-code). Entries this run
     writes are readable by them (0640 and the group's; 0644 for users alone; 0600 when empty). An entry anyone else
     could have written is set aside with a warning and the run compiles as without it."""
     cuda_graphs: str = "auto"
