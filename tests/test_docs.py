@@ -1,6 +1,7 @@
-"""The docs hold together: every relative link and ``#anchor`` in README.md and docs/*.md resolves (the file
-exists; the anchor is a GitHub heading slug of its target), and every config default the docs quote is the
-default of the config that ``ditrun`` composes from ``ditrun/conf``."""
+"""The docs hold together: every relative link and ``#anchor`` in README.md, docs/*.md and benchmarks/README.md
+resolves (the file exists; the anchor is a GitHub heading slug of its target), every config default the docs quote
+is the default of the config that ``ditrun`` composes from ``ditrun/conf``, and each measured number is stated in
+one doc only."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from omegaconf import OmegaConf
 from ditrun.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
@@ -232,3 +233,76 @@ def test_the_readmes_groups_list_the_config_files_and_mark_the_default(config):
         marked = re.search(r"`([^`]+)` \(the default", row[1])
         if marked:
             assert marked.group(1) == config.hydra.runtime.choices[group], group
+
+
+# -- each measured number in one doc -------------------------------------------------------------------------
+
+DECIMAL = r"(?<![\w.])\d+\.\d+(?![\w.]*\d)"  # 29.7, 0.511; not a version (2.11.0), a name (fp8.1) or 5.72e-2's 2
+UNIT = r"(?:\s?[-–]\s?\d+(?:\.\d+)?)?(?:x\b|%|\s?(?:dB|ms|us|s|min|MB|MiB|GB|GiB|TB/s|TFLOP/s|W|MHz|M)\b)"
+MEASURED_IN_PROSE = re.compile(DECIMAL + f"(?={UNIT})")
+MEASURED_IN_TABLE = re.compile(DECIMAL)
+INDENTED_CODE = re.compile(r"^(?: {4}|\t)")
+GENERATED = re.compile(r"<!-- .*: (begin|end) generated")
+
+
+def measured_numbers(text: str) -> list[tuple[int, str, bool]]:
+    """(line number, number, in prose?) of each measured number ``text`` states (see the test below for the rule)."""
+    found, generated, after_blank, indented = [], False, True, False
+    for number, line in enumerate(prose(text).splitlines(), 1):
+        marker = GENERATED.search(line)
+        if marker:
+            generated = marker.group(1) == "begin"
+        indented = bool(INDENTED_CODE.match(line)) and (indented or after_blank)
+        after_blank = not line.strip()
+        if generated or indented:
+            continue
+        line = re.sub(r"\]\([^)]*\)", "]", CODE_SPAN.sub("", line))  # inline code and link targets say no measure
+        in_table = line.lstrip().startswith("|")
+        for match in (MEASURED_IN_TABLE if in_table else MEASURED_IN_PROSE).finditer(line):
+            value = match.group(0)
+            digits = value.replace(".", "").lstrip("0")
+            if len(digits) >= 3 and float(value) not in (1.0, 100.0):
+                found.append((number, value, not in_table))
+    return found
+
+
+def repeated_numbers(docs: list[Path]) -> list[str]:
+    stated: dict[str, list[tuple[str, int, bool]]] = {}
+    for doc in docs:
+        for number, value, in_prose in measured_numbers(doc.read_text()):
+            stated.setdefault(value, []).append((doc.name, number, in_prose))
+    repeated = []
+    for value, places in sorted(stated.items()):
+        if len({name for name, _, _ in places}) > 1 and any(in_prose for _, _, in_prose in places):
+            repeated.append(f"{value}: " + ", ".join(f"{name}:{line}" for name, line, _ in places))
+    return repeated
+
+
+def test_no_measured_number_is_stated_in_two_docs():
+    """A measured number lives in the one doc section that owns it; the others link to that section.
+
+    A measured number here is a decimal (digits, a point, digits) of at least three significant digits (two, as in
+    0.5 or 2.5, coincide too often to mean a repeat), other than 1 and 100 ("identical", "all": SSIM 1.0000, 100.00%),
+    stated either in prose followed by a unit (dB, %, x, s, ms, us, min, MB, MiB, GB, GiB, TB/s, TFLOP/s, W, MHz, M;
+    a range such as 26.5-29.3 dB gives both ends the unit) or in a table cell, whose unit is in the header. Skipped:
+    fenced and indented code blocks (commands and their output), inline code (settings such as
+    ``cache.threshold=0.3``, versions), link targets, and blocks a script generates between ``<!-- ...: begin
+    generated`` and ``end generated`` markers (they are printed from a results file, as docs/SCALING.md's are).
+    A number fails when two docs state it and at least one of them in prose: two tables that share a value are two
+    measurements that agree, while prose that quotes a number is what repeats it."""
+    repeated = repeated_numbers(DOCS)
+    assert not repeated, "measured numbers stated in more than one doc:\n" + "\n".join(repeated)
+
+
+def test_a_repeated_number_is_found(tmp_path):
+    owner, quoting, other = tmp_path / "owner.md", tmp_path / "quoting.md", tmp_path / "other.md"
+    owner.write_text("| precision | % of BF16 |\n| --- | --- |\n| fp8 | 98.7 |\n\nIt took 640.9 ms.\n")
+    quoting.write_text(
+        "FP8 keeps 98.6-98.7% ([owner](owner.md)).\n`cache.threshold=640.9 ms` 2.5 dB 1.0000 x\n\n    640.9 ms\n"
+        "<!-- gen: begin generated -->\nIt took 640.9 ms.\n<!-- gen: end generated -->\n"
+    )
+    other.write_text("| run | ms |\n| --- | --- |\n| a | 640.9 |\n")
+    assert measured_numbers(quoting.read_text()) == [(1, "98.6", True), (1, "98.7", True)]
+    assert repeated_numbers([owner, quoting]) == ["98.7: owner.md:3, quoting.md:1"]
+    assert repeated_numbers([owner, other]) == ["640.9: owner.md:5, other.md:3"]
+    assert repeated_numbers([other, tmp_path / "other.md"]) == []
