@@ -1,5 +1,5 @@
-"""The package's layering, read from its source with ``ast``: no import circles among ditrun's modules (imports
-inside functions count: a lazy import that closes a circle only moves the failure to run time), every folder
+"""The package's layering, read from its source with ``ast``: no import circles among ditrun's modules, nor among the
+recipes' (imports inside functions count: a lazy import that closes a circle only moves the failure to run time), every folder
 imports only from its own layer or the layers below it (``LAYERS``), the kernels depend on nothing of the model
 they serve, and the package never imports the recipes that build its artefacts."""
 
@@ -9,19 +9,21 @@ from pathlib import Path
 import ditrun
 
 PACKAGE = Path(ditrun.__file__).resolve().parent
+RECIPES = PACKAGE.parent / "recipes"
 
 
-def module_names() -> dict[str, Path]:
-    """ditrun's modules by dotted name (a package by its own name, for its ``__init__.py``)."""
+def module_names(package: Path = PACKAGE) -> dict[str, Path]:
+    """The modules of ``package`` (ditrun, or the recipes) by dotted name (a package by its own name, for its
+    ``__init__.py``)."""
     names = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return names
 
 
 def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The ditrun modules ``name`` imports anywhere in its source: ``from a.b import c`` names a.b.c when that is a
+    """The modules of ``modules`` that ``name`` imports anywhere in its source: ``from a.b import c`` names a.b.c when that is a
     module, else a.b; importing a submodule is not counted as importing its package's ``__init__``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -44,8 +46,9 @@ def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = module_names()
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of ``package`` -> the modules of the same package it imports (others' modules left out)."""
+    modules = module_names(package)
     return {name: imported_modules(name, path, modules) for name, path in modules.items()}
 
 
@@ -136,6 +139,13 @@ def test_the_graph_is_read_from_the_source():
 
 def test_no_module_of_ditrun_imports_itself_through_others():
     assert cycles(import_graph()) == []
+
+
+def test_no_module_of_the_recipes_imports_itself_through_others():
+    graph = import_graph(RECIPES)
+    assert "recipes.editor.dit" in graph["recipes.editor.evaluate"]  # an import inside a function counts here too
+    assert not any(name.startswith("ditrun") for targets in graph.values() for name in targets)
+    assert cycles(graph) == []
 
 
 def test_every_module_is_in_one_layer():

@@ -1,8 +1,9 @@
 """The editor's training settings: one dataclass that defines the result, and the check of every value.
 
-``TrainConfig``'s defaults are the settings of the committed folder (ditrun/editor/pipeline; docs/EDITOR.md gives
-the commands and GPU time). ``problems`` returns one sentence per wrong value, so the script can refuse before
-any work; the command-line options are derived from the fields, so no option is written twice.
+``TrainConfig``'s defaults are the first training's, from the seed; the committed folder (ditrun/editor/pipeline)
+went on from there in nine more trainings, each with ``--init`` and the options docs/EDITOR.md ("Repeating its
+training") lists and its ``train.json`` records. ``problems`` returns one sentence per wrong value, so the script can
+refuse before any work; the command-line options are derived from the fields, so no option is written twice.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Optional
+
+import torch
 
 from recipes.editor import pictures
 
@@ -207,6 +210,17 @@ def problems(cfg: TrainConfig) -> list[str]:
     if cfg.dit_stop_after > cfg.dit_steps:
         out.append(f"--dit-stop-after {cfg.dit_stop_after}: must be at most --dit-steps {cfg.dit_steps}.")
     return out
+
+
+def device_problem(name: str) -> Optional[str]:
+    """``--device name`` in one sentence where this machine cannot run it (the training's and the evaluation's)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name}: not a device torch knows (cpu, cuda, cuda:1, ...)."
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {name}: this machine has no CUDA device; use --device cpu."
+    return None if device.type in ("cpu", "cuda") else f"--device {name}: allowed: cpu or cuda."
 
 
 def _option(name: str) -> str:

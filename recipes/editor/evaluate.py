@@ -20,6 +20,7 @@ from ditrun.model.latents import pack, token_ids, unpack
 from ditrun.model.sampler import EditInputs, denoise, sequential_cfg_velocity
 from ditrun.results.files import to_rgb8
 from recipes.editor import pictures
+from recipes.editor.config import TrainConfig, device_problem
 from recipes.editor.data import EMPTY_PROMPT
 
 
@@ -176,13 +177,46 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def judge(cfg: TrainConfig, dit, codec, prompts, prompt_index: dict, device: torch.device, refs=None) -> dict:
+    """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained), as the
+    training writes them to ``eval.json``; ``prompts``: the prompt table's embeddings and pooled embeddings;
+    ``refs``: the held-out pictures when already loaded."""
+    if refs is None:
+        refs = reference_pictures(cfg.size, device, cfg.eval_pictures)
+    embeds, pooled = prompts
+    prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
+    result = {
+        "pictures": list(cfg.eval_pictures),
+        "steps": cfg.eval_steps,
+        "vae_roundtrip": roundtrip(codec, refs, cfg.eval_pictures),
+        "edits": {},
+        "summary": {},
+    }
+    result["edits"]["vae_ceiling"] = ceiling(codec, refs, cfg.eval_pictures)
+    result["summary"]["vae_ceiling"] = summarize(result["edits"]["vae_ceiling"])
+    for scale in cfg.eval_cfg_scales if cfg.dit_steps else ():
+        per_edit = edits(dit, codec, refs, cfg.eval_pictures, prompt_of, scale, cfg.eval_steps, cfg.seed)
+        result["edits"][f"true_cfg_scale={scale:g}"] = per_edit
+        result["summary"][f"true_cfg_scale={scale:g}"] = summarize(per_edit)
+    return result
+
+
+def report(result: dict) -> None:
+    """``judge``'s measures printed: the VAE's round trip, then one table per setting."""
+    trip = result["vae_roundtrip"]
+    each = ", ".join(f"{name} {r['psnr']:.1f}" for name, r in trip.items())
+    print(f"vae round trip: median PSNR {np.median([r['psnr'] for r in trip.values()]):.2f} dB ({each})")
+    for setting, summary in result["summary"].items():
+        what = "the correct edits through the VAE and back" if setting == "vae_ceiling" else f"edits at {setting}"
+        print(f"\n{what}, PSNR against the correct edit and margin over the naive candidates:")
+        print(table(summary))
+
+
 def judge_folder(folder, codec, names, size: int, device: torch.device, refs=None) -> dict:
     """A pipeline folder's held-out judgement, as the training writes it to ``eval.json``: its DiT as saved (bf16
     weights, where the training judged its fp32 EMA) and its VAE, run in fp32."""
     from ditrun.model.folders import model_text_len
-    from recipes.editor.config import TrainConfig
     from recipes.editor.dit import make_dit, prompt_table
-    from recipes.editor.train import judge
 
     text_len, _ = model_text_len(str(folder))  # where the recipe saved it, as a run reads it
     cfg = TrainConfig(size=size, eval_pictures=tuple(names), text_len=text_len)
@@ -232,8 +266,6 @@ def main(argv=None) -> None:
         wrong = True
     if wrong:
         parser.error(f"--poster-levels {args.poster_levels}: each must be a whole number of at least 2, e.g. 2,3,4.")
-    from recipes.editor.train import device_problem, report  # report: the training's printout of the same measures
-
     problem = device_problem(args.device)
     if problem:
         parser.error(problem)

@@ -30,16 +30,16 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 
 from ditrun.editor import transforms
-from recipes.editor import config, evaluate
+from recipes.editor import config
 from recipes.editor import folder as parts
 from recipes.editor.checkpoint import Checkpoints, fingerprint
-from recipes.editor.config import TrainConfig
+from recipes.editor.config import TrainConfig, device_problem
 from recipes.editor.data import Batches, Crops, Pool
 from recipes.editor.dit import make_dit, prompt_table
+from recipes.editor.evaluate import judge, report
 from recipes.editor.output import Staging, refusal
 from recipes.editor.phases import COMPILE_MODES, Budget, DitPhase, Stopped, VaePhase, run_phase
 from recipes.editor.vae import Codec, encoder_weights, load_vae
@@ -120,16 +120,6 @@ def run_options(args) -> Run:
         args.vae_from,
         args.wandb,
     )
-
-
-def device_problem(name: str) -> Optional[str]:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        return f"--device {name}: not a device torch knows (cpu, cuda, cuda:1, ...)."
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {name}: this machine has no CUDA device; use --device cpu."
-    return None if device.type in ("cpu", "cuda") else f"--device {name}: allowed: cpu or cuda."
 
 
 def _budget_problems(run: Run) -> list[str]:
@@ -373,29 +363,6 @@ def encoded_pool(
     return Pool(saved["refs"].to(device), saved["targets"].to(device)), read
 
 
-def judge(cfg: TrainConfig, dit, codec: Codec, table, prompt_index: dict, device: torch.device, refs=None) -> dict:
-    """The held-out measures: the VAE's round trip, and every edit per CFG scale (when a DiT was trained);
-    ``refs``: the held-out pictures when already loaded."""
-    if refs is None:
-        refs = evaluate.reference_pictures(cfg.size, device, cfg.eval_pictures)
-    embeds, pooled = table
-    prompt_of = lambda text: (embeds[prompt_index[text]], pooled[prompt_index[text]])  # noqa: E731
-    result = {
-        "pictures": list(cfg.eval_pictures),
-        "steps": cfg.eval_steps,
-        "vae_roundtrip": evaluate.roundtrip(codec, refs, cfg.eval_pictures),
-        "edits": {},
-        "summary": {},
-    }
-    result["edits"]["vae_ceiling"] = evaluate.ceiling(codec, refs, cfg.eval_pictures)
-    result["summary"]["vae_ceiling"] = evaluate.summarize(result["edits"]["vae_ceiling"])
-    for scale in cfg.eval_cfg_scales if cfg.dit_steps else ():
-        per_edit = evaluate.edits(dit, codec, refs, cfg.eval_pictures, prompt_of, scale, cfg.eval_steps, cfg.seed)
-        result["edits"][f"true_cfg_scale={scale:g}"] = per_edit
-        result["summary"][f"true_cfg_scale={scale:g}"] = evaluate.summarize(per_edit)
-    return result
-
-
 def save_folder(folder: Path, vae, dit) -> None:
     from ditrun.model.load import save_pretrained
 
@@ -470,16 +437,6 @@ def _versions() -> dict:
     import transformers
 
     return {"torch": torch.__version__, "diffusers": diffusers.__version__, "transformers": transformers.__version__}
-
-
-def report(result: dict) -> None:
-    trip = result["vae_roundtrip"]
-    each = ", ".join(f"{name} {r['psnr']:.1f}" for name, r in trip.items())
-    print(f"vae round trip: median PSNR {np.median([r['psnr'] for r in trip.values()]):.2f} dB ({each})")
-    for setting, summary in result["summary"].items():
-        what = "the correct edits through the VAE and back" if setting == "vae_ceiling" else f"edits at {setting}"
-        print(f"\n{what}, PSNR against the correct edit and margin over the naive candidates:")
-        print(evaluate.table(summary))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
