@@ -37,13 +37,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ditrun.config import TransportConfig  # noqa: E402
-from ditrun.parallel.ulysses import attention_plans, even_splits  # noqa: E402
-from ditrun.timers import ExposedTransfer  # noqa: E402
-from ditrun.transport.base import ExchangePlan  # noqa: E402
-from ditrun.transport.registry import make_transport  # noqa: E402
+from ditrun.config import TransportConfig
+from ditrun.parallel.ulysses import attention_plans, even_splits
+from ditrun.timers import ExposedTransfer
+from ditrun.transport.base import ExchangePlan
+from ditrun.transport.registry import make_transport
 
 TRANSPORTS = ("collective", "copy_engine")
 

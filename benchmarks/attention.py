@@ -20,19 +20,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import CUDA, print_table, relative_error, time_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gemm import CUDA, print_table, relative_error  # noqa: E402
-from timing import time_ms  # noqa: E402
-
-from ditrun.kernels import fp8_sdpa  # noqa: E402
-from ditrun.kernels.attention import (  # noqa: E402
+from ditrun.kernels import fp8_sdpa
+from ditrun.kernels.attention import (
     ATTENTION_KERNELS,
     choose_implementation,
     fp8_v_codes,
@@ -41,7 +35,7 @@ from ditrun.kernels.attention import (  # noqa: E402
     quantize_operands,
     quantize_v,
 )
-from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op  # noqa: E402
+from ditrun.kernels.fp8_sdpa import dequantize_output, fp8_pv_operands, fp8_sdpa_op
 
 ERROR_QUERIES = 2048
 

@@ -22,16 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from harness import FLUX_DEV, cuda_time, diffusers_flux_dev, forward_flops, nothing_to_measure
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import cuda_time  # noqa: E402
-
-from ditrun.model import from_pretrained  # noqa: E402
-from ditrun.model.latents import token_ids  # noqa: E402
-from ditrun.model.presets import PRESETS  # noqa: E402
-
-FLUX_DEV = PRESETS["flux-dev"]
+from ditrun.model import from_pretrained
+from ditrun.model.latents import token_ids
 
 
 def matmul_ceiling_tflops(n: int = 8192) -> float:
@@ -40,37 +34,6 @@ def matmul_ceiling_tflops(n: int = 8192) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     seconds = statistics.median(cuda_time(lambda: a @ b, 3, 10))
     return 2 * n**3 / seconds / 1e12
-
-
-def forward_flops(n_img: int, n_txt: int) -> float:
-    """Matmul FLOPs of one forward (linears + attention scores and values)."""
-    g = FLUX_DEV
-    d, s = g.inner_dim, n_img + n_txt
-    mlp = g.mlp_hidden_dim
-    double = 2 * s * (4 * d * d + 2 * d * mlp)  # per token: its stream's qkv + out + mlp (AdaLN is per image)
-    single = 2 * s * (3 * d * d + d * mlp + (d + mlp) * d)
-    attention = 4 * s * s * d
-    return g.num_layers * (double + attention) + g.num_single_layers * (single + attention)
-
-
-def diffusers_flux_dev():
-    """diffusers' FluxTransformer2DModel of FLUX.1-dev's geometry on the GPU, seeded random BF16 weights."""
-    from diffusers import FluxTransformer2DModel
-
-    g = FLUX_DEV
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = FluxTransformer2DModel(
-            num_layers=g.num_layers,
-            num_single_layers=g.num_single_layers,
-            attention_head_dim=g.attention_head_dim,
-            num_attention_heads=g.num_attention_heads,
-            joint_attention_dim=g.joint_attention_dim,
-            pooled_projection_dim=g.pooled_projection_dim,
-            guidance_embeds=True,
-            axes_dims_rope=g.axes_dims_rope,
-        )
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
 
 
 def build_diffusers_checkpoint(folder: Path):
@@ -95,19 +58,6 @@ def edit_inputs(width: int, height: int, text_len: int) -> dict:
         txt_ids=torch.zeros(text_len, 3, device="cuda"),
         guidance=torch.tensor([3.5], device="cuda"),
     )
-
-
-def nothing_to_measure(script: str) -> bool:
-    """True, after saying why, when ``script`` cannot measure here: no GPU, or no diffusers (the peer)."""
-    if not torch.cuda.is_available():
-        print(f"{script}: no CUDA/ROCm GPU visible; nothing to measure.")
-        return True
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        print(f"{script}: diffusers is not installed; it is the peer this benchmark compares with.")
-        return True
-    return False
 
 
 def main() -> int:

@@ -43,20 +43,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness import gpu_and_backlog_s
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from timing import gpu_and_backlog_s  # noqa: E402
-
-from ditrun.config import TransportConfig  # noqa: E402
-from ditrun.model.latents import token_ids  # noqa: E402
-from ditrun.model.load import random_model  # noqa: E402
-from ditrun.model.presets import PRESETS  # noqa: E402
-from ditrun.model.sampler import EditInputs, PlainForward  # noqa: E402
-from ditrun.parallel.cfg import layout_velocity, prepare_transports  # noqa: E402
-from ditrun.parallel.layout import build_layout, plan_layout  # noqa: E402
-from ditrun.timers import ExposedTransfer  # noqa: E402
-from ditrun.transport.registry import make_transport  # noqa: E402
+from ditrun.config import TransportConfig
+from ditrun.model.latents import token_ids
+from ditrun.model.load import random_model
+from ditrun.model.presets import PRESETS
+from ditrun.model.sampler import EditInputs, PlainForward
+from ditrun.parallel.cfg import layout_velocity, prepare_transports
+from ditrun.parallel.layout import build_layout, plan_layout
+from ditrun.timers import ExposedTransfer
+from ditrun.transport.registry import make_transport
 
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.

@@ -20,22 +20,16 @@ Every backend's output is compared with the emulation reference (relative error,
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
+from harness import CUDA, print_table, relative_error, time_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import timing  # noqa: E402
-from timing import time_ms  # noqa: E402
-
-from ditrun.kernels import linear as L  # noqa: E402
+from ditrun.kernels import linear as L
 
 # Flux (FLUX.1-dev) linears: (name, K, N). Q/K/V(+gate) are one stacked GEMM; the single-stream
 # block's proj_out takes [attention, MLP] = 3072 + 12288 channels.
-CUDA = torch.device("cuda")
 FLUX_SHAPES = [
     ("qkv (stacked)", 3072, 9216),
     ("attn out", 3072, 3072),
@@ -48,22 +42,18 @@ M_VALUES = (4608, 20992)
 published benchmark's edit, a 4 MP output + 1 MP reference + 512 text = 16384 + 4096 + 512 = 20992."""
 
 
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-
-
 def timer(mode: str, calls: int):
     """fn, repeats -> median ms per call, timed as ``--timing`` says."""
     if mode == "graph":
-        return lambda fn, repeats: timing.graph_ms(fn, repeats, calls)
+        return lambda fn, repeats: harness.graph_ms(fn, repeats, calls)
     return lambda fn, repeats: time_ms(fn, CUDA, repeats, calls if mode == "calls" else 1)
 
 
 def timings(mode: str, calls: int):
     """{name: fn}, repeats -> {name: median ms per call}: with graphs, the cases of one row in turns
-    (``timing.interleaved_graph_ms``); otherwise one after another."""
+    (``harness.interleaved_graph_ms``); otherwise one after another."""
     if mode == "graph":
-        return lambda fns, repeats: timing.interleaved_graph_ms(fns, repeats, calls)
+        return lambda fns, repeats: harness.interleaved_graph_ms(fns, repeats, calls)
     single = timer(mode, calls)
     return lambda fns, repeats: {name: single(fn, repeats) for name, fn in fns.items()}
 
@@ -152,14 +142,6 @@ def tiling_rows(m: int, repeats: int, time_ms) -> list[dict[str, str]]:
                 }
             )
     return rows
-
-
-def print_table(rows: list[dict[str, str]]) -> None:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    widths = {c: max(len(c), *(len(row.get(c, "")) for row in rows)) for c in columns}
-    print("  ".join(c.ljust(widths[c]) for c in columns))
-    for row in rows:
-        print("  ".join(row.get(c, "-").ljust(widths[c]) for c in columns), flush=True)
 
 
 def main() -> None:

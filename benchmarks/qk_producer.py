@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from harness import print_table, time_ms
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from gemm import print_table  # noqa: E402
-from timing import time_ms  # noqa: E402
-
-from ditrun.kernels.attention import quantize_int8_rows, smooth_k  # noqa: E402
-from ditrun.kernels.attention_payload import Field, RowLayout  # noqa: E402
-from ditrun.kernels.token_statistics import token_mean, token_sum  # noqa: E402
-from ditrun.model.dit import apply_rope, rope_tables  # noqa: E402
+from ditrun.kernels.attention import quantize_int8_rows, smooth_k
+from ditrun.kernels.attention_payload import Field, RowLayout
+from ditrun.kernels.token_statistics import token_mean, token_sum
+from ditrun.model.dit import apply_rope, rope_tables
 
 
 def inputs(tokens: int, heads: int, head_dim: int):

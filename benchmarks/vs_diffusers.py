@@ -50,20 +50,16 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench_flux_step import diffusers_flux_dev, forward_flops, nothing_to_measure  # noqa: E402  (the same model and FLOP count)
-from timing import cuda_time  # noqa: E402
+from harness import cuda_time, diffusers_flux_dev, forward_flops, nothing_to_measure  # the same model and FLOP count
 
 from ditrun.config import (
-    precision_presets,  # noqa: E402
-    register_configs,  # noqa: E402
+    precision_presets,
+    register_configs,
 )
-from ditrun.model.build import build_model, plan_precision, select_device_dtype  # noqa: E402
-from ditrun.model.compile import plan_compile  # noqa: E402
-from ditrun.model.latents import token_ids  # noqa: E402
-from ditrun.model.presets import PRESETS  # noqa: E402
+from ditrun.model.build import build_model, plan_precision, select_device_dtype
+from ditrun.model.compile import plan_compile
+from ditrun.model.latents import token_ids
+from ditrun.model.presets import PRESETS
 
 FLUX_DEV = PRESETS["flux-dev"]
 TEXT = 512

@@ -1,4 +1,8 @@
-"""How every benchmark here times GPU work: one module, so that every table is measured the same way.
+"""What every benchmark script here shares, so that every table is measured the same way and no script imports
+another. Run the scripts from the repository's root with ditrun importable (the venv, or ``PYTHONPATH=$PWD`` as
+``gpu_suite.sh`` sets); ``python3 benchmarks/<script>.py`` finds this module beside it.
+
+Timing:
 
 * ``time_ms``: median ms per call after a warm-up call (CUDA events on GPUs; what ``ditrun tune`` times with);
 * ``graph_ms``: back-to-back calls replayed as one CUDA graph, the GPU's time alone;
@@ -6,20 +10,23 @@
   clock and temperature, which drift while it works, weigh on every case alike;
 * ``cuda_time``: seconds per call of a long call (a whole forward), one CUDA-event pair each;
 * ``gpu_and_backlog_s``: one call's GPU time and how long the GPU still worked once the host had issued it.
+
+Tables and errors: ``print_table``, ``relative_error``. The peer: ``diffusers_flux_dev`` (diffusers' model of
+FLUX.1-dev's geometry), ``forward_flops``, and ``nothing_to_measure`` (no GPU, or no diffusers).
 """
 
 from __future__ import annotations
 
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ditrun.model.presets import PRESETS
+from ditrun.tune import REPEATS, events_ms, time_ms  # noqa: F401  (the dispatch table's own timing)
 
-from ditrun.tune import REPEATS, events_ms, time_ms  # noqa: E402,F401  (the dispatch table's own timing)
+CUDA = torch.device("cuda")
+FLUX_DEV = PRESETS["flux-dev"]
 
 
 def cuda_time(fn, warmup: int, repeats: int) -> list[float]:
@@ -91,3 +98,59 @@ def interleaved_ms(fns: dict, repeats: int = REPEATS, calls: int = 10) -> dict:
         fns[name]()  # the stream's untimed call
         times[name].append(events_ms(fns[name], calls) / calls)
     return {name: statistics.median(ms) for name, ms in times.items()}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def print_table(rows: list[dict[str, str]]) -> None:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    widths = {c: max(len(c), *(len(row.get(c, "")) for row in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for row in rows:
+        print("  ".join(row.get(c, "-").ljust(widths[c]) for c in columns), flush=True)
+
+
+def forward_flops(n_img: int, n_txt: int) -> float:
+    """Matmul FLOPs of one forward (linears + attention scores and values)."""
+    g = FLUX_DEV
+    d, s = g.inner_dim, n_img + n_txt
+    mlp = g.mlp_hidden_dim
+    double = 2 * s * (4 * d * d + 2 * d * mlp)  # per token: its stream's qkv + out + mlp (AdaLN is per image)
+    single = 2 * s * (3 * d * d + d * mlp + (d + mlp) * d)
+    attention = 4 * s * s * d
+    return g.num_layers * (double + attention) + g.num_single_layers * (single + attention)
+
+
+def diffusers_flux_dev():
+    """diffusers' FluxTransformer2DModel of FLUX.1-dev's geometry on the GPU, seeded random BF16 weights."""
+    from diffusers import FluxTransformer2DModel
+
+    g = FLUX_DEV
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = FluxTransformer2DModel(
+            num_layers=g.num_layers,
+            num_single_layers=g.num_single_layers,
+            attention_head_dim=g.attention_head_dim,
+            num_attention_heads=g.num_attention_heads,
+            joint_attention_dim=g.joint_attention_dim,
+            pooled_projection_dim=g.pooled_projection_dim,
+            guidance_embeds=True,
+            axes_dims_rope=g.axes_dims_rope,
+        )
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def nothing_to_measure(script: str) -> bool:
+    """True, after saying why, when ``script`` cannot measure here: no GPU, or no diffusers (the peer)."""
+    if not torch.cuda.is_available():
+        print(f"{script}: no CUDA/ROCm GPU visible; nothing to measure.")
+        return True
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        print(f"{script}: diffusers is not installed; it is the peer this benchmark compares with.")
+        return True
+    return False
