@@ -12,6 +12,7 @@ collective that a stopped peer will never join; the run then ends as a stopped e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -85,6 +86,7 @@ class Run:
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
         self.attempt: dict = {}  # global rank 0's too: ``rundir.attempt_of``
         self.wandb_mode = cfg.wandb.mode  # what global rank 0 logs in (``wandb.mode_to_run``)
+        self.logger = wandb_log.NullLogger()  # global rank 0's W&B run, once loaded
         # Names the process that writes this replica's records: a resumed run's first edits are its own warm-up.
         self.session = uuid.uuid4().hex[:12]
 
@@ -107,7 +109,8 @@ class Run:
         except RunStopped:
             return None
 
-    def load(self, job: LocalJob) -> None:
+    def load(self, job: LocalJob, done: frozenset = frozenset()) -> None:
+        """Everything before the first edit, each phase a stop point; ``done``: the edits earlier attempts finished."""
         cfg = self.cfg
         # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
         self.edits = self._prompts(job)
@@ -146,6 +149,10 @@ class Run:
             )
             STARTUP.end("build_s")
         self._open_compile_cache()
+        # W&B's start-up (up to its init timeout online) is a phase too: a stop signal ends it at once, and the
+        # barrier then stops every rank together; its time stays out of every timed region.
+        with self.solo(job, "wandb"):
+            self.logger = _start_logger(self, self.out_dir, done)
         job.barrier("loaded")
 
     def _open_compile_cache(self) -> None:
@@ -309,8 +316,11 @@ def run(
         wandb_on = layout.rank == 0 and cfg.wandb.mode != "disabled"
         folders.check_run_folders(cfg, out_dir, wandb_on, announce=layout.rank == 0)  # before the claim
         if layout.rank == 0:
-            with job.stop.raising():  # a stop signal ends the wait for W&B's server at once
-                state.wandb_mode = wandb_log.mode_to_run(cfg, out_dir)  # before the directory is claimed
+            # Before the directory is claimed; alone, a stop signal ends the wait for W&B's server at once. With other
+            # ranks (waiting for this one's claim) it is bounded instead (wandb.SERVER_CHECK_S): the next stop point
+            # then stops them all.
+            with job.stop.raising() if job.world == 1 else contextlib.nullcontext():
+                state.wandb_mode = wandb_log.mode_to_run(cfg, out_dir)
         done = set(job.share("done", lambda: _claim(lock, state, out_dir, hydra_files)))
         stopped, logger = _load_and_run_edits(state, job, done, out_dir)
         faults.hang(cfg.testing.fault)
@@ -355,10 +365,9 @@ def _load_and_run_edits(state: Run, job: LocalJob, done: set, out_dir: Path) -> 
     logger = wandb_log.NullLogger()
     try:
         STARTUP.begin("load_s")
-        state.load(job)
+        state.load(job, done)
         STARTUP.end("load_s")
-        with state.solo(job, "wandb"):  # a stop signal ends W&B's start-up at once
-            logger = _start_logger(state, out_dir, done)  # its start-up stays out of timed regions
+        logger = state.logger
     except RunStopped as stopped:
         return stopped, logger
     except OSError as err:  # a cache the disk refused
