@@ -256,7 +256,7 @@ def test_incomplete_and_unreadable_runs_are_listed_never_chosen(tmp_path):
     assert "Not judged: `1: precision=fp8_all cache=none`: incomplete: 1 of 2 edits recorded." in text
     assert (
         "Not judged: `2: precision=fp8_all cache=static cache.compute_steps=[0,2,4]`: unreadable: summary.json "
-        "cannot be read (JSONDecodeError)."
+        "is not a JSON object ditrun writes."
     ) in text
     assert "Not judged: `5`: incomplete: no summary: its run did not finish (0 of 2 edits)." in text
     assert "Fastest run that meets it: `0" in text  # the only complete run that meets the target
