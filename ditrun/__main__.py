@@ -11,6 +11,7 @@ this run's (``ditrun/results/rundir.py``), never by a run that is refused it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -77,8 +78,9 @@ def _hydra_main(cfg: RunConfig) -> None:
     except UserError as err:
         # A user's mistake is one sentence; DITRUN_DEBUG=1 shows the traceback behind it anyway. A refused run
         # leaves nothing behind, not even the empty folder Hydra made for it.
-        if made is not None and not any(made.iterdir()):
-            made.rmdir()
+        if made is not None:
+            with contextlib.suppress(OSError):  # the other ranks of a refused job remove it too, at once
+                made.rmdir()  # only an empty folder: one holding anything stays
         _user_error(err)
     except Exception as err:
         if hydra_cfg.mode != RunMode.MULTIRUN:
