@@ -154,23 +154,32 @@ def test_default_offline_run_makes_no_network_attempt(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_online_without_a_key_logs_offline_with_one_warning(tmp_path, tmp_path_factory):
+def test_online_without_a_key_logs_offline_and_a_rerun_with_nothing_left_adds_no_run(tmp_path, tmp_path_factory):
     out = tmp_path / "run"
-    proc = ditrun(
-        *TINY,
-        "wandb.mode=online",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
-        f"hydra.run.dir={out}",
-        cwd=tmp_path,
-        env={"HOME": str(tmp_path), "NETRC": str(tmp_path / "no-netrc")},
-        unset=("WANDB_API_KEY",),
-        prefix=without_network(),
-    )
+
+    def run():
+        return ditrun(
+            *TINY,
+            "wandb.mode=online",
+            f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+            f"hydra.run.dir={out}",
+            cwd=tmp_path,
+            env={"HOME": str(tmp_path), "NETRC": str(tmp_path / "no-netrc")},
+            unset=("WANDB_API_KEY",),
+            prefix=without_network(),
+        )
+
+    proc = run()
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "wandb.mode=online" in line]
     assert len(warnings) == 1 and "there is no W&B API key here" in warnings[0] and "wandb sync" in warnings[0]
     assert json.loads((out / "summary.json").read_text())["wandb_mode"] == "offline"
     assert len(list(out.glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    again = run()  # every edit done and in the offline run, which ended: nothing to add
+    assert again.returncode == 0, again.stderr
+    assert "resuming, 2 edits already in edits.jsonl are skipped" in again.stdout
+    assert len(list(out.glob("wandb/offline-run-*"))) == 1
+    assert json.loads((out / "summary.json").read_text())["attempt"] == 2
 
 
 @pytest.mark.timeout(300)
@@ -202,16 +211,3 @@ def test_a_stop_signal_while_waiting_for_a_silent_wandb_server_stops_the_run(tmp
     assert code == 128 + signal.SIGTERM, run.stderr.read()
     assert waited < SERVER_CHECK_S, waited  # not the server's timeout: the signal ended the wait
     assert not (out / "run.json").exists()  # stopped before the directory was claimed
-
-
-@pytest.mark.timeout(300)
-def test_a_rerun_with_nothing_left_adds_no_wandb_run(tmp_path, tmp_path_factory):
-    out = tmp_path / "run"
-    args = (*TINY, f"metrics.reference_dir={reference_dir(tmp_path_factory)}", f"hydra.run.dir={out}")
-    first = ditrun(*args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    again = ditrun(*args, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
-    assert "resuming, 2 edits already in edits.jsonl are skipped" in again.stdout
-    assert len(list(out.glob("wandb/offline-run-*"))) == 1
-    assert json.loads((out / "summary.json").read_text())["attempt"] == 2
