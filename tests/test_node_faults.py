@@ -118,7 +118,7 @@ def test_caches_that_cannot_be_written_move_into_the_run_directory(tmp_path, wor
     went, the references made in the run directory; W&B's offline run is finished."""
     env, unset, prefix = (
         {},
-        # (and this session's compiler folders, which a run of another user may not use)
+        # (and the test process's compiler folders, which a run of another user may not use)
         ["XDG_", "WANDB_DATA_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "MPLCONFIGDIR", "TORCHINDUCTOR_", "TRITON_"],
         NO_OVERRIDE,
     )

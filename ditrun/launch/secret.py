@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from ditrun.errors import UserError
+from ditrun.trust import Untrusted, private_folder
 
 ENV = "DITRUN_JOB_SECRET"
 SECRET_BYTES = 32
@@ -78,9 +79,14 @@ def user_secret(environ: Mapping[str, str] = os.environ) -> bytes:
     except FileNotFoundError:
         pass
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_folder(path.parent)  # made 0700, or refused where another user could have written it
         _create_private(path)
         return _read_private(path)
+    except Untrusted as why:
+        raise UserError(
+            f"the job secret's folder {path.parent} is not only yours ({why}); set {ENV} for the job's "
+            "ranks or remove that folder."
+        ) from None
     except OSError as err:
         raise UserError(
             f"cannot make the job secret file {path} ({err.strerror}); set {ENV} for the job's ranks "

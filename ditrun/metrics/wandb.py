@@ -321,7 +321,10 @@ def start(
     if mode == "disabled" or not is_global_rank0:
         return NullLogger()
     attempt = attempt or {}
-    if _already_whole(mode, out_dir, attempt, list(edits), [r["edit"] for r in done]):
+    records_done, edits, done = list(done), list(edits), [r["edit"] for r in done]
+    # The earlier attempts' offline files, read before this attempt adds its own.
+    rows, ended = _earlier_offline_rows(mode, out_dir, attempt)
+    if _already_whole(mode, edits, done, attempt, rows, ended):
         return NullLogger()  # a rerun with nothing left to do adds nothing to the W&B run
     begin = time.perf_counter()
     run = _init(
@@ -338,38 +341,37 @@ def start(
     )
     if attempt:
         run.summary.update({"attempt": attempt["attempt"], "restarts": attempt.get("restarts", {})})
-    logged, first_step = _earlier_rows(mode, run, list(edits), [r["edit"] for r in done])
-    logger = WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images, list(edits), logged, first_step)
-    logger.log_others(list(done))
+    logged, first_step = _logged_and_next_step(mode, run, edits, done, rows)
+    logger = WandbLogger(run, time.perf_counter() - begin, cfg.wandb.images, edits, logged, first_step)
+    logger.log_others(list(records_done))
     return logger
 
 
-def _already_whole(mode: str, out_dir: Path, attempt: dict, edits: list[str], done: list[str]) -> bool:
-    """Whether earlier attempts finished every edit and their W&B run holds them all and ended (offline: read from
-    its files; online: taken to be so once every edit is done)."""
+def _earlier_offline_rows(mode: str, out_dir: Path, attempt: dict) -> tuple[list[dict], bool]:
+    """The history rows of the earlier attempts' offline files and whether the last one ended ([] and False online
+    or for a first attempt)."""
+    if mode != "offline" or not attempt.get("wandb_id"):
+        return [], False
+    return wandb_file.earlier_attempts(out_dir / files.WANDB_DIR, attempt["wandb_id"])
+
+
+def _already_whole(mode: str, edits: list[str], done: list[str], attempt: dict, rows: list[dict], ended: bool) -> bool:
+    """Whether earlier attempts finished every edit and their W&B run holds them all and ended (offline: from its
+    files' ``rows``; online: taken to be so once every edit is done)."""
     if not edits or not set(edits) <= set(done) or not attempt.get("wandb_id"):
         return False
     if mode != "offline":
         return True
-    paths = wandb_file.offline_files(out_dir / files.WANDB_DIR, attempt["wandb_id"])
-    rows = [row for path in paths for row in wandb_file.history(path)]
     logged = {int(row["edit_index"]) for row in rows if "edit_index" in row}
-    return bool(paths) and logged >= set(range(len(edits))) and wandb_file.finished(paths[-1])
+    return ended and logged >= set(range(len(edits)))
 
 
-def _earlier_rows(mode: str, run, edits: list[str], done: list[str]) -> tuple[set[str], int]:
-    """The edits whose rows earlier attempts' W&B files hold, and the step after their last row. Offline, read from
-    those files; online, W&B's server holds them: it says where the run's steps go on, and what was logged there
+def _logged_and_next_step(mode: str, run, edits: list[str], done: list[str], rows: list[dict]) -> tuple[set[str], int]:
+    """The edits whose rows earlier attempts' W&B files hold, and the step after their last row. Offline, from those
+    files' ``rows``; online, W&B's server holds them: it says where the run's steps go on, and what was logged there
     is taken to be every edit done."""
     if mode != "offline":
         return set(done), int(getattr(run, "starting_step", 0) or 0)
-    own = Path(run.dir).parent
-    rows = [
-        row
-        for path in wandb_file.offline_files(own.parent, run.id)
-        if path.parent != own
-        for row in wandb_file.history(path)
-    ]
     logged = {edits[int(row["edit_index"])] for row in rows if 0 <= int(row.get("edit_index", -1)) < len(edits)}
     return logged, max((int(row.get("_step", -1)) for row in rows), default=-1) + 1
 

@@ -49,14 +49,15 @@ def items(entries) -> dict:
     return {entry.key or "/".join(entry.nested_key): json.loads(entry.value_json) for entry in entries}
 
 
-def history(path: Path) -> list[dict]:
-    """Every history row the file holds (``_step`` included)."""
-    return [items(r.history.item) for r in read_records(path) if r.WhichOneof("record_type") == "history"]
-
-
-def finished(path: Path) -> bool:
-    """Whether the file's run ended (its exit record was written)."""
-    return any(r.WhichOneof("record_type") == "exit" for r in read_records(path))
+def earlier_attempts(wandb_dir: Path, run_id: str) -> tuple[list[dict], bool]:
+    """Every history row (``_step`` included) of the offline files of the W&B run ``run_id`` under ``wandb_dir``,
+    oldest first, and whether the last of them ended (its exit record was written); each file read once."""
+    rows, ended = [], False
+    for path in offline_files(wandb_dir, run_id):
+        records = read_records(path)
+        rows += [items(r.history.item) for r in records if r.WhichOneof("record_type") == "history"]
+        ended = any(r.WhichOneof("record_type") == "exit" for r in records)
+    return rows, ended
 
 
 def offline_files(wandb_dir: Path, run_id: str) -> list[Path]:
