@@ -43,10 +43,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import gpu_and_backlog_s
+from harness import LayoutArgs, edit_inputs, gpu_and_backlog_s
 
 from ditrun.config import TransportConfig
-from ditrun.model.latents import token_ids
 from ditrun.model.load import random_model
 from ditrun.model.presets import PRESETS
 from ditrun.model.sampler import EditInputs, PlainForward
@@ -58,35 +57,6 @@ from ditrun.transport.registry import make_transport
 FLUX_DEV = PRESETS["flux-dev"]
 # (layout, head_groups): the first row is the baseline.
 ROWS = [("single", 1), ("ulysses", 1), ("ulysses", 2), ("cfg_batch", 1)]
-
-
-class LayoutArgs:
-    """The three ``layout.*`` keys, without composing a whole run config."""
-
-    def __init__(self, name: str, head_groups: int):
-        self.name, self.replicas, self.head_groups = name, 1, head_groups
-
-
-def edit_inputs(width: int, height: int, text_len: int) -> EditInputs:
-    """A Kontext-style edit: output tokens, as many reference tokens, text, on the GPU."""
-    h, w = height // 8, width // 8
-    n = (h // 2) * (w // 2)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device="cuda")
-
-    return EditInputs(
-        noise=randn(1, n, 64),
-        ref_latents=randn(1, n, 64),
-        img_ids=token_ids(h, w, 0, "cuda"),
-        ref_ids=token_ids(h, w, 1, "cuda"),
-        prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
-        pooled=randn(1, FLUX_DEV.pooled_projection_dim),
-        neg_prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
-        neg_pooled=randn(1, FLUX_DEV.pooled_projection_dim),
-        txt_ids=torch.zeros(text_len, 3, device="cuda"),
-    )
 
 
 def step_function(

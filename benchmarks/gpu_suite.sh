@@ -36,8 +36,11 @@
 #   bash benchmarks/gpu_suite.sh editor                   (one GPU: the trained editor's precision table and its cache table
 #                                                            at 28 steps, judged by ditrun report; ~8 min)
 #   bash benchmarks/gpu_suite.sh exchange                 (one GPU: the quantized exchange's fused Q/K producer, its GPU
-#                                                            test, then against the unfused sequence at 20992 tokens,
-#                                                            24 heads, P = 2, 4, 8: benchmarks/qk_producer.py; ~3 min)
+#                                                            tests, then against the unfused sequence at 20992 tokens,
+#                                                            24 heads, P = 2, 4, 8 (benchmarks/qk_producer.py, --tune),
+#                                                            then a CFG step over two ranks sharing the GPU, values
+#                                                            against codes (benchmarks/quantized_exchange.py; COMPILE=1
+#                                                            compiles the blocks); ~6 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -209,9 +212,13 @@ if [[ $what == attention ]]; then
   timeout 200 python3 benchmarks/attention.py --s 20992 8704 --repeats 10 2>&1 | tee "$OUT/attention.txt"
 fi
 if [[ $what == exchange ]]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_qk_producer.py tests/test_quantized_exchange.py 2>&1 \
-    | tee "$OUT/tests_exchange.log" | tail -5
-  timeout 300 python3 benchmarks/qk_producer.py --s 20992 --shards 2 4 8 2>&1 | tee "$OUT/qk_producer.txt"
+  for f in tests/test_qk_producer.py tests/test_quantized_exchange.py; do
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu "$f" 2>&1 | tee -a "$OUT/tests_exchange.log" | tail -5
+  done
+  timeout 300 python3 benchmarks/qk_producer.py --s 20992 --shards 2 4 8 --tune 2>&1 | tee "$OUT/qk_producer.txt"
+  # the whole step over two ranks sharing the GPU, values against codes (eager; COMPILE=1: the blocks compiled)
+  timeout 400 python3 benchmarks/quantized_exchange.py --share-gpu ${COMPILE:+--compile} 2>&1 \
+    | tee "$OUT/quantized_exchange.txt" | tail -8
 fi
 if [[ $what == workload || $what == all ]]; then
   # The published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.

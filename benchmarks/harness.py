@@ -11,7 +11,8 @@ Timing:
 * ``cuda_time``: seconds per call of a long call (a whole forward), one CUDA-event pair each;
 * ``gpu_and_backlog_s``: one call's GPU time and how long the GPU still worked once the host had issued it.
 
-Tables and errors: ``print_table``, ``relative_error``. The peer: ``diffusers_flux_dev`` (diffusers' model of
+Tables and errors: ``print_table``, ``relative_error``. Inputs: ``edit_inputs`` (a Kontext edit's), ``LayoutArgs``
+(the ``layout.*`` keys without a run config). The peer: ``diffusers_flux_dev`` (diffusers' model of
 FLUX.1-dev's geometry), ``forward_flops``, and ``nothing_to_measure`` (no GPU, or no diffusers).
 """
 
@@ -154,3 +155,35 @@ def nothing_to_measure(script: str) -> bool:
         print(f"{script}: diffusers is not installed; it is the peer this benchmark compares with.")
         return True
     return False
+
+
+class LayoutArgs:
+    """The three ``layout.*`` keys, without composing a whole run config."""
+
+    def __init__(self, name: str, head_groups: int):
+        self.name, self.replicas, self.head_groups = name, 1, head_groups
+
+
+def edit_inputs(width: int, height: int, text_len: int, device: torch.device = CUDA):
+    """A Kontext-style edit's inputs (output tokens, as many reference tokens, text), seeded random, on ``device``."""
+    from ditrun.model.latents import token_ids
+    from ditrun.model.sampler import EditInputs
+
+    h, w = height // 8, width // 8
+    n = (h // 2) * (w // 2)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device=device)
+
+    return EditInputs(
+        noise=randn(1, n, 64),
+        ref_latents=randn(1, n, 64),
+        img_ids=token_ids(h, w, 0, device),
+        ref_ids=token_ids(h, w, 1, device),
+        prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
+        pooled=randn(1, FLUX_DEV.pooled_projection_dim),
+        neg_prompt=randn(1, text_len, FLUX_DEV.joint_attention_dim),
+        neg_pooled=randn(1, FLUX_DEV.pooled_projection_dim),
+        txt_ids=torch.zeros(text_len, 3, device=device),
+    )

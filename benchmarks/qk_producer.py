@@ -67,13 +67,33 @@ def unfused(x, weight, cos, sin, fields) -> None:
         fields[f"{name}_scale"][..., 0].copy_(scale)
 
 
-def fused(x, weight, cos, sin, fields) -> None:
+def fused(x, weight, cos, sin, fields, **launch) -> None:
     from ditrun.kernels.qk_producer_triton import norm_rope_quantize, norm_rope_statistics
 
-    k_sum, _ = norm_rope_statistics(x[1], weight[1], cos, sin)
+    k_sum, _ = norm_rope_statistics(x[1], weight[1], cos, sin, **launch)
     mean = token_mean(k_sum, x[1].shape[1], x[1].dtype)
-    norm_rope_quantize(x[0], weight[0], cos, sin, fields["q"], fields["q_scale"][..., 0])
-    norm_rope_quantize(x[1], weight[1], cos, sin, fields["k"], fields["k_scale"][..., 0], mean)
+    norm_rope_quantize(x[0], weight[0], cos, sin, fields["q"], fields["q_scale"][..., 0], **launch)
+    norm_rope_quantize(x[1], weight[1], cos, sin, fields["k"], fields["k_scale"][..., 0], mean, **launch)
+
+
+LAUNCHES = [(block, warps) for block in (8, 16, 32, 64) for warps in (1, 2, 4, 8)]
+"""``--tune``: the fused producer's (tokens per program, warps) tried."""
+
+
+def tune_row(s: int, shards: int, heads: int, repeats: int) -> dict[str, str]:
+    """ms of the fused producer per (block_l, num_warps) at one P; the kernels' defaults marked."""
+    from ditrun.kernels.qk_producer_triton import BLOCK_L, WARPS
+
+    tokens = s // shards
+    x, weight, cos, sin = inputs(tokens, heads, 128)
+    slot = torch.empty(shards * tokens, 1, heads // shards, LAYOUT.nbytes, dtype=torch.uint8, device="cuda")
+    fields = slot_fields(slot, shards)
+    cuda = torch.device("cuda")
+    row = {"P": str(shards)}
+    for block, warps in LAUNCHES:
+        ms = time_ms(lambda: fused(x, weight, cos, sin, fields, block_l=block, num_warps=warps), cuda, repeats)
+        row[f"{block}/{warps}" + ("*" if (block, warps) == (BLOCK_L, WARPS) else "")] = f"{ms:.3f}"
+    return row
 
 
 def bf16_producer(x, weight, cos, sin, slot) -> None:
@@ -118,11 +138,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=24)
     parser.add_argument("--shards", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tune", action="store_true", help="also time the fused producer per (block_l, warps)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("qk_producer.py needs a GPU (the fused producer is a Triton kernel).")
     print(f"{torch.cuda.get_device_name()}: S = {args.s}, {args.heads} heads of 128, ms per call (Q and K)")
     print_table([row(args.s, p, args.heads, args.repeats) for p in args.shards])
+    if args.tune:
+        print("fused producer, ms per call by tokens per program / warps (* the kernels' default):")
+        print_table([tune_row(args.s, p, args.heads, args.repeats) for p in args.shards])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ Each rank is a forked child with ``torch.distributed`` initialised (gloo, a ``fi
 rendezvous in a fresh temporary folder, ``collective_timeout`` on every collective) and one
 intra-op thread, since several ranks share few cores. ``backend="nccl"`` starts the ranks with
 ``spawn`` instead (CUDA cannot be used in a forked child) with rank r on GPU r; ``fn`` must then
-be importable (a module-level function). ``fn(rank, world, *args)`` runs there;
+be importable (a module-level function); ``backend="shared_gpu"`` spawns gloo ranks that all use GPU 0 (NCCL
+refuses two ranks on one GPU: the copy-engine transport moves their tensors through CUDA IPC). ``fn(rank, world, *args)`` runs there;
 its return value comes back pickled, in rank order. If a rank raises, the others are killed
 and its traceback is raised here; if they do not all finish within ``timeout`` seconds, they
 are all killed and the ranks that had not reported are named. Forking keeps start-up at a
@@ -39,8 +40,10 @@ def _rank_main(fn, rank: int, world: int, args, store: str, collective_timeout: 
         torch.set_num_threads(1)
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        if backend == "shared_gpu":
+            torch.cuda.set_device(0)
         dist.init_process_group(
-            backend,
+            "gloo" if backend == "shared_gpu" else backend,
             init_method=f"file://{store}",
             rank=rank,
             world_size=world,
@@ -69,7 +72,7 @@ def run_ranks(
     Ranks in ``lost`` are expected to die without a result (a test of how the others cope): their
     entries are None and only the other ranks are waited for.
     """
-    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")
+    ctx = mp.get_context("fork" if backend == "gloo" else "spawn")
     results = ctx.Queue()
     folder = tempfile.mkdtemp(prefix="ranks-")
     store = os.path.join(folder, "store")

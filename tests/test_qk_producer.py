@@ -54,13 +54,21 @@ def check_producer(device: str = "cpu", dtype=torch.float32) -> None:
     layout = RowLayout((Field("k", torch.int8, d), Field("k_scale", torch.float32, 1)))
     mean = token_mean(token_sum(rotated, 1), length, dtype)
     for smoothed in (None, mean):
-        slot = torch.zeros(length, b, h, layout.nbytes, dtype=torch.uint8, device=device)  # [L, B, H, record]
-        fields = {n: t.transpose(0, 1) for n, t in layout.views(slot).items()}  # [B, L, H, w]
+        # the send slot [P, L, B, H/P, record], destination-major, one head per destination: fields [B, L, P, 1, w]
+        slot = torch.zeros(h, length, b, 1, layout.nbytes, dtype=torch.uint8, device=device)
+        fields = {n: t.permute(2, 1, 0, 3, 4) for n, t in layout.views(slot).items()}
         norm_rope_quantize(x, weight, cos, sin, fields["k"], fields["k_scale"][..., 0], smoothed)
         codes, scales = unfused(x, weight, cos, sin, smoothed)
-        torch.testing.assert_close(fields["k_scale"][..., 0], scales, rtol=4e-7, atol=0)
-        off = (fields["k"].int() - codes.int()).abs()
+        torch.testing.assert_close(fields["k_scale"][..., 0].flatten(2), scales, rtol=4e-7, atol=0)
+        off = (fields["k"].flatten(2, 3).int() - codes.int()).abs()
         assert off.max() <= 1 and (off > 0).float().mean() < 2e-3, (off.max(), (off > 0).sum())
+        # and into a [B, L, H, D] tensor of one destination
+        one = torch.zeros(b, length, h, d, dtype=torch.int8, device=device)
+        one_scale = torch.zeros(b, length, h, device=device)
+        norm_rope_quantize(x, weight, cos, sin, one, one_scale, smoothed)
+        assert torch.equal(one, fields["k"].flatten(2, 3)) and torch.equal(
+            one_scale, fields["k_scale"][..., 0].flatten(2)
+        )
 
 
 @pytest.mark.slow

@@ -134,7 +134,14 @@ def _codes_as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Int8QKPayload:
-    """INT8 Q and smoothed K with a scale per token and head; V in its format (``attention.int8qk_attention``)."""
+    """INT8 Q and smoothed K with a scale per token and head; V in its format (``attention.int8qk_attention``).
+
+    On a GPU its Q and K codes are written by the fused producer (``qk_producer_triton``: RMSNorm + RoPE + INT8 in
+    one kernel) straight from the projections into the send slot (``statistics_from_raw``, ``write_qk``); elsewhere
+    ``encode`` quantizes the normalized, rotated Q and K."""
+
+    produces_qk = True
+    """Its Q and K codes can be written from the projections by the fused producer (``write_qk``)."""
 
     def __init__(self, name: str, v_format: str, implementation: str):
         self.name, self.v_format, self.implementation = name, v_format, implementation
@@ -154,14 +161,54 @@ class Int8QKPayload:
         mean = token_mean(stats.k_sum, stats.tokens, k.dtype)[:, None]  # [B, 1, H, D], as smooth_k's
         q8, q_scale = quantize_int8_rows(q)  # per token and head: the layout does not matter
         k8, k_scale = quantize_int8_rows(smooth_k(k, 1, mean))
-        fields = {"q": q8, "q_scale": q_scale[..., None], "k": k8, "k_scale": k_scale[..., None]}
+        return {
+            "q": q8,
+            "q_scale": q_scale[..., None],
+            "k": k8,
+            "k_scale": k_scale[..., None],
+            **self.encode_v(v, stats),
+        }
+
+    def encode_v(self, v, stats: Statistics) -> dict[str, torch.Tensor]:
+        """V's fields: v [B, L, H, D] -> [B, L, H, width] each."""
         if self.v_format == "bf16":
-            return {**fields, "v": v}
+            return {"v": v}
         if self.v_format == "fp8":
             scaled = torch.ldexp(v.float(), -self._v_exponents(stats)[:, None, :, None])
-            return {**fields, "v": _codes_as_bytes(formats.round_to_grid(scaled, "fp8_e4m3").to(torch.float8_e4m3fn))}
+            return {"v": _codes_as_bytes(formats.round_to_grid(scaled, "fp8_e4m3").to(torch.float8_e4m3fn))}
         codes, scales = formats.quantize_mx(v, "fp6_e2m3")  # blocks along each token's channels, as quantize_v
-        return {**fields, "v": codes, "v_scale": scales}
+        return {"v": codes, "v_scale": scales}
+
+    @staticmethod
+    def statistics_from_raw(q, k, v, norms, rope) -> Statistics:
+        """This rank's share from Q and K as projected (the GPU's fused producer): K's sums and amax of its
+        normalized, rotated values by ``qk_producer_triton.norm_rope_statistics``; V's amax. Q's amax, which no
+        INT8 payload reads, is not measured (nan)."""
+        from ditrun.kernels.qk_producer_triton import norm_rope_statistics
+
+        b, length, h, d = k.shape
+        k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=k.device)
+        k_amax = torch.zeros(b, h, dtype=torch.float32, device=k.device)
+        cos, sin = rope
+        for at, _, weight in norms.spans(length):
+            part_sum, part_amax = norm_rope_statistics(k[:, at], weight, cos[at], sin[at], norms.eps)
+            k_sum += part_sum
+            k_amax = torch.maximum(k_amax, part_amax)
+        q_amax = torch.full_like(k_sum[..., 0], float("nan"))
+        return Statistics(k_sum, torch.stack([q_amax, k_amax.double(), token_amax(v, (1, 3))], dim=-1), length)
+
+    @staticmethod
+    def write_qk(q, k, norms, rope, k_mean, fields: dict[str, torch.Tensor]) -> None:
+        """Q and K as projected ([B, L, H, D]) -> their codes and scales written into ``fields`` ([B, L, P, H/P, w]
+        views of the send slot) by the fused producer: RMSNorm (``norms``), RoPE (``rope``), K minus ``k_mean``
+        ([B, H, D] in K's dtype), INT8 per token and head."""
+        from ditrun.kernels.qk_producer_triton import norm_rope_quantize
+
+        cos, sin = rope
+        for at, q_weight, k_weight in norms.spans(q.shape[1]):
+            for name, x, weight, mean in (("q", q, q_weight, None), ("k", k, k_weight, k_mean)):
+                codes, scale = fields[name][:, at], fields[f"{name}_scale"][:, at, ..., 0]
+                norm_rope_quantize(x[:, at], weight, cos[at], sin[at], codes, scale, mean, norms.eps)
 
     def _v_exponents(self, stats: Statistics) -> torch.Tensor:
         """The power-of-two exponent of V's E4M3 scale per (batch row, head), [B, H] fp32 (``fp8_head_exponents``)."""

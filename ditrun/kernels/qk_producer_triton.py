@@ -72,22 +72,26 @@ def _quantize_kernel(
     SCALE,
     L,
     H,
+    HP,
     stride_xb,
     stride_xl,
     stride_xh,
     stride_cb,
     stride_cl,
+    stride_cp,
     stride_ch,
     stride_sb,
     stride_sl,
+    stride_sp,
     stride_sh,
     eps,
     SMOOTH: tl.constexpr,
     D: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    # MEAN: [B, H, D] in X's dtype (read when SMOOTH); CODES: int8 [B, L, H, D] and SCALE: fp32 [B, L, H], any strides
-    # (D contiguous): the send slot's fields. One program: BLOCK_L tokens of one (b, h).
+    # MEAN: [B, H, D] in X's dtype (read when SMOOTH); CODES: int8 [B, L, P, HP, D] and SCALE: fp32 [B, L, P, HP] (the
+    # H = P * HP heads split by destination rank), any strides (D contiguous): the send slot's fields. One program:
+    # BLOCK_L tokens of one (b, h).
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -101,17 +105,22 @@ def _quantize_kernel(
     steps = tl.math.div_rn(y, scale[:, None])
     codes = tl.minimum(tl.maximum((steps + ROUND_MAGIC) - ROUND_MAGIC, -127.0), 127.0)  # round half to even
     mask = tokens < L
-    at = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + tokens.to(tl.int64) * stride_cl
+    p, hp = (h // HP).to(tl.int64), (h % HP).to(tl.int64)
+    at = b.to(tl.int64) * stride_cb + p * stride_cp + hp * stride_ch + tokens.to(tl.int64) * stride_cl
     tl.store(CODES + at[:, None] + dims[None, :], codes.to(tl.int8), mask=mask[:, None])
-    at = b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh + tokens.to(tl.int64) * stride_sl
+    at = b.to(tl.int64) * stride_sb + p * stride_sp + hp * stride_sh + tokens.to(tl.int64) * stride_sl
     tl.store(SCALE + at, scale, mask=mask)
+
+
+BLOCK_L, WARPS = 32, 4
+"""Tokens per program and warps per program of both kernels."""
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cos.float().contiguous(), sin.float().contiguous()
 
 
-def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = 32):
+def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = BLOCK_L, num_warps: int = WARPS):
     """x [B, L, H, D] (the projection's heads, D contiguous) -> the fp64 token sums [B, H, D] and the amax [B, H]
     (fp32) of RMSNorm(x) * weight rotated by (cos, sin) [L, D]: K's share of ``attention_payload.Statistics``."""
     b, length, h, d = x.shape
@@ -120,16 +129,22 @@ def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = 
     cos, sin = _tables(cos, sin)
     grid = (max(1, triton.cdiv(length, block_l)), b * h)
     _statistics_kernel[grid](
-        x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps, D=d, BLOCK_L=block_l, num_warps=4
+        x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps, D=d, BLOCK_L=block_l, num_warps=num_warps
     )
     return k_sum, amax
 
 
-def norm_rope_quantize(x, weight, cos, sin, codes, scale, mean=None, eps: float = 1e-6, block_l: int = 32) -> None:
+def norm_rope_quantize(
+    x, weight, cos, sin, codes, scale, mean=None, eps: float = 1e-6, block_l: int = BLOCK_L, num_warps: int = WARPS
+) -> None:
     """RMSNorm(x) * weight, rotated by (cos, sin) [L, D], minus ``mean`` [B, H, D] if given, quantized to INT8 with a
-    scale per token and head, written into ``codes`` (int8 [B, L, H, D]) and ``scale`` (fp32 [B, L, H]): views of any
-    strides, such as the send slot's fields. x: [B, L, H, D], D contiguous."""
+    scale per token and head, written into ``codes`` (int8 [B, L, H, D]) and ``scale`` (fp32 [B, L, H]), or, heads
+    split by destination rank, [B, L, P, H/P, D] and [B, L, P, H/P]: views of any strides, such as the send slot's
+    fields (``UlyssesAttention`` writes them destination-major). x: [B, L, H, D], D contiguous."""
     b, length, h, d = x.shape
+    if codes.dim() == 4:  # one destination
+        codes, scale = codes.unsqueeze(2), scale.unsqueeze(2)
+    per_destination = codes.shape[3]
     cos, sin = _tables(cos, sin)
     smooth = mean is not None
     mean = mean.contiguous() if smooth else x
@@ -144,12 +159,13 @@ def norm_rope_quantize(x, weight, cos, sin, codes, scale, mean=None, eps: float 
         scale,
         length,
         h,
+        per_destination,
         *x.stride()[:3],
-        *codes.stride()[:3],
-        *scale.stride()[:3],
+        *codes.stride()[:4],
+        *scale.stride()[:4],
         eps,
         SMOOTH=smooth,
         D=d,
         BLOCK_L=block_l,
-        num_warps=4,
+        num_warps=num_warps,
     )

@@ -143,6 +143,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.to(x.dtype)
 
 
+@dataclass(frozen=True)
+class QKNorms:
+    """A block's per-head RMSNorm of Q and K, for an attention that normalizes and rotates them itself (one whose
+    ``takes_raw_qk`` is true: the quantized exchange's producer writes codes straight from the projections).
+
+    ``stretches``: (tokens, Q's weight, K's weight) in the order of the block's joint sequence: [text, image] in a
+    double-stream block (each stream has its own norms), the whole sequence in a single-stream one (tokens None).
+    """
+
+    stretches: tuple[tuple[Optional[int], torch.Tensor, torch.Tensor], ...]
+    eps: float
+
+    def spans(self, length: int) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """Each stretch's token slice of a sequence of ``length`` and its (Q, K) weights."""
+        spans, start = [], 0
+        for tokens, q_weight, k_weight in self.stretches:
+            end = length if tokens is None else start + tokens
+            spans.append((slice(start, end), q_weight, k_weight))
+            start = end
+        return spans
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the block would have handed attention: q, k [B, S, H, D] as projected -> normalized and rotated."""
+        normed = [
+            (F.rms_norm(q[:, at], (q.shape[-1],), wq, self.eps), F.rms_norm(k[:, at], (k.shape[-1],), wk, self.eps))
+            for at, wq, wk in self.spans(q.shape[1])
+        ]
+        q, k = (torch.cat(parts, dim=1) if len(parts) > 1 else parts[0] for parts in zip(*normed))
+        return apply_rope(q, *rope), apply_rope(k, *rope)
+
+
 # ---------------------------------------------------------------------------------------------
 # Normalisation and modulation
 
@@ -219,22 +250,30 @@ class Attention(nn.Module):
             return [self.add_q_proj, self.add_k_proj, self.add_v_proj, self.add_gate]
         return [self.to_q, self.to_k, self.to_v, self.to_gate]
 
-    def project(self, x: torch.Tensor, text: bool = False):
-        """Q, K (normalised per head), V and the sigmoid gate (None without one) for one stream.
+    def project(self, x: torch.Tensor, text: bool = False, raw: bool = False):
+        """Q, K (normalised per head; as projected if ``raw``), V and the sigmoid gate (None without one) for one
+        stream.
 
         x: [B, S, C] -> 3 x [B, S, H, D] and [B, S, C] or None.
         """
         stream = "text" if text else "image"
         if stream in self.stacked:
-            return self.heads_of(self.stacked[stream](x), text)
-        return self.heads_of([linear(x) for linear in self.linears(text) if linear is not None], text)
+            return self.heads_of(self.stacked[stream](x), text, raw)
+        return self.heads_of([linear(x) for linear in self.linears(text) if linear is not None], text, raw)
 
-    def heads_of(self, projected, text: bool = False):
+    def norms(self, text: bool = False) -> tuple[nn.RMSNorm, nn.RMSNorm]:
+        """The stream's per-head norms of Q and K."""
+        return (self.norm_added_q, self.norm_added_k) if text else (self.norm_q, self.norm_k)
+
+    def heads_of(self, projected, text: bool = False, raw: bool = False):
         """The projections' outputs (Q, K, V and the gate if any; [B, S, C] each) -> what ``project`` returns."""
         q, k, v, *gate = projected
         gate = torch.sigmoid(gate[0]) if gate else None
-        norm_q, norm_k = (self.norm_added_q, self.norm_added_k) if text else (self.norm_q, self.norm_k)
-        return norm_q(self._heads(q)), norm_k(self._heads(k)), self._heads(v), gate
+        q, k = self._heads(q), self._heads(k)
+        if not raw:
+            norm_q, norm_k = self.norms(text)
+            q, k = norm_q(q), norm_k(k)
+        return q, k, self._heads(v), gate
 
     @staticmethod
     def gated(out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
@@ -352,10 +391,14 @@ class Regions:
     """``block.joint`` compiled with ``attention`` in its graph; used when a call passes that function."""
     attention: Optional[Callable] = None
 
-    def run(self, inputs: tuple, attention: AttentionFn, residuals: int):
-        """The block on ``inputs`` (``pre``'s arguments); the first ``residuals`` of them go to ``post`` too."""
+    def run(self, inputs: tuple, attention: AttentionFn, residuals: int, norms: Callable[[], QKNorms]):
+        """The block on ``inputs`` (``pre``'s arguments, RoPE's tables last); the first ``residuals`` of them go to
+        ``post`` too. An attention that ``takes_raw_qk`` gets Q and K as projected, with the block's ``norms``."""
         if self.whole is not None and attention is self.attention:
             return self.whole(*inputs, attention)
+        if getattr(attention, "takes_raw_qk", False):
+            q, k, v, state = self.pre(*inputs, raw=True)
+            return self.post(attention.from_raw(q, k, v, norms(), inputs[-1]), *inputs[:residuals], state)
         q, k, v, state = self.pre(*inputs)
         return self.post(attention(q, k, v), *inputs[:residuals], state)
 
@@ -390,24 +433,31 @@ class DoubleStreamBlock(nn.Module):
 
     def forward(self, img, txt, temb, rope, attention: AttentionFn):
         # img: [B, S_img, C], txt: [B, S_txt, C]; the joint sequence is [txt, img]
-        return regions_of(self).run((img, txt, temb, rope), attention, residuals=2)
+        return regions_of(self).run((img, txt, temb, rope), attention, 2, lambda: self.qk_norms(txt.shape[1]))
+
+    def qk_norms(self, text_tokens: int) -> QKNorms:
+        """The per-head norms of the joint sequence [text, image]: each stream's own."""
+        (tq, tk), (iq, ik) = self.attn.norms(text=True), self.attn.norms()
+        return QKNorms(((text_tokens, tq.weight, tk.weight), (None, iq.weight, ik.weight)), tq.eps)
 
     def joint(self, img, txt, temb, rope, attention: AttentionFn):
         """The block in one piece (what the whole-block compilation traces)."""
         q, k, v, state = self.pre_attention(img, txt, temb, rope)
         return self.post_attention(attention(q, k, v), img, txt, state)
 
-    def pre_attention(self, img, txt, temb, rope):
-        """Everything before the attention: modulation, projections, per-head norms, RoPE.
+    def pre_attention(self, img, txt, temb, rope, raw: bool = False):
+        """Everything before the attention: modulation, projections, per-head norms, RoPE (the last two not if
+        ``raw``: see ``QKNorms``).
 
         -> q, k, v [B, S_txt + S_img, H, D] and what ``post_attention`` needs (a tuple of tensors).
         """
         img_mod, img_params = self.norm1(img, temb)
         txt_mod, txt_params = self.norm1_context(txt, temb)
-        qi, ki, vi, img_gate_attn = self.attn.project(img_mod)
-        qt, kt, vt, txt_gate_attn = self.attn.project(txt_mod, text=True)
+        qi, ki, vi, img_gate_attn = self.attn.project(img_mod, raw=raw)
+        qt, kt, vt, txt_gate_attn = self.attn.project(txt_mod, text=True, raw=raw)
         q, k, v = (torch.cat(pair, dim=1) for pair in ((qt, qi), (kt, ki), (vt, vi)))
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if not raw:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v, (img_params, txt_params, img_gate_attn, txt_gate_attn)
 
     def post_attention(self, out, img, txt, state):
@@ -450,23 +500,29 @@ class SingleStreamBlock(nn.Module):
 
     def forward(self, x, temb, rope, attention: AttentionFn):
         # x: [B, S_txt + S_img, C]
-        return regions_of(self).run((x, temb, rope), attention, residuals=1)
+        return regions_of(self).run((x, temb, rope), attention, 1, self.qk_norms)
+
+    def qk_norms(self) -> QKNorms:
+        norm_q, norm_k = self.attn.norms()
+        return QKNorms(((None, norm_q.weight, norm_k.weight),), norm_q.eps)
 
     def joint(self, x, temb, rope, attention: AttentionFn):
         """The block in one piece (what the whole-block compilation traces)."""
         q, k, v, state = self.pre_attention(x, temb, rope)
         return self.post_attention(attention(q, k, v), x, state)
 
-    def pre_attention(self, x, temb, rope):
-        """Modulation, projections, per-head norms, RoPE -> q, k, v [B, S, H, D] and the state for after."""
+    def pre_attention(self, x, temb, rope, raw: bool = False):
+        """Modulation, projections, per-head norms, RoPE (the last two not if ``raw``: see ``QKNorms``) -> q, k, v
+        [B, S, H, D] and the state for after."""
         h, (gate,) = self.norm(x, temb)
         if self.fused_in is not None:
             *projected, mlp_in = self.fused_in(h)  # mlp_in: the MLP's hidden state, already projected
-            q, k, v, attn_gate = self.attn.heads_of(projected)
+            q, k, v, attn_gate = self.attn.heads_of(projected, raw=raw)
         else:
-            q, k, v, attn_gate = self.attn.project(h)
+            q, k, v, attn_gate = self.attn.project(h, raw=raw)
             mlp_in = h
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if not raw:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v, (gate, attn_gate, mlp_in)
 
     def post_attention(self, out, x, state):

@@ -11,7 +11,10 @@ per-peer row counts), so no padding or key mask is needed.
 With a quantized attention format (``payload``, ``kernels/attention_payload.py``) the first exchange carries
 codes and scales instead: each rank quantizes its own tokens (with the whole sequence's statistics, gathered
 first: a [B, H, D + 3] fp64 row per rank) into the transport's send slot, and the receiver attends on the codes
-as they landed. The attention output travels back in the model dtype either way.
+as they landed. The attention output travels back in the model dtype either way. An INT8 Q/K payload takes Q
+and K as projected (``takes_raw_qk``; the block hands its per-head norms, ``dit.QKNorms``): on a GPU the fused
+producer (``kernels/qk_producer_triton.py``) normalizes, rotates and quantizes them into the send slot in one
+pass, with no BF16 Q or K in between; elsewhere they are normalized and rotated as the block would have done.
 
 Gathered, the sequence is ordered by rank ([text_0, out_0, ref_0, text_1, ...]) rather than as
 on one process; attention without a mask does not depend on the order of the keys except
@@ -29,7 +32,9 @@ from typing import Optional
 import torch
 
 from ditrun.kernels.attention_payload import Payload, Statistics
+from ditrun.kernels.linear import triton_available
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
+from ditrun.kernels.token_statistics import token_mean
 from ditrun.model.sampler import EditInputs
 from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows, gather_plan
 
@@ -134,10 +139,13 @@ class UlyssesAttention:
         head_groups: int = 1,
         inner: AttentionFn = sdpa_attention,
         payload: Optional[Payload] = None,
+        raw_qk: bool = True,
     ):
         self.transport, self.splits, self.head_groups, self.inner = transport, joint_splits, head_groups, inner
         self.payload = payload
         """Set: Q, K and V cross the exchange as this format's codes (``inner`` is then not called)."""
+        self.takes_raw_qk = raw_qk and transport.size > 1 and getattr(payload, "produces_qk", False)
+        """The block calls ``from_raw`` with Q and K as projected (``dit.Regions.run``)."""
 
     def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ...]:
         """The (qkv, attention_out[, statistics]) plans for queries shaped like ``q`` ([B, L_r, H, D])."""
@@ -148,14 +156,25 @@ class UlyssesAttention:
         # q, k, v: [B, L_r, H, D] (this rank's tokens, every head) -> [B, L_r, H, D]
         if self.transport.size == 1:
             return self._local(q, k, v)
-        qkv_plan, out_plan = self.plans(q)[:2]
+        qkv_plan = self.plans(q)[0]
         if self.payload is None:
-            send = functools.partial(self._send_qkv, q, k, v, plan=qkv_plan)
-            attend = self._attend_values
-        else:
-            stats = self._statistics(q, k, v)
-            send = functools.partial(self._send_codes, q, k, v, stats, plan=qkv_plan)
-            attend = functools.partial(self._attend_codes, stats, q)
+            return self._exchange(q, functools.partial(self._send_qkv, q, k, v, plan=qkv_plan), self._attend_values)
+        stats = self._statistics(Statistics.of(q, k, v), q)
+        send = functools.partial(self._send_codes, q, k, v, stats, plan=qkv_plan)
+        return self._exchange(q, send, functools.partial(self._attend_codes, stats, q))
+
+    def from_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, rope) -> torch.Tensor:
+        """As a call, with Q and K as projected (``takes_raw_qk``): ``norms`` (``dit.QKNorms``) and ``rope`` (cos,
+        sin [L_r, D]) say how the block would have normalized and rotated them."""
+        if not triton_available(q.device):  # the composition: what the block would have handed a call
+            return self(*norms.apply(q, k, rope), v)
+        stats = self._statistics(self.payload.statistics_from_raw(q, k, v, norms, rope), q)
+        send = functools.partial(self._send_raw, q, k, v, norms, rope, stats, plan=self.plans(q)[0])
+        return self._exchange(q, send, functools.partial(self._attend_codes, stats, q))
+
+    def _exchange(self, q: torch.Tensor, send, attend) -> torch.Tensor:
+        # send(g) starts head group g's exchange; attend(received, g) -> [B, S, H/(PG), D]
+        out_plan = self.plans(q)[1]
         out = torch.empty_like(q)
         incoming = [send(0)]
         outgoing: list[Handle] = []
@@ -198,9 +217,9 @@ class UlyssesAttention:
         # qkv: [S, 3, B, H/(PG), D] -> [B, S, H/(PG), D]
         return self.inner(*(qkv[:, i].transpose(0, 1) for i in range(3)))
 
-    def _statistics(self, q, k, v) -> Statistics:
+    def _statistics(self, own: Statistics, q: torch.Tensor) -> Statistics:
         """The whole sequence's statistics, the same on every rank: each rank's row gathered, combined alike."""
-        rows = all_gather_rows(self.transport, Statistics.of(q, k, v).packed(), [1] * self.transport.size, STATISTICS)
+        rows = all_gather_rows(self.transport, own.packed(), [1] * self.transport.size, STATISTICS)
         return Statistics.combined(rows, q.shape[0], q.shape[2], sum(self.splits))
 
     def _send_codes(self, q, k, v, stats: Statistics, g: int, plan: ExchangePlan) -> Handle:
@@ -215,6 +234,20 @@ class UlyssesAttention:
         slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *plan.row_shape))
         for name, codes in fields.items():  # [B, L_r, H/G, w] -> [P, L_r, B, H/(PG), w]
             slots[name].copy_(codes.unflatten(2, (p, -1)).permute(2, 1, 0, 3, 4))
+        return self.transport.start(send, plan, g)
+
+    def _send_raw(self, q, k, v, norms, rope, stats: Statistics, g: int, plan: ExchangePlan) -> Handle:
+        # q, k as projected, v: [B, L_r, H, D] -> the send slot as ``_send_codes`` fills it, Q and K written by the
+        # fused producer straight into their fields
+        p, per_group = self.transport.size, q.shape[2] // self.head_groups
+        heads = slice(g * per_group, (g + 1) * per_group)
+        send = self.transport.send_buffer(plan, g)
+        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *plan.row_shape))
+        fields = {name: t.permute(2, 1, 0, 3, 4) for name, t in slots.items()}  # [B, L_r, P, H/(PG), w]
+        k_mean = token_mean(stats.k_sum[:, heads], stats.tokens, k.dtype)  # [B, H/G, D], as smooth_k's
+        self.payload.write_qk(q[:, :, heads], k[:, :, heads], norms, rope, k_mean, fields)
+        for name, codes in self.payload.encode_v(v[:, :, heads], stats.heads(heads.start, per_group)).items():
+            fields[name].copy_(codes.unflatten(2, (p, -1)))
         return self.transport.start(send, plan, g)
 
     def _attend_codes(self, stats: Statistics, q: torch.Tensor, received: torch.Tensor, g: int) -> torch.Tensor:
