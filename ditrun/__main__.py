@@ -4,9 +4,11 @@
 and composes no config. A user's mistake, whether Hydra finds it on the command line or ditrun
 in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with exit status 2;
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
-the config itself and tunes the precision backends (``ditrun/tune.py``). Hydra's
-``.hydra/`` files are rendered here and written by global rank 0 once the results directory is
-this run's (``ditrun/results/rundir.py``), never by a run that is refused it.
+the config itself and tunes the precision backends (``ditrun/tune.py``). ``ditrun warm key=value ...``
+is the run of that config with ``warm.enabled=true``: it compiles the workload's shapes into the
+compile cache and runs no edit (``ditrun/launch/warm.py``). Hydra's ``.hydra/`` files are rendered
+here and written by global rank 0 once the results directory is this run's
+(``ditrun/results/rundir.py``), never by a run that is refused it.
 """
 
 from __future__ import annotations
@@ -189,6 +191,8 @@ def main() -> None:
         from ditrun.tune import main as tune_main
 
         sys.exit(tune_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["warm"]:  # a run of the same config, through the same launchers, that warms instead
+        sys.argv = [sys.argv[0], *sys.argv[2:], "warm.enabled=true"]
     _compose_and_run()
     _name_failed_jobs()
     if _gate_failures:

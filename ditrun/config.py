@@ -374,6 +374,22 @@ class WandbConfig:
 
 
 @dataclass
+class WarmConfig:
+    """What ``ditrun warm`` compiles into the compile cache: one forward per shape, no edit (docs/COMPILE_CACHE.md)."""
+
+    enabled: bool = False
+    """Set by ``ditrun warm``: every rank of the job compiles the shapes below into ``model.compile_cache``'s entries,
+    then the job ends (a Slurm job or sweep warms by passing ``warm.enabled=true``)."""
+    sizes: list[list[int]] = field(default_factory=list)
+    """Shapes to warm, each ``[width, height]`` (the output's; its reference sized as the workload sizes an edit's:
+    ``workload.ref_width``/``ref_height``, else ``workload.ref_resize``) or ``[width, height, ref_width,
+    ref_height]``, in pixels, multiples of 16. Empty, with no ``preset``: the shapes of the workload's edits."""
+    preset: Optional[str] = None
+    """A named list of output sizes warmed besides ``sizes``: ``kontext`` (the resolutions FLUX.1 Kontext was
+    trained at, ``workload.images.KONTEXT_RESOLUTIONS``)."""
+
+
+@dataclass
 class RunConfig:
     """A whole ditrun run."""
 
@@ -387,6 +403,7 @@ class RunConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
+    warm: WarmConfig = field(default_factory=WarmConfig)
     device: str = "auto"
     """``auto`` (the local GPU when there is one, else the CPU), ``cuda`` or ``cpu``."""
     output_dir: Optional[str] = None

@@ -339,7 +339,8 @@ def _key(*overrides: str, details=None) -> str:
         resolve_edits(cfg.workload),
         rank=0,
     )
-    return cache.key
+    (entry,) = cache.entries.values()  # the tiny workload's edit: one shape
+    return entry.key
 
 
 def test_the_key_follows_what_changes_the_compiled_code():
@@ -357,6 +358,7 @@ def test_the_key_follows_what_changes_the_compiled_code():
     ]
     assert len({key, *changed}) == len(changed) + 1
     assert _key("workload.seed=5", "model.weights_seed=3") == key  # the same shapes and code
+    assert _key("workload.width=48", "workload.height=32") == key  # the same tokens: the same graphs
 
 
 def test_the_summary_has_each_part_of_start_up_per_rank_and_overall():
@@ -401,8 +403,9 @@ def test_the_cli_says_what_the_compile_cache_did_and_splits_its_start_up(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     cache = summary["compile_cache"]
-    assert cache["status"] == "miss" and Path(cache["entry"]) == folder / f"{cache['key']}{compile_cache.ENTRY_SUFFIX}"
-    assert f"ditrun: compile cache: no entry {cache['entry']}" in proc.stdout
+    (entry,) = cache["entries"]
+    assert cache["status"] == entry["status"] == "miss" and Path(entry["entry"]).parent == folder
+    assert f"ditrun: compile cache: no entry {entry['entry']} for 7 text + 12 image tokens" in proc.stdout
     assert cache["fx_graph_cache"] == {"hit": 0, "miss": 0, "bypass": 0}  # aot_eager: no Inductor graph
     rank = summary["startup_by_rank"][0]
     assert rank["compile_cache"] == "miss" and rank["graphs_s"] is None  # no CUDA graphs on a CPU

@@ -28,7 +28,15 @@ from launching import ditrun_command, quiet_env
 from tiers import missing
 
 from ditrun.errors import UserError
-from ditrun.inference.compile_cache import TRUST_KEY, CompileCache, Entry, kernel_folders, read_entry, write_entry
+from ditrun.inference.compile_cache import (
+    ENTRY_SUFFIX,
+    TRUST_KEY,
+    CompileCache,
+    Entry,
+    kernel_folders,
+    read_entry,
+    write_entry,
+)
 from ditrun.model.compile import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, claim_compiler_caches
 from ditrun.trust import Trust, Untrusted, private_folder, read_trusted, write_for
 
@@ -416,7 +424,8 @@ def test_the_command_sets_aside_what_another_user_could_have_written(team, other
     proc, summary = _cli_result(_cli(tmp_path, "first", tmp_path / "first-cache"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert summary["compile_cache"]["status"] == "miss"
-    key, name = summary["compile_cache"]["key"], Path(summary["compile_cache"]["entry"]).name
+    name = Path(summary["compile_cache"]["entries"][0]["entry"]).name
+    key = name.removesuffix(ENTRY_SUFFIX)
 
     cases = {  # owner, mode, folder's mode, what the warning says, the run's overrides, what the run does
         "owner": ((other.uid, other.gid), 0o644, 0o755, f"(owner {other.name}, group {other.name}, mode 0644)"),

@@ -21,17 +21,21 @@ An entry is one file, ``<model.compile_cache>/<key>.ditrun-compile``: a line of 
 the key describes, the torch version, the size and sha256 of the rest, the artifacts' size), then PyTorch's
 serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; empty on a CPU).
 
-* **Key**: the sha256 of everything that changes the compiled code (``describe_run``): the torch, Triton,
-  CUDA/HIP and Python versions; the device (name, capability and multiprocessors, or the CPU's architecture and
-  vector ISA); the compile backend, tuning, fusion and CUDA graphs; the geometry, dtype and what the precision
-  plan built (formats, backends, attention kernel, scale rule); the inputs' shapes (every edit's sizes and
-  tokens, the layout's degrees, CFG, the step cache). Inductor's own keys still guard every graph, so an entry
-  of another key could only miss, never run code compiled for something else; the key picks the one file
-  that holds this run's graphs.
-* **Readers**: every rank, on any node, loads the entry before its first compiled forward.
-* **Writer**: global rank 0, after each of its edits in which it compiled something the entry lacks (its
-  first edit; later ones only when a new shape compiled more). The other ranks of a job compile the graphs
-  rank 0 does wherever their inputs have its shapes; a graph only another rank compiles is not in the entry.
+* **Key**: the sha256 of everything that changes the compiled code of one input shape (``describe_run`` and
+  ``describe_shape``): the torch, Triton, CUDA/HIP and Python versions; the device (name, capability and
+  multiprocessors, or the CPU's architecture and vector ISA); the compile backend, tuning, fusion and CUDA
+  graphs; the geometry, dtype and what the precision plan built (formats, backends, attention kernel, scale
+  rule); the layout's degrees, CFG, the step cache; and the shape (an edit's text tokens and image tokens,
+  output and reference latents: what the graphs are specialised for, so 32x48 and 48x32 share an entry). A run
+  has one entry per distinct shape of its edits, so a job of any mix of sizes finds each size's entry whichever
+  job wrote it (``ditrun warm`` fills them ahead: ``launch/warm.py``). Inductor's own
+  keys still guard every graph, so an entry of another key could only miss, never run code compiled for
+  something else.
+* **Readers**: every rank, on any node, loads the entry of each of its shapes before its first compiled forward.
+* **Writer**: global rank 0, after each of its edits in which it compiled something the entry of that edit's
+  shape lacks (the artifacts Inductor compiled or looked up during that edit: ``RunCompileCache.recording``).
+  The other ranks of a job compile the graphs rank 0 does wherever their inputs have its shapes; a graph only
+  another rank compiles is not in the entry.
   The file is written under a temporary name in its folder (``O_EXCL``, unpredictable), flushed and renamed over
   the entry (``trust.write_for``): a reader sees an old entry or a new one, whole, and two jobs writing at once
   leave the one that renamed last. Its mode is for the readers the trust key names (0600; 0640 and the group's).
@@ -47,6 +51,7 @@ serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -61,15 +66,16 @@ import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from ditrun.errors import UserError
 from ditrun.model.compile import CompilePlan
+from ditrun.timers import STARTUP
 from ditrun.trust import Trust, Untrusted, read_trusted, write_for
 from ditrun.user_cache import user_cache_dir
-from ditrun.workload.inputs import edit_tokens
+from ditrun.workload.inputs import edit_tokens, image_tokens
 
 FORMAT = "ditrun-compile-cache/2"
 ENTRY_SUFFIX = ".ditrun-compile"
@@ -80,6 +86,7 @@ STATUSES = {
     "miss": "no entry for this key: compiled here",
     "discarded": "a bad or untrusted entry was set aside: compiled here",
     "hit": "loaded the entry: Inductor compiles only what it lacks",
+    "partial": "loaded the entries of some of the run's shapes; the others compiled here",
 }
 
 
@@ -154,12 +161,27 @@ def device_description(device: torch.device) -> dict:
     return {"type": device.type, "machine": platform.machine(), "isa": torch.backends.cpu.get_cpu_capability()}
 
 
-def describe_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, details: dict, layout, edits) -> dict:
-    """Everything of a run that changes its compiled code (see the module doc). ``precision``: the run's
-    ``PrecisionPlan``; ``details``: what ``build_model`` built (``BuiltModel.details``); ``layout``: the
-    ``LayoutPlan``; ``edits``: every edit of the run (so every rank names the same key)."""
-    text_len = cfg.workload.text_len
-    shapes = sorted({(e.width, e.height, e.ref_width, e.ref_height, edit_tokens(e, text_len)) for e in edits})
+def shape_of(edit, text_len: Optional[int]) -> tuple[int, int]:
+    """What an edit's compiled graphs are specialised for: its text tokens and its image tokens (output and
+    reference latents). Sizes of equal token counts (32x48 and 48x32) run the same graphs."""
+    image = image_tokens(edit)
+    return (edit_tokens(edit, text_len) - image, image)
+
+
+def shape_label(shape: tuple) -> str:
+    text, image = shape
+    return f"{text} text + {image} image tokens"
+
+
+def describe_shape(described: dict, shape: tuple) -> dict:
+    """``describe_run``'s description with one input shape (``shape_of``): what one entry's key describes."""
+    return {**described, "inputs": {**described["inputs"], "shape": list(shape)}}
+
+
+def describe_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, details: dict, layout) -> dict:
+    """Everything of a run that changes its compiled code but its inputs' shapes (see the module doc).
+    ``precision``: the run's ``PrecisionPlan``; ``details``: what ``build_model`` built (``BuiltModel.details``);
+    ``layout``: the ``LayoutPlan``."""
     return {
         **toolchain(),
         "device": device_description(device_dtype.device),
@@ -175,7 +197,6 @@ def describe_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, deta
             },
         },
         "inputs": {
-            "shapes": [list(s) for s in shapes],
             "true_cfg": cfg.workload.true_cfg_scale > 1,
             "layout": layout.name,
             "cfg_degree": layout.cfg_degree,
@@ -188,15 +209,29 @@ def describe_run(cfg, plan: CompilePlan, device_dtype, geometry, precision, deta
 
 def for_run(
     cfg, plan: CompilePlan, device_dtype, geometry, precision, details: dict, layout, edits, rank: int
-) -> CompileCache:
-    """The run's entry (``describe_run``'s arguments); global rank 0 writes it and says what it did."""
+) -> RunCompileCache:
+    """The run's entries, one per distinct shape of ``edits`` (``describe_run``'s arguments; every edit of the run,
+    so that every rank names the same keys); global rank 0 writes them and says what it did."""
     folder = cache_dir(getattr(cfg.model, "compile_cache", AUTO)) if plan.compile else None
-    described = (
-        describe_run(cfg, plan, device_dtype, geometry, precision, details, layout, edits) if folder is not None else {}
-    )
-    kernels_dir = claim_triton_cache_dir(device_dtype.device) if folder is not None else None
-    trust = trust_of(cfg.model) if folder is not None else Trust()  # check_config has read it before any work
-    return CompileCache(folder, described, writer=rank == 0, announce=rank == 0, kernels_dir=kernels_dir, trust=trust)
+    if folder is None:
+        return RunCompileCache({})
+    described = describe_run(cfg, plan, device_dtype, geometry, precision, details, layout)
+    kernels_dir = claim_triton_cache_dir(device_dtype.device)
+    trust = trust_of(cfg.model)  # check_config has read it before any work
+    shapes = dict.fromkeys(shape_of(edit, cfg.workload.text_len) for edit in edits)
+    entries = {
+        shape: CompileCache(
+            folder,
+            describe_shape(described, shape),
+            writer=rank == 0,
+            announce=rank == 0,
+            kernels_dir=kernels_dir,
+            trust=trust,
+            label=shape_label(shape),
+        )
+        for shape in shapes
+    }
+    return RunCompileCache(entries, cfg.workload.text_len)
 
 
 def entry_key(described: dict) -> str:
@@ -392,13 +427,16 @@ class CompileCache:
     """Times this process wrote the entry."""
     kernels_dir: Optional[Path] = None
     """Triton's cache folder of this process (``claim_triton_cache_dir``); None carries no Triton kernels."""
-    kernels_before: frozenset = field(default_factory=frozenset)
-    """The kernel folders that were there before ``load``: the node's, not this job's."""
+    kernels_before: Optional[frozenset] = None
+    """The kernel folders that were there before ``load`` (before the first entry of the run loaded): the node's, not
+    this job's."""
     kernels_stored: frozenset = field(default_factory=frozenset)
     """The kernel folders of the entry as this process last loaded or wrote it."""
     trust: Trust = field(default_factory=Trust)
     """Who besides this user and root may have written an entry this process loads (``model.compile_cache_trust``);
     what it writes is for them."""
+    label: str = ""
+    """What the entry holds, for the console (its shape: ``shape_label``)."""
 
     @functools.cached_property
     def key(self) -> str:
@@ -413,12 +451,13 @@ class CompileCache:
         folder); returns ``status``."""
         if self.path is None:
             return self.status
-        self.kernels_before = kernel_folders(self.kernels_dir)
+        if self.kernels_before is None:
+            self.kernels_before = kernel_folders(self.kernels_dir)
         try:
             info = self._load()
         except FileNotFoundError:
             self.status = "miss"
-            self._say(f"no entry {self.path}; compiling, and writing it after the first edit")
+            self._say(f"no entry {self.path}{self._for}; compiling, and writing it after the first edit")
         except Untrusted as why:
             self.status = "discarded"
             print(
@@ -435,7 +474,7 @@ class CompileCache:
         else:
             self.status, self.stored = "hit", _artifact_keys(info) if info is not None else frozenset()
             kernels = f", {len(self.kernels_stored)} Triton kernels" if self.kernels_stored else ""
-            self._say(f"loaded {self.path} ({len(self.stored)} artifacts{kernels})")
+            self._say(f"loaded {self.path}{self._for} ({len(self.stored)} artifacts{kernels})")
         return self.status
 
     def _load(self):
@@ -459,7 +498,7 @@ class CompileCache:
         if self.path is None or not self.writer:
             return False
         saved = torch.compiler.save_cache_artifacts()
-        kernels = (kernel_folders(self.kernels_dir) - self.kernels_before) | self.kernels_stored
+        kernels = (kernel_folders(self.kernels_dir) - (self.kernels_before or frozenset())) | self.kernels_stored
         new_artifacts = saved is not None and not _artifact_keys(saved[1]) <= self.stored
         if not new_artifacts and kernels <= self.kernels_stored:
             return False
@@ -475,7 +514,7 @@ class CompileCache:
         self.kernels_stored, self.written = frozenset(kernels), self.written + 1
         size = (len(entry.artifacts) + len(entry.kernels)) / 2**20
         carried = f", {len(kernels)} Triton kernels" if kernels else ""
-        self._say(f"wrote {self.path} ({len(self.stored)} artifacts{carried}, {size:.1f} MiB)")
+        self._say(f"wrote {self.path}{self._for} ({len(self.stored)} artifacts{carried}, {size:.1f} MiB)")
         return True
 
     def fields(self) -> dict:
@@ -491,6 +530,78 @@ class CompileCache:
             "fx_graph_cache": graph_cache_lookups(),
         }
 
+    @property
+    def _for(self) -> str:
+        return f" for {self.label}" if self.label else ""
+
     def _say(self, what: str) -> None:
         if self.announce:
             print(f"ditrun: compile cache: {what}", flush=True)
+
+
+@dataclass
+class RunCompileCache:
+    """A run's entries, one per distinct shape of its edits (``for_run``): ``load`` them all before the first
+    compiled forward, and run each edit's forwards inside ``recording(edit)``, after which global rank 0 writes
+    the entry of the edit's shape where the edit compiled what it lacks. No entries: off, and both do nothing."""
+
+    entries: dict[tuple, CompileCache]
+    """Shape (``shape_of``) -> its entry."""
+    text_len: Optional[int] = None
+    """``workload.text_len``, for an edit's tokens (``shape_of``)."""
+
+    @property
+    def status(self) -> str:
+        """One of ``STATUSES``: ``hit`` or ``miss`` where every entry's load says so, ``discarded`` where one was set
+        aside, ``partial`` for a mix of hits and misses."""
+        found = {entry.status for entry in self.entries.values()}
+        if not found:
+            return "off"
+        if len(found) == 1 or "discarded" in found:
+            return "discarded" if "discarded" in found else found.pop()
+        return "partial"
+
+    def load(self) -> str:
+        """Every entry's artifacts into this process's local caches; returns ``status``. Each entry carries the Triton
+        kernels the job compiled or loaded from any entry (the node's before the first load are left out)."""
+        if self.entries:
+            before = kernel_folders(next(iter(self.entries.values())).kernels_dir)
+            for entry in self.entries.values():
+                entry.kernels_before = before
+                entry.load()
+        return self.status
+
+    def entry_of(self, edit) -> Optional[CompileCache]:
+        return self.entries.get(shape_of(edit, self.text_len)) if self.entries else None
+
+    @contextlib.contextmanager
+    def recording(self, edit) -> Iterator[None]:
+        """Around the forwards of ``edit``: what Inductor compiles or finds in its caches there is recorded apart
+        from the rest of the process (PyTorch's cache-artifact record, fresh for the edit), and the writer then
+        writes it as the entry of the edit's shape, where the entry lacks it. An edit that raises writes nothing."""
+        entry = self.entry_of(edit)
+        if entry is None or not entry.writer:
+            yield
+            return
+        from torch.compiler._cache import CacheArtifactManager
+
+        with CacheArtifactManager.with_fresh_cache():
+            yield
+            with STARTUP.adding("compile_cache_s"):
+                entry.save()
+
+    def fields(self) -> dict:
+        """The summary's ``compile_cache``: what happened overall and per entry, and what Inductor's graph cache found
+        (a hit for every graph compiled after a load, where the entry held it)."""
+        entries = self.entries.values()
+        return {
+            "status": self.status,
+            "written": sum(entry.written for entry in entries),
+            "artifacts": sum(len(entry.stored) for entry in entries),
+            "triton_kernels": len(frozenset().union(*(entry.kernels_stored for entry in entries))),
+            "entries": [
+                {"shape": list(shape), "status": entry.status, "written": entry.written, "entry": str(entry.path)}
+                for shape, entry in self.entries.items()
+            ],
+            "fx_graph_cache": graph_cache_lookups(),
+        }

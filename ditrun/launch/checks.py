@@ -16,7 +16,7 @@ from ditrun import cache, metrics
 from ditrun.devices import DTYPES
 from ditrun.errors import UserError
 from ditrun.inference import compile_cache
-from ditrun.launch import env, faults
+from ditrun.launch import env, faults, warm
 from ditrun.model.build import compute_dtype, device_kind, model_geometry, plan_precision
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import check_components
@@ -62,6 +62,7 @@ def check_run_config(cfg, world: Optional[int] = None) -> LayoutPlan:
     compute_dtype(device, cfg.model.dtype)  # a bad model.dtype fails here, before any rank starts
     plan_precision(cfg.precision, device)
     compile_cache.check_config(cfg.model, plan_compile(cfg.model, device))
+    warm.check_config(cfg, device)
     check_transport(cfg.transport)
     check_workload_config(cfg.workload)
     check_true_cfg(cfg.layout.name, cfg.workload.true_cfg_scale)

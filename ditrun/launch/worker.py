@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ditrun import cache
 from ditrun.devices import DTYPES
 from ditrun.inference import compile_cache, reference
-from ditrun.launch import faults, folders
+from ditrun.launch import faults, folders, warm
 from ditrun.launch.checks import check_run_config, check_run_memory
 from ditrun.launch.console import print_locations, print_start, print_table
 from ditrun.launch.job import LocalJob, job_of_process_group
@@ -64,12 +64,13 @@ class Run:
     results directory has been claimed.
     """
 
-    def __init__(self, cfg, out_dir: Path, nodes: Sequence[str] = ()):
+    def __init__(self, cfg, out_dir: Path, nodes: Sequence[str] = (), edits: Optional[list[Edit]] = None):
         self.cfg = cfg
         self.out_dir = out_dir
         # Under a launcher the process group is the truth; alone, launcher.world must say 1.
         plan = check_run_config(cfg, dist.get_world_size() if dist.is_initialized() else None)
-        self.edits = resolve_edits(cfg.workload)  # check_config has checked their sources and embeddings
+        # check_config has checked their sources and embeddings; ``edits``: others (``ditrun warm``'s shapes)
+        self.edits = resolve_edits(cfg.workload) if edits is None else edits
         self.geometry = model_geometry(cfg.model)
         self.device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
         self.precision = plan_precision(cfg.precision, self.device_dtype.device)
@@ -81,8 +82,9 @@ class Run:
         check_run_memory(self.edits, cfg, self.geometry, plan, self.device_dtype)
         self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
         self.references: Optional[reference.References] = None
+        self.targets: dict = {}
         self.built = None
-        self.compile_cache: Optional[compile_cache.CompileCache] = None  # once the model is built (``load``)
+        self.compile_cache: Optional[compile_cache.RunCompileCache] = None  # once the model is built (``load``)
         self.run_id: Optional[str] = None  # global rank 0's, once it claims the directory (``_claim``)
         self.attempt: dict = {}  # global rank 0's too: ``rundir.attempt_of``
         self.wandb_mode = cfg.wandb.mode  # what global rank 0 logs in (``wandb.mode_to_run``)
@@ -113,7 +115,7 @@ class Run:
         """Everything before the first edit, each phase a stop point; ``done``: the edits earlier attempts finished."""
         cfg = self.cfg
         # Prompts first: a pipeline folder's text encoders are freed before any DiT is built.
-        self.edits = self._prompts(job)
+        self.edits = self.encode_prompts(job)
         # References next: their model is freed before the measured one is built.
         if cfg.metrics.ssim:
             STARTUP.begin("references_s")
@@ -121,6 +123,16 @@ class Run:
             STARTUP.end("references_s")
         # Seeded random weights make structured noise: scored against a correct edit, that is drift, not quality.
         self.targets = {e.id: targets.edit_target(e) for e in self.edits if e.target is not None and cfg.model.path}
+        self.build(job)
+        # W&B's start-up (up to its init timeout online) is a phase too: a stop signal ends it at once, and the
+        # barrier then stops every rank together; its time stays out of every timed region.
+        with self.solo(job, "wandb"):
+            self.logger = _start_logger(self, self.out_dir, done)
+        job.barrier("loaded")
+
+    def build(self, job: LocalJob) -> None:
+        """The transports, the model and the latent codec; the compile cache's entries loaded."""
+        cfg = self.cfg
         reset_peak_memory(self.device_dtype.device)
         # A transport times every wait of the compute stream here; ``single`` has none, so 0.
         self.exposed = ExposedTransfer(self.device_dtype.device)
@@ -149,14 +161,10 @@ class Run:
             )
             STARTUP.end("build_s")
         self._open_compile_cache()
-        # W&B's start-up (up to its init timeout online) is a phase too: a stop signal ends it at once, and the
-        # barrier then stops every rank together; its time stays out of every timed region.
-        with self.solo(job, "wandb"):
-            self.logger = _start_logger(self, self.out_dir, done)
-        job.barrier("loaded")
 
     def _open_compile_cache(self) -> None:
-        """This run's compile-cache entry, loaded before the first compiled forward (``inference/compile_cache.py``)."""
+        """This run's compile-cache entries, loaded before the first compiled forward
+        (``inference/compile_cache.py``)."""
         self.compile_cache = compile_cache.for_run(
             self.cfg,
             self.speed,
@@ -168,21 +176,18 @@ class Run:
             self.edits,
             self.layout.rank,
         )
-        if self.compile_cache.folder is not None:
+        if self.compile_cache.entries:
             with STARTUP.adding("compile_cache_s"):
                 STARTUP.notes["compile_cache"] = self.compile_cache.load()
 
     def after_edit(self) -> None:
-        """Global rank 0 writes the compile-cache entry when the edit compiled what it lacks; every rank notes the
-        time its CUDA graphs took to record."""
-        if self.compile_cache.writer and self.compile_cache.folder is not None:
-            with STARTUP.adding("compile_cache_s"):
-                self.compile_cache.save()
+        """Every rank notes the time its CUDA graphs took to record (global rank 0 wrote the compile-cache entry of the
+        edit's shape at its end: ``RunCompileCache.recording``)."""
         if self.speed.graphs:
             parts = self.built.parts
             STARTUP.fields["graphs_s"] = capture_seconds(self.built.forward, parts.head, parts.tail)
 
-    def _prompts(self, job: LocalJob) -> list[Edit]:
+    def encode_prompts(self, job: LocalJob) -> list[Edit]:
         """The edits with their prompts' embeddings files: global rank 0 encodes, then every rank gets them."""
         cache = prompts.prompt_cache(self.edits, self.cfg)
         if cache is None:
@@ -220,14 +225,15 @@ class Run:
         job.barrier("references")
         return references
 
-    def run_edit(self, edit: Edit, job: LocalJob, progress=None) -> Optional[dict]:
-        """Run one edit on this rank; the rank that writes its replica's results gets the record.
-
-        Raises ``RunStopped`` at a step boundary when the replica's ranks agree to stop.
-        """
+    def inputs(self, edit: Edit):
+        """The model's inputs for ``edit`` (``workload.inputs.edit_inputs``)."""
         cfg, device_dtype = self.cfg, self.device_dtype
-        with Interval(device_dtype.device) as encode:
-            inputs = edit_inputs(edit, self.codec, self.geometry, cfg.workload, device_dtype.device, device_dtype.dtype)
+        return edit_inputs(edit, self.codec, self.geometry, cfg.workload, device_dtype.device, device_dtype.dtype)
+
+    def velocity(self, inputs) -> tuple:
+        """The step cache and the guided velocity of the edit whose ``inputs`` these are, under this run's layout, with
+        the transports' buffers sized and mapped for it (outside any timed step; a no-op once they fit)."""
+        cfg, dtype = self.cfg, self.device_dtype.dtype
         guidance = cfg.workload.guidance_scale if self.geometry.guidance_embeds else None
         step_cache = cache.make_step_cache(cfg.cache, cfg.workload.steps, self.built, self.layout.sp_sum)
         velocity = layout_velocity(
@@ -237,12 +243,22 @@ class Run:
             inputs,
             cfg.workload.true_cfg_scale,
             guidance,
-            device_dtype.dtype,
+            dtype,
             inner_attention=self.built.attention,
             payload=self.built.payload,
         )
-        # Buffers are sized and mapped here, outside the timed steps (a no-op once they fit).
-        prepare_transports(self.layout, self.transports, inputs, self.geometry, device_dtype.dtype, self.built.payload)
+        prepare_transports(self.layout, self.transports, inputs, self.geometry, dtype, self.built.payload)
+        return step_cache, velocity
+
+    def run_edit(self, edit: Edit, job: LocalJob, progress=None) -> Optional[dict]:
+        """Run one edit on this rank; the rank that writes its replica's results gets the record.
+
+        Raises ``RunStopped`` at a step boundary when the replica's ranks agree to stop.
+        """
+        cfg, device_dtype = self.cfg, self.device_dtype
+        with Interval(device_dtype.device) as encode:
+            inputs = self.inputs(edit)
+        step_cache, velocity = self.velocity(inputs)
         timer = StepTimer(device_dtype.device)
         self.exposed.take()  # start the edit's count from zero
         exchange_fields(self.transports, 0, None)  # and the bytes its exchanges move
@@ -254,10 +270,10 @@ class Run:
             if progress is not None:
                 progress.update(1)
             job.beat(f"edit {edit.id!r}, denoising step {i}")
-            _stop_if_asked(job, self.layout)
+            stop_if_asked(job, self.layout)
 
         timer.start()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.compile_cache.recording(edit):
             latents = denoise(velocity, inputs.noise, cfg.workload.steps, on_step=on_step)
         step_s = timer.step_seconds()
         exposed = self.exposed.take()
@@ -307,6 +323,8 @@ def run(
     """
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     rundir.make_run_dir(out_dir)
+    if cfg.warm.enabled:  # ``ditrun warm``: the shapes compiled into the compile cache, no edit
+        return warm.run(cfg, out_dir, job, nodes)
     start = time.perf_counter()
     state = Run(cfg, out_dir, nodes)
     layout = state.layout
@@ -403,7 +421,7 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
         for edit in todo:
             bar = progress.edit(edit.id, cfg.workload.steps)
             try:
-                _stop_if_asked(job, layout)
+                stop_if_asked(job, layout)
                 record = state.run_edit(edit, job, bar)
                 if record is not None:
                     files.append_record(records_file, record)
@@ -420,7 +438,7 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
     return None
 
 
-def _stop_if_asked(job: LocalJob, layout) -> None:
+def stop_if_asked(job: LocalJob, layout) -> None:
     signum = job.should_stop(layout.agree_max)
     if signum is not None:
         raise RunStopped(signum, f" ({job.stop.reason})" if job.stop.reason else "")

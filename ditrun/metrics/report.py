@@ -362,7 +362,7 @@ class SweepReport(Callback):
     """Hydra callback: when a multirun ends, write its report into the sweep directory."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
-        if not config.metrics.report:
+        if not config.metrics.report or config.warm.enabled:  # a sweep of ``ditrun warm`` runs no edit
             return
         sweep = Path(config.hydra.sweep.dir)
         try:

@@ -84,8 +84,8 @@ WRITTEN = (
 FOLDERS = (files.IMAGES_DIR, files.LATENTS_DIR, HYDRA_DIR, files.WANDB_DIR, CACHE_DIR)  # of WRITTEN; others: files
 # Config keys a rerun may change (a dotted key covers everything under it): where and how the run reports, how
 # long it waits for what, which prefix of the workload it runs (the edits themselves are compared as declared,
-# not by the manifest's path), labels, where the text length came from (the length itself is compared), and
-# the tests' own settings (``testing``).
+# not by the manifest's path), labels, where the text length came from (the length itself is compared), the
+# tests' own settings (``testing``) and what ``ditrun warm`` compiles (``warm``).
 MAY_DIFFER = (
     "workload.limit",
     "workload.manifest",
@@ -111,6 +111,7 @@ MAY_DIFFER = (
     "layout.allow_cross_node_sp",
     "model.compile_cache",
     "model.compile_cache_trust",
+    "warm",
 )
 _ABSENT = object()
 LEASE_REFRESH_S = 5.0

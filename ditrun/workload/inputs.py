@@ -94,11 +94,13 @@ def edit_tokens(edit: Edit, text_len: int) -> int:
 
         with safe_open(edit.prompt_embeds, framework="pt") as f:
             text = f.get_slice("prompt_embeds").get_shape()[-2]
-    return (
-        text
-        + (edit.height // PATCH_PIXELS) * (edit.width // PATCH_PIXELS)
-        + (edit.ref_height // PATCH_PIXELS) * (edit.ref_width // PATCH_PIXELS)
-    )
+    return text + image_tokens(edit)
+
+
+def image_tokens(edit: Edit) -> int:
+    """Tokens of the edit's output latents and its reference's, one sequence in the model."""
+    output = (edit.height // PATCH_PIXELS) * (edit.width // PATCH_PIXELS)
+    return output + (edit.ref_height // PATCH_PIXELS) * (edit.ref_width // PATCH_PIXELS)
 
 
 def prompt_embeddings(edit: Edit, text_len: Optional[int], geometry):

@@ -1,0 +1,158 @@
+"""``ditrun warm``: every shape a workload needs compiled into the compile cache, as one job.
+
+``ditrun warm key=value ...`` is the run of that config (``warm.enabled``: the same checks, launchers, ranks, model
+and compile-cache entries, ``inference/compile_cache.py``) with no edit in it. Its shapes are the workload's edits'
+(output size, reference size and tokens), or the output sizes ``warm.sizes`` and ``warm.preset`` name, each with the
+workload's first edit's picture and prompt. Global rank 0 decides, from the entries it loaded, which shapes still
+lack theirs; for each of those, every rank runs one denoising step (one guided velocity: both CFG branches, the
+layout's exchanges, CUDA graphs captured where the run captures them), and rank 0 writes the shape's entry. A later
+run of the same config finds the entry of each of its edits' shapes and compiles none of them. Rank 0 says what it
+did, one line per shape, and writes ``warm.json`` into the run's directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from ditrun.errors import UserError
+from ditrun.inference import compile_cache
+from ditrun.model.compile import plan_compile
+from ditrun.results import files
+from ditrun.workload.edit import Edit
+from ditrun.workload.images import KONTEXT_RESOLUTIONS, PATCH_PIXELS, REF_RESIZE
+from ditrun.workload.inputs import edit_tokens
+
+PRESETS = {"kontext": KONTEXT_RESOLUTIONS}
+"""``warm.preset``: name -> output sizes (width, height)."""
+WARM_FILE = "warm.json"
+FILLED, THERE, UNWRITTEN = "filled", "already there", "not written"
+
+
+def check_config(cfg, device: torch.device) -> None:
+    """What ``ditrun warm`` cannot do with ``cfg``, one sentence naming the key, before any work; a run given
+    ``warm.*`` keys without ``warm.enabled`` is refused too (it would ignore them)."""
+    warm = cfg.warm
+    if not warm.enabled:
+        if warm.sizes or warm.preset:
+            key = "warm.sizes" if warm.sizes else "warm.preset"
+            raise UserError(f"{key} is read by ditrun warm only, and this run would ignore it; run ditrun warm.")
+        return
+    _check_sizes(warm)
+    plan = plan_compile(cfg.model, device)
+    if not plan.compile:
+        raise UserError(
+            f"model.compile={cfg.model.compile} compiles nothing on {device.type}, so ditrun warm has nothing to "
+            "warm; set model.compile=on."
+        )
+    if plan.backend != "inductor":
+        raise UserError(
+            f"model.compile_backend={plan.backend!r} keeps no compiled code in the compile cache, so ditrun warm "
+            "has nothing to keep; warm with model.compile_backend=inductor."
+        )
+    if compile_cache.cache_dir(cfg.model.compile_cache) is None:
+        raise UserError(
+            f"model.compile_cache={cfg.model.compile_cache} keeps no entries, so ditrun warm has nowhere to put what "
+            "it compiles; name a folder (auto: the user's cache)."
+        )
+
+
+def _check_sizes(warm) -> None:
+    if warm.preset is not None and warm.preset not in PRESETS:
+        raise UserError(f"warm.preset={warm.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
+    for index, size in enumerate(warm.sizes):
+        values = list(size)
+        if len(values) not in (2, 4):
+            raise UserError(
+                f"warm.sizes[{index}]={values} is not [width, height] or [width, height, ref_width, ref_height]."
+            )
+        if any(value <= 0 or value % PATCH_PIXELS for value in values):
+            raise UserError(
+                f"warm.sizes[{index}]={values} has a size that is not a positive multiple of {PATCH_PIXELS} pixels "
+                "(the model's patch grid)."
+            )
+
+
+def warm_edits(cfg, edits: Sequence[Edit]) -> list[Edit]:
+    """One edit per size to warm: the workload's first edit of each size of ``edits``, or, where ``warm.sizes`` or
+    ``warm.preset`` name sizes, the first edit at each of those sizes (its reference sized as the workload sizes
+    an edit's, unless the size gives it)."""
+    warm = cfg.warm
+    sizes = [tuple(size) for size in PRESETS.get(warm.preset, ())] + [tuple(size) for size in warm.sizes]
+    if sizes:
+        first = edits[0]
+        edits = [_at_size(first, size, cfg.workload, index) for index, size in enumerate(dict.fromkeys(sizes))]
+    by_size = {}
+    for edit in edits:
+        size = (edit.width, edit.height, edit.ref_width, edit.ref_height, edit_tokens(edit, cfg.workload.text_len))
+        by_size.setdefault(size, edit)
+    return list(by_size.values())
+
+
+def _at_size(edit: Edit, size: tuple, workload, index: int) -> Edit:
+    width, height, *reference = size
+    edit = dataclasses.replace(edit, index=index, id=f"warm{index:04d}", width=width, height=height)
+    if not reference and workload.ref_width is not None:
+        reference = [workload.ref_width, workload.ref_height]
+    ref_width, ref_height = reference or REF_RESIZE[workload.ref_resize](edit)
+    return dataclasses.replace(edit, ref_width=ref_width, ref_height=ref_height)
+
+
+def run(cfg, out_dir: Path, job, nodes: Sequence[str] = ()) -> Optional[dict]:
+    """This rank's part of the warm job (``worker.run`` hands it over); returns what rank 0 wrote to ``warm.json``,
+    None elsewhere."""
+    from ditrun.launch import worker  # the worker runs this job's way through it, and hands it over here
+    from ditrun.workload.manifest import resolve_edits
+
+    state = worker.Run(cfg, out_dir, nodes, edits=warm_edits(cfg, resolve_edits(cfg.workload)))
+    rank0 = state.layout.rank == 0
+    if rank0:
+        print(
+            f"ditrun: warm: {len(state.edits)} size(s) into {compile_cache.cache_dir(cfg.model.compile_cache)}",
+            flush=True,
+        )
+    state.edits = state.encode_prompts(job)
+    state.build(job)
+    job.barrier("loaded")
+    cache, text_len = state.compile_cache, cfg.workload.text_len
+    # The first size of each shape whose entry rank 0 did not load: every rank runs the same ones.
+    firsts = {compile_cache.shape_of(edit, text_len): edit for edit in reversed(state.edits)}
+    todo = set(job.share("warm", lambda: [e.id for e in firsts.values() if cache.entry_of(e).status != "hit"]))
+    done: dict[tuple, str] = {}  # shape -> what this job did to its entry
+    rows = []
+    for edit in state.edits:
+        shape = compile_cache.shape_of(edit, text_len)
+        entry = cache.entries[shape]
+        if shape not in done and edit.id in todo:
+            worker.stop_if_asked(job, state.layout)
+            written = entry.written
+            _one_step(state, edit, job)
+            done[shape] = FILLED if entry.written > written else UNWRITTEN
+        done.setdefault(shape, THERE)
+        rows.append({"size": size_label(edit), "shape": list(shape), "done": done[shape], "entry": str(entry.path)})
+        if rank0:
+            print(f"ditrun: warm: {rows[-1]['size']} ({entry.label}): {done[shape]} ({entry.path})", flush=True)
+    job.barrier("warmed")
+    if not rank0:
+        return None
+    result = {"sizes": rows, "compile_cache": cache.fields()}
+    files.write_json(out_dir / WARM_FILE, result)
+    return result
+
+
+def size_label(edit: Edit) -> str:
+    return f"{edit.width}x{edit.height} output, {edit.ref_width}x{edit.ref_height} reference"
+
+
+def _one_step(state, edit: Edit, job) -> None:
+    """One denoising step of ``edit`` on this rank, inside its compile-cache recording (rank 0 writes the entry)."""
+    from ditrun.model.sampler import denoise
+
+    inputs = state.inputs(edit)
+    _, velocity = state.velocity(inputs)
+    job.beat(f"warming {edit.width}x{edit.height}")
+    with torch.inference_mode(), state.compile_cache.recording(edit):
+        denoise(velocity, inputs.noise, 1)
