@@ -71,6 +71,46 @@ def check_producer(device: str = "cpu", dtype=torch.float32) -> None:
         )
 
 
+def check_payload_producer(device: str = "cpu", dtype=torch.float32) -> None:
+    """The INT8 payload's GPU path (``statistics_from_raw``, ``write_qk``: what ``UlyssesAttention.from_raw`` runs)
+    against its CPU path (the block's norms and RoPE, ``Statistics.of``, ``encode``), from Q and K as projected: a
+    text stretch and an image stretch with their own norms, two destination ranks, the slot's fields as
+    ``UlyssesAttention`` views them. The statistics agree to fp64 rounding (Q's amax is not measured); the codes
+    within one as in ``check_producer``; V's fields are the same function's."""
+    from ditrun.kernels.attention_payload import Int8QKPayload, Statistics
+    from ditrun.model.dit import QKNorms
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
+    b, length, h, d, p, text = 1, 40, 4, 32, 2, 11
+    q, k, v = (torch.randn(b, length, h, d, generator=g).to(device, dtype) * 2 for _ in range(3))
+    k = k + torch.randn(1, 1, h, d, generator=g).to(device, dtype)
+    weights = [(1 + 0.2 * torch.randn(d, generator=g)).to(device, dtype) for _ in range(4)]
+    norms = QKNorms(((text, weights[0], weights[1]), (None, weights[2], weights[3])), 1e-6)
+    ids = torch.stack([torch.zeros(length), torch.arange(length) // 8, torch.arange(length) % 8], dim=1)
+    rope = tuple(t.to(device) for t in rope_tables(ids, (8, 12, 12)))
+    payload = Int8QKPayload("int8qk_fp8v", "fp8", "reference")
+
+    fused = payload.statistics_from_raw(q, k, v, norms, rope)
+    qn, kn = norms.apply(q, k, rope)
+    composed = Statistics.of(qn, kn, v)
+    torch.testing.assert_close(fused.k_sum, composed.k_sum, rtol=1e-5, atol=1e-5)  # last-bit norms (see above)
+    torch.testing.assert_close(fused.amax[..., 1], composed.amax[..., 1], rtol=1e-6, atol=0)
+    assert torch.equal(fused.amax[..., 2], composed.amax[..., 2]) and fused.amax[..., 0].isnan().all()
+
+    layout = payload.layout(d, dtype)
+    slot = torch.zeros(p, length, b, h // p, layout.nbytes, dtype=torch.uint8, device=device)
+    fields = {n: t.permute(2, 1, 0, 3, 4) for n, t in layout.views(slot).items()}  # [B, L, P, H/P, w]
+    mean = token_mean(composed.k_sum, length, dtype)
+    payload.write_qk(q, k, norms, rope, mean, fields)
+    want = payload.encode(qn, kn, v, composed, p)
+    for name in ("q", "k"):
+        off = (fields[name].flatten(2, 3).int() - want[name].int()).abs()
+        assert off.max() <= 1 and (off > 0).float().mean() < 2e-3, (name, off.max(), (off > 0).sum())
+        got_scale = fields[f"{name}_scale"].flatten(2, 3)
+        torch.testing.assert_close(got_scale, want[f"{name}_scale"], rtol=1e-6, atol=0)  # a few ulps
+    assert fields["v"].abs().sum() == 0  # V's fields are not the producer's
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_fused_producer_in_the_cpu_interpreter():
@@ -78,7 +118,7 @@ def test_fused_producer_in_the_cpu_interpreter():
     # TRITON_INTERPRET is read when kernels are defined: a fresh process.
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
-        [sys.executable, "-c", "import test_qk_producer as t; t.check_producer()"],
+        [sys.executable, "-c", "import test_qk_producer as t; t.check_producer(); t.check_payload_producer()"],
         cwd=Path(__file__).parent,
         env=env,
         capture_output=True,
@@ -93,3 +133,4 @@ def test_fused_producer_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA/ROCm GPU")
     check_producer("cuda", torch.bfloat16)
+    check_payload_producer("cuda", torch.bfloat16)
