@@ -10,6 +10,7 @@ element format; configurations that share their code path with these are not bui
 
 import importlib
 import inspect
+import math
 import os
 import re
 import subprocess
@@ -175,12 +176,9 @@ def check_mx_triton_linear() -> None:
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), name
 
 
-@pytest.mark.slow
-def test_mx_gemm_equals_the_exact_codecs_in_the_cpu_interpreter():
-    """``kernels/mx_gemm_triton.py`` in Triton's CPU interpreter (a fresh process: TRITON_INTERPRET is read when
-    kernels are defined), whose ``tl.dot_scaled`` takes E4M3 and E2M1 as the kernel hands them (MXFP6 through its
-    E4M3 re-encoding)."""
-    code = "import test_kernel_builds as t; t.check_mx_gemm_every_code(); t.check_mx_gemm_random(); t.check_mx_triton_linear()"
+def in_the_interpreter(code: str) -> None:
+    """Run ``code`` (beside this file) in a fresh process under TRITON_INTERPRET=1, which Triton reads when kernels
+    are defined; it must exit 0."""
     run = subprocess.run(
         [sys.executable, "-c", code],
         cwd=Path(__file__).parent,
@@ -190,6 +188,26 @@ def test_mx_gemm_equals_the_exact_codecs_in_the_cpu_interpreter():
         timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_mx_gemm_equals_the_exact_codecs_in_the_cpu_interpreter():
+    """``kernels/mx_gemm_triton.py`` in Triton's CPU interpreter (a fresh process: TRITON_INTERPRET is read when
+    kernels are defined), whose ``tl.dot_scaled`` takes E4M3 and E2M1 as the kernel hands them (MXFP6 through its
+    E4M3 re-encoding)."""
+    code = "import test_kernel_builds as t; t.check_mx_gemm_every_code(); t.check_mx_gemm_random(); t.check_mx_triton_linear()"
+    in_the_interpreter(code)
+
+
+@pytest.mark.slow
+def test_the_fused_mx_kernels_equal_the_exact_codecs_in_the_cpu_interpreter():
+    """The activation quantizer, the MLP's fused up projection (GELU and SwiGLU epilogues writing the down
+    projection's MX operand) and the model's MLPs through them, in Triton's CPU interpreter (a fresh process)."""
+    code = (
+        "import test_kernel_builds as t; t.check_mx_quantize_equals_the_codec(); t.check_mx_gemm_act_random(); "
+        "t.check_quantized_mlp_in_the_model()"
+    )
+    in_the_interpreter(code)
 
 
 def test_the_backend_runs_the_element_formats_the_kernel_reads():
@@ -218,3 +236,158 @@ def test_mx_gemm_equals_the_exact_codecs_on_the_gpu(element):
     da, db = formats.dequantize_mx(*a, element).double(), formats.dequantize_mx(*b, element).double()
     got = mx_gemm(*(t.cuda() for t in (*a, *b)), element, torch.float32).double().cpu()
     assert ((got - da @ db.T).abs() <= 3072 * 2.0**-23 * (da.abs() @ db.abs().T)).all()
+
+
+def _grid_neighbours(y: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid values of ``element`` at and around y (fp64; |y| within the format's range): (below, above)."""
+    from ditrun.kernels import formats
+
+    grid = torch.tensor(formats.FORMATS[element].finite, dtype=torch.float64)
+    hi = torch.bucketize(y.abs(), grid).clamp(1, len(grid) - 1)
+    return torch.copysign(grid[hi - 1], y), torch.copysign(grid[hi], y)
+
+
+def assert_codes_of(codes, scales, want: torch.Tensor, error: torch.Tensor, element: str) -> float:
+    """Packed MX ``codes`` and ``scales`` (a kernel's) equal ``formats.quantize_mx`` of the fp64 values ``want``,
+    except where a value lies within its bound ``error`` of a rounding boundary: a block whose amax is within it of
+    a change of scale (the block not compared), or an element within it of a midpoint between two grid values
+    (then either neighbour). Returns the share of elements compared exactly (so that a test sees it is most)."""
+    from ditrun.kernels import formats
+
+    fmt = formats.FORMATS[element]
+    blocks, err = want.unflatten(-1, (-1, 32)), error.unflatten(-1, (-1, 32))
+    amax, slack = blocks.abs().amax(-1), err.amax(-1)
+    low = formats.shared_exponents((amax - slack).clamp(min=0).float(), fmt)
+    high = formats.shared_exponents((amax + slack).float(), fmt)
+    settled = (low == high) & (formats.shared_exponents(amax.float(), fmt) == low)  # the scale cannot move
+    got_scales = scales.long() - formats.E8M0_BIAS
+    assert torch.equal(got_scales[settled], low[settled])
+    scale = torch.ldexp(torch.ones_like(blocks), got_scales[..., None].double())
+    got = formats.decode(formats.unpack(codes, element), element).double().unflatten(-1, (-1, 32))
+    y, t = blocks / scale, err / scale
+    below, above = _grid_neighbours(y, element)
+    tie = (y.abs() - (below.abs() + above.abs()) / 2).abs() <= t  # the midpoint within reach of the bound
+    exact = formats.decode(formats.encode(y.float(), element), element).double()
+    strict = settled[..., None] & ~tie
+    assert torch.equal(got[strict], exact[strict]), (got[strict] != exact[strict]).sum()
+    loose = settled[..., None] & tie
+    assert ((got[loose] == below[loose]) | (got[loose] == above[loose])).all()
+    return strict.double().mean().item()
+
+
+def _gelu_tanh(h: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh form from its definition (fp64)."""
+    return 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))
+
+
+def _silu(h: torch.Tensor) -> torch.Tensor:
+    return h * torch.sigmoid(h)
+
+
+def _reach(f, h: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """max |f(x) - f(h)| over |x - h| <= error: f at 33 points across the interval, plus what a curvature of at most
+    0.8 (GELU's and silu's bound) can add between them."""
+    points = h[..., None] + error[..., None] * torch.linspace(-1, 1, 33, dtype=torch.float64)
+    return (f(points) - f(h)[..., None]).abs().amax(-1) + 0.8 * (error / 16) ** 2
+
+
+def check_mx_quantize_equals_the_codec() -> None:
+    """The activation quantizer equals ``formats.quantize_mx`` bit for bit, for both scale rules, on fresh random
+    rows spanning 40 decades, ragged in M, with zero blocks, signed zeros and fp32 subnormal blocks."""
+    from ditrun.kernels import formats
+    from ditrun.kernels.mx_gemm_triton import mx_quantize
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    for element in MX_ELEMENTS:
+        for mode in formats.SCALE_MODES:
+            x = torch.randn(37, 320, generator=g) * torch.logspace(-20, 20, 320)
+            x[0, :32], x[1, 5], x[2, 32:64] = 0.0, -0.0, torch.randn(32, generator=g) * 1e-40
+            got, want = mx_quantize(x, element, mode), formats.quantize_mx(x, element, 32, mode)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (element, mode, seed)
+
+
+def check_mx_gemm_act_random() -> None:
+    """The fused up projection on fresh random operands (a seed per run: printed), ragged in M, N not a multiple of
+    the tile, for GELU(tanh) and SwiGLU: its codes and scales are ``formats.quantize_mx`` of the activation of the
+    exact codecs' product plus the bias (fp64), up to ties within the bound of the kernel's error:
+    |h error| <= e_h = K 2^-23 sum |a b| + 2^-23 |h| (fp32 accumulation, then the bias); the activation's error
+    <= how far f moves within e_h of h (``_reach``; SwiGLU: silu's reach times |b| + e_b, plus |silu(a)| e_b)
+    + 2^-20 (1 + |z| (1 - sigmoid(z))) |value| (its fp32 evaluation in the interpreter: a few roundings, the
+    sigmoid's argument z amplified by its relative slope) + 2^-24 |value| (the reference's rounding to fp32)
+    + 2^-140 (fp32 subnormals)."""
+    from ditrun.kernels import formats
+    from ditrun.kernels.mx_gemm_triton import mx_gemm_act
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    g = torch.Generator().manual_seed(seed)
+    for element in MX_ELEMENTS:
+        for activation in ("gelu_tanh", "swiglu"):
+            m, n, k = 45, 96, 160
+            x = torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-8, 8, (m, 1), generator=g)
+            w = torch.randn(2 * n if activation == "swiglu" else n, k, generator=g) / 8
+            bias = torch.randn(w.shape[0], generator=g)
+            a, b = formats.quantize_mx(x, element), formats.quantize_mx(w, element)
+            da, db = formats.dequantize_mx(*a, element).double(), formats.dequantize_mx(*b, element).double()
+            h = da @ db.T + bias.double()
+            h_err = k * 2.0**-23 * (da.abs() @ db.abs().T) + 2.0**-23 * h.abs()
+            if activation == "gelu_tanh":
+                want, err = _gelu_tanh(h), _reach(_gelu_tanh, h, h_err)
+                z = 2 * math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)
+            else:
+                (ha, hb), (ea, eb) = h.split(n, dim=1), h_err.split(n, dim=1)
+                want, z = _silu(ha) * hb, ha
+                err = _reach(_silu, ha, ea) * (hb.abs() + eb) + _silu(ha).abs() * eb
+            err = err + (2.0**-20 * (1 + z.abs() * (1 - torch.sigmoid(z))) + 2.0**-24) * want.abs() + 2.0**-140
+            codes, scales = mx_gemm_act(*a, *b, bias, element, activation, tiles={"BLOCK_M": 32, "BLOCK_N": 64,
+                                                                                  "BLOCK_K": 64})  # fmt: skip
+            compared = assert_codes_of(codes, scales, want, err, element)
+            assert compared > 0.9, (element, activation, compared, seed)
+
+
+def check_quantized_mlp_in_the_model() -> None:
+    """The model's MLPs with MX linears on ``mx_triton`` run the fused kernels (``linear.quantized_mlp``): Flux's
+    double-stream ``FeedForward`` (GELU) and Krea 3's single-stream output projection (SwiGLU), whose operand joins
+    the attention output (quantized by the activation quantizer) and the fused up projection's codes. Each equals
+    the exact codecs' product of that operand (``formats.dequantize_mx``, fp64) with the down weight, plus its bias,
+    within fp32 accumulation: K 2^-23 sum |a b| + 2^-23 |out| (the bias added in fp32)."""
+    from ditrun.kernels import formats
+    from ditrun.kernels import linear as L
+    from ditrun.kernels.mx_gemm_triton import mx_gemm_act
+    from ditrun.model import dit, presets
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    fmt = L.LINEAR_FORMATS.get("mxfp6", "test")
+
+    def mx(linear: torch.nn.Linear) -> L.QuantizedLinear:
+        q = L.QuantizedLinear.with_backend(linear.weight.detach(), fmt, "mx_triton")
+        q.bias = torch.nn.Parameter(torch.randn(linear.out_features, generator=g), requires_grad=False)
+        return q
+
+    for variant in ("flux", "krea3"):
+        geo = dit.DiTGeometry(**{**vars(presets.PRESETS["tiny"]), **presets.VARIANTS[variant]})
+        x, attn = torch.randn(2, 9, geo.inner_dim, generator=g), torch.randn(2, 9, geo.inner_dim, generator=g)
+        if variant == "flux":
+            ff = dit.FeedForward(geo)
+            up, down, prefix, epilogue = mx(ff.net[0].proj), mx(ff.net[2]), None, ff.epilogue
+            ff.net[0].proj, ff.net[2] = up, down
+            got = ff(x)
+        else:
+            single = dit.SingleStreamBlock(geo)
+            up, down, prefix, epilogue = mx(single.proj_mlp), mx(single.proj_out), attn, "swiglu"
+            single.proj_mlp, single.proj_out = up, down
+            residual, gate = torch.zeros_like(x), torch.ones(2, geo.inner_dim)  # out = 0 + 1 * the projection
+            got = single.post_attention(attn.unflatten(-1, (geo.num_attention_heads, -1)), residual, (gate, None, x))
+        assert L.quantized_mlp(up, down, x[:, :0], epilogue, None if prefix is None else prefix[:, :0]) is not None
+        w = up.weights["mx_triton"]
+        codes, scales = mx_gemm_act(*formats.quantize_mx(x.flatten(0, 1), "fp6_e2m3"), w["codes"], w["scales"],
+                                    up.bias, "fp6_e2m3", epilogue)  # fmt: skip
+        operand = formats.dequantize_mx(codes, scales, "fp6_e2m3").double()
+        if prefix is not None:
+            operand = torch.cat([formats.fake_quantize(prefix.flatten(0, 1), "fp6_e2m3").double(), operand], 1)
+        w = down.weights["mx_triton"]
+        dw = formats.dequantize_mx(w["codes"], w["scales"], "fp6_e2m3").double()
+        want = operand @ dw.T + down.bias.double()
+        bound = operand.shape[1] * 2.0**-23 * (operand.abs() @ dw.abs().T) + 2.0**-23 * want.abs()
+        assert ((got.flatten(0, 1).double() - want).abs() <= bound).all(), variant

@@ -219,10 +219,42 @@ def _mx_gemm_builds() -> list[Build]:
                 sig,
                 const,
                 options,
-                ("gfx950", "sm_90a"),
+                # sm_90a: Triton's emulation of the scaled dot, which only the GPU suite runs (Hopper's MX linears
+                # are mx_repack_fp8): built once, for the FP6 unpacking, the one read the other formats lack
+                ("gfx950", "sm_90a") if element == "fp6_e2m3" else ("gfx950",),
                 {"gfx950": (MFMA_SCALED,)},
             )
         )
+    return builds
+
+
+def _mx_fused_builds() -> list[Build]:
+    """The MX activation quantizer and the MLP's fused up projection: their code depends on the element's bit width
+    (packing) and, for the fused GEMM, the activation, not on the shapes (runtime sizes)."""
+    from ditrun.kernels import mx_gemm_triton as G
+
+    builds = []
+    for element in ("fp8_e4m3", "fp6_e2m3", "fp4_e2m1"):
+        sig = _signature("X", "CODES", "SCALES", "M", "K", "stride_x", "stride_c", "stride_s", X="*bf16", CODES="*u8",
+                         SCALES="*u8")  # fmt: skip
+        tiles = {k: v for k, v in G.QUANTIZE_TILES.items() if k.startswith("BLOCK")}
+        const = _constexprs(sig, **G.element_constants(element), RCEIL=True, **tiles)
+        builds.append(Build("mx_gemm_triton._mx_quantize_kernel", f"{element}, {tiles['BLOCK_M']}x{tiles['BLOCK_K']}",
+                            sig, const, {"num_warps": G.QUANTIZE_TILES["num_warps"]}, ("gfx950",)))  # fmt: skip
+    tiles = {k: v for k, v in G.ACT_TILES.items() if k.startswith("BLOCK")}
+    options = {k: v for k, v in G.ACT_TILES.items() if k.startswith("num")}
+    for element, activation in (("fp8_e4m3", "gelu_tanh"), ("fp6_e2m3", "gelu_tanh"), ("fp6_e2m3", "swiglu"),
+                                ("fp4_e2m1", "gelu_tanh")):  # fmt: skip
+        sig = _signature(
+            "A", "A_SCALE", "B", "B_SCALE", "BIAS", "C_CODES", "C_SCALE", "M", "N", "K", "stride_a", "stride_as",
+            "stride_b", "stride_bs", "stride_c", "stride_cs", A="*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8",
+            BIAS="*bf16", C_CODES="*u8", C_SCALE="*u8",
+        )  # fmt: skip
+        const = _constexprs(sig, ELEMENT=G.ELEMENTS[element], ACTIVATION=G.ACTIVATIONS[activation], HAS_BIAS=True,
+                            **G.element_constants(element), RCEIL=True, **tiles)  # fmt: skip
+        config = f"{element}, {activation}, {tiles['BLOCK_M']}x{tiles['BLOCK_N']}x{tiles['BLOCK_K']} tiles"
+        builds.append(Build("mx_gemm_triton._mx_gemm_act_kernel", config, sig, const, options, ("gfx950",),
+                            {"gfx950": (MFMA_SCALED,)}))  # fmt: skip
     return builds
 
 
@@ -262,7 +294,7 @@ def _gluon_builds() -> list[Build]:
 
 def builds() -> list[Build]:
     """Every shipped kernel at the configurations CI builds (the Gluon kernel where this Triton has its API)."""
-    found = _quantizer_builds() + _attention_builds() + _qk_producer_builds() + _mx_gemm_builds()
+    found = _quantizer_builds() + _attention_builds() + _qk_producer_builds() + _mx_gemm_builds() + _mx_fused_builds()
     try:
         found += _gluon_builds()
     except (ImportError, AttributeError):  # this Triton lacks the Gluon Hopper API: the op runs the Triton kernel
@@ -279,6 +311,9 @@ NOT_BUILT = {
     "shared memory), none of which CDNA has; ROCm runs attention_triton._attention_forward",
     "mx_gemm_triton._mx_gemm_kernel": "gfx942: no scaled MFMA (Triton would emulate the scaled dot in BF16); the "
     "backend (linear.MxTriton) runs on gfx950 only",
+    "mx_gemm_triton._mx_gemm_act_kernel": "the mx_triton backend's fused MLP, which runs on gfx950 only (Hopper's "
+    "MX linears are mx_repack_fp8)",
+    "mx_gemm_triton._mx_quantize_kernel": "the mx_triton backend's activation quantizer, which runs on gfx950 only",
 }
 """Kernel -> why a target of ``TARGETS`` missing from its ``targets`` never gets it."""
 

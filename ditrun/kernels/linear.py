@@ -437,18 +437,74 @@ class MxTriton:
         ok = "gfx950" in torch.cuda.get_device_properties(device).gcnArchName
         return None if ok else "needs gfx950 (MI350/MI355X): the scaled MFMA"
 
+    triton_quantizer = True
+    """Its activation quantizer is one Triton kernel (``mx_gemm_triton.mx_quantize``), opaque to torch.compile."""
+
     @staticmethod
     def quantize(x, fmt, scale_mode):
-        return formats.quantize_mx(x, fmt.element, fmt.block, scale_mode)  # packed codes, E8M0 scales
+        return mx_quantize_op(x, fmt.element, scale_mode)  # packed codes, E8M0 scales: formats.quantize_mx's
 
     def prepare(self, weight, fmt, scale_mode):
-        codes, scales = self.quantize(weight, fmt, scale_mode)
+        codes, scales = formats.quantize_mx(weight, fmt.element, fmt.block, scale_mode)  # once, on any device
         return {"codes": codes, "scales": scales}
 
     def gemm(self, operand, weights, fmt, out_dtype):
         from ditrun.kernels.mx_gemm_triton import mx_gemm
 
         return mx_gemm(*operand, weights["codes"], weights["scales"], fmt.element, out_dtype)
+
+
+# ditrun's MX kernels as custom ops: opaque nodes in compiled regions (no Triton launch for dynamo to trace).
+@torch.library.custom_op("ditrun::mx_quantize", mutates_args=())
+def mx_quantize_op(x: torch.Tensor, element: str, scale_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from ditrun.kernels.mx_gemm_triton import mx_quantize
+
+    return mx_quantize(x.contiguous(), element, scale_mode)
+
+
+@mx_quantize_op.register_fake
+def _(x, element, scale_mode):
+    bits = formats.element_format(element).bits
+    return x.new_empty((x.shape[0], x.shape[1] * bits // 8), dtype=torch.uint8), x.new_empty(
+        (x.shape[0], x.shape[1] // 32), dtype=torch.uint8
+    )
+
+
+@torch.library.custom_op("ditrun::mx_mlp", mutates_args=())
+def mx_mlp_op(
+    x: torch.Tensor,
+    prefix: Optional[torch.Tensor],
+    up_codes: torch.Tensor,
+    up_scales: torch.Tensor,
+    up_bias: Optional[torch.Tensor],
+    down_codes: torch.Tensor,
+    down_scales: torch.Tensor,
+    element: str,
+    activation: str,
+    scale_mode: str,
+) -> torch.Tensor:
+    """down([prefix | activation(x up^T + up_bias)]) -> [M, N_down] in x's dtype, down's bias not included: x (and
+    the prefix) quantized once each into one MX operand, whose hidden columns the up projection's epilogue writes
+    (``mx_gemm_act``); the hidden state and the activation are never written in the compute dtype."""
+    from ditrun.kernels import mx_gemm_triton as G
+
+    m, hidden = x.shape[0], up_codes.shape[0] // (2 if activation == "swiglu" else 1)
+    width = 0 if prefix is None else prefix.shape[1]
+    bits = formats.element_format(element).bits
+    codes = torch.empty(m, (width + hidden) * bits // 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(m, (width + hidden) // G.BLOCK, dtype=torch.uint8, device=x.device)
+    split = width * bits // 8
+    if prefix is not None:  # the attention output's blocks, first along K
+        G.mx_quantize(prefix.contiguous(), element, scale_mode, codes[:, :split], scales[:, : width // G.BLOCK])
+    x_codes, x_scales = G.mx_quantize(x.contiguous(), element, scale_mode)
+    G.mx_gemm_act(x_codes, x_scales, up_codes, up_scales, up_bias, element, activation, scale_mode,
+                  codes[:, split:], scales[:, width // G.BLOCK :])  # fmt: skip
+    return G.mx_gemm(codes, scales, down_codes, down_scales, element, x.dtype)
+
+
+@mx_mlp_op.register_fake
+def _(x, prefix, up_codes, up_scales, up_bias, down_codes, down_scales, element, activation, scale_mode):
+    return x.new_empty((x.shape[0], down_codes.shape[0]))
 
 
 def aiter_function(name: str):
@@ -598,6 +654,10 @@ class QuantizedLinear(nn.Module):
         """A bias-free linear that always runs backend ``name`` (tests, benchmarks)."""
         return cls(weight, None, fmt, scale_mode, {name: LINEAR_BACKENDS.get(name, "backend")()}, lambda m: name)
 
+    def runs_mx_triton(self, rows: int) -> bool:
+        """Whether a call with ``rows`` rows runs ``mx_triton`` (the dispatch table's choice)."""
+        return self.choose(rows) == MxTriton.name
+
     def _apply(self, fn, recurse=True):
         # Prepared weights are plain tensors in dicts (one per backend); move them with the module.
         self.weights = {b: {k: fn(v) for k, v in w.items()} for b, w in self.weights.items()}
@@ -608,3 +668,28 @@ class QuantizedLinear(nn.Module):
             f"in={self.in_features}, out={self.out_features}, format={self.fmt.name}, "
             f"backends={list(self.backends)}" + (f", splits={self.splits}" if self.splits else "")
         )
+
+
+def quantized_mlp(
+    up: nn.Module, down: nn.Module, x: torch.Tensor, activation: str, prefix: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """An MLP's down projection of [prefix | activation(up(x))] (``activation``: one of
+    ``mx_gemm_triton.ACTIVATIONS``) as ``mx_mlp_op``: the up projection's epilogue applies the activation and
+    writes the down projection's MX operand, where both are ``QuantizedLinear``s of one MX format that the dispatch
+    runs on ``mx_triton`` for these rows. None elsewhere: the caller runs them one by one.
+
+    x: [..., K], prefix: [..., P] -> [..., N_down]."""
+    if not (isinstance(up, QuantizedLinear) and isinstance(down, QuantizedLinear)):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if (up.fmt, up.scale_mode) != (down.fmt, down.scale_mode) or up.splits is not None:
+        return None
+    if not (up.runs_mx_triton(rows.shape[0]) and down.runs_mx_triton(rows.shape[0])):
+        return None
+    prefix_rows = None if prefix is None else prefix.reshape(-1, prefix.shape[-1])
+    w_up, w_down = up.weights[MxTriton.name], down.weights[MxTriton.name]
+    out = mx_mlp_op(rows, prefix_rows, w_up["codes"], w_up["scales"], up.bias, w_down["codes"], w_down["scales"],
+                    up.fmt.element, activation, up.scale_mode)  # fmt: skip
+    if down.bias is not None:
+        out = out + down.bias
+    return out.reshape(*x.shape[:-1], down.out_features)

@@ -22,6 +22,7 @@ from torch import nn
 
 from ditrun.errors import UserError
 from ditrun.kernels import epilogue
+from ditrun.kernels.linear import quantized_mlp
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention  # noqa: F401  (the model's attention signature)
 
 
@@ -291,14 +292,18 @@ class FeedForward(nn.Module):
         proj.proj = nn.Linear(dim, 2 * hidden if self.swiglu else hidden)
         self.net = nn.ModuleList([proj, nn.Identity(), nn.Linear(hidden, dim)])
         self.activation = mlp_activation(self.swiglu)
+        self.epilogue = mlp_epilogue(self.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden, down = self.net[0].proj(x), self.net[2]
+        up, down = self.net[0].proj, self.net[2]
         if isinstance(down, nn.Linear):
-            return down(self.activation(hidden))
+            return down(self.activation(up(x)))
+        fused = quantized_mlp(up, down, x, self.epilogue)  # MX on ditrun's GEMM: the hidden state never written
+        if fused is not None:
+            return fused
         # A quantized down projection takes the hidden state and the activation, so that the
         # activation's output is quantized as it is computed (one fused pass on GPUs).
-        return down(hidden, activation=self.activation)
+        return down(up(x), activation=self.activation)
 
 
 GELU_TANH_COEFF = 0.044715
@@ -328,6 +333,11 @@ def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
 def mlp_activation(swiglu_mlp: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """The MLP's activation function: module-level, so the same object in every block (quantizers are shared by it)."""
     return swiglu_activation if swiglu_mlp else gelu_activation
+
+
+def mlp_epilogue(swiglu_mlp: bool) -> str:
+    """The MLP's activation as a fused up projection names it (``mx_gemm_triton.ACTIVATIONS``)."""
+    return "swiglu" if swiglu_mlp else "gelu_tanh"
 
 
 class StackedLinear(nn.Module):
@@ -529,11 +539,15 @@ class SingleStreamBlock(nn.Module):
         """The MLP, the joint output projection and the gated residual. out: [B, S, H, D]."""
         gate, attn_gate, mlp_in = state
         attn_out = self.attn.gated(out.flatten(2).to(x.dtype), attn_gate)
-        hidden = mlp_in if self.fused_in is not None else self.proj_mlp(mlp_in)
-        if isinstance(self.proj_out, nn.Linear):
-            projected = self.proj_out(torch.cat([attn_out, self.activation(hidden)], dim=2))
-        else:  # quantized: it joins and activates its input inside the quantizer (one fused pass on GPUs)
-            projected = self.proj_out(hidden, activation=self.activation, prefix=attn_out)
+        # MX on ditrun's GEMM (quantized linears; fused_in is for plain ones): the hidden state never written, the
+        # attention output quantized into the down projection's operand
+        projected = quantized_mlp(self.proj_mlp, self.proj_out, mlp_in, mlp_epilogue(self.swiglu), prefix=attn_out)
+        if projected is None:
+            hidden = mlp_in if self.fused_in is not None else self.proj_mlp(mlp_in)
+            if isinstance(self.proj_out, nn.Linear):
+                projected = self.proj_out(torch.cat([attn_out, self.activation(hidden)], dim=2))
+            else:  # quantized: it joins and activates its input inside the quantizer (one fused pass on GPUs)
+                projected = self.proj_out(hidden, activation=self.activation, prefix=attn_out)
         x = x + gate[:, None] * projected
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
