@@ -205,7 +205,7 @@ def test_the_fused_mx_kernels_equal_the_exact_codecs_in_the_cpu_interpreter():
     projection's MX operand) and the model's MLPs through them, in Triton's CPU interpreter (a fresh process)."""
     code = (
         "import test_kernel_builds as t; t.check_mx_quantize_equals_the_codec(); t.check_mx_gemm_act_random(); "
-        "t.check_quantized_mlp_in_the_model()"
+        "t.check_quantized_mlp_in_the_model(); t.check_stacked_projection()"
     )
     in_the_interpreter(code)
 
@@ -220,6 +220,14 @@ def test_the_backend_runs_the_element_formats_the_kernel_reads():
     backend, cpu = L.MxTriton(), torch.device("cpu")
     why = {name: backend.unavailable(fmt, cpu) for name, fmt in L.LINEAR_FORMATS.items()}
     assert [name for name, reason in why.items() if "gfx950" in reason] == ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"]
+
+
+@pytest.mark.gpu
+def test_the_fused_mx_kernels_equal_the_exact_codecs_on_the_gpu():
+    """The interpreter's checks of the activation quantizer and the fused up projection on a GPU (the H100: Triton's
+    emulation of the scaled dot), at the tiles the model runs."""
+    check_mx_quantize_equals_the_codec("cuda")
+    check_mx_gemm_act_random("cuda")
 
 
 @pytest.mark.gpu
@@ -291,9 +299,10 @@ def _reach(f, h: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
     return (f(points) - f(h)[..., None]).abs().amax(-1) + 0.8 * (error / 16) ** 2
 
 
-def check_mx_quantize_equals_the_codec() -> None:
+def check_mx_quantize_equals_the_codec(device: str = "cpu") -> None:
     """The activation quantizer equals ``formats.quantize_mx`` bit for bit, for both scale rules, on fresh random
-    rows spanning 40 decades, ragged in M, with zero blocks, signed zeros and fp32 subnormal blocks."""
+    rows spanning 40 decades, ragged in M, with zero blocks, signed zeros and (in the interpreter; a GPU may flush
+    them) fp32 subnormal blocks."""
     from ditrun.kernels import formats
     from ditrun.kernels.mx_gemm_triton import mx_quantize
 
@@ -302,18 +311,20 @@ def check_mx_quantize_equals_the_codec() -> None:
     for element in MX_ELEMENTS:
         for mode in formats.SCALE_MODES:
             x = torch.randn(37, 320, generator=g) * torch.logspace(-20, 20, 320)
-            x[0, :32], x[1, 5], x[2, 32:64] = 0.0, -0.0, torch.randn(32, generator=g) * 1e-40
-            got, want = mx_quantize(x, element, mode), formats.quantize_mx(x, element, 32, mode)
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (element, mode, seed)
+            x[0, :32], x[1, 5] = 0.0, -0.0
+            if device == "cpu":
+                x[2, 32:64] = torch.randn(32, generator=g) * 1e-40
+            got, want = mx_quantize(x.to(device), element, mode), formats.quantize_mx(x, element, 32, mode)
+            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (element, mode, seed)
 
 
-def check_mx_gemm_act_random() -> None:
+def check_mx_gemm_act_random(device: str = "cpu") -> None:
     """The fused up projection on fresh random operands (a seed per run: printed), ragged in M, N not a multiple of
     the tile, for GELU(tanh) and SwiGLU: its codes and scales are ``formats.quantize_mx`` of the activation of the
     exact codecs' product plus the bias (fp64), up to ties within the bound of the kernel's error:
     |h error| <= e_h = K 2^-23 sum |a b| + 2^-23 |h| (fp32 accumulation, then the bias); the activation's error
     <= how far f moves within e_h of h (``_reach``; SwiGLU: silu's reach times |b| + e_b, plus |silu(a)| e_b)
-    + 2^-20 (1 + |z| (1 - sigmoid(z))) |value| (its fp32 evaluation in the interpreter: a few roundings, the
+    + 2^-20 (1 + |z| (1 - sigmoid(z))) |value| (its fp32 evaluation: a few roundings and a sigmoid, the
     sigmoid's argument z amplified by its relative slope) + 2^-24 |value| (the reference's rounding to fp32)
     + 2^-140 (fp32 subnormals)."""
     from ditrun.kernels import formats
@@ -340,8 +351,9 @@ def check_mx_gemm_act_random() -> None:
                 want, z = _silu(ha) * hb, ha
                 err = _reach(_silu, ha, ea) * (hb.abs() + eb) + _silu(ha).abs() * eb
             err = err + (2.0**-20 * (1 + z.abs() * (1 - torch.sigmoid(z))) + 2.0**-24) * want.abs() + 2.0**-140
-            codes, scales = mx_gemm_act(*a, *b, bias, element, activation, tiles={"BLOCK_M": 32, "BLOCK_N": 64,
-                                                                                  "BLOCK_K": 64})  # fmt: skip
+            tiles = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64} if device == "cpu" else None  # GPU: the model's
+            operands = (t.to(device) for t in (*a, *b, bias))
+            codes, scales = (t.cpu() for t in mx_gemm_act(*operands, element, activation, tiles=tiles))
             compared = assert_codes_of(codes, scales, want, err, element)
             assert compared > 0.9, (element, activation, compared, seed)
 
@@ -391,3 +403,39 @@ def check_quantized_mlp_in_the_model() -> None:
         want = operand @ dw.T + down.bias.double()
         bound = operand.shape[1] * 2.0**-23 * (operand.abs() @ dw.abs().T) + 2.0**-23 * want.abs()
         assert ((got.flatten(0, 1).double() - want).abs() <= bound).all(), variant
+
+
+def check_stacked_projection() -> None:
+    """A Krea 3 double-stream block's stacked projections (Q, K, V and the attention gate of each stream: one
+    ``QuantizedLinear``, ``model/quantize.py``) on ``mx_triton``: the input quantized once by the activation
+    quantizer, one GEMM; Q, K and V as projected equal the exact codecs' product plus the bias within fp32
+    accumulation (K 2^-23 sum |a b| + 2^-23 |out|), the gate its sigmoid within a quarter of that (the sigmoid's
+    slope) + 2^-22."""
+    from ditrun.kernels import formats
+    from ditrun.kernels import linear as L
+    from ditrun.model import dit, presets
+    from ditrun.model.quantize import quantize_model
+
+    g = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    geo = dit.DiTGeometry(**{**vars(presets.PRESETS["tiny"]), **presets.VARIANTS["krea3"]})
+    attn = dit.Attention(geo, dual=True, has_out=True)
+    for linear in (*attn.linears(False), *attn.linears(True)):
+        torch.nn.init.normal_(linear.bias, generator=g)
+    weights = {text: [(lin.weight.detach().clone(), lin.bias.detach().clone()) for lin in attn.linears(text)]
+               for text in (False, True)}  # fmt: skip
+    fmt = L.LINEAR_FORMATS.get("mxfp6", "test")
+    formats_of = {"qkv": fmt, "out": L.LINEAR_FORMATS.get("bf16", "test"), "mlp": L.LINEAR_FORMATS.get("bf16", "test")}
+    replaced = quantize_model(torch.nn.ModuleDict({"block": torch.nn.ModuleDict({"attn": attn})}), formats_of,
+                              "rceil", lambda f, k, n: ({"mx_triton": L.MxTriton()}, lambda m: "mx_triton"))  # fmt: skip
+    assert replaced["qkv"] == 2  # one stack per stream
+    for text in (False, True):
+        x = torch.randn(2, 9, geo.inner_dim, generator=g)
+        q, k, v, gate = attn.project(x, text=text, raw=True)
+        xq = formats.fake_quantize(x.flatten(0, 1), "fp6_e2m3").double()
+        for got, (w, b) in zip((q.flatten(2), k.flatten(2), v.flatten(2), gate), weights[text]):
+            dw = formats.fake_quantize(w, "fp6_e2m3").double()
+            want = xq @ dw.T + b.double()
+            bound = xq.shape[1] * 2.0**-23 * (xq.abs() @ dw.abs().T) + 2.0**-23 * want.abs()
+            if got is gate:
+                want, bound = torch.sigmoid(want), bound / 4 + 2.0**-22
+            assert ((got.flatten(0, 1).double() - want).abs() <= bound).all(), text
