@@ -311,9 +311,10 @@ NOT_BUILT = {
     "shared memory), none of which CDNA has; ROCm runs attention_triton._attention_forward",
     "mx_gemm_triton._mx_gemm_kernel": "gfx942: no scaled MFMA (Triton would emulate the scaled dot in BF16); the "
     "backend (linear.MxTriton) runs on gfx950 only",
-    "mx_gemm_triton._mx_gemm_act_kernel": "the mx_triton backend's fused MLP, which runs on gfx950 only (Hopper's "
-    "MX linears are mx_repack_fp8)",
-    "mx_gemm_triton._mx_quantize_kernel": "the mx_triton backend's activation quantizer, which runs on gfx950 only",
+    "mx_gemm_triton._mx_gemm_act_kernel": "gfx942, sm_90a: the mx_triton backend's fused MLP runs on gfx950 only "
+    "(Hopper's MX linears are mx_repack_fp8)",
+    "mx_gemm_triton._mx_quantize_kernel": "gfx942, sm_90a: the mx_triton backend's activation quantizer runs on "
+    "gfx950 only",
 }
 """Kernel -> why a target of ``TARGETS`` missing from its ``targets`` never gets it."""
 
