@@ -4,9 +4,10 @@ dispatch sends it to (gfx950 = MI355X, gfx942 = MI300X, sm_90a = Hopper) at the 
 nothing has run on AMD hardware (docs/PRECISION.md#built-for-every-target).
 
 Every build of ``builds.builds()`` is compiled, into a Triton cache that is empty at the start (a fresh machine's
-state): about 40 s on one core, with Triton 3.9 (3.6 falls short on three builds: docs/PRECISION.md). The quantizers are built at the Flux linears' K (the tilings ``default_tiling`` picks there: one tile
+state): about 50 s on one core, with Triton 3.9 (3.6 falls short on three builds: docs/PRECISION.md). The quantizers are built at the Flux linears' K (the tilings ``default_tiling`` picks there: one tile
 and looped), the attention kernel at the H200's tile in its masked and unmasked variants, the MX GEMM for each
-element format; configurations that share their code path with these are not built again."""
+element format on gfx950 (once on sm_90a), the MX activation quantizer and the fused up projection for each code
+width (8, 6, 4 bits) and activation; configurations that share their code path with these are not built again."""
 
 import importlib
 import inspect
