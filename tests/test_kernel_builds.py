@@ -203,10 +203,12 @@ def test_mx_gemm_equals_the_exact_codecs_in_the_cpu_interpreter():
 @pytest.mark.slow
 def test_the_fused_mx_kernels_equal_the_exact_codecs_in_the_cpu_interpreter():
     """The activation quantizer, the MLP's fused up projection (GELU and SwiGLU epilogues writing the down
-    projection's MX operand) and the model's MLPs through them, in Triton's CPU interpreter (a fresh process)."""
+    projection's MX operand), the model's MLPs and stacked projections through them, and the custom ops that wrap
+    them, in Triton's CPU interpreter (a fresh process)."""
     code = (
         "import test_kernel_builds as t; t.check_mx_quantize_equals_the_codec(); t.check_mx_gemm_act_random(); "
-        "t.check_quantized_mlp_in_the_model(); t.check_stacked_projection()"
+        "t.check_quantized_mlp_in_the_model(); t.check_stacked_projection(); "
+        "t.check_custom_ops_agree_with_their_fakes()"
     )
     in_the_interpreter(code)
 
@@ -440,3 +442,19 @@ def check_stacked_projection() -> None:
             if got is gate:
                 want, bound = torch.sigmoid(want), bound / 4 + 2.0**-22
             assert ((got.flatten(0, 1).double() - want).abs() <= bound).all(), text
+
+
+def check_custom_ops_agree_with_their_fakes() -> None:
+    """The MX custom ops (``linear.mx_quantize_op``, ``linear.mx_mlp_op``, what compiled regions call) pass
+    ``torch.library.opcheck``: their fake implementations give the real outputs' shapes and dtypes, the schemas hold."""
+    from ditrun.kernels import formats
+    from ditrun.kernels import linear as L
+
+    x = torch.randn(5, 64)
+    torch.library.opcheck(L.mx_quantize_op, (x, "fp6_e2m3", "rceil"))
+    up, down = (
+        formats.quantize_mx(torch.randn(64, 64), "fp4_e2m1"),
+        formats.quantize_mx(torch.randn(32, 96), "fp4_e2m1"),
+    )
+    mlp = (x, torch.randn(5, 32), *up, torch.randn(64), *down, "fp4_e2m1", "gelu_tanh", "rceil")
+    torch.library.opcheck(L.mx_mlp_op, mlp)

@@ -324,7 +324,8 @@ def run(
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     rundir.make_run_dir(out_dir)
     if cfg.warm.enabled:  # ``ditrun warm``: the shapes compiled into the compile cache, no edit
-        return warm.run(cfg, out_dir, job, nodes)
+        state = Run(cfg, out_dir, nodes, edits=warm.warm_edits(cfg, resolve_edits(cfg.workload)))
+        return warm.run(state, job, lambda: stop_if_asked(job, state.layout))
     start = time.perf_counter()
     state = Run(cfg, out_dir, nodes)
     layout = state.layout
