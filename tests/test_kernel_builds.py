@@ -305,8 +305,8 @@ def _reach(f, h: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
 
 def check_mx_quantize_equals_the_codec(device: str = "cpu") -> None:
     """The activation quantizer equals ``formats.quantize_mx`` bit for bit, for both scale rules, on fresh random
-    rows spanning 40 decades, ragged in M, with zero blocks, signed zeros and (in the interpreter; a GPU may flush
-    them) fp32 subnormal blocks."""
+    fp32 and BF16 rows spanning 40 decades, ragged in M, with zero blocks, signed zeros and (in the interpreter; a
+    GPU may flush them) subnormal blocks."""
     from ditrun.kernels import formats
     from ditrun.kernels.mx_gemm_triton import mx_quantize
 
@@ -318,8 +318,9 @@ def check_mx_quantize_equals_the_codec(device: str = "cpu") -> None:
             x[0, :32], x[1, 5] = 0.0, -0.0
             if device == "cpu":
                 x[2, 32:64] = torch.randn(32, generator=g) * 1e-40
-            got, want = mx_quantize(x.to(device), element, mode), formats.quantize_mx(x, element, 32, mode)
-            assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (element, mode, seed)
+            for rows in (x, x.bfloat16()):
+                got, want = mx_quantize(rows.to(device), element, mode), formats.quantize_mx(rows, element, 32, mode)
+                assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]), (element, mode, seed)
 
 
 def check_mx_gemm_act_random(device: str = "cpu") -> None:
