@@ -242,11 +242,23 @@ def _hydra_cases(tmp: Path) -> list[tuple[list[str], str]]:
     ]
 
 
+def _warm_cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """``ditrun warm``'s (``warm.enabled=true``, as ``ditrun warm`` passes it) that cannot work; the run's sentence when
+    it is given what only a warm reads."""
+    warming = ["warm.enabled=true", "model.compile=on", f"model.compile_cache={tmp / 'cc'}"]
+    return [
+        ([*warming, "warm.sizes=[[40,48]]"], "warm.sizes[0]=[40, 48] has a size that is not a positive multiple of 16"),
+        (["warm.enabled=true"], "model.compile=auto compiles nothing on cpu, so ditrun warm has nothing to warm"),
+        ([*warming, "model.compile_cache=off"], "model.compile_cache=off keeps no entries"),
+        (["warm.preset=kontext"], "warm.preset is read by ditrun warm only, and this run would ignore it"),
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "table",
-    [_number_cases, _image_cases, _workload_file_cases, _embedding_cases, _checkpoint_cases, _hydra_cases],
+    [_number_cases, _image_cases, _workload_file_cases, _embedding_cases, _checkpoint_cases, _hydra_cases, _warm_cases],
     ids=lambda t: t.__name__[1:-6],
 )
 def test_every_bad_input_is_one_sentence_before_any_work(tmp_path, table):

@@ -142,7 +142,7 @@ def check_help(text: str) -> None:
     folders), where results land."""
     assert "powered by Hydra" not in text and "__main__" not in text
     assert text.startswith("ditrun runs diffusion-transformer (DiT) image-editing inference")
-    for form in ("ditrun [key=value ...]", "ditrun -m key=a,b", "ditrun report DIR"):
+    for form in ("ditrun [key=value ...]", "ditrun -m key=a,b", "ditrun report DIR", "ditrun warm [key=value ...]"):
         assert f"\n  {form}" in text
     lines = text.splitlines()
     for group, options in _conf_groups().items():

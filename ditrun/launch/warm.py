@@ -1,26 +1,26 @@
 """``ditrun warm``: every shape a workload needs compiled into the compile cache, as one job.
 
 ``ditrun warm key=value ...`` is the run of that config (``warm.enabled``: the same checks, launchers, ranks, model
-and compile-cache entries, ``inference/compile_cache.py``) with no edit in it. Its shapes are the workload's edits'
-(output size, reference size and tokens), or the output sizes ``warm.sizes`` and ``warm.preset`` name, each with the
-workload's first edit's picture and prompt. Global rank 0 decides, from the entries it loaded, which shapes still
-lack theirs; for each of those, every rank runs one denoising step (one guided velocity: both CFG branches, the
-layout's exchanges, CUDA graphs captured where the run captures them), and rank 0 writes the shape's entry. A later
-run of the same config finds the entry of each of its edits' shapes and compiles none of them. Rank 0 says what it
-did, one line per shape, and writes ``warm.json`` into the run's directory.
+and compile-cache entries, ``inference/compile_cache.py``) with no edit in it. Its sizes are the workload's edits'
+(one of each), or the output sizes ``warm.sizes`` and ``warm.preset`` name, each with the workload's first edit's
+picture and prompt; sizes of equal token counts share a shape, and so an entry. Global rank 0 decides, from the
+entries it loaded, which shapes still lack theirs; for each of those, every rank runs one denoising step (one guided
+velocity: both CFG branches, the layout's exchanges), and rank 0 writes the shape's entry. CUDA graphs are not kept:
+each process records its own. A later run of the same config finds the entry of each of its edits' shapes and
+compiles none of them. Rank 0 says what it did, one line per size, and writes ``warm.json`` into the run's directory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from ditrun.errors import UserError
 from ditrun.inference import compile_cache
 from ditrun.model.compile import plan_compile
+from ditrun.model.sampler import denoise
 from ditrun.results import files
 from ditrun.workload.edit import Edit
 from ditrun.workload.images import KONTEXT_RESOLUTIONS, PATCH_PIXELS, REF_RESIZE
@@ -101,24 +101,29 @@ def _at_size(edit: Edit, size: tuple, workload, index: int) -> Edit:
     return dataclasses.replace(edit, ref_width=ref_width, ref_height=ref_height)
 
 
-def run(cfg, out_dir: Path, job, nodes: Sequence[str] = ()) -> Optional[dict]:
-    """This rank's part of the warm job (``worker.run`` hands it over); returns what rank 0 wrote to ``warm.json``,
-    None elsewhere."""
-    from ditrun.launch import worker  # the worker runs this job's way through it, and hands it over here
-    from ditrun.workload.manifest import resolve_edits
-
-    state = worker.Run(cfg, out_dir, nodes, edits=warm_edits(cfg, resolve_edits(cfg.workload)))
+def run(state, job, stop_point: Callable[[], None]) -> Optional[dict]:
+    """This rank's part of the warm job: ``state`` is its ``worker.Run`` of ``warm_edits``, ``stop_point`` raises the
+    stop the job's ranks agree on, if any; returns what rank 0 wrote to ``warm.json``, None elsewhere."""
     rank0 = state.layout.rank == 0
     if rank0:
-        print(
-            f"ditrun: warm: {len(state.edits)} size(s) into {compile_cache.cache_dir(cfg.model.compile_cache)}",
-            flush=True,
-        )
+        folder = compile_cache.cache_dir(state.cfg.model.compile_cache)
+        print(f"ditrun: warm: {len(state.edits)} size(s) into {folder}", flush=True)
     state.edits = state.encode_prompts(job)
     state.build(job)
     job.barrier("loaded")
-    cache, text_len = state.compile_cache, cfg.workload.text_len
-    # The first size of each shape whose entry rank 0 did not load: every rank runs the same ones.
+    rows = _fill(state, job, stop_point, announce=rank0)
+    job.barrier("warmed")
+    if not rank0:
+        return None
+    result = {"sizes": rows, "compile_cache": state.compile_cache.fields()}
+    files.write_json(state.out_dir / WARM_FILE, result)
+    return result
+
+
+def _fill(state, job, stop_point: Callable[[], None], announce: bool) -> list[dict]:
+    """One step of the first size of each shape whose entry rank 0 did not load (every rank runs the same ones); one
+    row per size: what the job did to its shape's entry."""
+    cache, text_len = state.compile_cache, state.cfg.workload.text_len
     firsts = {compile_cache.shape_of(edit, text_len): edit for edit in reversed(state.edits)}
     todo = set(job.share("warm", lambda: [e.id for e in firsts.values() if cache.entry_of(e).status != "hit"]))
     done: dict[tuple, str] = {}  # shape -> what this job did to its entry
@@ -127,20 +132,15 @@ def run(cfg, out_dir: Path, job, nodes: Sequence[str] = ()) -> Optional[dict]:
         shape = compile_cache.shape_of(edit, text_len)
         entry = cache.entries[shape]
         if shape not in done and edit.id in todo:
-            worker.stop_if_asked(job, state.layout)
+            stop_point()
             written = entry.written
             _one_step(state, edit, job)
             done[shape] = FILLED if entry.written > written else UNWRITTEN
         done.setdefault(shape, THERE)
         rows.append({"size": size_label(edit), "shape": list(shape), "done": done[shape], "entry": str(entry.path)})
-        if rank0:
+        if announce:
             print(f"ditrun: warm: {rows[-1]['size']} ({entry.label}): {done[shape]} ({entry.path})", flush=True)
-    job.barrier("warmed")
-    if not rank0:
-        return None
-    result = {"sizes": rows, "compile_cache": cache.fields()}
-    files.write_json(out_dir / WARM_FILE, result)
-    return result
+    return rows
 
 
 def size_label(edit: Edit) -> str:
@@ -149,8 +149,6 @@ def size_label(edit: Edit) -> str:
 
 def _one_step(state, edit: Edit, job) -> None:
     """One denoising step of ``edit`` on this rank, inside its compile-cache recording (rank 0 writes the entry)."""
-    from ditrun.model.sampler import denoise
-
     inputs = state.inputs(edit)
     _, velocity = state.velocity(inputs)
     job.beat(f"warming {edit.width}x{edit.height}")
