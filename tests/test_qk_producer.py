@@ -110,6 +110,15 @@ def check_payload_producer(device: str = "cpu", dtype=torch.float32) -> None:
         torch.testing.assert_close(got_scale, want[f"{name}_scale"], rtol=1e-6, atol=0)  # a few ulps
     assert fields["v"].abs().sum() == 0  # V's fields are not the producer's
 
+    # MXFP6 V of some heads by the Triton quantizer: the codec's codes and scales, bit for bit
+    from ditrun.kernels import formats
+    from ditrun.kernels.attention_payload import mx_rows
+
+    heads = v.to(torch.bfloat16)[:, :, 1:3]  # a head slice, as a head group's
+    got = mx_rows(heads, "fp6_e2m3", by_kernel=True)
+    for a, b_ in zip(got, formats.quantize_mx(heads, "fp6_e2m3"), strict=True):
+        assert torch.equal(a, b_)
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)

@@ -35,6 +35,7 @@ import torch
 from ditrun.kernels import formats
 from ditrun.kernels.attention import V_FORMATS, Int8QK, attend_int8qk, gluon_key_order, quantize_int8_rows, smooth_k
 from ditrun.kernels.fp8_sdpa import attend_fp8_pv, fp8_pv_codes, fp8_pv_scales
+from ditrun.kernels.linear import triton_available
 from ditrun.kernels.token_statistics import token_amax, token_mean, token_sum
 from ditrun.registry import Registry
 
@@ -129,6 +130,19 @@ class Payload(Protocol):
         """The received fields [B, S, Hc, width] of one call's heads (``stats``: theirs) -> [B, S, Hc, D]."""
 
 
+def mx_rows(v: torch.Tensor, element: str, by_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``formats.quantize_mx(v, element)`` of v [B, L, H, D] (a head slice of a [B, L, H_all, D] tensor too):
+    (packed codes [B, L, H, D * bits / 8], E8M0 scales [B, L, H, D / 32]); ``by_kernel``: in one Triton pass
+    (``mx_gemm_triton.mx_quantize`` over the [B * L, H * D] rows; every block and packed group lies inside a head)."""
+    if not by_kernel:
+        return formats.quantize_mx(v, element)
+    from ditrun.kernels.mx_gemm_triton import mx_quantize
+
+    b, length, h, d = v.shape
+    codes, scales = mx_quantize(v.reshape(b * length, h * d), element)
+    return codes.view(b, length, h, -1), scales.view(b, length, h, -1)
+
+
 def _codes_as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
@@ -176,7 +190,7 @@ class Int8QKPayload:
         if self.v_format == "fp8":
             scaled = torch.ldexp(v.float(), -self._v_exponents(stats)[:, None, :, None])
             return {"v": _codes_as_bytes(formats.round_to_grid(scaled, "fp8_e4m3").to(torch.float8_e4m3fn))}
-        codes, scales = formats.quantize_mx(v, "fp6_e2m3")  # blocks along each token's channels, as quantize_v
+        codes, scales = mx_rows(v, "fp6_e2m3", triton_available(v.device))  # blocks along each token's channels
         return {"v": codes, "v_scale": scales}
 
     @staticmethod
