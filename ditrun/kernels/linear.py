@@ -19,7 +19,8 @@ Backends, by device:
   (MI355X) and Blackwell. Not yet run on either: see docs/PRECISION.md#not-run-yet. MXFP6 has no library
   GEMM there;
 * ``mx_triton`` — MXFP8, MXFP6 and MXFP4 on ditrun's own Triton GEMM (``kernels/mx_gemm_triton.py``: the scaled
-  MFMA, MXFP6 carried as E4M3) on gfx950. Unrun there: its gfx950 build is checked in CI
+  MFMA, MXFP6 carried as E4M3) on gfx950, its activations quantized by one Triton kernel, and an MLP whose two
+  linears both run it fused (``quantized_mlp``). Unrun there: its gfx950 builds are checked in CI
   (``kernels/builds.py``), its numerics in Triton's CPU interpreter;
 * ``aiter_fp8`` — FP8 through AITER's CK GEMM on ROCm when AITER is installed (unrun; tuned in only).
 """

@@ -13,6 +13,11 @@ the scaled MFMA as E4M3 codes: every E2M3 and E3M2 value is an E4M3 value (at mo
 2^-4 to 28, normal in E4M3), so the product is exact and the scales are the same. What that costs against native
 FP6: a few integer instructions per element to unpack and re-encode, and the MFMA at FP8's rate, which on MI355X
 is half the FP6/FP4 rate.
+
+Around the GEMM, the same module holds what ``linear.MxTriton`` fuses: ``mx_quantize`` (an activation to packed
+codes and E8M0 scales in one pass, as ``formats.quantize_mx``) and ``mx_gemm_act`` (an MLP's up projection whose
+epilogue adds the bias, applies GELU(tanh) or SwiGLU and quantizes the result in registers into the down
+projection's operand, so the hidden state is never written).
 """
 
 from __future__ import annotations
