@@ -28,9 +28,8 @@ serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; e
   rule); the layout's degrees, CFG, the step cache; and the shape (an edit's text tokens and image tokens,
   output and reference latents: what the graphs are specialised for, so 32x48 and 48x32 share an entry). A run
   has one entry per distinct shape of its edits, so a job of any mix of sizes finds each size's entry whichever
-  job wrote it (``ditrun warm`` fills them ahead: ``launch/warm.py``). Inductor's own
-  keys still guard every graph, so an entry of another key could only miss, never run code compiled for
-  something else.
+  job wrote it (``ditrun warm`` fills them ahead: ``launch/warm.py``). Inductor's own keys still guard every
+  graph, so an entry of another key could only miss, never run code compiled for something else.
 * **Readers**: every rank, on any node, loads the entry of each of its shapes before its first compiled forward.
 * **Writer**: global rank 0, after each of its edits in which it compiled something the entry of that edit's
   shape lacks (the artifacts Inductor compiled or looked up during that edit: ``RunCompileCache.recording``).
@@ -457,7 +456,7 @@ class CompileCache:
             info = self._load()
         except FileNotFoundError:
             self.status = "miss"
-            self._say(f"no entry {self.path}{self._for}; compiling, and writing it after the first edit")
+            self._say(f"no entry {self.path}{self._for}; compiling, and writing it after the first edit of its shape")
         except Untrusted as why:
             self.status = "discarded"
             print(
