@@ -1,8 +1,10 @@
 """Running the ``ditrun`` command as a user does, for the metrics, W&B and report tests."""
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -54,3 +56,23 @@ def strace_prefix(log) -> tuple[str, ...]:
     except (OSError, subprocess.SubprocessError):
         ok = False
     return ("strace", "-f", "-qq", "-e", "trace=connect,sendto,sendmsg", "-o", str(log)) if ok else ()
+
+
+def ditrun_batch(cases: list[list[str]], cwd, timeout=200, prefix=()) -> list[subprocess.CompletedProcess]:
+    """Each argument list of ``cases`` through the command's entry point, all in one interpreter
+    (``cli_batch.py``): a table of refusals costs one start-up. One result per case, as ``ditrun`` gives."""
+    cases_file = Path(cwd) / "cli-cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [*prefix, sys.executable, str(Path(__file__).with_name("cli_batch.py")), str(cases_file)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [result["args"] for result in results] == cases, proc.stdout[-3000:]
+    return [subprocess.CompletedProcess(r["args"], r["exit"], r["stdout"], r["stderr"]) for r in results]

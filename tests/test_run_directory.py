@@ -56,6 +56,22 @@ def warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("ditrun: warning: reference cache entry")]
 
 
+@pytest.fixture(scope="module")
+def two_edits(tmp_path_factory) -> Path:
+    """A finished run of the default workload's first two edits (astronaut, coffee) without SSIM, made once: each
+    test that starts from such a directory reruns or damages a copy of it."""
+    base = tmp_path_factory.mktemp("two")
+    first = run_in(base / "run", base / "refs", "metrics.ssim=false", cwd=base)
+    assert first.returncode == 0, first.stderr
+    return base / "run"
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_damaged_reference_entries_are_named_discarded_and_made_again(tmp_path):
@@ -127,16 +143,20 @@ def test_an_ssim_above_the_rerun_is_a_broken_reference_never_a_pass(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes_nothing(tmp_path):
-    out, refs = tmp_path / "run", tmp_path / "refs"
-    first = run_in(out, refs, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
+def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes_nothing(tmp_path, two_edits):
+    out, refs = copy_of(two_edits, tmp_path), tmp_path / "refs"
     before = snapshot(out)
     assert ".hydra/config.yaml" in before and ".hydra/overrides.yaml" in before and rundir.RUN_FILE in before
     manifest = tmp_path / "other.yaml"  # other ids: no edit of the directory's is asked for again
     manifest.write_text(yaml.safe_dump([{"id": name, "image": f"skimage:{name}"} for name in ("camera", "cat")]))
     foreign = run_in(
-        out, refs, f"workload.manifest={manifest}", "model.weights_seed=1", "workload.steps=3", cwd=tmp_path
+        out,
+        refs,
+        "metrics.ssim=false",
+        f"workload.manifest={manifest}",
+        "model.weights_seed=1",
+        "workload.steps=3",
+        cwd=tmp_path,
     )
     assert foreign.returncode == 2, foreign.stderr
     assert foreign.stderr.count("ditrun: error:") == 1 and "Traceback" not in foreign.stderr
@@ -146,13 +166,20 @@ def test_another_run_in_a_directory_is_refused_naming_the_differences_and_writes
     assert snapshot(out) == before  # no record, no summary, no .hydra file touched
 
     # The layout is a setting of the directory too (its timings are the layout's).
-    other_layout = run_in(out, refs, "launcher.world=2", "layout=ulysses", cwd=tmp_path)
+    other_layout = run_in(out, refs, "metrics.ssim=false", "launcher.world=2", "layout=ulysses", cwd=tmp_path)
     assert other_layout.returncode == 2
     assert "layout.name: single recorded, ulysses now; launcher.world: 1 recorded, 2 now" in other_layout.stderr
     assert snapshot(out) == before
 
     # What may differ: the prefix of the workload, W&B, timeouts, the cache's place.
-    same = run_in(out, tmp_path / "other-refs", "workload.limit=1", "launcher.collective_timeout_s=30", cwd=tmp_path)
+    same = run_in(
+        out,
+        tmp_path / "other-refs",
+        "metrics.ssim=false",
+        "workload.limit=1",
+        "launcher.collective_timeout_s=30",
+        cwd=tmp_path,
+    )
     assert same.returncode == 0, same.stderr
     assert "resuming, 1 edits already in edits.jsonl are skipped" in same.stdout
 
@@ -190,13 +217,22 @@ def test_a_held_directory_keeps_its_hydra_files_and_a_run_writes_its_own(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_directory(tmp_path):
-    out, refs = tmp_path / "run", tmp_path / "refs"
-    assert run_in(out, refs, FOUR, "metrics.ssim=false", cwd=tmp_path).returncode == 0
+def test_a_resumed_runs_first_edit_is_its_warm_up_and_a_rerun_of_a_prefix_keeps_the_whole_summary(tmp_path, two_edits):
+    """Each process compiles and warms up on its first edit: after a resume, the medians leave out the first edit of
+    every process that wrote some (``metrics.warmup_edits``), not only the directory's first. A rerun of a prefix of
+    the workload then appends, and the summary stays the whole directory's."""
+    out, refs = copy_of(two_edits, tmp_path), tmp_path / "refs"  # astronaut, coffee
+    resumed = run_in(out, refs, FOUR, "metrics.ssim=false", cwd=tmp_path)  # chelsea (its warm-up), rocket
+    assert resumed.returncode == 0, resumed.stderr
+    done = records(out)
+    sessions = [record["session"] for record in done]
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]
+    steady = sorted(record["dit_s"] for record in (done[1], done[3]))
+    assert summary(out)["dit_s_median"] == pytest.approx(sum(steady) / 2, rel=1e-12)
     assert summary(out)["edits"] == 4 and summary(out)["complete"] is True
+
     lines = (out / "edits.jsonl").read_text().splitlines()
     (out / "edits.jsonl").write_text("\n".join(lines[:3]) + "\n")  # as if the run had ended after its third edit
-
     prefix = run_in(out, refs, "workload.limit=2", "metrics.ssim=false", cwd=tmp_path)
     assert prefix.returncode == 0, prefix.stderr
     assert "resuming, 2 edits already in edits.jsonl are skipped" in prefix.stdout
@@ -211,26 +247,9 @@ def test_a_rerun_of_a_prefix_appends_and_keeps_the_summary_of_the_whole_director
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_resumed_runs_first_edit_is_its_warm_up_and_not_in_the_medians(tmp_path):
-    """Each process compiles and warms up on its first edit: after a resume, the medians leave out the first edit of
-    every process that wrote some (``metrics.warmup_edits``), not only the directory's first."""
-    out, refs = tmp_path / "run", tmp_path / "refs"
-    assert run_in(out, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0  # astronaut, coffee
-    resumed = run_in(out, refs, FOUR, "metrics.ssim=false", cwd=tmp_path)  # chelsea (its warm-up), rocket
-    assert resumed.returncode == 0, resumed.stderr
-    done = records(out)
-    sessions = [record["session"] for record in done]
-    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]
-    steady = sorted(record["dit_s"] for record in (done[1], done[3]))
-    assert summary(out)["dit_s_median"] == pytest.approx(sum(steady) / 2, rel=1e-12)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_checked(tmp_path):
+def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_checked(tmp_path, two_edits):
     """A results directory from before ``run.json`` (or one whose file was deleted) keeps the per-record check."""
-    out, refs = tmp_path / "run", tmp_path / "refs"
-    assert run_in(out, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0
+    out, refs = copy_of(two_edits, tmp_path), tmp_path / "refs"
     (out / rundir.RUN_FILE).unlink()
     changed = run_in(out, refs, "metrics.ssim=false", "workload.steps=3", cwd=tmp_path)
     assert changed.returncode == 2
@@ -246,7 +265,7 @@ def test_a_directory_without_its_settings_file_is_adopted_and_its_records_still_
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is_not(tmp_path):
+def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is_not(tmp_path, two_edits):
     """A cache key changes the run's results, so another value is a foreign run; ``metrics.quality`` only judges them.
     Under ``cache=none`` the other cache keys change nothing, so they are not the directory's."""
     out, refs = tmp_path / "cached", tmp_path / "refs"
@@ -264,8 +283,7 @@ def test_the_step_cache_is_a_setting_of_the_directory_and_the_quality_measure_is
     assert uncached.returncode == 2
     assert "belongs to a run with other settings (cache.name: first_block recorded, none now; " in uncached.stderr
 
-    plain = tmp_path / "plain"
-    assert run_in(plain, refs, "metrics.ssim=false", cwd=tmp_path).returncode == 0
+    plain = copy_of(two_edits, tmp_path / "plain")  # a run of cache=none
     unused = run_in(plain, refs, "cache.threshold=0.2", "metrics.ssim=false", cwd=tmp_path)
     assert unused.returncode == 0, unused.stderr
     assert "resuming, 2 edits already in edits.jsonl are skipped" in unused.stdout

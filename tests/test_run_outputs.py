@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, ditrun_batch, reference_dir
 from skimage import io
 
 from ditrun.results.files import TEMPORARY_PREFIX, edit_outputs
@@ -220,31 +220,40 @@ def _png_header(width: int, height: int) -> bytes:
     )
 
 
-@pytest.mark.parametrize("kind", ["huge", "directory", "device"])
-def test_an_image_that_cannot_be_read_is_one_sentence(tmp_path, kind):
+def test_an_image_or_a_results_directory_that_cannot_be_used_is_one_sentence(tmp_path):
+    """Pictures that cannot be read (too large to decode, a directory, a device) and a file where the results
+    directory goes (as hydra.run.dir, below it, as output_dir): each case one sentence, exit 2, nothing written;
+    the cases run through the command's entry point in one interpreter."""
     huge = tmp_path / "huge.png"
     huge.write_bytes(_png_header(20000, 20000))
     (tmp_path / "folder.png").mkdir()
-    image, sentence = {
-        "huge": (
-            huge,
-            f"edit 'x': image file '{huge}' is too large to decode safely (Image size (400000000 pixels) exceeds limit",
-        ),
-        "directory": (
-            tmp_path / "folder.png",
-            f"edit 'x': image file '{tmp_path / 'folder.png'}' is a directory; give a file.",
-        ),
-        "device": (
-            Path("/dev/zero"),
-            "edit 'x': image file '/dev/zero' is not a regular file (a device, pipe or socket); give a file.",
-        ),
-    }[kind]
-    result = ditrun(
-        *QUICK, manifest(tmp_path, ["x"], str(image)), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120
-    )
-    assert result.returncode == 2, result.stderr
-    assert f"ditrun: error: {sentence}" in result.stderr and "Traceback" not in result.stderr
-    assert not (tmp_path / "run" / "edits.jsonl").exists()
+    images = [
+        (huge, f"image file '{huge}' is too large to decode safely (Image size (400000000 pixels) exceeds limit"),
+        (tmp_path / "folder.png", f"image file '{tmp_path / 'folder.png'}' is a directory; give a file."),
+        (Path("/dev/zero"), "image file '/dev/zero' is not a regular file (a device, pipe or socket); give a file."),
+    ]
+    file = tmp_path / "results.txt"
+    file.write_text("a file")
+    results_dirs = [("hydra.run.dir", file), ("hydra.run.dir", file / "run"), ("output_dir", file)]
+    # The directory cases first: a case whose job started leaves the entry point's state of a started job behind.
+    cases = [[*QUICK, f"{key}={out}"] for key, out in results_dirs]
+    for i, (image, _) in enumerate(images):
+        (tmp_path / str(i)).mkdir()
+        cases.append(
+            [*QUICK, manifest(tmp_path / str(i), ["x"], str(image)), f"hydra.run.dir={tmp_path / str(i) / 'run'}"]
+        )
+    results = ditrun_batch(cases, tmp_path, timeout=120)
+    for i, (result, (_, sentence)) in enumerate(zip(results[len(results_dirs) :], images)):
+        assert result.returncode == 2, result.stderr
+        assert f"ditrun: error: edit 'x': {sentence}" in result.stderr and "Traceback" not in result.stderr
+        assert not (tmp_path / str(i) / "run" / "edits.jsonl").exists()
+    for result, (_, out) in zip(results, results_dirs):
+        assert result.returncode == 2, result.stderr
+        assert (
+            f"ditrun: error: the results directory {out} cannot be made: it, or a folder above it, is a file; set "
+            "hydra.run.dir (or output_dir) to a directory."
+        ) in result.stderr
+        assert "Traceback" not in result.stderr and file.read_text() == "a file"
 
 
 def _read_only(folder: Path) -> tuple[str, ...]:
@@ -268,33 +277,21 @@ def _read_only(folder: Path) -> tuple[str, ...]:
     return ("unshare", "-m", "sh", "-c", script, str(folder))
 
 
-@pytest.mark.parametrize("key", ["hydra.run.dir", "output_dir"])
-def test_a_read_only_results_directory_is_one_sentence(tmp_path, key):
+def test_a_read_only_results_directory_is_one_sentence(tmp_path):
+    """Given as hydra.run.dir and as output_dir, both through the command's entry point in one interpreter."""
     out = tmp_path / "run"
     out.mkdir()
-    result = ditrun(*QUICK, f"{key}={out}", cwd=tmp_path, prefix=_read_only(out))
-    assert result.returncode == 2, result.stderr
-    assert re.search(
-        rf"ditrun: error: the results directory cannot be written \((Read-only file system|Permission "
-        rf"denied): {re.escape(str(out))}/\S+\); set hydra.run.dir \(or output_dir\) to a directory this "
-        "user can write.",
-        result.stderr,
-    ), result.stderr
-    assert "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("key, below", [("hydra.run.dir", False), ("hydra.run.dir", True), ("output_dir", False)])
-def test_a_file_given_as_the_results_directory_is_one_sentence(tmp_path, key, below):
-    file = tmp_path / "results.txt"
-    file.write_text("a file")
-    out = file / "run" if below else file
-    result = ditrun(*QUICK, f"{key}={out}", cwd=tmp_path)
-    assert result.returncode == 2, result.stderr
-    assert (
-        f"ditrun: error: the results directory {out} cannot be made: it, or a folder above it, is a file; set "
-        "hydra.run.dir (or output_dir) to a directory."
-    ) in result.stderr
-    assert "Traceback" not in result.stderr and file.read_text() == "a file"
+    for result in ditrun_batch(
+        [[*QUICK, f"{key}={out}"] for key in ("hydra.run.dir", "output_dir")], tmp_path, prefix=_read_only(out)
+    ):
+        assert result.returncode == 2, result.stderr
+        assert re.search(
+            rf"ditrun: error: the results directory cannot be written \((Read-only file system|Permission "
+            rf"denied): {re.escape(str(out))}/\S+\); set hydra.run.dir \(or output_dir\) to a directory this "
+            "user can write.",
+            result.stderr,
+        ), result.stderr
+        assert "Traceback" not in result.stderr
 
 
 def test_images_per_s_counts_only_replicas_that_had_an_edit(tmp_path):
