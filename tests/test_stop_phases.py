@@ -69,7 +69,7 @@ def assert_stopped(process: subprocess.Popen, log: Path, out: Path, sig: signal.
     [
         ("references", signal.SIGINT, []),
         ("references", signal.SIGTERM, ["launcher.world=2", "layout.replicas=2"]),
-        ("build", signal.SIGINT, SPAWNED),
+        ("build", signal.SIGINT, [*SPAWNED, "metrics.ssim=false"]),
         ("compile", signal.SIGTERM, [*SPAWNED, "model.compile=on", "metrics.ssim=false"]),
     ],
     ids=["references-one-process", "references-two-replicas", "build-ulysses", "compile-ulysses"],
@@ -103,7 +103,7 @@ def test_a_stop_signal_while_rank_0_encodes_the_prompts_stops_every_rank(tmp_pat
 def test_a_stop_signal_to_one_rank_ends_the_others_inside_their_phase(tmp_path):
     """SIGTERM to rank 1 alone while both ranks build their model: rank 0 hears of it through the store
     and its build ends too; the parent was sent nothing."""
-    process, log = start(tmp_path, *SPAWNED, "testing.fault.pause_in=build")
+    process, log = start(tmp_path, *SPAWNED, "metrics.ssim=false", "testing.fault.pause_in=build")
     pids = [paused_pid(process, log, rank, "build") for rank in (0, 1)]
     os.kill(pids[1], signal.SIGTERM)
     assert_stopped(process, log, tmp_path / "run", signal.SIGTERM)
