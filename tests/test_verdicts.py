@@ -7,6 +7,8 @@ import json
 import pytest
 from ditrun_cli import ditrun, reference_dir
 
+from ditrun.metrics.report import write_report
+
 pytestmark = pytest.mark.slow
 
 # One held-out picture at the size the editor was trained at, quietly.
@@ -44,9 +46,11 @@ def test_fewer_steps_are_judged_against_the_sweeps_full_quality_reference(tmp_pa
     assert one["margin_db_median"] < eight["margin_db_median"] and one["edits_right_share"] == 0.0
     assert "Baseline (full quality: nothing quantized, no cache, 8 steps" in proc.stdout
     assert "Fastest run that meets it: `1: workload.steps=8`" in proc.stdout
-    for measure in ("rerun", "bf16", "target"):  # whichever measure judges
-        report = ditrun("report", str(sweep), "--quality", measure, cwd=tmp_path)
-        assert report.returncode == 0 and "Fastest run that meets it: `1: workload.steps=8`" in report.stdout, measure
+    report = ditrun("report", str(sweep), "--quality", "rerun", cwd=tmp_path)
+    assert report.returncode == 0 and "Fastest run that meets it: `1: workload.steps=8`" in report.stdout
+    for measure in ("bf16", "target"):  # whichever measure judges (the command's report, in this process)
+        text, _ = write_report(sweep, quality=measure)
+        assert "Fastest run that meets it: `1: workload.steps=8`" in text, measure
 
 
 @pytest.mark.timeout(450)
