@@ -176,3 +176,115 @@ def test_fake_quantize_equals_quantize_then_dequantize(fmt, scale_mode):
     if fmt.startswith("fp8"):  # per-row FP8 of finite rows (an infinite row has no meaningful fp32 scale)
         finite = x[[0, 4, 5]]
         assert same(F.fake_quantize_fp8(finite, fmt), F.dequantize_fp8(*F.quantize_fp8(finite, fmt), fmt))
+
+
+# The spec's parameters of each element format: (exponent bits, mantissa bits, NaN magnitude codes, infinity code,
+# max, emax_elem).
+SPEC = {
+    "fp8_e4m3": (4, 3, (0x7F,), None, 448.0, 8),
+    "fp8_e5m2": (5, 2, (0x7D, 0x7E, 0x7F), 0x7C, 57344.0, 15),
+    "fp6_e2m3": (2, 3, (), None, 7.5, 2),
+    "fp6_e3m2": (3, 2, (), None, 28.0, 4),
+    "fp4_e2m1": (2, 1, (), None, 6.0, 2),
+}
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_a_format_built_from_its_bit_fields_has_the_spec_values(fmt):
+    """Built here (``FORMATS`` is built at import, before a test runs): every field against the spec."""
+    e, m, nan_codes, inf_code, max_value, emax = SPEC[fmt]
+    built = F.ElementFormat(fmt, e, m, nan_codes=nan_codes, inf_code=inf_code)
+    assert (built.bits, built.bias, built.max_value, built.emax) == (1 + e + m, 2 ** (e - 1) - 1, max_value, emax)
+    if fmt in TORCH_FP8:
+        want = torch.arange(128, dtype=torch.uint8).view(TORCH_FP8[fmt]).float()
+    else:
+        want = torch.tensor(SPEC_VALUES[fmt])
+    assert same(torch.tensor(built.magnitudes), want)
+    assert list(built.finite) == [v for v in want.tolist() if math.isfinite(v)]
+    assert all(math.isnan(built.magnitude(c)) for c in nan_codes)
+    assert inf_code is None or built.magnitude(inf_code) == math.inf
+
+
+def _nearest_bound(x: torch.Tensor, fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    """Half a grid step of the format at each |x| / scale, times the scale: the most a nearest rounding inside the
+    range may move x (the step of the binade of |x / scale|, never finer than the subnormals')."""
+    e, m = SPEC[fmt][:2]
+    bias = 2 ** (e - 1) - 1
+    y = (x / scale).abs().double()
+    binade = torch.floor(torch.log2(y.clamp(min=2.0**-200))).clamp(min=1 - bias)
+    return (2.0 ** (binade - m) / 2 * scale).float()
+
+
+@pytest.mark.parametrize("fmt", TORCH_FP8)
+@pytest.mark.parametrize("rowwise", [True, False])
+def test_fp8_scale_is_amax_over_the_max_and_the_round_trip_is_within_half_a_step(fmt, rowwise):
+    x = (
+        torch.randn(6, 40, generator=torch.Generator().manual_seed(4))
+        * torch.tensor([1e-3, 1, 7, 300, 2e4, 1])[:, None]
+    )
+    x[5] = 0.0
+    codes, scale = F.quantize_fp8(x, fmt, rowwise)
+    amax = x.double().abs().amax(dim=-1, keepdim=True) if rowwise else x.double().abs().amax()
+    want = torch.where(amax > 0, amax / MAX[fmt], torch.ones_like(amax)).float()
+    assert scale.shape == want.shape and torch.equal(scale, want)
+    y = F.dequantize_fp8(codes, scale, fmt)
+    assert ((y - x).abs() <= _nearest_bound(x, fmt, scale)).all()
+    assert torch.equal(F.fake_quantize_fp8(x, fmt, rowwise), y)
+    assert y.abs().amax() <= x.abs().amax()  # the row's amax lands on the max exactly: nothing saturates
+
+
+@pytest.mark.parametrize("fmt", ALL)
+def test_mx_round_trip_is_within_half_a_step_of_each_elements_binade(fmt):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 64, generator=gen) * 2.0 ** torch.randint(-6, 6, (3, 64), generator=gen)
+    codes, scales = F.quantize_mx(x, fmt, block=16)
+    assert codes.shape == (3, 64 * F.FORMATS[fmt].bits // 8) and scales.shape == (3, 4)
+    # rceil: the smallest power of two whose element max holds the block's amax
+    amax = x.double().abs().unflatten(-1, (4, 16)).amax(dim=-1)
+    want = torch.ceil(torch.log2(amax / MAX[fmt]))
+    assert torch.equal(scales.long() - 127, want.long())
+    scale = torch.exp2(want).float().repeat_interleave(16, dim=1)
+    y = F.dequantize_mx(codes, scales, fmt)
+    assert ((y - x).abs() <= _nearest_bound(x, fmt, scale)).all()
+    assert torch.equal(F.fake_quantize(x, fmt, block=16), y)
+
+
+def test_e8m0_scales_decode_to_powers_of_two_and_nan():
+    codes = torch.tensor([0, 1, 126, 127, 128, 254, 255], dtype=torch.uint8)
+    got = F.decode_e8m0(codes)
+    assert got[:-1].double().tolist() == [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
+    assert torch.isnan(got[-1]) and got.dtype == torch.float32
+
+
+def test_fp8_power_of_two_scale_is_the_smallest_that_holds_the_amax():
+    amax = torch.tensor([448.0, 449.0, 1.0, 224.0, 3e-5, 0.0])
+    got = F.fp8_power_of_two_scale(amax).double()
+    assert got.tolist() == [1.0, 2.0, 2.0**-8, 0.5, 2.0**-23, 2.0**-127]
+
+
+def test_a_block_size_that_does_not_divide_the_row_is_refused():
+    with pytest.raises(ValueError, match="the last dim \\(40\\) must be a multiple of the block size 32"):
+        F.quantize_mx(torch.ones(3, 2, 40), "fp8_e4m3")
+    with pytest.raises(ValueError, match="^scale_mode='round'; allowed: rceil, floor$"):
+        F.shared_exponents(torch.ones(2), F.FORMATS["fp8_e4m3"], "round")
+
+
+def test_codes_are_bytes_and_fast_paths_keep_the_dtype():
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    for fmt in ALL:
+        codes = F.encode(x, fmt)
+        assert codes.dtype == torch.uint8
+        assert F.pack(codes, fmt).dtype == torch.uint8 and F.unpack(F.pack(codes, fmt), fmt).dtype == torch.uint8
+    assert F.fake_quantize_fp8(x.bfloat16()).dtype == torch.bfloat16
+    codes, scale = F.quantize_fp8(x)
+    assert torch.equal(F.dequantize_fp8(codes, scale), F.decode(codes, "fp8_e4m3") * scale)  # E4M3 by default
+    assert F.fp8_power_of_two_scale(torch.tensor([3.0], dtype=torch.float64)).dtype == torch.float32
+
+
+def test_the_smallest_scale_is_e8m0s_and_a_block_far_below_it_flushes_to_zero():
+    x = torch.zeros(2, 32)
+    x[0, 0], x[1, 0] = 2.0**-140, 2.0**-110  # 2^-127 is the smallest scale E8M0 holds
+    codes, scales = F.quantize_mx(x, "fp8_e4m3")
+    assert scales.tolist() == [[0], [127 - 110 - 8]]  # 2^-127; 2^(floor(log2 amax) - emax)
+    # 2^-140 / 2^-127 is below half E4M3's smallest subnormal (2^-9)
+    assert F.dequantize_mx(codes, scales, "fp8_e4m3")[:, 0].tolist() == [0.0, 2.0**-110]

@@ -20,7 +20,7 @@ from ditrun.config import TransportConfig
 from ditrun.errors import UserError
 from ditrun.launch import env, run_as_rank, worker
 from ditrun.parallel.layout import LayoutPlan
-from ditrun.parallel.placement import Placement, node_names
+from ditrun.parallel.placement import Placement, format_ranks, node_names
 from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
 
@@ -95,6 +95,16 @@ def test_placement_text_lists_each_node_its_ranks_and_groups():
         "placement: n1: ranks 0-2 (replica 0: sp group 0 (ranks 0-2 of 0-3))\n"
         "           n2: rank 3 (replica 0: sp group 0 (rank 3 of 0-3)); SP group(s) 0 span nodes"
     )
+
+
+def test_placement_text_of_a_node_shared_by_two_replicas_and_two_split_groups():
+    text = Placement(LayoutPlan("ulysses", 2, 1, 2, 1), ("n1", "n2", "n2", "n3")).describe()
+    assert text == (
+        "placement: n1: rank 0 (replica 0: sp group 0 (rank 0 of 0-1))\n"
+        "           n2: ranks 1-2 (replica 0: sp group 0 (rank 1 of 0-1); replica 1: sp group 1 (rank 2 of 2-3))\n"
+        "           n3: rank 3 (replica 1: sp group 1 (rank 3 of 2-3)); SP group(s) 0, 1 span nodes"
+    )
+    assert format_ranks([7, 1, 3, 2]) == "ranks 1-3, 7" and format_ranks([4]) == "rank 4"
 
 
 def test_a_host_name_the_launcher_numbers_twice_is_two_nodes():

@@ -3,6 +3,7 @@
 
 import functools
 import inspect
+import math
 
 import pytest
 import torch
@@ -13,8 +14,21 @@ from ditrun import config
 from ditrun.errors import UserError
 from ditrun.kernels import formats
 from ditrun.kernels import linear as L
-from ditrun.kernels.attention import ATTENTION_KERNELS, int8qk_attention_op, int8qk_reference, quantize_operands
-from ditrun.kernels.fp8_sdpa import P_SCALE, fp8_pv_operands, fp8_pv_reference, fp8_sdpa_op
+from ditrun.kernels.attention import (
+    ATTENTION_KERNELS,
+    int8qk_attention_op,
+    int8qk_reference,
+    quantize_int8_rows,
+    quantize_operands,
+)
+from ditrun.kernels.fp8_sdpa import (
+    P_SCALE,
+    attend_fp8_pv,
+    fp8_pv_operands,
+    fp8_pv_reference,
+    fp8_pv_scales,
+    fp8_sdpa_op,
+)
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
 from ditrun.model.build import build_model, plan_precision, precision_label, select_device_dtype
 from ditrun.model.components import COMPONENT_LINEARS, component_linears
@@ -347,14 +361,14 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     assert torch.equal(codes[0].float(), exact)
 
 
-def test_fp8_pv_op_is_the_reference_off_the_gpu_and_compiles():
+def test_fp8_pv_op_attends_within_the_recipes_rounding_off_the_gpu_and_compiles():
     q, k, v = _qkv(s=40)
     operands = fp8_pv_operands(q, k, v)
-    want = fp8_pv_reference(*operands, 0.125).view(torch.uint8)
-    assert torch.equal(fp8_sdpa_op(*operands, 0.125).view(torch.uint8), want)
+    got = fp8_sdpa_op(*operands, 0.125)
+    assert got.dtype == torch.float8_e4m3fn and _fp8_pv_within_rounding(got.float() / operands[3][3], operands, 0.125)
     # aot_eager traces through the fake implementation as inductor would, without compiling C++
     compiled = torch.compile(lambda *a: fp8_sdpa_op(*a, 0.125).float(), fullgraph=True, backend="aot_eager")
-    assert torch.equal(compiled(*operands), want.view(torch.float8_e4m3fn).float())
+    assert torch.equal(compiled(*operands), got.float())
 
 
 def test_int8qk_is_independent_of_the_order_of_tokens():
@@ -367,12 +381,153 @@ def test_int8qk_is_independent_of_the_order_of_tokens():
     assert torch.allclose(out_perm, out[:, perm], rtol=1e-5, atol=1e-6)
 
 
-def test_the_custom_op_equals_the_reference_and_compiles():
+def test_the_custom_op_is_attention_of_the_dequantized_operands_and_compiles():
     q, k, v = _qkv(s=40)
     ops = quantize_operands(q, k, v, "bf16")
     args = (ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125, "triton")
-    assert torch.equal(int8qk_attention_op(*args), int8qk_reference(ops, 0.125))
+    want = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, 0.125)
+    assert relative_error(int8qk_attention_op(*args).double(), want) < 1e-5  # fp32 sums of exact products
     torch.library.opcheck(int8qk_attention_op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention formats' quantizers against their definitions
+
+
+def _attention64(q, k, v, sm_scale):
+    """Attention in fp64 of [B, H, S, D] operands."""
+    q, k, v = (t.double() for t in (q, k, v))
+    return torch.softmax(q @ k.transpose(-1, -2) * sm_scale, dim=-1) @ v
+
+
+def _smoothed(k, dim):
+    """k minus its fp64 mean over the tokens (``dim``)."""
+    return k - k.double().mean(dim=dim, keepdim=True).to(k.dtype)
+
+
+def test_int8_rows_have_a_scale_per_token_and_round_to_nearest():
+    x = torch.randn(2, 3, 20, 16, generator=gen(12)) * torch.linspace(0.01, 50, 20)[:, None]
+    x[1, 2, 7] = 0.0
+    codes, scale = quantize_int8_rows(x)
+    amax = x.double().abs().amax(dim=-1)
+    want = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()  # 127, not 128: +-amax both fit
+    assert codes.dtype == torch.int8 and scale.shape == (2, 3, 20) and torch.equal(scale, want)
+    assert torch.equal(codes.abs().amax(dim=-1)[amax > 0], torch.full_like(amax[amax > 0], 127, dtype=torch.int8))
+    err = (x.double() - codes.double() * scale.double()[..., None]).abs()
+    assert (err <= scale.double()[..., None] * (0.5 + 1e-6)).all()  # nearest code (fp32 division: 1e-6)
+
+
+@pytest.mark.parametrize("v_format", ["bf16", "fp8", "mxfp6"])
+def test_int8qk_operands_follow_the_definition(v_format):
+    q, k, v = _qkv(b=2, s=24, h=3, d=32, seed=13)
+    k = k * torch.linspace(0.5, 4, 3)[:, None] + 2.0  # heads of different ranges, a mean to remove
+    v = v * torch.tensor([1.0, 1 / 16, 300.0])[:, None]
+    ops = quantize_operands(q, k, v, v_format)
+    for got, got_scale, x in ((ops.q, ops.q_scale, q), (ops.k, ops.k_scale, _smoothed(k, 1))):
+        x = x.transpose(1, 2)  # [B, H, S, D]
+        torch.testing.assert_close(got_scale, x.abs().amax(dim=-1) / 127, rtol=1e-6, atol=0)
+        assert ((got * got_scale[..., None] - x).abs() <= got_scale[..., None] * (0.5 + 1e-5)).all()
+    v = v.transpose(1, 2)
+    if v_format == "bf16":
+        assert torch.equal(ops.v, v)
+    elif v_format == "fp8":  # one power-of-two scale per head, the smallest that holds the head's amax
+        scale = torch.exp2(torch.ceil(torch.log2(v.double().abs().amax(dim=(-2, -1)) / 448))).float()[..., None, None]
+        values = ops.v / scale
+        assert torch.equal(formats.decode(formats.encode(values, "fp8_e4m3"), "fp8_e4m3"), values)  # on the grid
+        assert (values.abs().amax(dim=(-2, -1)) <= 448).all() and (values.abs().amax(dim=(-2, -1)) > 224).all()
+        assert ((ops.v - v).abs() <= scale * torch.maximum(v.abs() / scale / 16, torch.tensor(2.0**-10))).all()
+    else:
+        assert torch.equal(ops.v, formats.dequantize_mx(*formats.quantize_mx(v, "fp6_e2m3"), "fp6_e2m3"))
+
+
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v"])
+def test_int8qk_attention_is_fp64_attention_of_its_operands(name):
+    """The scores' scales and the softmax scale applied as defined, to 1e-5 (fp32 arithmetic on exact products); against
+    attention of the unquantized inputs, within what the rounding of Q and K can move a score: each |dq| <= s_q / 2,
+    |dk| <= s_k / 2, so |ds| <= sm * sum_d (|q_d| s_k + |k_d| s_q + s_q s_k / 2) / 2 = delta, the probabilities move
+    by a factor within exp(+-2 delta), and the output by at most (exp(2 delta) - 1) max |v| (plus V's own rounding)."""
+    q, k, v = _qkv(b=1, s=64, h=2, d=32, seed=14)
+    k = k + 3.0
+    v_format = {"int8qk": "bf16", "int8qk_fp8v": "fp8", "int8qk_mxfp6v": "mxfp6"}[name]
+    ops = quantize_operands(q, k, v, v_format)
+    sm = 32**-0.5
+    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v).transpose(1, 2).double()  # [B, H, S, D]
+    deq = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, sm)
+    assert relative_error(got, deq) < 1e-5
+    qd, kd = q.transpose(1, 2).double(), _smoothed(k, 1).transpose(1, 2).double()
+    sq, sk = ops.q_scale.double()[..., :, None], ops.k_scale.double()[..., None, :]  # [B, H, Sq, 1], [B, H, 1, Sk]
+    q_sum, k_sum = qd.abs().sum(-1)[..., :, None], kd.abs().sum(-1)[..., None, :]
+    delta = sm * (q_sum * sk + sq * k_sum + sq * sk * qd.shape[-1] / 2) / 2  # [B, H, Sq, Sk]
+    bound = (torch.exp(2 * delta.amax(dim=-1, keepdim=True)) - 1) * v.abs().max()
+    want = _attention64(qd, kd, ops.v, sm)  # V's rounding is the format's, checked above
+    assert ((got - want).abs() <= bound).all()
+    assert ((got - _attention64(q.transpose(1, 2), k.transpose(1, 2), ops.v, sm)).abs() <= bound + 1e-9).all()
+
+
+@pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v"])
+def test_int8qk_attention_keeps_bf16_and_is_the_same_in_query_chunks(name):
+    q, k, v = (t.bfloat16() for t in _qkv(b=1, s=20, h=2, d=32, seed=17))
+    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    ops = quantize_operands(q, k, v, {"int8qk": "bf16", "int8qk_fp8v": "fp8", "int8qk_mxfp6v": "mxfp6"}[name])
+    want = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, 32**-0.5)
+    assert relative_error(got.transpose(1, 2).double(), want) < 2**-8  # the output rounded to BF16
+    chunked = int8qk_reference(ops, 32**-0.5, chunk=7)  # 7 + 7 + 6 query rows
+    assert relative_error(chunked.double(), want) < 2**-8
+
+
+def test_fp8_pv_scales_are_powers_of_two_per_tensor():
+    amax = torch.tensor([3.0, 448.0, 0.01]), torch.tensor([100.0, 1.0, 2.0]), torch.tensor([12.0, 0.5, 0.0])
+    amax_v = torch.tensor([1.0, 900.0, 448.0])
+    got = fp8_pv_scales(*amax, amax_v).double()
+    for i in range(3):
+        fits = [amax[0][i].item(), (amax[1][i] + amax[2][i]).item(), amax_v[i].item()]
+        want = [2.0 ** math.ceil(math.log2(a / 448)) for a in fits]
+        assert got[i].tolist() == [*want, 0.5 / want[2]]
+
+
+def test_fp8_pv_operands_are_the_e4m3_codes_of_q_smoothed_k_and_v():
+    q, k, v = _qkv(b=2, s=30, seed=15)
+    k = k * 3 + 5.0
+    q8, k8, v8, scales = fp8_pv_operands(q, k, v)
+    smoothed = k.double() - k.double().mean(dim=1, keepdim=True)
+    mean_amax = k.double().mean(dim=1).abs().amax()
+    want = [2.0 ** math.ceil(math.log2(a / 448)) for a in (q.abs().amax(), k.abs().amax() + mean_amax, v.abs().amax())]
+    assert scales.double().tolist() == [*want, 0.5 / want[2]]
+    for codes, x, s in ((q8, q.double(), want[0]), (k8, smoothed, want[1]), (v8, v.double(), want[2])):
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
+        e4m3 = formats.FORMATS["fp8_e4m3"]
+        bound = torch.maximum(x.abs() / 16, torch.tensor(2.0 ** (1 - e4m3.bias - e4m3.mantissa_bits) / 2 * s))
+        assert ((codes.double() * s - x).abs() <= bound * (1 + 1e-6)).all()  # nearest E4M3 (K's mean in fp32)
+
+
+def _fp8_pv_within_rounding(got, operands, sm_scale) -> bool:
+    """Attention output [B, S, H, D] of ``fp8_pv_operands`` against fp64 attention of the dequantized operands: P * 256
+    rounded to E4M3 moves each probability by at most p / 16 + 2^-10 / 256 (a relative half step, or half a
+    subnormal step), so the output (divided by the row sum, >= 1) by at most e = (1/16 + S 2^-18) max |v|; its E4M3
+    rounding at scale 2 * V's adds (|o| + e) / 16 + 2^-10 * 2 s_v."""
+    q8, k8, v8, scales = operands
+    deq = [(c.double() * s).transpose(1, 2) for c, s in ((q8, scales[0]), (k8, scales[1]), (v8, scales[2]))]
+    want = _attention64(*deq, sm_scale)
+    e = (1 / 16 + k8.shape[1] * 2.0**-18) * deq[2].abs().max()
+    bound = e + (want.abs() + e) / 16 + 2.0**-10 * 2 * scales[2].double()
+    return bool(((got.transpose(1, 2).double() - want).abs() <= bound).all())
+
+
+def test_fp8_pv_attention_is_within_the_rounding_of_p_and_the_output():
+    q, k, v = _qkv(s=48, h=2, d=32, seed=16)
+    q[:, 0] *= 10  # a row whose largest score is far above the others': each row's P is scaled by its own maximum
+    operands = fp8_pv_operands(q, k, v)
+    sm = 32**-0.5
+    got = attend_fp8_pv(*operands, "reference", torch.float32)
+    assert _fp8_pv_within_rounding(got, operands, sm)
+    assert _fp8_pv_within_rounding(fp8_pv_reference(*operands, sm, chunk=7).float() / operands[3][3], operands, sm)
+    assert attend_fp8_pv(*operands, "reference", torch.bfloat16).dtype == torch.bfloat16
+    assert ATTENTION_KERNELS.get("fp8_pv").make("reference")(*(t.bfloat16() for t in (q, k, v))).dtype == torch.bfloat16
+    deq = [(c.double() * s).transpose(1, 2) for c, s in zip(operands[:3], operands[3])]
+    want = _attention64(*deq, sm)
+    got = got.transpose(1, 2).double()
+    assert relative_error(got, want) > 1e-4  # P and the output are rounded: not fp32 attention
 
 
 # ---------------------------------------------------------------------------------------------

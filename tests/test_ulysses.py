@@ -1,15 +1,19 @@
 """Ulysses attention and the transport on real gloo ranks, against attention on one process."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import RankFailed, run_ranks
+from test_sampler import _edit_inputs
 
 from ditrun.config import TransportConfig
+from ditrun.kernels.attention_payload import PAYLOADS
 from ditrun.model.dit import sdpa_attention
-from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, even_splits
+from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans, even_splits
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import LocalTransport, all_gather_rows
+from ditrun.transport.base import ExchangePlan, LocalTransport, SentBytes, all_gather_rows, gather_plan
 from ditrun.transport.registry import make_transport
 
 
@@ -75,8 +79,79 @@ def test_one_rank_needs_no_exchange():
 
 def test_even_splits_and_shards():
     assert even_splits(7, 3) == [3, 2, 2] and even_splits(2, 4) == [1, 1, 0, 0]
+    for n in range(13):
+        for parts in range(1, 6):
+            splits = even_splits(n, parts)
+            assert len(splits) == parts and sum(splits) == n
+            larger = n - parts * (n // parts)  # the first n % parts ranks take one more
+            assert splits == [n // parts + 1] * larger + [n // parts] * (parts - larger)
     shards = SequenceShards.split(text_len=7, output_len=6, reference_len=6, size=4, rank=3)
     assert shards.joint == [6, 6, 4, 3] and shards.output_slice() == slice(5, 6)
+    slices = [SequenceShards.split(7, 10, 6, 4, rank).output_slice() for rank in range(4)]
+    assert slices == [slice(0, 3), slice(3, 6), slice(6, 8), slice(8, 10)]
+
+
+def test_each_rank_gets_its_slice_of_every_per_token_input():
+    _, inputs = _edit_inputs(h=4, w=6)  # 6 output and 6 reference tokens, 5 of text: 7 here, each numbered
+    prompt, neg_prompt = torch.randn(2, 1, 7, inputs.prompt.shape[-1]).unbind()
+    txt_ids = torch.arange(21, dtype=torch.float32).view(7, 3)
+    inputs = dataclasses.replace(
+        inputs, prompt=prompt, neg_prompt=neg_prompt, txt_ids=txt_ids, ref_ids=inputs.ref_ids + 9
+    )
+    pieces = [SequenceShards.split(7, 6, 6, 4, rank).local_inputs(inputs) for rank in range(4)]
+    for name in ("noise", "ref_latents", "prompt", "neg_prompt"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in pieces], dim=1), getattr(inputs, name)), name
+    for name in ("img_ids", "ref_ids", "txt_ids"):
+        assert torch.equal(torch.cat([getattr(p, name) for p in pieces]), getattr(inputs, name)), name
+    assert [p.prompt.shape[1] for p in pieces] == [2, 2, 2, 1] and [p.noise.shape[1] for p in pieces] == [2, 2, 1, 1]
+    assert torch.equal(pieces[1].pooled, inputs.pooled)  # not per token: whole on every rank
+    no_negative = dataclasses.replace(inputs, neg_prompt=None)
+    assert SequenceShards.split(7, 6, 6, 4, 1).local_inputs(no_negative).neg_prompt is None
+    local = torch.randn(2, 3, 5)
+    assert torch.equal(SequenceShards.split(7, 3, 6, 1, 0).gather_output(LocalTransport(), local), local)
+
+
+def test_exchange_plans_count_rows_and_bytes():
+    """Ulysses over 3 ranks holding 5, 4 and 3 tokens, batch 2, 12 heads of 8 in 2 head groups, BF16."""
+    qkv, out = attention_plans([5, 4, 3], 2, 12, 8, 2, torch.bfloat16)
+    per_rank = 12 // (3 * 2)  # each destination's heads of one group
+    assert qkv.counts == ((5, 5, 5), (4, 4, 4), (3, 3, 3)) and out.counts == ((5, 4, 3),) * 3
+    assert qkv.row_shape == (3, 2, per_rank, 8) and out.row_shape == (2, per_rank, 8)
+    assert (qkv.row_bytes, out.row_bytes) == (3 * 2 * per_rank * 8 * 2, 2 * per_rank * 8 * 2)
+    assert qkv.head_groups == out.head_groups == 2 and (qkv.kind, out.kind) == ("qkv", "attention_out")
+    assert qkv.send_splits(1) == [4, 4, 4] and qkv.recv_splits(1) == [5, 4, 3] == out.send_splits(1)
+    assert [qkv.landing_row(source, 2) for source in range(3)] == [0, 5, 9]
+    assert (qkv.max_send_rows(), qkv.max_recv_rows(), out.max_send_rows(), out.max_recv_rows()) == (15, 12, 12, 15)
+    skewed = ExchangePlan("x", ((1, 2, 0), (0, 0, 7), (3, 1, 1)), (4,), torch.float64)
+    assert skewed.size == 3 and skewed.row_bytes == 32 and [skewed.landing_row(s, 2) for s in range(3)] == [0, 0, 7]
+    assert (skewed.max_send_rows(), skewed.max_recv_rows()) == (7, 8) and skewed.recv_splits(0) == [1, 0, 3]
+    gather = gather_plan("g", [2, 0, 1], [5, 3], torch.float32)
+    assert gather.counts == ((2, 2, 2), (0, 0, 0), (1, 1, 1)) and gather.row_shape == (5, 3)
+    assert gather.row_bytes == 60 and gather.head_groups == 1 and gather.dtype == torch.float32
+    # With a payload, Q/K/V rows are its records and each rank's statistics (B x H x (D + 3) fp64) are gathered.
+    payload = PAYLOADS.get("int8qk")("reference")
+    qkv, out, stats = attention_plans([5, 4, 3], 2, 12, 8, 2, torch.bfloat16, payload)
+    record = payload.layout(8, torch.bfloat16).nbytes
+    assert qkv.row_shape == (2, per_rank, record) and qkv.dtype == torch.uint8 and qkv.counts[0] == (5, 5, 5)
+    assert (qkv.kind, qkv.head_groups, stats.kind) == ("qkv", 2, "attention_statistics")
+    assert all(type(n) is int for plan in (qkv, out, stats) for n in plan.row_shape)
+    assert out.row_bytes == 2 * per_rank * 8 * 2
+    assert stats.counts == ((1, 1, 1),) * 3 and stats.row_bytes == 2 * 12 * (8 + 3) * 8
+
+
+def test_sent_bytes_count_what_leaves_the_rank():
+    plan = ExchangePlan("qkv", ((1, 2, 3), (2, 2, 2), (0, 1, 0)), (4,), torch.float32)
+    sent = SentBytes()
+    sent.add(torch.zeros(6, 4), plan, 0)
+    sent.add(torch.zeros(6, 4), plan, 0)
+    sent.add(torch.zeros(6, 4), ExchangePlan("out", plan.counts, (4,), torch.float32), 1)
+    assert sent.take() == {"qkv": 2 * (2 + 3) * 16, "out": (2 + 2) * 16} and sent.take() == {}
+
+
+def test_all_gather_rows_of_one_rank_is_its_rows():
+    rows = torch.randn(3, 2, 4, dtype=torch.float64)
+    gathered = all_gather_rows(LocalTransport(), rows, [3], "g")
+    assert torch.equal(gathered, rows) and gathered.dtype == torch.float64 and gathered.data_ptr() != rows.data_ptr()
 
 
 def _raises(rank, world):
