@@ -2,6 +2,7 @@
 diffusers' FluxKontextPipeline and ditrun give the same image from it, and a precision the editor cannot keep fails
 the run's quality gate with one sentence. Its training recipe is tested in test_editor_recipe.py."""
 
+import functools
 import json
 from pathlib import Path
 
@@ -72,9 +73,15 @@ def test_the_folder_reproduces_its_held_out_results(tmp_path):
         assert measured["margin"] > 0 and records[edit]["margin_db"] > 0, (edit, records[edit], measured)
 
 
-def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int, height: int, steps: int, seed: int):
+@functools.cache
+def _pipeline():
     pipe = diffusers.FluxKontextPipeline.from_pretrained(FOLDER, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int, height: int, steps: int, seed: int):
+    pipe = _pipeline()
     negative = {"negative_prompt": ""} if true_cfg_scale > 1 else {}
     with torch.no_grad():
         common = dict(
@@ -95,49 +102,54 @@ def _diffusers_edit(image: Path, prompt: str, true_cfg_scale: float, width: int,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("true_cfg_scale", [2.5, 1.0], ids=["true-cfg", "no-true-cfg"])
-def test_ditrun_equals_diffusers_on_the_folder(tmp_path, true_cfg_scale):
+@pytest.mark.timeout(400)
+def test_ditrun_equals_diffusers_on_the_folder(tmp_path):
     """Prompt text in, image out: ``ditrun model=editor`` and ``FluxKontextPipeline.from_pretrained`` of the same
-    folder, same seed, a 96x64 output from a 64x48 reference. diffusers runs true CFG only with a negative prompt:
-    ditrun's is the empty prompt, so the diffusers user passes ``negative_prompt=""``."""
+    folder, same seed, a 96x64 output from a 64x48 reference, with true CFG and without (the two runs of one
+    ``ditrun -m`` sweep). diffusers runs true CFG only with a negative prompt: ditrun's is the empty prompt, so the
+    diffusers user passes ``negative_prompt=""``."""
     width, height, steps, seed, prompt = 96, 64, 3, 7, "make it black and white"
+    scales = (2.5, 1.0)
     rgb = (np.random.default_rng(1).random((48, 64, 3)) * 255).astype(np.uint8)
     Image.fromarray(rgb).save(tmp_path / "ref.png")
-    expected_latents, expected_image = _diffusers_edit(
-        tmp_path / "ref.png", prompt, true_cfg_scale, width, height, steps, seed
-    )
-    out = tmp_path / "run"
     edit = {"id": "e", "image": str(tmp_path / "ref.png"), "prompt": prompt, "seed": seed}
+    sweep = tmp_path / "sweep"
     proc = ditrun(
+        "-m",
         "model=editor",
-        "device=cpu",  # diffusers runs on the CPU in fp32 above: the same device and dtype
+        "device=cpu",  # diffusers runs on the CPU in fp32 below: the same device and dtype
         f"workload.manifest={_manifest(tmp_path / 'm.jsonl', [edit])}",
         f"workload.width={width}",
         f"workload.height={height}",
         f"workload.steps={steps}",
         "workload.ref_resize=none",
-        f"workload.true_cfg_scale={true_cfg_scale}",
+        f"workload.true_cfg_scale={','.join(map(str, scales))}",
         f"workload.prompt_cache_dir={tmp_path / 'prompts'}",
         "metrics.ssim=false",
         *QUIET,
-        f"hydra.run.dir={out}",
+        f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
-        timeout=280,
+        timeout=380,
     )
     assert proc.returncode == 0, proc.stderr
-    workload = json.loads((out / "summary.json").read_text())["config"]["workload"]  # the folder's 32 tokens
-    assert (workload["text_len"], workload["text_len_from"]) == (
-        32,
-        f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json (model_max_length)",
-    )
-    record = _records(out)["e"]
-    got = load_file(out / record["latents"])
-    latents = next(iter(got.values()))
-    assert relative_error(latents.reshape(expected_latents.shape), expected_latents) <= 1e-4
-    image = io.imread(out / record["image"])
-    assert image.shape == expected_image.shape == (height, width, 3)
-    assert np.abs(image.astype(int) - expected_image.astype(int)).max() <= 1
+    for job, true_cfg_scale in enumerate(scales):
+        out = sweep / str(job)
+        workload = json.loads((out / "summary.json").read_text())["config"]["workload"]  # the folder's 32 tokens
+        assert workload["true_cfg_scale"] == true_cfg_scale
+        assert (workload["text_len"], workload["text_len_from"]) == (
+            32,
+            f"{FOLDER / 'tokenizer_2'}/tokenizer_config.json (model_max_length)",
+        )
+        expected_latents, expected_image = _diffusers_edit(
+            tmp_path / "ref.png", prompt, true_cfg_scale, width, height, steps, seed
+        )
+        record = _records(out)["e"]
+        got = load_file(out / record["latents"])
+        latents = next(iter(got.values()))
+        assert relative_error(latents.reshape(expected_latents.shape), expected_latents) <= 1e-4, true_cfg_scale
+        image = io.imread(out / record["image"])
+        assert image.shape == expected_image.shape == (height, width, 3)
+        assert np.abs(image.astype(int) - expected_image.astype(int)).max() <= 1, true_cfg_scale
 
 
 @pytest.mark.slow
