@@ -29,6 +29,7 @@ FILE_SECONDS = {
     "test_run_outputs.py": 73,
     "test_first_hour.py": 68,
     "test_compile_cache.py": 65,
+    "test_warm.py": 60,
     "test_node_faults.py": 57,
     "test_layouts.py": 55,
     "test_copy_engine.py": 54,
