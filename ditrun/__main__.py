@@ -192,7 +192,7 @@ def main() -> None:
 
         sys.exit(tune_main(sys.argv[2:]))
     if sys.argv[1:2] == ["warm"]:  # a run of the same config, through the same launchers, that warms instead
-        sys.argv = [sys.argv[0], *sys.argv[2:], "warm.enabled=true"]
+        sys.argv = [sys.argv[0], *_with_override(sys.argv[2:], "warm.enabled=true")]
     _compose_and_run()
     _name_failed_jobs()
     if _gate_failures:
@@ -200,6 +200,13 @@ def main() -> None:
         for failure in _gate_failures:
             print(f"  {failure}", file=sys.stderr)
         sys.exit(1)
+
+
+def _with_override(args: list[str], override: str) -> list[str]:
+    """``args`` with ``override`` before their first override: Hydra reads the overrides as one run of arguments,
+    which flags (``-m``, ``--cfg job``) may precede or follow."""
+    first = next((i for i, arg in enumerate(args) if "=" in arg and not arg.startswith("-")), len(args))
+    return [*args[:first], override, *args[first:]]
 
 
 def _name_failed_jobs() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import yaml
 from hydra.core.config_store import ConfigStore
@@ -380,7 +380,7 @@ class WarmConfig:
     enabled: bool = False
     """Set by ``ditrun warm``: every rank of the job compiles the shapes below into ``model.compile_cache``'s entries,
     then the job ends (a Slurm job or sweep warms by passing ``warm.enabled=true``)."""
-    sizes: list[list[int]] = field(default_factory=list)
+    sizes: list[Any] = field(default_factory=list)
     """Shapes to warm, each ``[width, height]`` (the output's; its reference sized as the workload sizes an edit's:
     ``workload.ref_width``/``ref_height``, else ``workload.ref_resize``) or ``[width, height, ref_width,
     ref_height]``, in pixels, multiples of 16. Empty, with no ``preset``: the shapes of the workload's edits."""

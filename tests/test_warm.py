@@ -51,10 +51,20 @@ def test_the_sizes_to_warm_are_the_workloads_or_the_ones_given():
         (["model.compile_cache=off"], "model.compile_cache=off keeps no entries"),
         (["warm.sizes=[[1000,512]]"], "warm.sizes[0]=[1000, 512] has a size that is not a positive multiple of 16"),
         (["warm.sizes=[[512,512,512]]"], "warm.sizes[0]=[512, 512, 512] is not [width, height] or"),
+        (["warm.sizes=[1024,1024]"], "warm.sizes[0]=1024 is not [width, height] or"),
         (["warm.preset=sdxl"], "warm.preset='sdxl' is unknown; allowed: kontext."),
         (["warm.enabled=false", "warm.sizes=[[32,32]]"], "warm.sizes is read by ditrun warm only"),
     ],
-    ids=["compile off", "aot_eager", "no cache", "off the grid", "three numbers", "unknown preset", "not warming"],
+    ids=[
+        "compile off",
+        "aot_eager",
+        "no cache",
+        "off the grid",
+        "three numbers",
+        "flat",
+        "unknown preset",
+        "not warming",
+    ],
 )
 def test_a_warm_that_cannot_work_is_one_sentence(overrides, sentence):
     with pytest.raises(UserError, match=sentence.replace("[", r"\[").replace("(", r"\(").replace("]", r"\]")):

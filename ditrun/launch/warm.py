@@ -16,6 +16,7 @@ import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
+from omegaconf import ListConfig
 
 from ditrun.errors import UserError
 from ditrun.inference import compile_cache
@@ -64,10 +65,11 @@ def _check_sizes(warm) -> None:
     if warm.preset is not None and warm.preset not in PRESETS:
         raise UserError(f"warm.preset={warm.preset!r} is unknown; allowed: {', '.join(PRESETS)}.")
     for index, size in enumerate(warm.sizes):
-        values = list(size)
-        if len(values) not in (2, 4):
+        values = list(size) if isinstance(size, ListConfig) else size
+        if not isinstance(values, list) or len(values) not in (2, 4) or not all(type(v) is int for v in values):
             raise UserError(
-                f"warm.sizes[{index}]={values} is not [width, height] or [width, height, ref_width, ref_height]."
+                f"warm.sizes[{index}]={values} is not [width, height] or [width, height, ref_width, ref_height] in "
+                "pixels; warm.sizes is a list of them, e.g. warm.sizes=[[1024,1024],[832,1248]]."
             )
         if any(value <= 0 or value % PATCH_PIXELS for value in values):
             raise UserError(
