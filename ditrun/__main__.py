@@ -44,7 +44,7 @@ _STARTED = time.time()  # a folder changed since then was made by this run
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.launch import WorkerFailed, launch
-    from ditrun.launch.stop import RunStopped
+    from ditrun.launch.stop import NodeFault, RunStopped
     from ditrun.metrics import full_quality
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
@@ -67,6 +67,17 @@ def _hydra_main(cfg: RunConfig) -> None:
         if hydra_cfg.mode != RunMode.MULTIRUN:
             sys.exit(1)
         _gate_failures.append(f"{out_dir}: {err}")
+    except NodeFault as err:
+        # A node's fault mid-run (a full disk): the finished edits are on disk, the exit status says failure.
+        print(
+            f"ditrun: error: {err.why}; once the disk has room (or the folder can be written again), rerun the same "
+            f"command to resume (results: {out_dir})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            sys.exit(err.exit_code)
+        _job_failed(hydra_cfg, err.why)
     except RunStopped as err:
         # Finished edits are on disk; the exit status (128 + signal) tells a scheduler it was stopped.
         print(f"ditrun: {err}; rerun the same command to resume (results: {out_dir})", file=sys.stderr, flush=True)
@@ -103,12 +114,11 @@ def _made_by_hydra(folder: Path) -> Optional[Path]:
 
 def _job_failed(hydra_cfg, why: str) -> None:
     """Note a sweep's job that failed (its report lists it as incomplete) and name it in one line."""
-    from ditrun.metrics.report import FAILED_JOBS
+    from ditrun.metrics.report import note_failed_job
 
-    overrides = list(hydra_cfg.overrides.task)
-    why = " ".join(why.split())  # one line, whatever the error's text holds
-    FAILED_JOBS[Path(hydra_cfg.runtime.output_dir)] = (overrides, why)
-    print(f"ditrun: error: job {hydra_cfg.job.num} ({' '.join(overrides)}) failed: {why}", file=sys.stderr, flush=True)
+    note_failed_job(
+        hydra_cfg.sweep.dir, hydra_cfg.runtime.output_dir, hydra_cfg.job.num, hydra_cfg.overrides.task, why
+    )
 
 
 def _hydra_files(cfg):

@@ -40,6 +40,32 @@ def test_the_failure_signal_arriving_after_its_block_ended_is_no_stop_request(st
         stop.check()
 
 
+def test_another_ranks_node_fault_ends_solo_work_as_that_fault(stop):
+    """A node fault of another rank reaches this one as its stop (the heartbeat's ``request`` and ``interrupt``):
+    work alone ends at once with a ``NodeFault`` that says what the other rank said, exit status 1, and the
+    supervisor gets it back from its pickle as it was."""
+    import pickle
+
+    from ditrun.launch.stop import FAULT, NodeFault
+
+    def relayed():
+        stop.request(FAULT, "rank 0 could not write (No space left on device: .../edits.jsonl)")
+        stop.interrupt()
+
+    timer = threading.Timer(0.2, relayed)
+    with pytest.raises(NodeFault) as raised:
+        with stop.raising():
+            timer.start()
+            time.sleep(10)  # the interrupt's signal wakes the sleep
+    timer.join(5)
+    fault = pickle.loads(pickle.dumps(raised.value))
+    assert (fault.why, fault.found_here, fault.exit_code) == (
+        "rank 0 could not write (No space left on device: .../edits.jsonl)",
+        False,
+        1,
+    )
+
+
 def test_a_rank_stopped_by_a_signal_is_seen_as_such_and_killed_at_once():
     """The supervisor's view of a frozen rank: SIGSTOP makes it suspended (it can act on no SIGTERM), SIGCONT not;
     ``_stop`` kills a suspended process rather than terminating it."""

@@ -39,3 +39,34 @@ def test_a_sweep_with_crashing_jobs_names_each_and_reports_the_rest(tmp_path, tm
     assert all(rows[j].rstrip().endswith("incomplete") for j in ("2", "3"))
     markdown = (sweep / "report.md").read_text()
     assert markdown.count("**incomplete** (its job failed: InjectedFault") == 2
+
+
+@pytest.mark.timeout(200)
+def test_a_submitit_sweep_names_its_crashed_job_and_reports_the_rest(tmp_path, tmp_path_factory):
+    """Through submitit's local launcher (``hydra/launcher=local``: each job a process of its own, as on Slurm): the
+    crashed job's traceback stays in its log, and the sweep's own process names it in one line, writes the report
+    with it as incomplete, names it again at the end and exits 1."""
+    sweep = tmp_path / "sweep"
+    proc = ditrun(
+        "-m",
+        *TINY,
+        "wandb.mode=disabled",
+        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        "testing.fault.crash_rank=null,0",  # job 1 crashes at step 0
+        "hydra/launcher=local",
+        "hydra.launcher.timeout_min=5",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+        timeout=180,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    named = re.findall(r"^ditrun: error: job 1 \((.*)\) failed: (.*)$", proc.stderr, re.MULTILINE)
+    assert len(named) == 1, proc.stderr
+    overrides, why = named[0]
+    assert "testing.fault.crash_rank=0" in overrides and why.startswith("InjectedFault: rank 0 failed on purpose")
+    assert f"ditrun: error: 1 job(s) of the sweep failed:\n  {sweep / '1'} ({overrides}): {why}" in proc.stderr
+    assert f"sweep report: {sweep / 'report.md'}" in proc.stdout
+    rows = {line.split(":")[0]: line for line in proc.stdout.splitlines() if re.match(r"^\d: testing", line)}
+    assert re.search(r"\d\.\d{4}", rows["0"]) and rows["1"].rstrip().endswith("incomplete")
+    assert (sweep / "report.md").read_text().count("**incomplete** (its job failed: InjectedFault") == 1

@@ -39,7 +39,7 @@ from ditrun.metrics.quality import QualityGateError
 from ditrun.model.folders import vae_folder
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.sampler import denoise, sequential_cfg_velocity
-from ditrun.results.files import fsync_folder, save_png, to_rgb8, write_file
+from ditrun.results.files import fsync_folder, is_node_fault, save_png, to_rgb8, write_file
 from ditrun.user_cache import user_cache_dir
 from ditrun.workload.edit import Edit
 from ditrun.workload.images import is_package_picture
@@ -130,6 +130,7 @@ class ReferenceCache:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self.unwritable = False  # the disk refused an entry (``save``): this run keeps its references in memory
 
     def load(self, key: str, size: tuple[int, int]) -> Optional[Reference]:
         """The entry of ``key`` if it holds two [height, width] = ``size`` images as written, else None."""
@@ -148,6 +149,25 @@ class ReferenceCache:
             return None
 
     def save(self, key: str, reference: Reference, description: dict) -> None:
+        """Store an entry; a cache the disk refuses mid-run (full, no longer writable) is one warning, and the run
+        goes on without storing (its references stay in memory)."""
+        if self.unwritable:
+            return
+        try:
+            self._save(key, reference, description)
+        except OSError as err:
+            if not is_node_fault(err):
+                raise
+            self.unwritable = True
+            print(
+                f"ditrun: warning: the reference cache {self.root} cannot be written ({err.strerror or err}); this run "
+                "goes on without storing its references, a later run makes them again (free space there, or set "
+                "metrics.reference_dir to a folder with room)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _save(self, key: str, reference: Reference, description: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=self.root))
         height, width = reference.image.shape[:2]

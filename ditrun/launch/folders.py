@@ -9,7 +9,9 @@ cache and config folders when W&B is on; matplotlib's when the report is drawn) 
 written, flushed and removed in it. A cache or a library's folder that fails moves into the run directory
 (``CACHE_DIR``, every rank alike) with one warning line; the results directory is one
 sentence naming it and the key or variable that moves it (exit 2). The same fault after the claim ends the run as a
-stop does (``NodeFault``: the summary of the finished edits and the resume line, where the disk allows), exit 1.
+stop does, on every rank (``stop.NodeFault``: the summary of the finished edits and the resume line, where the disk
+allows), exit 1; in a cache it does not: the reference cache stops storing with one warning
+(``inference/reference.py``), the prompt cache moves into the run directory with one (``workload/prompts.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,11 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ditrun.errors import UserError
-from ditrun.launch.stop import RunStopped
+from ditrun.launch.stop import NodeFault
 from ditrun.results import files
+from ditrun.results.files import is_node_fault  # noqa: F401  (the module's API: the faults it handles)
 from ditrun.results.rundir import CACHE_DIR, unusable_dir_sentence
 
-# What a node does to a run's writes, as opposed to a bug: full, over a quota or a file size limit, unwritable,
-# read-only.
-NODE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 # W&B's own folders (``wandb/env.py``): the variable that moves each, and the part of the user's home it defaults to.
 WANDB_FOLDERS = {
     "WANDB_DATA_DIR": ("XDG_DATA_HOME", ".local/share", "wandb"),
@@ -50,21 +50,10 @@ class RunFolder:
     move: Optional[Callable[[Path], None]] = None
 
 
-def is_node_fault(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in NODE_ERRNOS
-
-
-class NodeFault(RunStopped):
-    """A fault of the node mid-run (``NODE_ERRNOS``): the run ends as a stop does, and exits 1."""
-
-    def __init__(self, err: OSError):
-        self.signum = 0
-        where = f": {err.filename}" if err.filename else ""
-        BaseException.__init__(self, f"stopped: {err.strerror or err}{where}")
-
-    @property
-    def exit_code(self) -> int:
-        return 1
+def node_fault(err: OSError) -> NodeFault:
+    """The stop of a node's fault (``NODE_ERRNOS``) mid-run: the run ends as a stop does, and exits 1."""
+    where = f": {err.filename}" if err.filename else ""
+    return NodeFault(f"{err.strerror or err}{where}")
 
 
 def check_run_folders(cfg, out_dir: Path, wandb_on: bool, announce: bool = True) -> None:

@@ -46,7 +46,7 @@ from ditrun.errors import UserError
 from ditrun.launch import faults
 from ditrun.launch.faults import describe
 from ditrun.launch.rendezvous import ARRIVED, FINISHED, NODES, format_ranks, nodes_of
-from ditrun.launch.stop import StopRequest
+from ditrun.launch.stop import FAULT, NodeFault, StopRequest, stop_of
 
 STOP_REQUESTED = "ditrun/stop_requested"
 SHARED = "ditrun/decided/"
@@ -148,6 +148,7 @@ class LocalJob:
 
     def __init__(self, stop: Optional[StopRequest] = None):
         self.stop = stop or StopRequest()
+        self._posted_values: dict = {}
 
     def share(self, key: str, decide: Callable[[], object]):
         return decide()
@@ -169,11 +170,11 @@ class LocalJob:
         pass
 
     def post(self, key: str, value) -> None:
-        self._posted_value = value
+        self._posted_values[key] = value
 
     def collect(self, key: str) -> list:
         """Every rank's posted ``key``, by rank (global rank 0 only, after ``end_of_run``)."""
-        return [self._posted_value]
+        return [self._posted_values[key]]
 
     def explain(self, err: BaseException) -> BaseException:
         """The failure to report for ``err``: a ``NodeLost`` when other ranks have gone silent."""
@@ -258,12 +259,17 @@ class StoreJob(LocalJob):
             except UserError as err:
                 self.store.set(SHARED + key, json.dumps({"error": str(err)}))
                 raise
+            except NodeFault as fault:  # every rank stops with it
+                self.store.set(SHARED + key, json.dumps({"fault": f"rank {self.rank} {fault.reason}"}))
+                raise
             self.store.set(SHARED + key, json.dumps({"value": value}))
             return value
         self._await(lambda: self.store.check([SHARED + key]), lambda: [0])
         message = json.loads(self.store.get(SHARED + key))
         if "error" in message:
             raise UserError(message["error"])
+        if "fault" in message:
+            raise stop_of(FAULT, message["fault"])
         return message["value"]
 
     def barrier(self, name: str) -> None:

@@ -170,7 +170,7 @@ def spawned_rank_main(
         summary = run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)
     except (RunStopped, KeyboardInterrupt) as err:
         stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
-        sender.send(("stopped", rank, stopped.signum))
+        sender.send(("stopped", rank, stopped))
         sys.exit(stopped.exit_code)
     except BaseException as err:  # every way a rank ends must reach the supervisor
         verdict = _is_verdict(err)

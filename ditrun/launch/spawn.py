@@ -21,13 +21,14 @@ import signal
 import time
 from multiprocessing.connection import wait
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from ditrun import rank_entry
 from ditrun.errors import UserError
 from ditrun.launch import env, faults, rendezvous, secret
-from ditrun.launch.stop import RunStopped, StopRequest
+from ditrun.launch.stop import NodeFault, RunStopped, StopRequest
 from ditrun.parallel.placement import format_ranks
 
 # After the first rank fails, the others get this long to stop by themselves (their watchdogs
@@ -127,27 +128,39 @@ def _supervise(ranks, receivers, stop: StopRequest, stop_timeout_s: float, relay
             killed = [ranks.index(p) for p in alive]
             _stop(alive)  # the exit codes of ranks stopped here say nothing about the failure
             alive, open_pipes = [], []
-    stopped = {payload for _, payload, kind in reports if kind == "stopped"}
+    stops = {rank: payload for rank, payload, kind in reports if kind == "stopped"}  # each rank's RunStopped
+    stopped = {payload.signum for payload in stops.values()}
     if stop.signum is not None:
         stopped.add(stop.signum)  # ranks the relayed signal reached before their handlers did die of it
     _raise_first_failure(
         [(rank, payload) for rank, payload, kind in reports if kind == "failed"],
-        [(rank, code) for rank, code in exits if not _stopped_by(code, stopped)],
+        [
+            (rank, code)
+            for rank, code in exits
+            if not (rank in stops and code == stops[rank].exit_code) and not _stopped_by(code, stopped)
+        ],
     )
+    fault = _node_fault(stops)
     if killed and at_once:
         why = f"{format_ranks(killed)} killed at once, stopped by a signal (SIGSTOP, a debugger)"
-        if stopped:
-            raise RunStopped(min(stopped), f" ({why})")
+        if fault or stopped:
+            raise fault or RunStopped(min(stopped), f" ({why})")
         raise faults.WorkerFailed(why + ".")
     if killed:  # the run's end (its summary) may be missing: never a success
-        if stopped:
-            raise RunStopped(
+        if fault or stopped:
+            raise fault or RunStopped(
                 min(stopped), f" ({format_ranks(killed)} killed after {stop_timeout_s:g} s, launcher.stop_timeout_s)"
             )
         raise faults.WorkerFailed(f"{format_ranks(killed)} killed {STOP_GRACE_S:g} s after another rank exited.")
-    if any(kind == "stopped" for _, _, kind in reports) or any(_stopped_by(code, stopped) for _, code in exits):
-        raise RunStopped(min(stopped))
+    if stops or any(_stopped_by(code, stopped) for _, code in exits):
+        raise fault or RunStopped(min(stopped))
     return summary
+
+
+def _node_fault(stops: dict) -> Optional[NodeFault]:
+    """The node fault that stopped the job, as the rank that found it says it (it names the file), if any."""
+    found = [stop for _, stop in sorted(stops.items()) if isinstance(stop, NodeFault)]
+    return next((stop for stop in found if stop.found_here), found[0] if found else None)
 
 
 def _stopped_by(code: int, signals: set) -> bool:

@@ -45,12 +45,54 @@ class RunStopped(BaseException):
     """
 
     def __init__(self, signum: int, detail: str = ""):
-        self.signum = signum
+        self.signum, self.detail = signum, detail
         super().__init__(f"stopped by {signal_name(signum)}{detail}")
+
+    def __reduce__(self):  # a spawned rank sends its stop to the supervisor
+        return type(self), (self.signum, self.detail)
 
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+FAULT = 1 << 16
+"""Not a signal: the stop of a node's fault (a full disk, a folder that can no longer be written) in a run's own files.
+It travels between ranks as a signal's stop does, and is larger than every signal's number, so the ranks' agreement
+on a stop (the largest) prefers it: the run's files are what is wrong."""
+
+
+class NodeFault(RunStopped):
+    """A node's fault mid-run (``launch/folders.py``): the run ends as a stop does (the finished edits' summary and
+    the resume line, where the disk allows) and exits 1. ``why`` names the error and the file on the rank that
+    found it (``found_here``); another rank has it from that one, or, where the news had not reached it yet, only
+    that a rank could not write."""
+
+    def __init__(self, why: str, found_here: bool = True):
+        self.signum, self.detail, self.why, self.found_here = FAULT, "", why, found_here
+        BaseException.__init__(self, f"stopped: {why}")
+
+    def __reduce__(self):
+        return NodeFault, (self.why, self.found_here)
+
+    @property
+    def exit_code(self) -> int:
+        return 1
+
+    @property
+    def reason(self) -> str:
+        """What the other ranks are told (after this rank's number)."""
+        return f"could not write ({self.why})"
+
+
+UNKNOWN_FAULT = "another rank could not write the run's files"
+
+
+def stop_of(signum: int, reason: str = "") -> RunStopped:
+    """The stop a rank raises for ``signum``, which another rank may have decided (``reason``: what it said)."""
+    if signum == FAULT:
+        return NodeFault(reason or UNKNOWN_FAULT, found_here=False)
+    return RunStopped(signum, f" ({reason})" if reason else "")
 
 
 def signal_name(signum: int) -> str:
@@ -71,13 +113,23 @@ class StopRequest:
         self._raised = False
         self._self_sent: Optional[int] = None  # the signal ``interrupt`` sent and the handler has not yet seen
         self.failure: Optional[BaseException] = None
+        self._fault: Optional[NodeFault] = None  # this rank's own (``fault``)
 
     def request(self, signum: int, reason: str = "") -> None:
         if self.signum is None:
-            self.signum, self.reason = signum, reason or f"received {signal_name(signum)}"
+            default = UNKNOWN_FAULT if signum == FAULT else f"received {signal_name(signum)}"
+            self.signum, self.reason = signum, reason or default
 
     def stopped(self) -> RunStopped:
-        return RunStopped(self.signum, f" ({self.reason})" if self.reason else "")
+        if self._fault is not None:
+            return self._fault
+        return stop_of(self.signum, self.reason)
+
+    def fault(self, fault: NodeFault) -> None:
+        """This rank's own node fault: a stop like a signal's for every rank (it travels as ``FAULT``), which
+        ``stopped`` then raises as it was found."""
+        if self.signum is None or self.signum != FAULT:
+            self.signum, self.reason, self._fault = FAULT, fault.reason, fault
 
     def check(self) -> None:
         """A stop point: raise ``RunStopped`` if a stop was requested (or the failure another thread found)."""
@@ -112,6 +164,8 @@ class StopRequest:
         ``raising`` block now (a signal to the main thread runs the handler, which raises, and wakes a
         sleep or a system call)."""
         signum = self.signum or (signal.SIGUSR1 if self.failure is not None else None)
+        if signum == FAULT:  # not a signal: any stop signal ends the block, and ``stopped`` says what it was
+            signum = signal.SIGUSR1
         if self._raising and self._previous and signum is not None and not self._raised:
             self._self_sent = signum
             signal.pthread_kill(threading.main_thread().ident, signum)

@@ -34,7 +34,7 @@ from ditrun.launch.checks import check_run_config, check_run_memory
 from ditrun.launch.console import print_locations, print_start, print_table
 from ditrun.launch.job import LocalJob, job_of_process_group
 from ditrun.launch.records import edit_record, result_settings, run_settings, run_summary
-from ditrun.launch.stop import RunStopped
+from ditrun.launch.stop import FAULT, NodeFault, RunStopped, stop_of
 from ditrun.metrics import quality
 from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
@@ -189,7 +189,7 @@ class Run:
 
     def encode_prompts(self, job: LocalJob) -> list[Edit]:
         """The edits with their prompts' embeddings files: global rank 0 encodes, then every rank gets them."""
-        cache = prompts.prompt_cache(self.edits, self.cfg)
+        cache = prompts.prompt_cache(self.edits, self.cfg, self.out_dir / rundir.CACHE_DIR / "prompts")
         if cache is None:
             return self.edits
         if self.layout.rank == 0:
@@ -283,12 +283,8 @@ class Run:
         h, w = edit.height // VAE_SCALE, edit.width // VAE_SCALE  # the output's latent size (not the reference's)
         with Interval(device_dtype.device) as decode:
             image = files.to_rgb8(self.codec.decode(unpack(latents, h, w)))
-        outputs = files.edit_outputs(edit.id)
         # Both files are on disk (and their checksums known) before the record that names them is written.
-        sha256 = {
-            "image": files.save_png(image, files.output_path(self.out_dir, outputs["image"])),
-            "latents": files.save_latents(latents, files.output_path(self.out_dir, outputs["latents"])),
-        }
+        sha256 = files.save_outputs(self.out_dir, edit.id, image, latents)
         ref = self.references.get(edit.id) if self.references is not None else None
         measured = quality.quality_fields(image, ref, self.targets.get(edit.id))
         if ref is not None:
@@ -344,8 +340,10 @@ def run(
         stopped, logger = _load_and_run_edits(state, job, done, out_dir)
         faults.hang(cfg.testing.fault)
         job.post("startup", STARTUP.report(job.rank))
+        job.post("fault", stopped.why if isinstance(stopped, NodeFault) and stopped.found_here else None)
         job.end_of_run()  # rank 0: every replica's records are written
         if layout.rank == 0:
+            stopped = _with_peer_fault(stopped, job.collect("fault"))
             rundir.merge_replica_files(out_dir)
             summary = _finish(state, logger, out_dir, time.perf_counter() - start, stopped, job.collect("startup"))
     finally:
@@ -363,7 +361,7 @@ def _claim(lock: rundir.RunLock, state: Run, out_dir: Path, hydra_files: Optiona
     try:
         return _claim_locked(state, out_dir, hydra_files)
     except OSError as err:  # the directory is this run's now: it ends as a stop does
-        raise _as_stop(err, state.layout) from None
+        raise _as_stop(err) from None
 
 
 def _claim_locked(state: Run, out_dir: Path, hydra_files: Optional[rundir.HydraFiles]) -> list[str]:
@@ -389,17 +387,27 @@ def _load_and_run_edits(state: Run, job: LocalJob, done: set, out_dir: Path) -> 
         logger = state.logger
     except RunStopped as stopped:
         return stopped, logger
-    except OSError as err:  # a cache the disk refused
-        return _as_stop(err, state.layout), logger
+    except OSError as err:  # the run's own files refused (a cache the disk refused is a warning where it is written)
+        fault = _as_stop(err)
+        job.stop.fault(fault)  # the other ranks stop at their next stop point (a barrier of loading)
+        return fault, logger
     return _run_edits(state, job, done, out_dir, logger), logger
 
 
-def _as_stop(err: OSError, layout) -> folders.NodeFault:
-    """A node's fault (a full disk) in a one-process run, which then ends as a stop does; raised again otherwise (in
-    a job of several ranks a rank's failure ends it: ``faults``)."""
-    if layout.plan.world > 1 or not folders.is_node_fault(err):
+def _as_stop(err: OSError) -> NodeFault:
+    """A node's fault (a full disk), which ends the run as a stop does; any other error is raised again."""
+    if not folders.is_node_fault(err):
         raise err
-    return folders.NodeFault(err)
+    return folders.node_fault(err)
+
+
+def _with_peer_fault(stopped: Optional[RunStopped], found: list) -> Optional[RunStopped]:
+    """Global rank 0's stop once every rank has ended: a node fault another rank found (``found``: each rank's, or
+    None) ends the run as one, whatever ended this rank's share."""
+    if isinstance(stopped, NodeFault) and stopped.found_here:
+        return stopped
+    rank, why = next(((rank, why) for rank, why in enumerate(found) if why), (None, None))
+    return stopped if why is None else NodeFault(f"rank {rank} could not write ({why})", found_here=False)
 
 
 def _start_logger(state: Run, out_dir: Path, done: set):
@@ -421,28 +429,42 @@ def _run_edits(state: Run, job: LocalJob, done: set, out_dir: Path, logger) -> O
     with Progress(cfg.progress and layout.rank == 0, len(todo)) as progress:
         for edit in todo:
             bar = progress.edit(edit.id, cfg.workload.steps)
+            record = None
             try:
                 stop_if_asked(job, layout)
                 record = state.run_edit(edit, job, bar)
                 if record is not None:
-                    files.append_record(records_file, record)
+                    _append_record(records_file, record, out_dir)
             except RunStopped as stopped:
                 return stopped
             except OSError as err:
-                return _as_stop(err, layout)
+                # This rank writes the replica's results and the disk refused them: the edit left no file. Its
+                # ranks go on to the next stop point together (the next edit's start), where every rank stops.
+                job.stop.fault(_as_stop(err))
+                record = None
             finally:
                 bar.close()
             if record is not None:
                 logger.log_edit(record)
             state.after_edit()
             progress.advance()
-    return None
+    return job.stop.stopped() if job.stop.signum == FAULT else None  # a fault in the last edit
+
+
+def _append_record(records_file: Path, record: dict, out_dir: Path) -> None:
+    """The edit's record after its files; where the disk refuses the record, its files go too (nothing points at
+    them, and their space may hold the summary)."""
+    try:
+        files.append_record(records_file, record)
+    except OSError:
+        files.remove_outputs(out_dir, record["edit"])
+        raise
 
 
 def stop_if_asked(job: LocalJob, layout) -> None:
     signum = job.should_stop(layout.agree_max)
     if signum is not None:
-        raise RunStopped(signum, f" ({job.stop.reason})" if job.stop.reason else "")
+        raise job.stop.stopped() if signum == job.stop.signum else stop_of(signum)
 
 
 def _finish(
@@ -468,7 +490,7 @@ def _finish(
     fault = fault or _node_fault(
         "the W&B run", logger.finish, records, summary, out_dir, state.references, failed=failed
     )
-    stopped = stopped or (folders.NodeFault(fault) if fault else None)
+    stopped = stopped or (folders.node_fault(fault) if fault else None)
     if stopped is not None:
         print(
             f"ditrun: {stopped}; {len(records)} of {len(state.directory_edits)} edits are in "

@@ -11,6 +11,7 @@ speed/quality Pareto front (``pareto.png``), and the fastest that meets it with 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -354,14 +355,59 @@ def main(argv: list[str]) -> int:
 
 
 FAILED_JOBS: dict[Path, tuple[list[str], str]] = {}
-"""The jobs of this process's sweep that failed (directory -> (overrides, why)), noted by the command as each fails:
-the sweep's report lists them as incomplete, beside the jobs that finished."""
+"""The jobs of this process's sweep that failed (directory -> (overrides, why)), noted by the command as each fails
+(``note_failed_job``): the sweep's report lists them as incomplete, beside the jobs that finished."""
+
+
+FAILED_DIR = ".failed_jobs"
+"""In a sweep's directory: one file per job that failed (``note_failed_job``), written by the job wherever it ran (a
+submitit job runs in a process of its own, on this machine or on a Slurm node), read by the sweep's process at its end
+(``collect_failed_jobs``)."""
+
+
+def note_failed_job(sweep: Path, folder: Path, number: int, overrides: list[str], why: str) -> None:
+    """Note a sweep's job that failed (``FAILED_JOBS``, and a file under the sweep's ``FAILED_DIR``) and name it in
+    one line."""
+    overrides, why = list(overrides), " ".join(why.split())  # one line, whatever the error's text holds
+    _noted(Path(folder), number, overrides, why)
+    note = {"folder": str(folder), "number": number, "overrides": overrides, "why": why}
+    try:
+        files.write_json(Path(sweep) / FAILED_DIR / f"{number}.json", note)
+    except OSError as err:  # the line above names the job all the same
+        print(f"ditrun: warning: job {number}'s failure was not written under {sweep} ({err})", file=sys.stderr)
+
+
+def _noted(folder: Path, number: int, overrides: list[str], why: str) -> None:
+    FAILED_JOBS[folder] = (overrides, why)
+    print(f"ditrun: error: job {number} ({' '.join(overrides)}) failed: {why}", file=sys.stderr, flush=True)
+
+
+def collect_failed_jobs(sweep: Path) -> None:
+    """In the sweep's process, at its end: the jobs that failed in processes of their own (their ``FAILED_DIR``
+    files), noted and named here too; those that failed in this process are noted already."""
+    folder = Path(sweep) / FAILED_DIR
+    try:
+        names = sorted(os.listdir(folder), key=lambda name: (len(name), name))
+    except OSError:
+        return  # no job failed elsewhere
+    for name in names:
+        try:
+            note = files.parse_json(files.read_bytes(folder / name, 1 << 20))
+        except (OSError, UserError):
+            note = None
+        fields = {"folder": str, "number": int, "overrides": list, "why": str}
+        if not isinstance(note, dict) or not all(isinstance(note.get(k), t) for k, t in fields.items()):
+            print(f"ditrun: warning: {folder / name} is not a failed job's note; left out", file=sys.stderr)
+            continue
+        if Path(note["folder"]) not in FAILED_JOBS:
+            _noted(Path(note["folder"]), note["number"], [str(o) for o in note["overrides"]], note["why"])
 
 
 class SweepReport(Callback):
     """Hydra callback: when a multirun ends, write its report into the sweep directory."""
 
     def on_multirun_end(self, config, **kwargs) -> None:
+        collect_failed_jobs(Path(config.hydra.sweep.dir))
         if not config.metrics.report or config.warm.enabled:  # a sweep of ``ditrun warm`` runs no edit
             return
         sweep = Path(config.hydra.sweep.dir)

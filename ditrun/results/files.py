@@ -47,6 +47,15 @@ WANDB_DIR = "wandb"  # the offline W&B run's folder (``metrics.wandb``)
 TEMPORARY_PREFIX = ".ditrun-tmp."
 
 
+# What a node does to a run's writes, as opposed to a bug: full, over a quota or a file size limit, unwritable,
+# read-only (``launch/folders.py``).
+NODE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def is_node_fault(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in NODE_ERRNOS
+
+
 def edit_outputs(edit_id: str) -> dict[str, str]:
     """The record's output fields -> the edit's files, relative to the run directory."""
     return {"image": f"{IMAGES_DIR}/{edit_id}.png", "latents": f"{LATENTS_DIR}/{edit_id}.latents.safetensors"}
@@ -101,7 +110,11 @@ def append_line(path: Path, line: str) -> None:
     try:
         size = os.fstat(fd).st_size
         torn = size > 0 and os.pread(fd, 1, size - 1) != b"\n"
-        write_all(fd, (("\n" if torn else "") + line.rstrip("\n") + "\n").encode(), path)
+        try:
+            write_all(fd, (("\n" if torn else "") + line.rstrip("\n") + "\n").encode(), path)
+        except OSError:
+            os.ftruncate(fd, size)  # a full disk: no part of the line stays, and its space is given back
+            raise
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -308,6 +321,30 @@ def save_latents(latents: torch.Tensor, path: Path) -> str:
     from safetensors.torch import save
 
     return write_file(path, save({"latents": latents.cpu().contiguous()}))
+
+
+def save_outputs(out_dir: Path, edit_id: str, image: torch.Tensor, latents: torch.Tensor) -> dict[str, str]:
+    """The edit's image and latents (``edit_outputs``); their sha256 by field. Where one cannot be written (a full
+    disk), neither stays: ``remove_outputs``."""
+    outputs = edit_outputs(edit_id)
+    try:
+        return {
+            "image": save_png(image, output_path(out_dir, outputs["image"])),
+            "latents": save_latents(latents, output_path(out_dir, outputs["latents"])),
+        }
+    except OSError:
+        remove_outputs(out_dir, edit_id)
+        raise
+
+
+def remove_outputs(out_dir: Path, edit_id: str) -> None:
+    """The files of an edit left without a record (one of its files or its record could not be written): no record
+    points at them, as a run writes an edit only while none holds it, and their space is given back."""
+    for name in edit_outputs(edit_id).values():
+        try:
+            (out_dir / name).unlink()
+        except OSError:
+            pass  # not written, or gone
 
 
 def to_rgb8(image: torch.Tensor) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 
 from ditrun.errors import UserError
 from ditrun.model.folders import ENCODER_PARTS, is_pipeline_folder
+from ditrun.results.files import is_node_fault
 from ditrun.user_cache import user_cache_dir
 
 # Bump when what is stored under a key changes.
@@ -60,16 +61,32 @@ def _encoder_fingerprint(folder: Path) -> list:
 
 @dataclasses.dataclass
 class PromptCache:
-    """Where each prompt's embeddings file of one pipeline folder lives."""
+    """Where each prompt's embeddings file of one pipeline folder lives.
+
+    A cache the disk refuses mid-run (full, no longer writable) moves to ``fallback`` (the run directory's, set by
+    the run) with one warning: the encoded prompts reach the model, and every rank, as files, so they must be
+    written somewhere; where the fallback cannot be written either, the error stands (the run ends as a stop does).
+    """
 
     folder: Path
     max_sequence_length: int
     root: Path
+    fallback: Optional[Path] = None
+    moved: Optional[Path] = None  # ``fallback``, once ``root`` refused a file
 
     def __post_init__(self):
         self._fingerprint = _encoder_fingerprint(self.folder)
 
     def file(self, prompt: str) -> Path:
+        return self.place(self.name(prompt))
+
+    def place(self, name: str) -> Path:
+        """Where the cache's file ``name`` is (``root``, or where it moved), or is to be written."""
+        if self.moved is not None and not (self.root / name).is_file():
+            return self.moved / name
+        return self.root / name
+
+    def name(self, prompt: str) -> str:
         key = json.dumps(
             {
                 "format": PROMPT_FORMAT,
@@ -79,18 +96,48 @@ class PromptCache:
                 "max_sequence_length": self.max_sequence_length,
             }
         )
-        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
+        return f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.safetensors"
 
     def missing(self, prompts: list[str]) -> list[str]:
         return [p for p in dict.fromkeys(prompts) if not self.file(p).is_file()]
 
-    def store(self, prompt: str, data: bytes) -> None:
-        """Write atomically (one rename), so a reader never sees half a file."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=self.root)
+    def store(self, prompt: str, data: bytes) -> Path:
+        return self.write(self.name(prompt), data)
+
+    def write(self, name: str, data: bytes) -> Path:
+        """The cache's file ``name``, written atomically (one rename), so a reader never sees half a file; where it
+        landed."""
+        try:
+            return _write_atomically(self.place(name), data)
+        except OSError as err:
+            if self.moved is not None or self.fallback is None or not is_node_fault(err):
+                raise
+            self.moved = self.fallback
+            print(
+                f"ditrun: warning: the prompt cache {self.root} cannot be written ({err.strerror or err}); this run "
+                f"keeps its encoded prompts in {self.moved} (free space there, or set workload.prompt_cache_dir to a "
+                "folder with room)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return _write_atomically(self.moved / name, data)
+
+
+def _write_atomically(path: Path, data: bytes) -> Path:
+    """``data`` as ``path`` (a private temporary renamed into place); an error names ``path``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=path.parent)
+    except OSError as err:
+        raise OSError(err.errno, f"{err.strerror}: {path}") from err
+    try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, self.file(prompt))
+        os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)  # a full disk: its space back
+        raise OSError(err.errno, f"{err.strerror}: {path}") from err
+    return path
 
 
 def _library_bars_on_a_terminal_only() -> None:
@@ -151,27 +198,24 @@ def _share(cache: PromptCache, prompts: list[str], control) -> None:
 
 def _edit_file(cache: PromptCache, prompt: str, true_cfg: bool) -> Path:
     """The embeddings file of one edit: the prompt's tensors, with the empty prompt's as the negative."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save
 
     if not true_cfg:
         return cache.file(prompt)
-    combined = cache.file(prompt).with_name(cache.file(prompt).stem + ".cfg.safetensors")
+    combined = cache.place(cache.name(prompt).replace(".safetensors", ".cfg.safetensors"))
     if not combined.is_file():
         tensors, negative = load_file(cache.file(prompt)), load_file(cache.file(NEGATIVE_PROMPT))
         tensors.update(
             negative_prompt_embeds=negative["prompt_embeds"],
             negative_pooled_prompt_embeds=negative["pooled_prompt_embeds"],
         )
-        fd, tmp = tempfile.mkstemp(prefix=".prompt.", dir=cache.root)
-        os.close(fd)
-        save_file(tensors, tmp)
-        os.replace(tmp, combined)
+        combined = cache.write(combined.name, save(tensors))
     return combined
 
 
-def prompt_cache(edits: list, cfg) -> Optional[PromptCache]:
+def prompt_cache(edits: list, cfg, fallback: Optional[Path] = None) -> Optional[PromptCache]:
     """Where the encoded prompts of ``edits`` live, or None when there is nothing to encode (no pipeline
-    folder, or every edit names its own embeddings file)."""
+    folder, or every edit names its own embeddings file); ``fallback``: where they go if that disk refuses them."""
     if not is_pipeline_folder(cfg.model.path) or all(e.prompt_embeds for e in edits):
         return None
     _check_encoders(Path(cfg.model.path))
@@ -179,6 +223,7 @@ def prompt_cache(edits: list, cfg) -> Optional[PromptCache]:
         Path(cfg.model.path),
         cfg.workload.text_len,
         Path(cfg.workload.prompt_cache_dir) if cfg.workload.prompt_cache_dir else user_cache_dir() / "prompts",
+        fallback,
     )
 
 
