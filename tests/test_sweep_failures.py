@@ -70,3 +70,20 @@ def test_a_submitit_sweep_names_its_crashed_job_and_reports_the_rest(tmp_path, t
     rows = {line.split(":")[0]: line for line in proc.stdout.splitlines() if re.match(r"^\d: testing", line)}
     assert re.search(r"\d\.\d{4}", rows["0"]) and rows["1"].rstrip().endswith("incomplete")
     assert (sweep / "report.md").read_text().count("**incomplete** (its job failed: InjectedFault") == 1
+
+
+def test_a_sweep_run_again_in_its_directory_forgets_the_failures_of_the_last(tmp_path):
+    """The failed jobs' notes of an earlier sweep in the same directory are removed when the next sweep there starts
+    (before any job runs): a job that finishes this time is not named as failed."""
+    from omegaconf import OmegaConf
+
+    from ditrun.metrics.report import FAILED_DIR, FAILED_JOBS, SweepReport, collect_failed_jobs
+
+    note = tmp_path / FAILED_DIR / "1.json"
+    note.parent.mkdir()
+    note.write_text('{"folder": "%s", "number": 1, "overrides": ["a=1"], "why": "Boom"}' % (tmp_path / "1"))
+    collect_failed_jobs(tmp_path)
+    assert FAILED_JOBS.pop(tmp_path / "1") == (["a=1"], "Boom")
+    SweepReport().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    collect_failed_jobs(tmp_path)
+    assert tmp_path / "1" not in FAILED_JOBS and not note.exists()

@@ -403,8 +403,22 @@ def collect_failed_jobs(sweep: Path) -> None:
             _noted(Path(note["folder"]), note["number"], [str(o) for o in note["overrides"]], note["why"])
 
 
+def forget_failed_jobs(sweep: Path) -> None:
+    """The notes of an earlier sweep in the same directory (run again there, its failed jobs may finish now)."""
+    folder = Path(sweep) / FAILED_DIR
+    if folder.is_symlink() or not folder.is_dir():
+        return
+    for entry in os.scandir(folder):
+        if entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+
+
 class SweepReport(Callback):
-    """Hydra callback: when a multirun ends, write its report into the sweep directory."""
+    """Hydra callback: when a multirun starts, forget an earlier sweep's failed jobs there; when it ends, write its
+    report into the sweep directory."""
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        forget_failed_jobs(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config, **kwargs) -> None:
         collect_failed_jobs(Path(config.hydra.sweep.dir))
