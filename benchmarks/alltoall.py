@@ -38,9 +38,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ditrun.config import TransportConfig
-from ditrun.parallel.ulysses import attention_plans, even_splits
+from ditrun.parallel.ulysses import attention_shapes, even_splits
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan
+from ditrun.transport.base import ExchangeShape
 from ditrun.transport.registry import make_transport
 
 TRANSPORTS = ("collective", "copy_engine")
@@ -60,14 +60,14 @@ def joint_tokens(out_side: int, ref_side: int) -> int:
     return (out_side // 16) ** 2 + (ref_side // 16) ** 2 + TEXT
 
 
-def flux_plans(world: int) -> list[tuple[str, int, ExchangePlan]]:
-    """(edit label, head groups, plan) for every measured message."""
+def flux_shapes(world: int) -> list[tuple[str, int, ExchangeShape]]:
+    """(edit label, head groups, shape) for every measured message."""
     rows = []
     for label, out_side, ref_side in EDITS:
         splits = even_splits(joint_tokens(out_side, ref_side), world)
         for groups in (1, 2):
-            for plan in attention_plans(splits, 1, HEADS, HEAD_DIM, groups, torch.bfloat16):
-                rows.append((label, groups, plan))
+            for shape in attention_shapes(splits, 1, HEADS, HEAD_DIM, groups, torch.bfloat16):
+                rows.append((label, groups, shape))
     return rows
 
 
@@ -85,10 +85,10 @@ def hold_gpu(cycles: int) -> None:
         torch.cuda._sleep(cycles)
 
 
-def stream_plan(world: int) -> ExchangePlan:
+def stream_shape(world: int) -> ExchangeShape:
     """A transfer kept in flight beside a kernel: independent exchanges of ~50 MB to each peer."""
     rows = 65536
-    return ExchangePlan(
+    return ExchangeShape(
         "in_flight",
         tuple((rows,) * world for _ in range(world)),
         (3, 1, 1, 128),
@@ -97,23 +97,23 @@ def stream_plan(world: int) -> ExchangePlan:
     )
 
 
-def peer_bytes(plan: ExchangePlan, rank: int) -> int:
-    return sum(n for j, n in enumerate(plan.send_splits(rank)) if j != rank) * plan.row_bytes
+def peer_bytes(shape: ExchangeShape, rank: int) -> int:
+    return sum(n for j, n in enumerate(shape.send_splits(rank)) if j != rank) * shape.row_bytes
 
 
-def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int, hide_host: bool = False) -> float:
+def time_exchange(transport, shape: ExchangeShape, head_group: int, repeats: int, hide_host: bool = False) -> float:
     """Median seconds from start to the end of wait on the compute stream; ``hide_host``: a GPU sleep
     before the start event covers the host's issuing, so only the GPU's part is timed."""
     samples = []
     for i in range(repeats + 2):
-        send = transport.send_buffer(plan, head_group)
+        send = transport.send_buffer(shape, head_group)
         torch.cuda.synchronize()
         dist.barrier()
         if hide_host:
             hold_gpu(HOLD_CYCLES // 5)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        handle = transport.start(send, plan, head_group)
+        handle = transport.start(send, shape, head_group)
         handle.wait()
         end.record()
         handle.release()
@@ -123,7 +123,7 @@ def time_exchange(transport, plan: ExchangePlan, head_group: int, repeats: int, 
     return statistics.median(samples)
 
 
-def host_issue_s(transport, plan: ExchangePlan, head_group: int, repeats: int) -> float:
+def host_issue_s(transport, shape: ExchangeShape, head_group: int, repeats: int) -> float:
     """Median host seconds to issue one exchange (send_buffer, start, wait, release), GPU idle before.
 
     Nothing in between synchronises, so this is what the host adds per exchange; a layout whose
@@ -134,8 +134,8 @@ def host_issue_s(transport, plan: ExchangePlan, head_group: int, repeats: int) -
         torch.cuda.synchronize()
         dist.barrier()
         began = time.perf_counter()
-        send = transport.send_buffer(plan, head_group)
-        handle = transport.start(send, plan, head_group)
+        send = transport.send_buffer(shape, head_group)
+        handle = transport.start(send, shape, head_group)
         handle.wait()
         handle.release()
         if i >= 2:
@@ -156,16 +156,16 @@ def kernels(device) -> dict:
     }
 
 
-def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> tuple[float, float]:
-    """Median kernel seconds, alone or with ``plan``'s exchanges in flight on ``transport``, and the
+def time_kernel(kernel, transport=None, shape=None, repeats: int = 10) -> tuple[float, float]:
+    """Median kernel seconds, alone or with ``shape``'s exchanges in flight on ``transport``, and the
     least time by which the transfer outlasted the kernel (> 0: it was in flight the whole time)."""
     samples, outlasted = [], []
     for _ in range(repeats + 1):
-        sends = [] if transport is None else [transport.send_buffer(plan, g) for g in range(plan.head_groups)]
+        sends = [] if transport is None else [transport.send_buffer(shape, g) for g in range(shape.head_groups)]
         torch.cuda.synchronize()
         dist.barrier()
         hold_gpu(HOLD_CYCLES)
-        handles = [] if transport is None else [transport.start(s, plan, g) for g, s in enumerate(sends)]
+        handles = [] if transport is None else [transport.start(s, shape, g) for g, s in enumerate(sends)]
         start, end, done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         start.record()
         kernel()
@@ -180,15 +180,15 @@ def time_kernel(kernel, transport=None, plan=None, repeats: int = 10) -> tuple[f
     return statistics.median(samples[1:]), min(outlasted[1:])
 
 
-def profile_exchange(transport, plan: ExchangePlan, out: Path, name: str) -> dict:
+def profile_exchange(transport, shape: ExchangeShape, out: Path, name: str) -> dict:
     """What one exchange runs on the GPU: memcpys and kernels by name (a trace is saved)."""
     from torch.profiler import ProfilerActivity, profile
 
-    send = transport.send_buffer(plan)
+    send = transport.send_buffer(shape)
     torch.cuda.synchronize()
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        handle = transport.start(send, plan)
+        handle = transport.start(send, shape)
         handle.wait()
         handle.release()
         torch.cuda.synchronize()
@@ -213,10 +213,10 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         name: make_transport(TransportConfig(name=name), dist.group.WORLD, timer, device, 120.0)
         for name in transports_for(args.share_gpu)
     }
-    plans = flux_plans(world)
-    bulk = stream_plan(world)
+    shapes = flux_shapes(world)
+    bulk = stream_shape(world)
     for transport in transports.values():
-        transport.prepare([plan for _, _, plan in plans] + [bulk])
+        transport.prepare([shape for _, _, shape in shapes] + [bulk])
     report = {
         "device": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
@@ -226,12 +226,12 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
         "slowdown": [],
         "profile": {},
     }
-    for label, groups, plan in plans:
-        row = {"edit": label, "kind": plan.kind, "head_groups": groups, "peer_mb": peer_bytes(plan, rank) / 1e6}
+    for label, groups, shape in shapes:
+        row = {"edit": label, "kind": shape.kind, "head_groups": groups, "peer_mb": peer_bytes(shape, rank) / 1e6}
         for name, transport in transports.items():
-            row[f"{name}_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats)
-            row[f"{name}_gpu_ms"] = 1e3 * time_exchange(transport, plan, 0, args.repeats, hide_host=True)
-            row[f"{name}_host_us"] = 1e6 * host_issue_s(transport, plan, 0, args.repeats)
+            row[f"{name}_ms"] = 1e3 * time_exchange(transport, shape, 0, args.repeats)
+            row[f"{name}_gpu_ms"] = 1e3 * time_exchange(transport, shape, 0, args.repeats, hide_host=True)
+            row[f"{name}_host_us"] = 1e6 * host_issue_s(transport, shape, 0, args.repeats)
         report["exchanges"].append(row)
     for label, kernel in kernels(device).items():
         row = {"kernel": label, "alone_ms": 1e3 * time_kernel(kernel)[0]}
@@ -239,7 +239,7 @@ def rank_main(rank: int, world: int, args, port: int) -> None:
             kernel_s, outlasted_s = time_kernel(kernel, transport, bulk)
             row[f"{name}_ms"], row[f"{name}_outlasted_ms"] = 1e3 * kernel_s, 1e3 * outlasted_s
         report["slowdown"].append(row)
-    small = plans[0][2]
+    small = shapes[0][2]
     for name, transport in transports.items():
         report["profile"][name] = profile_exchange(transport, small, args.out, name)
     if rank == 0:

@@ -19,7 +19,7 @@ from test_ulysses import _qkv, world_transport
 
 from ditrun.launch import worker
 from ditrun.parallel.ulysses import UlyssesAttention
-from ditrun.transport.base import ExchangePlan, PeerLost, gather_plan
+from ditrun.transport.base import ExchangeShape, PeerLost, gather_shape
 from ditrun.transport.copy_engine import SlotLayout
 
 # One double and one single block, three steps: every kind of exchange (Q/K/V and attention
@@ -95,7 +95,7 @@ def _attention_until_killed(rank, world, victim, rounds):
     transport = world_transport("copy_engine", timeout_s=3.0)
     q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
-    transport.prepare(attention.plans(q))
+    transport.prepare(attention.shapes(q))
     if rank == victim:
         original = transport.start
 
@@ -126,11 +126,11 @@ def test_a_killed_peer_is_named_within_the_timeout(world):
 
 def _unprepared(rank, world):
     transport = world_transport("copy_engine")
-    plan = gather_plan("gather", [1] * world, (2,), torch.float32)
+    shape = gather_shape("gather", [1] * world, (2,), torch.float32)
     with pytest.raises(RuntimeError, match="was not prepared"):
-        transport.send_buffer(plan)
-    transport.prepare([plan])
-    transport.send_buffer(plan)
+        transport.send_buffer(shape)
+    transport.prepare([shape])
+    transport.send_buffer(shape)
     dist.barrier()
 
 
@@ -140,12 +140,12 @@ def test_exchanges_must_be_prepared():
     run_ranks(_unprepared, 2)
 
 
-def test_slot_layout_is_sized_for_the_largest_plan():
-    small = ExchangePlan("qkv", ((2, 2), (1, 1)), (3, 4), torch.float32, head_groups=2)
-    large = ExchangePlan("qkv", ((5, 5), (4, 4)), (3, 4), torch.float32, head_groups=1)
-    layout = SlotLayout.for_plans([small, large])
+def test_slot_layout_is_sized_for_the_largest_shape():
+    small = ExchangeShape("qkv", ((2, 2), (1, 1)), (3, 4), torch.float32, head_groups=2)
+    large = ExchangeShape("qkv", ((5, 5), (4, 4)), (3, 4), torch.float32, head_groups=1)
+    layout = SlotLayout.for_shapes([small, large])
     assert layout.head_groups == (2,) and layout.recv_bytes == (512,)  # 9 rows of 48 bytes, aligned up
-    assert layout.fits([small]) and not layout.fits([gather_plan("other", [1, 1], (2,), torch.float32)])
+    assert layout.fits([small]) and not layout.fits([gather_shape("other", [1, 1], (2,), torch.float32)])
     # Rank 1's rows land after rank 0's in every receiver's slot.
     assert large.landing_row(1, 0) == 5 and large.landing_row(1, 1) == 5
     assert layout.credit_flag("qkv", 1, 0) == layout.n_flags // 2 + layout.data_flag("qkv", 1, 0)
@@ -154,13 +154,13 @@ def test_slot_layout_is_sized_for_the_largest_plan():
 def _hold_a_slot(rank, world):
     """Rank 1 keeps exchange 0's rows for a while; rank 0 runs ahead to exchange 2, which uses the same slot."""
     transport = world_transport("copy_engine", timeout_s=10.0)
-    plan = gather_plan("gather", [1] * world, (4,), torch.float32)
-    transport.prepare([plan])
+    shape = gather_shape("gather", [1] * world, (4,), torch.float32)
+    transport.prepare([shape])
     handles, seen = [], []
     for n in range(3):
-        send = transport.send_buffer(plan)
+        send = transport.send_buffer(shape)
         send.fill_(float(n))
-        handles.append(transport.start(send, plan))
+        handles.append(transport.start(send, shape))
         if n == 0:
             rows = handles[0].wait()
             if rank == 1:
@@ -181,9 +181,9 @@ def test_a_slot_is_not_overwritten_before_its_release():
 
 def _release_out_of_order(rank, world):
     transport = world_transport("copy_engine")
-    plan = gather_plan("gather", [1] * world, (2,), torch.float32)
-    transport.prepare([plan])
-    handles = [transport.start(transport.send_buffer(plan), plan) for _ in range(2)]
+    shape = gather_shape("gather", [1] * world, (2,), torch.float32)
+    transport.prepare([shape])
+    handles = [transport.start(transport.send_buffer(shape), shape) for _ in range(2)]
     for handle in handles:
         handle.wait()
     with pytest.raises(RuntimeError, match="released in order"):

@@ -14,7 +14,7 @@ from ranks import run_ranks
 from test_ulysses import _qkv, world_transport
 
 from ditrun.parallel.ulysses import UlyssesAttention
-from ditrun.transport.base import gather_plan
+from ditrun.transport.base import gather_shape
 from ditrun.transport.device import WaitLog
 
 
@@ -47,9 +47,9 @@ def _record_lanes(transport) -> tuple[dict, list]:
     transport.compute = RecordingLane(transport.compute, logs["compute"], label)
     original = transport.start
 
-    def start(send, plan, head_group=0):
-        label[0] = (plan.kind, head_group, transport.started.get((plan.kind, head_group), 0))
-        return original(send, plan, head_group)
+    def start(send, shape, head_group=0):
+        label[0] = (shape.kind, head_group, transport.started.get((shape.kind, head_group), 0))
+        return original(send, shape, head_group)
 
     transport.start = start
     return logs, label
@@ -59,7 +59,7 @@ def _ulysses_lane_logs(rank, world, layers):
     transport = world_transport("copy_engine")
     q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
-    transport.prepare(attention.plans(q))
+    transport.prepare(attention.shapes(q))
     logs, _ = _record_lanes(transport)
     for _ in range(layers):
         attention(q, k, v)
@@ -101,7 +101,7 @@ def _routes_after(rank, world, layers):
     transport = world_transport("copy_engine")
     q, k, v = (t[:, 4 * rank : 4 * rank + 4] for t in _qkv([4] * world, heads=8))
     attention = UlyssesAttention(transport, [4] * world, head_groups=2)
-    transport.prepare(attention.plans(q))
+    transport.prepare(attention.shapes(q))
     prepared = dict(transport.routes)
     for _ in range(layers):
         attention(q, k, v)
@@ -112,18 +112,18 @@ def _routes_after(rank, world, layers):
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_prepare_makes_every_view_the_exchanges_use():
-    # 2 plans x 2 head groups x 2 slots, all made in prepare; three layers later, no new one.
+    # 2 shapes x 2 head groups x 2 slots, all made in prepare; three layers later, no new one.
     assert run_ranks(_routes_after, 2, (3,)) == [(8, 8, True)] * 2
 
 
 def _foreign_send(rank, world):
     transport = world_transport("copy_engine")
-    plan = gather_plan("gather", [2] * world, (3,), torch.float32)
-    transport.prepare([plan])
+    shape = gather_shape("gather", [2] * world, (3,), torch.float32)
+    transport.prepare([shape])
     got = []
     for n in range(3):  # past two slots: the credits of a caller's own tensor are waited for as well
         send = torch.full((2 * world, 3), float(10 * n + rank))  # not the transport's send slot
-        handle = transport.start(send, plan)
+        handle = transport.start(send, shape)
         got.append(handle.wait()[::2, 0].tolist())
         handle.release()
     return got

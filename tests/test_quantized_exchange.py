@@ -68,7 +68,7 @@ def _both_exchanges(rank, world, lengths, heads, cases):
         outs, sent = [], []
         for payload in (payload_for(attention, REFERENCE), None):
             ulysses = UlyssesAttention(transport, lengths, head_groups, inner, payload)
-            transport.prepare(ulysses.plans(q))
+            transport.prepare(ulysses.shapes(q))
             transport.sent.take()
             outs.append(ulysses(q, k, v))
             sent.append(transport.sent.take())
@@ -253,7 +253,7 @@ def _fused_and_composed(rank, world, lengths, text, attention):
         ulysses = UlyssesAttention(
             transport, lengths, 2, kernel.make(implementation), payload_for(attention, implementation), raw
         )
-        transport.prepare(ulysses.plans(q[:, mine]))
+        transport.prepare(ulysses.shapes(q[:, mine]))
         args = (q[:, mine], k[:, mine], v[:, mine])
         rope = (cos[mine], sin[mine])
         if raw:

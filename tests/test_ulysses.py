@@ -11,9 +11,9 @@ from test_sampler import _edit_inputs
 from ditrun.config import TransportConfig
 from ditrun.kernels.attention_payload import PAYLOADS
 from ditrun.model.dit import sdpa_attention
-from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_plans, even_splits
+from ditrun.parallel.ulysses import SequenceShards, UlyssesAttention, attention_shapes, even_splits
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan, LocalTransport, SentBytes, all_gather_rows, gather_plan
+from ditrun.transport.base import ExchangeShape, LocalTransport, SentBytes, all_gather_rows, gather_shape
 from ditrun.transport.registry import make_transport
 
 
@@ -34,7 +34,7 @@ def _sharded_attention(rank, world, lengths, head_groups, name="collective"):
     start = sum(lengths[:rank])
     q, k, v = (t[:, start : start + lengths[rank]] for t in _qkv(lengths))
     attention = UlyssesAttention(transport, lengths, head_groups)
-    transport.prepare(attention.plans(q))
+    transport.prepare(attention.shapes(q))
     out = attention(q, k, v)
     waits = timer.take()
     return out, sorted(waits["by_kind"]), sorted(waits["by_group"])
@@ -111,9 +111,9 @@ def test_each_rank_gets_its_slice_of_every_per_token_input():
     assert torch.equal(SequenceShards.split(7, 3, 6, 1, 0).gather_output(LocalTransport(), local), local)
 
 
-def test_exchange_plans_count_rows_and_bytes():
+def test_exchange_shapes_count_rows_and_bytes():
     """Ulysses over 3 ranks holding 5, 4 and 3 tokens, batch 2, 12 heads of 8 in 2 head groups, BF16."""
-    qkv, out = attention_plans([5, 4, 3], 2, 12, 8, 2, torch.bfloat16)
+    qkv, out = attention_shapes([5, 4, 3], 2, 12, 8, 2, torch.bfloat16)
     per_rank = 12 // (3 * 2)  # each destination's heads of one group
     assert qkv.counts == ((5, 5, 5), (4, 4, 4), (3, 3, 3)) and out.counts == ((5, 4, 3),) * 3
     assert qkv.row_shape == (3, 2, per_rank, 8) and out.row_shape == (2, per_rank, 8)
@@ -122,29 +122,29 @@ def test_exchange_plans_count_rows_and_bytes():
     assert qkv.send_splits(1) == [4, 4, 4] and qkv.recv_splits(1) == [5, 4, 3] == out.send_splits(1)
     assert [qkv.landing_row(source, 2) for source in range(3)] == [0, 5, 9]
     assert (qkv.max_send_rows(), qkv.max_recv_rows(), out.max_send_rows(), out.max_recv_rows()) == (15, 12, 12, 15)
-    skewed = ExchangePlan("x", ((1, 2, 0), (0, 0, 7), (3, 1, 1)), (4,), torch.float64)
+    skewed = ExchangeShape("x", ((1, 2, 0), (0, 0, 7), (3, 1, 1)), (4,), torch.float64)
     assert skewed.size == 3 and skewed.row_bytes == 32 and [skewed.landing_row(s, 2) for s in range(3)] == [0, 0, 7]
     assert (skewed.max_send_rows(), skewed.max_recv_rows()) == (7, 8) and skewed.recv_splits(0) == [1, 0, 3]
-    gather = gather_plan("g", [2, 0, 1], [5, 3], torch.float32)
+    gather = gather_shape("g", [2, 0, 1], [5, 3], torch.float32)
     assert gather.counts == ((2, 2, 2), (0, 0, 0), (1, 1, 1)) and gather.row_shape == (5, 3)
     assert gather.row_bytes == 60 and gather.head_groups == 1 and gather.dtype == torch.float32
     # With a payload, Q/K/V rows are its records and each rank's statistics (B x H x (D + 3) fp64) are gathered.
     payload = PAYLOADS.get("int8qk")("reference")
-    qkv, out, stats = attention_plans([5, 4, 3], 2, 12, 8, 2, torch.bfloat16, payload)
+    qkv, out, stats = attention_shapes([5, 4, 3], 2, 12, 8, 2, torch.bfloat16, payload)
     record = payload.layout(8, torch.bfloat16).nbytes
     assert qkv.row_shape == (2, per_rank, record) and qkv.dtype == torch.uint8 and qkv.counts[0] == (5, 5, 5)
     assert (qkv.kind, qkv.head_groups, stats.kind) == ("qkv", 2, "attention_statistics")
-    assert all(type(n) is int for plan in (qkv, out, stats) for n in plan.row_shape)
+    assert all(type(n) is int for shape in (qkv, out, stats) for n in shape.row_shape)
     assert out.row_bytes == 2 * per_rank * 8 * 2
     assert stats.counts == ((1, 1, 1),) * 3 and stats.row_bytes == 2 * 12 * (8 + 3) * 8
 
 
 def test_sent_bytes_count_what_leaves_the_rank():
-    plan = ExchangePlan("qkv", ((1, 2, 3), (2, 2, 2), (0, 1, 0)), (4,), torch.float32)
+    shape = ExchangeShape("qkv", ((1, 2, 3), (2, 2, 2), (0, 1, 0)), (4,), torch.float32)
     sent = SentBytes()
-    sent.add(torch.zeros(6, 4), plan, 0)
-    sent.add(torch.zeros(6, 4), plan, 0)
-    sent.add(torch.zeros(6, 4), ExchangePlan("out", plan.counts, (4,), torch.float32), 1)
+    sent.add(torch.zeros(6, 4), shape, 0)
+    sent.add(torch.zeros(6, 4), shape, 0)
+    sent.add(torch.zeros(6, 4), ExchangeShape("out", shape.counts, (4,), torch.float32), 1)
     assert sent.take() == {"qkv": 2 * (2 + 3) * 16, "out": (2 + 2) * 16} and sent.take() == {}
 
 
@@ -174,13 +174,13 @@ class _LoggedTransport:
         self.inner, self.log, self.size, self.rank = inner, log, inner.size, inner.rank
         self.prepare, self.send_buffer = inner.prepare, inner.send_buffer
 
-    def start(self, send, plan, head_group=0):
-        self.log.append(f"start {plan.kind} {head_group}")
-        handle, log = self.inner.start(send, plan, head_group), self.log
+    def start(self, send, shape, head_group=0):
+        self.log.append(f"start {shape.kind} {head_group}")
+        handle, log = self.inner.start(send, shape, head_group), self.log
 
         class Logged:
             def wait(self):
-                log.append(f"wait {plan.kind} {head_group}")
+                log.append(f"wait {shape.kind} {head_group}")
                 return handle.wait()
 
             def release(self):

@@ -24,8 +24,8 @@ from ditrun.errors import UserError
 from ditrun.kernels.attention_payload import Payload
 from ditrun.model.sampler import EditInputs, Forward, VelocityFn, branch_inputs, combine_cfg, sequential_branches
 from ditrun.parallel.layout import Layout, layout_kind
-from ditrun.parallel.ulysses import STATISTICS, SequenceShards, UlyssesAttention, attention_plans
-from ditrun.transport.base import ExchangePlan, Transport, all_gather_rows, gather_plan
+from ditrun.parallel.ulysses import STATISTICS, SequenceShards, UlyssesAttention, attention_shapes
+from ditrun.transport.base import ExchangeShape, Transport, all_gather_rows, gather_shape
 
 # FluxDiT.forward inputs that have no batch dim: both branches share them.
 _SHARED_INPUTS = ("img_ids", "txt_ids")
@@ -84,7 +84,7 @@ def _shards(transports: dict[str, Transport], inputs: EditInputs) -> SequenceSha
     )
 
 
-def exchange_plans(
+def exchange_shapes(
     layout: Layout,
     transports: dict[str, Transport],
     inputs: EditInputs,
@@ -92,10 +92,10 @@ def exchange_plans(
     head_dim: int,
     dtype: torch.dtype,
     payload: Optional[Payload] = None,
-) -> dict[str, list[ExchangePlan]]:
+) -> dict[str, list[ExchangeShape]]:
     """Every exchange one edit's velocity makes, per axis: what ``prepare`` sizes buffers for.
 
-    They are the plans the exchange sites build themselves (``attention_plans``, ``all_gather_rows``):
+    They are the shapes the exchange sites build themselves (``attention_shapes``, ``all_gather_rows``):
     Q/K/V (the ``payload``'s codes, and its statistics, when there is one) and attention outputs in the model
     dtype, the guided velocity (fp32) over ``sp``, and under ``cfg_split`` the prediction swap (fp32) over ``cfg``.
     """
@@ -105,13 +105,13 @@ def exchange_plans(
     shards, channels = _shards(transports, inputs), inputs.noise.shape[-1]
     batch = 2 if kind.batched_cfg and inputs.true_cfg else 1
     sp = [
-        *attention_plans(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype, payload),
-        gather_plan("velocity_gather", shards.output, (1, channels), torch.float32),
+        *attention_shapes(shards.joint, batch, num_heads, head_dim, layout.plan.head_groups, dtype, payload),
+        gather_shape("velocity_gather", shards.output, (1, channels), torch.float32),
     ]
     if kind.cfg_degree == 1:
         return {"sp": sp}
     mine = shards.output[shards.rank]
-    return {"sp": sp, "cfg": [gather_plan("cfg_pair", [mine, mine], (channels,), torch.float32)]}
+    return {"sp": sp, "cfg": [gather_shape("cfg_pair", [mine, mine], (channels,), torch.float32)]}
 
 
 def prepare_transports(
@@ -124,9 +124,9 @@ def prepare_transports(
 ) -> None:
     """Size and map every transport's buffers for one edit (collective over each axis; untimed)."""
     heads, head_dim = geometry.num_attention_heads, geometry.attention_head_dim
-    plans = exchange_plans(layout, transports, inputs, heads, head_dim, dtype, payload)
-    for axis, axis_plans in plans.items():
-        transports[axis].prepare(axis_plans)
+    shapes = exchange_shapes(layout, transports, inputs, heads, head_dim, dtype, payload)
+    for axis, axis_shapes in shapes.items():
+        transports[axis].prepare(axis_shapes)
 
 
 def layout_velocity(

@@ -36,7 +36,7 @@ from ditrun.kernels.linear import triton_available
 from ditrun.kernels.sdpa import AttentionFn, sdpa_attention
 from ditrun.kernels.token_statistics import token_mean
 from ditrun.model.sampler import EditInputs
-from ditrun.transport.base import ExchangePlan, Handle, Transport, all_gather_rows, gather_plan
+from ditrun.transport.base import ExchangeShape, Handle, Transport, all_gather_rows, gather_shape
 
 STATISTICS = "attention_statistics"
 """The exchange kind of a quantized exchange's statistics (every rank's, gathered before the first Q/K/V)."""
@@ -95,7 +95,7 @@ class SequenceShards:
         return all_gather_rows(transport, rows, self.output, kind).transpose(0, 1)
 
 
-def attention_plans(
+def attention_shapes(
     joint: list[int],
     batch: int,
     heads: int,
@@ -103,7 +103,7 @@ def attention_plans(
     head_groups: int,
     dtype: torch.dtype,
     payload: Optional[Payload] = None,
-) -> tuple[ExchangePlan, ...]:
+) -> tuple[ExchangeShape, ...]:
     """The exchanges of Ulysses attention over an SP group whose ranks hold ``joint[i]`` tokens.
 
     qkv: rank i sends its joint[i] tokens of each destination's heads to every rank, rows
@@ -114,14 +114,14 @@ def attention_plans(
     per_rank = heads // (p * head_groups)
     counts = tuple((n,) * p for n in joint)
     if payload is None:
-        qkv = ExchangePlan("qkv", counts, (3, batch, per_rank, head_dim), dtype, head_groups)
+        qkv = ExchangeShape("qkv", counts, (3, batch, per_rank, head_dim), dtype, head_groups)
     else:
         record = payload.layout(head_dim, dtype).nbytes
-        qkv = ExchangePlan("qkv", counts, (batch, per_rank, record), torch.uint8, head_groups)
-    out = ExchangePlan("attention_out", (tuple(joint),) * p, (batch, per_rank, head_dim), dtype, head_groups)
+        qkv = ExchangeShape("qkv", counts, (batch, per_rank, record), torch.uint8, head_groups)
+    out = ExchangeShape("attention_out", (tuple(joint),) * p, (batch, per_rank, head_dim), dtype, head_groups)
     if payload is None:
         return qkv, out
-    return qkv, out, gather_plan(STATISTICS, [1] * p, (batch * heads * (head_dim + 3),), torch.float64)
+    return qkv, out, gather_shape(STATISTICS, [1] * p, (batch * heads * (head_dim + 3),), torch.float64)
 
 
 class UlyssesAttention:
@@ -147,20 +147,20 @@ class UlyssesAttention:
         self.takes_raw_qk = raw_qk and transport.size > 1 and getattr(payload, "produces_qk", False)
         """The block calls ``from_raw`` with Q and K as projected (``dit.Regions.run``)."""
 
-    def plans(self, q: torch.Tensor) -> tuple[ExchangePlan, ...]:
-        """The (qkv, attention_out[, statistics]) plans for queries shaped like ``q`` ([B, L_r, H, D])."""
+    def shapes(self, q: torch.Tensor) -> tuple[ExchangeShape, ...]:
+        """The (qkv, attention_out[, statistics]) shapes for queries shaped like ``q`` ([B, L_r, H, D])."""
         b, _, h, d = q.shape
-        return attention_plans(self.splits, b, h, d, self.head_groups, q.dtype, self.payload)
+        return attention_shapes(self.splits, b, h, d, self.head_groups, q.dtype, self.payload)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, L_r, H, D] (this rank's tokens, every head) -> [B, L_r, H, D]
         if self.transport.size == 1:
             return self._local(q, k, v)
-        qkv_plan = self.plans(q)[0]
+        qkv_shape = self.shapes(q)[0]
         if self.payload is None:
-            return self._exchange(q, functools.partial(self._send_qkv, q, k, v, plan=qkv_plan), self._attend_values)
+            return self._exchange(q, functools.partial(self._send_qkv, q, k, v, shape=qkv_shape), self._attend_values)
         stats = self._statistics(Statistics.of(q, k, v), q)
-        send = functools.partial(self._send_codes, q, k, v, stats, plan=qkv_plan)
+        send = functools.partial(self._send_codes, q, k, v, stats, shape=qkv_shape)
         return self._exchange(q, send, functools.partial(self._attend_codes, stats, q))
 
     def from_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, rope) -> torch.Tensor:
@@ -169,12 +169,12 @@ class UlyssesAttention:
         if not triton_available(q.device):  # the composition: what the block would have handed a call
             return self(*norms.apply(q, k, rope), v)
         stats = self._statistics(self.payload.statistics_from_raw(q, k, v, norms, rope), q)
-        send = functools.partial(self._send_raw, q, k, v, norms, rope, stats, plan=self.plans(q)[0])
+        send = functools.partial(self._send_raw, q, k, v, norms, rope, stats, shape=self.shapes(q)[0])
         return self._exchange(q, send, functools.partial(self._attend_codes, stats, q))
 
     def _exchange(self, q: torch.Tensor, send, attend) -> torch.Tensor:
         # send(g) starts head group g's exchange; attend(received, g) -> [B, S, H/(PG), D]
-        out_plan = self.plans(q)[1]
+        out_shape = self.shapes(q)[1]
         out = torch.empty_like(q)
         incoming = [send(0)]
         outgoing: list[Handle] = []
@@ -185,7 +185,7 @@ class UlyssesAttention:
             incoming[g].release()  # attention is queued: the slot may take the next exchange
             incoming[g] = None
             # Sent back at once, so that it travels while the next group's attention runs.
-            outgoing.append(self._send_back(attended, g, out_plan))
+            outgoing.append(self._send_back(attended, g, out_shape))
         for g, handle in enumerate(outgoing):
             self._place(out, handle.wait(), g)
             handle.release()
@@ -204,14 +204,14 @@ class UlyssesAttention:
         per_group = x.shape[2] // self.head_groups
         return x[:, :, g * per_group : (g + 1) * per_group].unflatten(2, (self.transport.size, -1))
 
-    def _send_qkv(self, q, k, v, g: int, plan: ExchangePlan) -> Handle:
+    def _send_qkv(self, q, k, v, g: int, shape: ExchangeShape) -> Handle:
         # -> send: [P * L_r, 3, B, H/(PG), D], the rows for destination rank j contiguous, written
         # straight into the transport's send slot
-        send = self.transport.send_buffer(plan, g)
-        blocks = send.view(self.transport.size, q.shape[1], *plan.row_shape)  # [P, L_r, 3, B, H/(PG), D]
+        send = self.transport.send_buffer(shape, g)
+        blocks = send.view(self.transport.size, q.shape[1], *shape.row_shape)  # [P, L_r, 3, B, H/(PG), D]
         for i, t in enumerate((q, k, v)):
             blocks[:, :, i].copy_(self._group_heads(t, g).permute(2, 1, 0, 3, 4))
-        return self.transport.start(send, plan, g)
+        return self.transport.start(send, shape, g)
 
     def _attend_values(self, qkv: torch.Tensor, g: int) -> torch.Tensor:
         # qkv: [S, 3, B, H/(PG), D] -> [B, S, H/(PG), D]
@@ -222,7 +222,7 @@ class UlyssesAttention:
         rows = all_gather_rows(self.transport, own.packed(), [1] * self.transport.size, STATISTICS)
         return Statistics.combined(rows, q.shape[0], q.shape[2], sum(self.splits))
 
-    def _send_codes(self, q, k, v, stats: Statistics, g: int, plan: ExchangePlan) -> Handle:
+    def _send_codes(self, q, k, v, stats: Statistics, g: int, shape: ExchangeShape) -> Handle:
         # q, k, v: [B, L_r, H, D] -> send: [P * L_r, B, H/(PG), record] bytes, the rows for destination j
         # contiguous: group g's codes written straight into the transport's send slot
         p, per_group = self.transport.size, q.shape[2] // self.head_groups
@@ -230,25 +230,25 @@ class UlyssesAttention:
         fields = self.payload.encode(
             q[:, :, heads], k[:, :, heads], v[:, :, heads], stats.heads(heads.start, per_group), p
         )
-        send = self.transport.send_buffer(plan, g)
-        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *plan.row_shape))
+        send = self.transport.send_buffer(shape, g)
+        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *shape.row_shape))
         for name, codes in fields.items():  # [B, L_r, H/G, w] -> [P, L_r, B, H/(PG), w]
             slots[name].copy_(codes.unflatten(2, (p, -1)).permute(2, 1, 0, 3, 4))
-        return self.transport.start(send, plan, g)
+        return self.transport.start(send, shape, g)
 
-    def _send_raw(self, q, k, v, norms, rope, stats: Statistics, g: int, plan: ExchangePlan) -> Handle:
+    def _send_raw(self, q, k, v, norms, rope, stats: Statistics, g: int, shape: ExchangeShape) -> Handle:
         # q, k as projected, v: [B, L_r, H, D] -> the send slot as ``_send_codes`` fills it, Q and K written by the
         # fused producer straight into their fields
         p, per_group = self.transport.size, q.shape[2] // self.head_groups
         heads = slice(g * per_group, (g + 1) * per_group)
-        send = self.transport.send_buffer(plan, g)
-        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *plan.row_shape))
+        send = self.transport.send_buffer(shape, g)
+        slots = self.payload.layout(q.shape[3], q.dtype).views(send.view(p, q.shape[1], *shape.row_shape))
         fields = {name: t.permute(2, 1, 0, 3, 4) for name, t in slots.items()}  # [B, L_r, P, H/(PG), w]
         k_mean = token_mean(stats.k_sum[:, heads], stats.tokens, k.dtype)  # [B, H/G, D], as smooth_k's
         self.payload.write_qk(q[:, :, heads], k[:, :, heads], norms, rope, k_mean, fields)
         for name, codes in self.payload.encode_v(v[:, :, heads], stats.heads(heads.start, per_group)).items():
             fields[name].copy_(codes.unflatten(2, (p, -1)))
-        return self.transport.start(send, plan, g)
+        return self.transport.start(send, shape, g)
 
     def _attend_codes(self, stats: Statistics, q: torch.Tensor, received: torch.Tensor, g: int) -> torch.Tensor:
         # received: [S, B, H/(PG), record] bytes -> [B, S, H/(PG), D]: this rank's heads of group g
@@ -258,11 +258,11 @@ class UlyssesAttention:
         received_fields = {name: t.transpose(0, 1) for name, t in fields.items()}
         return self.payload.attend(received_fields, stats.heads(first, per_rank), q.dtype)
 
-    def _send_back(self, attended: torch.Tensor, g: int, plan: ExchangePlan) -> Handle:
+    def _send_back(self, attended: torch.Tensor, g: int, shape: ExchangeShape) -> Handle:
         # attended: [B, S, H/(PG), D] -> send: [S, B, H/(PG), D], rank j's tokens contiguous
-        send = self.transport.send_buffer(plan, g)
+        send = self.transport.send_buffer(shape, g)
         send.copy_(attended.transpose(0, 1))
-        return self.transport.start(send, plan, g)
+        return self.transport.start(send, shape, g)
 
     def _place(self, out: torch.Tensor, received: torch.Tensor, g: int) -> None:
         # received: [P * L_r, B, H/(PG), D], source j's heads in block j -> out[:, :, group g's heads]

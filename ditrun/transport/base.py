@@ -1,16 +1,16 @@
 """The transport protocol: an all-to-all over one process-group axis, planned once, started, awaited.
 
-A layout describes each exchange as an ``ExchangePlan``: the P x P matrix of row counts (row
+A layout describes each exchange as an ``ExchangeShape``: the P x P matrix of row counts (row
 ``i`` = what rank ``i`` sends to each peer), the shape and dtype of one row, and how many head
 groups may be in flight at once. Every rank holds the whole matrix, because a one-sided
 transport must know where its rows land in each peer's buffer. The life of one exchange:
 
-1. ``prepare(plans)``, once per run shape, outside every timed region and on every rank of the
+1. ``prepare(shapes)``, once per run shape, outside every timed region and on every rank of the
    axis at the same point (it may allocate and map buffers into the peers: a collective call);
-2. ``send_buffer(plan, head_group)``: the tensor the producer writes its rows into (the
+2. ``send_buffer(shape, head_group)``: the tensor the producer writes its rows into (the
    transport's own send slot, so no extra copy is made), row-major along dim 0, the rows for
    peer ``j`` contiguous and in peer order;
-3. ``start(send, plan, head_group)`` on the compute stream once those rows are written; it
+3. ``start(send, shape, head_group)`` on the compute stream once those rows are written; it
    returns at once with a ``Handle``; ``send`` must not be written again (the transport reads
    it until its copies are done, and reuses a send slot only after that);
 4. ``Handle.wait()`` makes the compute stream wait for every peer's rows and returns them
@@ -46,7 +46,7 @@ class PeerLost(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ExchangePlan:
+class ExchangeShape:
     """One all-to-all's geometry, the same on every rank of the axis."""
 
     kind: str
@@ -85,9 +85,9 @@ class ExchangePlan:
         return max(sum(row) for row in self.counts)
 
 
-def gather_plan(kind: str, sizes: Sequence[int], row_shape: Sequence[int], dtype: torch.dtype) -> ExchangePlan:
+def gather_shape(kind: str, sizes: Sequence[int], row_shape: Sequence[int], dtype: torch.dtype) -> ExchangeShape:
     """An all-gather as an all-to-all: rank ``i`` sends its ``sizes[i]`` rows to every rank."""
-    return ExchangePlan(kind, tuple(tuple([n] * len(sizes)) for n in sizes), tuple(row_shape), dtype)
+    return ExchangeShape(kind, tuple(tuple([n] * len(sizes)) for n in sizes), tuple(row_shape), dtype)
 
 
 class SentBytes:
@@ -97,11 +97,11 @@ class SentBytes:
     def __init__(self):
         self.by_kind: dict[str, int] = {}
 
-    def add(self, send: torch.Tensor, plan: ExchangePlan, rank: int) -> None:
+    def add(self, send: torch.Tensor, shape: ExchangeShape, rank: int) -> None:
         """Count one exchange's send rows ([sum(send_splits), *row]) bound for the other ranks."""
-        blocks = send.split(plan.send_splits(rank))
+        blocks = send.split(shape.send_splits(rank))
         sent = sum(block.nbytes for peer, block in enumerate(blocks) if peer != rank)
-        self.by_kind[plan.kind] = self.by_kind.get(plan.kind, 0) + sent
+        self.by_kind[shape.kind] = self.by_kind.get(shape.kind, 0) + sent
 
     def take(self) -> dict[str, int]:
         """The counts so far, starting again from zero."""
@@ -125,14 +125,14 @@ class Transport(Protocol):
     sent: SentBytes
     """What ``start`` sent to the peers so far (each transport counts its own)."""
 
-    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
-        """Size (and map) buffers for these plans; collective, outside every timed region."""
+    def prepare(self, shapes: Sequence[ExchangeShape]) -> None:
+        """Size (and map) buffers for these shapes; collective, outside every timed region."""
 
-    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+    def send_buffer(self, shape: ExchangeShape, head_group: int = 0) -> torch.Tensor:
         """``[sum(send_splits), *row_shape]``: where the producer writes the rows to send."""
 
-    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> Handle:
-        """Start the exchange; ``plan.kind`` and ``head_group`` label the timed wait."""
+    def start(self, send: torch.Tensor, shape: ExchangeShape, head_group: int = 0) -> Handle:
+        """Start the exchange; ``shape.kind`` and ``head_group`` label the timed wait."""
 
 
 class Ready:
@@ -148,9 +148,9 @@ class Ready:
         self.data = None
 
 
-def fresh_send_buffer(plan: ExchangePlan, rank: int, device: torch.device) -> torch.Tensor:
+def fresh_send_buffer(shape: ExchangeShape, rank: int, device: torch.device) -> torch.Tensor:
     """A newly allocated send buffer, for transports that own no send slots."""
-    return torch.empty((sum(plan.send_splits(rank)), *plan.row_shape), dtype=plan.dtype, device=device)
+    return torch.empty((sum(shape.send_splits(rank)), *shape.row_shape), dtype=shape.dtype, device=device)
 
 
 class LocalTransport:
@@ -163,13 +163,13 @@ class LocalTransport:
         self.device = device
         self.sent = SentBytes()  # stays empty: nothing leaves an axis of one
 
-    def prepare(self, plans) -> None:
+    def prepare(self, shapes) -> None:
         pass
 
-    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
-        return fresh_send_buffer(plan, 0, self.device)
+    def send_buffer(self, shape: ExchangeShape, head_group: int = 0) -> torch.Tensor:
+        return fresh_send_buffer(shape, 0, self.device)
 
-    def start(self, send, plan, head_group=0) -> Handle:
+    def start(self, send, shape, head_group=0) -> Handle:
         return Ready(send)
 
 
@@ -180,10 +180,10 @@ def all_gather_rows(transport: Transport, rows: torch.Tensor, sizes: Sequence[in
     slot is copied out and released at once). An all-to-all in which each rank sends the same
     rows to every peer, so that it runs on any transport.
     """
-    plan = gather_plan(kind, sizes, rows.shape[1:], rows.dtype)
-    send = transport.send_buffer(plan)
+    shape = gather_shape(kind, sizes, rows.shape[1:], rows.dtype)
+    send = transport.send_buffer(shape)
     send.view(transport.size, *rows.shape).copy_(rows.unsqueeze(0).expand(transport.size, *rows.shape))
-    handle = transport.start(send, plan)
+    handle = transport.start(send, shape)
     gathered = handle.wait().clone()
     handle.release()
     return gathered

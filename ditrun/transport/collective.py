@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan, SentBytes, fresh_send_buffer
+from ditrun.transport.base import ExchangeShape, SentBytes, fresh_send_buffer
 
 
 class CollectiveHandle:
@@ -48,18 +48,18 @@ class CollectiveTransport:
         self.rank = dist.get_rank(group)
         self.sent = SentBytes()
 
-    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
+    def prepare(self, shapes: Sequence[ExchangeShape]) -> None:
         pass
 
-    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
-        return fresh_send_buffer(plan, self.rank, self.device)
+    def send_buffer(self, shape: ExchangeShape, head_group: int = 0) -> torch.Tensor:
+        return fresh_send_buffer(shape, self.rank, self.device)
 
-    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> CollectiveHandle:
+    def start(self, send: torch.Tensor, shape: ExchangeShape, head_group: int = 0) -> CollectiveHandle:
         # send: [sum(send_splits), *row] -> received: [sum(recv_splits), *row]
         send = send.contiguous()
-        self.sent.add(send, plan, self.rank)
-        recv = send.new_empty((sum(plan.recv_splits(self.rank)), *send.shape[1:]))
+        self.sent.add(send, shape, self.rank)
+        recv = send.new_empty((sum(shape.recv_splits(self.rank)), *send.shape[1:]))
         work = dist.all_to_all_single(
-            recv, send, plan.recv_splits(self.rank), plan.send_splits(self.rank), group=self.group, async_op=True
+            recv, send, shape.recv_splits(self.rank), shape.send_splits(self.rank), group=self.group, async_op=True
         )
-        return CollectiveHandle(work, recv, send, self.timer, plan.kind, head_group)
+        return CollectiveHandle(work, recv, send, self.timer, shape.kind, head_group)

@@ -2,12 +2,12 @@
 
 Every rank of an SP group maps one region into every peer once (``prepare``), laid out alike on
 all ranks (``SlotLayout``): a flag area, then, per exchange kind and head group, two receive
-slots sized for the largest plan of the run. Exchange ``n`` of a (kind, head group) uses slot
+slots sized for the largest shape of the run. Exchange ``n`` of a (kind, head group) uses slot
 ``n % 2``. To send, rank ``i``, on the lane (stream or thread) of each peer ``j``:
 
 1. waits for ``j``'s credit for the slot (``j`` has released exchange ``n - 2``), unless ``n < 2``;
 2. copies its rows for ``j`` — one contiguous block, so one memcpy — to where they land in
-   ``j``'s slot (the plan's row-count matrix says where);
+   ``j``'s slot (the shape's row-count matrix says where);
 3. raises the epoch flag ``data[kind, group, i]`` in ``j``'s region to ``n + 1``.
 
 The receiver's compute lane waits until every peer's epoch flag reaches ``n + 1`` (``wait``),
@@ -24,7 +24,7 @@ collective (``all_to_all`` with empty blocks for the local peers), straight into
 the receiver's own ``start`` is their credit.
 
 Everything an exchange needs that does not change from one exchange to the next (views of the
-send slot per peer, where they land, flag indices) is worked out once per plan in ``prepare``
+send slot per peer, where they land, flag indices) is worked out once per shape in ``prepare``
 (``Route``): the host's cost per exchange is on the critical path of a head-group pipeline.
 
 Backends: CPU = shared-memory files + ``ThreadLane`` per peer (CI runs the real schedule);
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun.timers import ExposedTransfer
-from ditrun.transport.base import ExchangePlan, SentBytes
+from ditrun.transport.base import ExchangeShape, SentBytes
 from ditrun.transport.lanes import raise_lane_error
 
 ALIGN = 256
@@ -68,20 +68,20 @@ class SlotLayout:
     """Per kind: bytes of one send slot (local memory, not mapped)."""
 
     @classmethod
-    def for_plans(cls, plans: Sequence[ExchangePlan]) -> "SlotLayout":
-        kinds = tuple(sorted({p.kind for p in plans}))
-        of = {k: [p for p in plans if p.kind == k] for k in kinds}
+    def for_shapes(cls, shapes: Sequence[ExchangeShape]) -> "SlotLayout":
+        kinds = tuple(sorted({p.kind for p in shapes}))
+        of = {k: [p for p in shapes if p.kind == k] for k in kinds}
         return cls(
-            plans[0].size,
+            shapes[0].size,
             kinds,
             tuple(max(p.head_groups for p in of[k]) for k in kinds),
             tuple(_aligned(max(p.max_recv_rows() * p.row_bytes for p in of[k])) for k in kinds),
             tuple(_aligned(max(p.max_send_rows() * p.row_bytes for p in of[k])) for k in kinds),
         )
 
-    def fits(self, plans: Sequence[ExchangePlan]) -> bool:
-        """Whether every plan has a slot here large enough (then nothing is remapped)."""
-        for p in plans:
+    def fits(self, shapes: Sequence[ExchangeShape]) -> bool:
+        """Whether every shape has a slot here large enough (then nothing is remapped)."""
+        for p in shapes:
             if p.kind not in self.kinds:
                 return False
             k = self.kinds.index(p.kind)
@@ -93,9 +93,9 @@ class SlotLayout:
                 return False
         return True
 
-    def merged(self, plans: Sequence[ExchangePlan]) -> "SlotLayout":
-        """A layout for these plans and every slot this one had, each the larger of the two."""
-        mine = SlotLayout.for_plans(plans)
+    def merged(self, shapes: Sequence[ExchangeShape]) -> "SlotLayout":
+        """A layout for these shapes and every slot this one had, each the larger of the two."""
+        mine = SlotLayout.for_shapes(shapes)
         kinds = tuple(sorted(set(self.kinds) | set(mine.kinds)))
 
         def biggest(field: str, kind: str) -> int:
@@ -139,10 +139,10 @@ class SlotLayout:
         return self.slot_offset(self.kinds[-1], self.head_groups[-1], 0)
 
 
-def typed(region: torch.Tensor, offset: int, plan: ExchangePlan, rows: int) -> torch.Tensor:
-    """``rows`` rows of ``plan`` at byte ``offset`` of a byte tensor: [rows, *row_shape]."""
-    nbytes = rows * plan.row_bytes
-    return region[offset : offset + nbytes].view(plan.dtype).view(rows, *plan.row_shape)
+def typed(region: torch.Tensor, offset: int, shape: ExchangeShape, rows: int) -> torch.Tensor:
+    """``rows`` rows of ``shape`` at byte ``offset`` of a byte tensor: [rows, *row_shape]."""
+    nbytes = rows * shape.row_bytes
+    return region[offset : offset + nbytes].view(shape.dtype).view(rows, *shape.row_shape)
 
 
 def peers_on_this_node(ranks: Sequence[int], nodes: Sequence[str], node_size: int) -> list[bool]:
@@ -181,7 +181,7 @@ class StagedAllToAll:
 
 @dataclass(frozen=True, eq=False)  # identity, never compared: it holds tensors
 class Route:
-    """One (plan, head group, slot) worked out once, in ``prepare``: the views and flags ``start`` issues.
+    """One (shape, head group, slot) worked out once, in ``prepare``: the views and flags ``start`` issues.
 
     An exchange then costs the host one dictionary lookup and, per peer, the lane operations
     themselves (no slicing, no byte offsets, no tensor views made per call).
@@ -211,18 +211,18 @@ class CopyEngineHandle:
     def __init__(
         self,
         transport: "CopyEngineTransport",
-        plan: ExchangePlan,
+        shape: ExchangeShape,
         head_group: int,
         epoch: int,
         route: Route,
         own_copy,
         work,
     ):
-        self.transport, self.plan, self.head_group, self.epoch = transport, plan, head_group, epoch
+        self.transport, self.shape, self.head_group, self.epoch = transport, shape, head_group, epoch
         self.route, self.own_copy, self.work = route, own_copy, work
 
     def wait(self) -> torch.Tensor:
-        with self.transport.timer.timed(self.plan.kind, self.head_group):
+        with self.transport.timer.timed(self.shape.kind, self.head_group):
             return self.transport._receive(self)
 
     def release(self) -> None:
@@ -253,23 +253,23 @@ class CopyEngineTransport:
         self.lanes: list = []
         self.compute = None
         self.fitting: set = set()
-        """The plans checked against the layout (each once)."""
+        """The shapes checked against the layout (each once)."""
 
     # -- buffers --------------------------------------------------------------------------------
 
-    def prepare(self, plans: Sequence[ExchangePlan]) -> None:
-        if not plans:
+    def prepare(self, shapes: Sequence[ExchangeShape]) -> None:
+        if not shapes:
             return
-        if self.layout is None or not self.layout.fits(plans):
-            self._map(plans)
-        for plan in plans:  # every view and flag index of the run, before the timed region
-            for head_group in range(plan.head_groups):
+        if self.layout is None or not self.layout.fits(shapes):
+            self._map(shapes)
+        for shape in shapes:  # every view and flag index of the run, before the timed region
+            for head_group in range(shape.head_groups):
                 for slot in range(2):
-                    self._route(plan, head_group, slot)
+                    self._route(shape, head_group, slot)
 
-    def _map(self, plans: Sequence[ExchangePlan]) -> None:
+    def _map(self, shapes: Sequence[ExchangeShape]) -> None:
         self._drain()
-        layout = SlotLayout.for_plans(plans) if self.layout is None else self.layout.merged(plans)
+        layout = SlotLayout.for_shapes(shapes) if self.layout is None else self.layout.merged(shapes)
         self.region = self.fabric.map(layout.total_bytes, self.group, self.local, layout.n_flags)
         self.send_slots = {
             (kind, g, s): torch.empty(layout.send_bytes[k], dtype=torch.uint8, device=self.device)
@@ -308,27 +308,27 @@ class CopyEngineTransport:
     def close(self) -> None:
         self._drain()
 
-    def _route(self, plan: ExchangePlan, head_group: int, slot: int) -> Route:
-        route = self.routes.get((plan, head_group, slot))
+    def _route(self, shape: ExchangeShape, head_group: int, slot: int) -> Route:
+        route = self.routes.get((shape, head_group, slot))
         if route is None:
-            self._key(plan, head_group)
-            route = self.routes[(plan, head_group, slot)] = self._make_route(plan, head_group, slot)
+            self._key(shape, head_group)
+            route = self.routes[(shape, head_group, slot)] = self._make_route(shape, head_group, slot)
         return route
 
-    def _make_route(self, plan: ExchangePlan, head_group: int, slot: int) -> Route:
-        offset = self.layout.slot_offset(plan.kind, head_group, slot)
-        send = typed(self.send_slots[(plan.kind, head_group, slot)], 0, plan, sum(plan.send_splits(self.rank)))
-        sources = self._split_send(send, plan)
+    def _make_route(self, shape: ExchangeShape, head_group: int, slot: int) -> Route:
+        offset = self.layout.slot_offset(shape.kind, head_group, slot)
+        send = typed(self.send_slots[(shape.kind, head_group, slot)], 0, shape, sum(shape.send_splits(self.rank)))
+        sources = self._split_send(send, shape)
         targets = tuple(
-            typed(self.region.bytes(j), offset + plan.landing_row(self.rank, j) * plan.row_bytes, plan, rows)
+            typed(self.region.bytes(j), offset + shape.landing_row(self.rank, j) * shape.row_bytes, shape, rows)
             if self.local[j]
             else None
-            for j, rows in enumerate(plan.send_splits(self.rank))
+            for j, rows in enumerate(shape.send_splits(self.rank))
         )
-        recv = typed(self.region.bytes(self.rank), offset, plan, sum(plan.recv_splits(self.rank)))
+        recv = typed(self.region.bytes(self.rank), offset, shape, sum(shape.recv_splits(self.rank)))
         peers = tuple(j for j in range(self.size) if self.local[j] and j != self.rank)
         flag, credit = (
-            functools.partial(f, plan.kind, head_group) for f in (self.layout.data_flag, self.layout.credit_flag)
+            functools.partial(f, shape.kind, head_group) for f in (self.layout.data_flag, self.layout.credit_flag)
         )
         return Route(
             send,
@@ -342,64 +342,64 @@ class CopyEngineTransport:
             peers,
         )
 
-    def _split_send(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
+    def _split_send(self, send: torch.Tensor, shape: ExchangeShape) -> tuple:
         """Each local peer's rows of ``send`` (contiguous: one memcpy each), None for the others."""
-        blocks = send.split(plan.send_splits(self.rank))
+        blocks = send.split(shape.send_splits(self.rank))
         return tuple(block if self.local[j] else None for j, block in enumerate(blocks))
 
-    def send_buffer(self, plan: ExchangePlan, head_group: int = 0) -> torch.Tensor:
+    def send_buffer(self, shape: ExchangeShape, head_group: int = 0) -> torch.Tensor:
         """The send slot of the next exchange, once the copies out of its previous use are done."""
-        key = self._key(plan, head_group)
+        key = self._key(shape, head_group)
         slot = self.started.get(key, 0) % 2
-        marks = self.sent_marks.pop((plan.kind, head_group, slot), None)
+        marks = self.sent_marks.pop((shape.kind, head_group, slot), None)
         if marks:
             self.compute.wait_marks(marks, self.lanes)
-        return self._route(plan, head_group, slot).send
+        return self._route(shape, head_group, slot).send
 
-    def _key(self, plan: ExchangePlan, head_group: int) -> tuple[str, int]:
-        if plan not in self.fitting:  # checked once per plan: exchanges after the first cost a set lookup
-            if self.layout is None or not self.layout.fits([plan]):
+    def _key(self, shape: ExchangeShape, head_group: int) -> tuple[str, int]:
+        if shape not in self.fitting:  # checked once per shape: exchanges after the first cost a set lookup
+            if self.layout is None or not self.layout.fits([shape]):
                 raise RuntimeError(
-                    f"copy_engine: the {plan.kind!r} exchange was not prepared (call prepare() with "
-                    "every plan of the run before the timed region)."
+                    f"copy_engine: the {shape.kind!r} exchange was not prepared (call prepare() with "
+                    "every shape of the run before the timed region)."
                 )
-            self.fitting.add(plan)
-        if not 0 <= head_group < plan.head_groups:
-            raise RuntimeError(f"copy_engine: head group {head_group} of a plan with {plan.head_groups}.")
-        return plan.kind, head_group
+            self.fitting.add(shape)
+        if not 0 <= head_group < shape.head_groups:
+            raise RuntimeError(f"copy_engine: head group {head_group} of a shape with {shape.head_groups}.")
+        return shape.kind, head_group
 
     # -- one exchange ---------------------------------------------------------------------------
 
-    def start(self, send: torch.Tensor, plan: ExchangePlan, head_group: int = 0) -> CopyEngineHandle:
+    def start(self, send: torch.Tensor, shape: ExchangeShape, head_group: int = 0) -> CopyEngineHandle:
         # send: [sum(send_splits), *row], contiguous; peer j's rows land at landing_row(rank, j) in j's slot
-        key = self._key(plan, head_group)
+        key = self._key(shape, head_group)
         raise_lane_error(self.lanes)
         epoch = self.started.get(key, 0)
         if self.released.get(key, 0) < epoch - 1:
             raise RuntimeError(
-                f"copy_engine: exchange {epoch} of {plan.kind!r} started before exchange "
+                f"copy_engine: exchange {epoch} of {shape.kind!r} started before exchange "
                 f"{epoch - 2}, the last one in its slot, was released."
             )
-        route = self._route(plan, head_group, epoch % 2)
-        sources = route.sources if send.data_ptr() == route.send.data_ptr() else self._foreign(send, plan)
-        self.sent.add(send, plan, self.rank)
+        route = self._route(shape, head_group, epoch % 2)
+        sources = route.sources if send.data_ptr() == route.send.data_ptr() else self._foreign(send, shape)
+        self.sent.add(send, shape, self.rank)
         self.started[key] = epoch + 1
         # One mark of the compute stream, taken after the rows were written, which every lane follows:
         # a copy waits for its rows and for nothing the compute stream is given later.
         ready = self.compute.mark()
         own = self._copy_own(route, sources[self.rank], ready)
-        marks = [self._send_to(j, sources[j], route, plan, head_group, epoch, ready) for j in route.peers]
+        marks = [self._send_to(j, sources[j], route, shape, head_group, epoch, ready) for j in route.peers]
         self.sent_marks[(*key, epoch % 2)] = marks + [own]
-        return CopyEngineHandle(self, plan, head_group, epoch, route, own, self._start_remote(send, plan, route))
+        return CopyEngineHandle(self, shape, head_group, epoch, route, own, self._start_remote(send, shape, route))
 
-    def _foreign(self, send: torch.Tensor, plan: ExchangePlan) -> tuple:
+    def _foreign(self, send: torch.Tensor, shape: ExchangeShape) -> tuple:
         """The peers' blocks of a send tensor that is not this transport's send slot (kept alive by the lanes)."""
         if not send.is_contiguous():
             raise RuntimeError("copy_engine: the send buffer must be contiguous (one memcpy per peer).")
         for lane in self.lanes:
             if lane is not None:
                 lane.hold(send)
-        return self._split_send(send, plan)
+        return self._split_send(send, shape)
 
     def _copy_own(self, route: Route, rows: torch.Tensor, ready):
         # The own block needs neither credit nor flag: its lane follows the compute stream, on which
@@ -413,7 +413,7 @@ class CopyEngineTransport:
         return lane.mark()
 
     def _send_to(
-        self, j: int, rows: torch.Tensor, route: Route, plan: ExchangePlan, head_group: int, epoch: int, ready
+        self, j: int, rows: torch.Tensor, route: Route, shape: ExchangeShape, head_group: int, epoch: int, ready
     ):
         lane = self.lanes[j]
         lane.follow(ready)
@@ -422,19 +422,19 @@ class CopyEngineTransport:
                 self.region.flags(self.rank),
                 route.credit_flags[j],
                 epoch - 1,
-                self._describe("free slot (credit)", plan, head_group, j),
+                self._describe("free slot (credit)", shape, head_group, j),
             )
         if rows.shape[0]:
             lane.copy(route.targets[j], rows)
         lane.write_value(self.region.flags(j), route.data_flag, epoch + 1)
         return lane.mark()
 
-    def _start_remote(self, send: torch.Tensor, plan: ExchangePlan, route: Route):
+    def _start_remote(self, send: torch.Tensor, shape: ExchangeShape, route: Route):
         """The collective for the peers on other nodes (None when every peer is on this node)."""
         if all(self.local):
             return None
-        outputs = list(route.recv.split(plan.recv_splits(self.rank)))
-        inputs = list(send.split(plan.send_splits(self.rank)))
+        outputs = list(route.recv.split(shape.recv_splits(self.rank)))
+        inputs = list(send.split(shape.send_splits(self.rank)))
         for j in range(self.size):  # local peers' blocks move by copies: empty in the collective
             if self.local[j]:
                 outputs[j], inputs[j] = outputs[j][:0], inputs[j][:0]
@@ -451,7 +451,7 @@ class CopyEngineTransport:
                 self.region.flags(self.rank),
                 route.data_flags[j],
                 epoch + 1,
-                self._describe(f"rows of exchange {epoch}", handle.plan, handle.head_group, j),
+                self._describe(f"rows of exchange {epoch}", handle.shape, handle.head_group, j),
             )
         if handle.work is not None:
             handle.work.wait()
@@ -459,7 +459,7 @@ class CopyEngineTransport:
         return route.recv
 
     def _release(self, handle: CopyEngineHandle) -> None:
-        key, epoch = (handle.plan.kind, handle.head_group), handle.epoch
+        key, epoch = (handle.shape.kind, handle.head_group), handle.epoch
         if self.released.get(key, 0) != epoch:
             raise RuntimeError(
                 f"copy_engine: {key[0]!r} exchanges must be released in order "
@@ -469,10 +469,10 @@ class CopyEngineTransport:
         for j in handle.route.peers:
             self.compute.write_value(self.region.flags(j), handle.route.credit_flag, epoch + 1)
 
-    def _describe(self, what: str, plan: ExchangePlan, head_group: int, peer: int):
+    def _describe(self, what: str, shape: ExchangeShape, head_group: int, peer: int):
         me, them = self.ranks[self.rank], self.ranks[peer]
         return lambda timeout_s: (
-            f"copy_engine: rank {me} got no {what} for its {plan.kind} exchange (head group "
+            f"copy_engine: rank {me} got no {what} for its {shape.kind} exchange (head group "
             f"{head_group}) from rank {them} within {timeout_s:g} s; rank {them} is dead or "
             "stalled."
         )

@@ -15,7 +15,7 @@ without which small peer copies run as blit kernels on the compute units.
 
 Host cost: the GPU runs an exchange in ~0.1 ms, so what the host spends issuing one is on the
 critical path as soon as it exceeds the compute it overlaps. Copies are therefore issued as one
-driver call each (``cuMemcpyDtoDAsync``; HIP: ``hipMemcpyAsync``) on views made once per plan
+driver call each (``cuMemcpyDtoDAsync``; HIP: ``hipMemcpyAsync``) on views made once per shape
 (``copy_engine.Route``), with no ``record_stream`` for the transport's own send slots and no
 stream context switch; flags are addressed by pointer arithmetic, not by slicing a tensor.
 
