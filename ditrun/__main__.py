@@ -30,6 +30,7 @@ from ditrun import hydra_errors
 from ditrun.cli_help import register_help
 from ditrun.config import RunConfig, register_configs
 from ditrun.errors import UserError
+from ditrun.process_exit import run_then_exit
 
 register_configs()
 register_help()
@@ -232,5 +233,11 @@ def _name_failed_jobs() -> None:
         sys.exit(1)
 
 
+def command() -> None:
+    """The ``ditrun`` command: ``main``, then the process ends without the interpreter's teardown
+    (``process_exit``); ``main`` alone returns, for callers in a process of their own."""
+    run_then_exit(main)
+
+
 if __name__ == "__main__":
-    main()
+    command()

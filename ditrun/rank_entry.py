@@ -5,9 +5,9 @@ A spawned interpreter spends its first seconds importing torch and the rest. A s
 arrived then would raise ``KeyboardInterrupt`` (SIGINT) inside some import, or kill the rank
 outright (SIGTERM), before ``launch/stop.py`` had installed its handlers: the rank would fail
 with whatever the half-done import left behind (a lazy loader's ``RecursionError``, say) instead
-of stopping. So this module (the standard library and ``stop_signals.py`` only: what the spawn unpickles first)
-notes stop signals from its first instruction and then tells the supervisor it is ready, and only then does
-the supervisor relay its own stop signals to the rank (``spawn.Relay``); the notes go to the
+of stopping. So this module (the standard library, ``stop_signals.py`` and ``process_exit.py`` only: what the spawn
+unpickles first) notes stop signals from its first instruction and then tells the supervisor it is ready, and only
+then does the supervisor relay its own stop signals to the rank (``spawn.Relay``); the notes go to the
 rank's stop request once that exists, and the rank stops at its first step boundary like any
 stopped rank. A signal sent straight to a rank in the first instants of its interpreter, before
 this module runs, still ends it: the supervisor reports that rank as failed.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import pickle
 import signal
 
+from ditrun.process_exit import run_then_exit
 from ditrun.stop_signals import STOP_SIGNALS
 
 _noted: list[int] = []
@@ -40,4 +41,4 @@ def rank_main(payload: bytes, sender) -> None:
     stop = process_stop().install()
     for signum in _noted:  # the notes of a signal that came before this line are not lost
         stop.request(signum)
-    spawned_rank_main(*args, sender=sender)
+    run_then_exit(lambda: spawned_rank_main(*args, sender=sender))

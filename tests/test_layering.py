@@ -77,8 +77,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 # lower one. Why each sits where it does:
 LAYERS = (
     # What everything shares and nothing of ditrun's: errors, registries, the clocks the transports, the step cache
-    # and the worker read, dtype and device names, the user's cache folder, whom a cache trusts, the stop signals,
-    # the editor's edits.
+    # and the worker read, dtype and device names, the user's cache folder, whom a cache trusts, the stop signals, how
+    # a process ends, the editor's edits.
     (
         "ditrun",
         "ditrun.errors",
@@ -88,6 +88,7 @@ LAYERS = (
         "ditrun.user_cache",
         "ditrun.trust",
         "ditrun.stop_signals",
+        "ditrun.process_exit",
         "ditrun.editor",
         "ditrun.conf",
     ),
