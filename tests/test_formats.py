@@ -275,10 +275,13 @@ def test_codes_are_bytes_and_fast_paths_keep_the_dtype():
         codes = F.encode(x, fmt)
         assert codes.dtype == torch.uint8
         assert F.pack(codes, fmt).dtype == torch.uint8 and F.unpack(F.pack(codes, fmt), fmt).dtype == torch.uint8
+        stacked = torch.stack([codes, codes.flip(0)])  # [2, 2, 64]: packed along the last dim only
+        assert torch.equal(F.pack(stacked, fmt), torch.stack([F.pack(codes, fmt), F.pack(codes.flip(0), fmt)]))
     assert F.fake_quantize_fp8(x.bfloat16()).dtype == torch.bfloat16
     codes, scale = F.quantize_fp8(x)
     assert torch.equal(F.dequantize_fp8(codes, scale), F.decode(codes, "fp8_e4m3") * scale)  # E4M3 by default
     assert F.fp8_power_of_two_scale(torch.tensor([3.0], dtype=torch.float64)).dtype == torch.float32
+    assert torch.equal(F.fp8_scale(x), x.abs().amax(dim=-1, keepdim=True) / 448)  # E4M3, per row by default
 
 
 def test_the_smallest_scale_is_e8m0s_and_a_block_far_below_it_flushes_to_zero():

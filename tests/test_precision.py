@@ -466,13 +466,13 @@ def test_int8qk_attention_is_fp64_attention_of_its_operands(name):
 
 @pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v"])
 def test_int8qk_attention_keeps_bf16_and_is_the_same_in_query_chunks(name):
-    q, k, v = (t.bfloat16() for t in _qkv(b=1, s=20, h=2, d=32, seed=17))
+    q, k, v = (t.bfloat16() for t in _qkv(b=1, s=40, h=2, d=32, seed=17))
     got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     ops = quantize_operands(q, k, v, {"int8qk": "bf16", "int8qk_fp8v": "fp8", "int8qk_mxfp6v": "mxfp6"}[name])
     want = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, 32**-0.5)
     assert relative_error(got.transpose(1, 2).double(), want) < 2**-8  # the output rounded to BF16
-    chunked = int8qk_reference(ops, 32**-0.5, chunk=7)  # 7 + 7 + 6 query rows
+    chunked = int8qk_reference(ops, 32**-0.5, chunk=7)  # 5 chunks of 7 query rows and one of 5
     assert relative_error(chunked.double(), want) < 2**-8
 
 
