@@ -145,7 +145,7 @@ def bench(s: int, heads: int, head_dim: int, repeats: int, calls: int = 1) -> li
             x.row(
                 f"{name} ({implementation})",
                 lambda attention=attention: attention(q, k, v),
-                optional=implementation == "reference",
+                optional=implementation == "emulation",
             )
         )
     return rows

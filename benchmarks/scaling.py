@@ -66,7 +66,7 @@ def qkv_ratio(attention: str, head_dim: int, element_bytes: int) -> float:
 
     from ditrun.kernels.attention_payload import payload_for
 
-    payload = payload_for(attention, "reference")
+    payload = payload_for(attention, "emulation")
     if payload is None:
         return 1.0
     dtype = torch.float32 if element_bytes == 4 else torch.bfloat16

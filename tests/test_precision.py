@@ -17,15 +17,15 @@ from ditrun.kernels import linear as L
 from ditrun.kernels.attention import (
     ATTENTION_KERNELS,
     int8qk_attention_op,
-    int8qk_reference,
+    int8qk_emulation,
     quantize_int8_rows,
     quantize_operands,
 )
 from ditrun.kernels.fp8_sdpa import (
     P_SCALE,
     attend_fp8_pv,
+    fp8_pv_emulation,
     fp8_pv_operands,
-    fp8_pv_reference,
     fp8_pv_scales,
     fp8_sdpa_op,
 )
@@ -201,7 +201,7 @@ def test_a_preset_whose_fast_pieces_cannot_run_here_says_so_once_and_records_wha
         "ditrun: precision.attention=fp8_pv runs as the torch reference here (needs a GPU (cuDNN's FP8 SDPA on NVIDIA "
         "sm_90+, AITER on AMD gfx950))."
     ]
-    assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["reference"]
+    assert built.details["mlp"]["backends"] == ["emulation"] and built.details["attention"]["backends"] == ["emulation"]
 
 
 @pytest.mark.slow
@@ -214,7 +214,7 @@ def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close()
         assert quantized.details["mlp"]["backends"] == ["emulation"]
         # the presets' attention is SDPA (fp8) or INT8-QK (krea); no quantized attention runs fast on the CPU
         assert quantized.details["attention"]["backends"] == [
-            "sdpa" if precision == "fp8" and not attention else "reference"
+            "sdpa" if precision == "fp8" and not attention else "emulation"
         ]
         hidden = torch.randn(1, 6, 64, generator=gen(4))
         inputs = dict(
@@ -332,7 +332,7 @@ def _qkv(b=1, s=300, h=2, d=64, seed=10):
 def test_quantized_attention_is_close_to_sdpa(name):
     q, k, v = _qkv()
     k = k + 3.0  # a large mean over tokens: smoothing removes it before quantizing
-    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
+    got = ATTENTION_KERNELS.get(name).make("emulation")(q, k, v)
     assert relative_error(got, sdpa_attention(q, k, v)) < {"int8qk": 0.02, "fp8_pv": 0.1}.get(name, 0.05)
 
 
@@ -343,7 +343,7 @@ def test_fp8_pv_rounds_p_and_scales_per_tensor():
     k8 = torch.stack([scores / 2 / 0.5, torch.zeros(4)], dim=-1)[None, :, None].to(torch.float8_e4m3fn)
     v8 = torch.tensor([1.0, 2.0, 4.0, 8.0])[None, :, None, None].expand(1, 4, 1, 2).to(torch.float8_e4m3fn)
     scales = torch.tensor([1.0, 0.5, 0.25, 2.0])  # Q, K, V, output (1 / (2 * V's))
-    out = fp8_pv_reference(q8, k8, v8, scales, 1.0).float() / 2.0
+    out = fp8_pv_emulation(q8, k8, v8, scales, 1.0).float() / 2.0
     p = torch.exp(scores)
     p8 = formats.round_to_grid(p * P_SCALE, "fp8_e4m3") / P_SCALE
     assert not torch.equal(p8, p)  # P is rounded (exp(-1) = 0.368 -> 0.375)
@@ -375,7 +375,7 @@ def test_int8qk_is_independent_of_the_order_of_tokens():
     """Per-token scales: a layout that gathers the sequence in another order gets the same rows."""
     q, k, v = _qkv(s=70)
     perm = torch.randperm(70, generator=gen(11))
-    attention = ATTENTION_KERNELS.get("int8qk_mxfp6v").make("reference")
+    attention = ATTENTION_KERNELS.get("int8qk_mxfp6v").make("emulation")
     out = attention(q, k, v)
     out_perm = attention(q[:, perm], k[:, perm], v[:, perm])
     assert torch.allclose(out_perm, out[:, perm], rtol=1e-5, atol=1e-6)
@@ -451,7 +451,7 @@ def test_int8qk_attention_is_fp64_attention_of_its_operands(name):
     v_format = {"int8qk": "bf16", "int8qk_fp8v": "fp8", "int8qk_mxfp6v": "mxfp6"}[name]
     ops = quantize_operands(q, k, v, v_format)
     sm = 32**-0.5
-    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v).transpose(1, 2).double()  # [B, H, S, D]
+    got = ATTENTION_KERNELS.get(name).make("emulation")(q, k, v).transpose(1, 2).double()  # [B, H, S, D]
     deq = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, sm)
     assert relative_error(got, deq) < 1e-5
     qd, kd = q.transpose(1, 2).double(), _smoothed(k, 1).transpose(1, 2).double()
@@ -467,12 +467,12 @@ def test_int8qk_attention_is_fp64_attention_of_its_operands(name):
 @pytest.mark.parametrize("name", ["int8qk", "int8qk_fp8v", "int8qk_mxfp6v"])
 def test_int8qk_attention_keeps_bf16_and_is_the_same_in_query_chunks(name):
     q, k, v = (t.bfloat16() for t in _qkv(b=1, s=40, h=2, d=32, seed=17))
-    got = ATTENTION_KERNELS.get(name).make("reference")(q, k, v)
+    got = ATTENTION_KERNELS.get(name).make("emulation")(q, k, v)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     ops = quantize_operands(q, k, v, {"int8qk": "bf16", "int8qk_fp8v": "fp8", "int8qk_mxfp6v": "mxfp6"}[name])
     want = _attention64(ops.q * ops.q_scale[..., None], ops.k * ops.k_scale[..., None], ops.v, 32**-0.5)
     assert relative_error(got.transpose(1, 2).double(), want) < 2**-8  # the output rounded to BF16
-    chunked = int8qk_reference(ops, 32**-0.5, chunk=7)  # 5 chunks of 7 query rows and one of 5
+    chunked = int8qk_emulation(ops, 32**-0.5, chunk=7)  # 5 chunks of 7 query rows and one of 5
     assert relative_error(chunked.double(), want) < 2**-8
 
 
@@ -519,11 +519,11 @@ def test_fp8_pv_attention_is_within_the_rounding_of_p_and_the_output():
     q[:, 0] *= 10  # a row whose largest score is far above the others': each row's P is scaled by its own maximum
     operands = fp8_pv_operands(q, k, v)
     sm = 32**-0.5
-    got = attend_fp8_pv(*operands, "reference", torch.float32)
+    got = attend_fp8_pv(*operands, "emulation", torch.float32)
     assert _fp8_pv_within_rounding(got, operands, sm)
-    assert _fp8_pv_within_rounding(fp8_pv_reference(*operands, sm, chunk=7).float() / operands[3][3], operands, sm)
-    assert attend_fp8_pv(*operands, "reference", torch.bfloat16).dtype == torch.bfloat16
-    assert ATTENTION_KERNELS.get("fp8_pv").make("reference")(*(t.bfloat16() for t in (q, k, v))).dtype == torch.bfloat16
+    assert _fp8_pv_within_rounding(fp8_pv_emulation(*operands, sm, chunk=7).float() / operands[3][3], operands, sm)
+    assert attend_fp8_pv(*operands, "emulation", torch.bfloat16).dtype == torch.bfloat16
+    assert ATTENTION_KERNELS.get("fp8_pv").make("emulation")(*(t.bfloat16() for t in (q, k, v))).dtype == torch.bfloat16
     deq = [(c.double() * s).transpose(1, 2) for c, s in zip(operands[:3], operands[3])]
     want = _attention64(*deq, sm)
     got = got.transpose(1, 2).double()
@@ -573,8 +573,8 @@ def test_fused_fp8_attention_matches_its_reference():
     assert got.shape == q.shape and got.dtype == torch.float8_e4m3fn
     # The kernel rounds P against the running maximum, the reference against the row's final one: a few
     # output codes land one or two E4M3 steps apart (seen: max 4.2e-2 of the largest output).
-    assert relative_error(got.float(), fp8_pv_reference(*operands, 1 / 128**0.5).float()) < 6e-2
-    fast, reference = (ATTENTION_KERNELS.get("fp8_pv").make(f) for f in (fp8_sdpa.BACKEND, "reference"))
+    assert relative_error(got.float(), fp8_pv_emulation(*operands, 1 / 128**0.5).float()) < 6e-2
+    fast, reference = (ATTENTION_KERNELS.get("fp8_pv").make(f) for f in (fp8_sdpa.BACKEND, "emulation"))
     want = reference(q, k, v).float()
     assert relative_error(fast(q, k, v).float(), want) < 6e-2
     assert relative_error(torch.compile(fast, fullgraph=True)(q, k, v).float(), want) < 6e-2
@@ -587,8 +587,8 @@ def test_the_fp8_pv_reference_compiles_with_inductor_on_the_gpu():
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(1, 300, 2, 64, generator=g, device="cuda").to(torch.bfloat16) for _ in range(3))
     operands = fp8_pv_operands(q, k, v)
-    want = fp8_pv_reference(*operands, 0.125, chunk=128).float()
-    got = torch.compile(lambda *a: fp8_pv_reference(*a, 0.125, chunk=128).float(), fullgraph=True)(*operands)
+    want = fp8_pv_emulation(*operands, 0.125, chunk=128).float()
+    got = torch.compile(lambda *a: fp8_pv_emulation(*a, 0.125, chunk=128).float(), fullgraph=True)(*operands)
     assert relative_error(got, want) < 1e-2
 
 

@@ -88,7 +88,7 @@ def check_payload_producer(device: str = "cpu", dtype=torch.float32) -> None:
     norms = QKNorms(((text, weights[0], weights[1]), (None, weights[2], weights[3])), 1e-6)
     ids = torch.stack([torch.zeros(length), torch.arange(length) // 8, torch.arange(length) % 8], dim=1)
     rope = tuple(t.to(device) for t in rope_tables(ids, (8, 12, 12)))
-    payload = Int8QKPayload("int8qk_fp8v", "fp8", "reference")
+    payload = Int8QKPayload("int8qk_fp8v", "fp8", "emulation")
 
     fused = payload.statistics_from_raw(q, k, v, norms, rope)
     qn, kn = norms.apply(q, k, rope)

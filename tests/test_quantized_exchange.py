@@ -15,7 +15,7 @@ from launching import MAX_QUANTIZED_RELATIVE_ERROR, latents, records, relative_e
 from ranks import run_ranks
 
 from ditrun.config import TransportConfig
-from ditrun.kernels.attention import ATTENTION_KERNELS, REFERENCE
+from ditrun.kernels.attention import ATTENTION_KERNELS, EMULATION
 from ditrun.kernels.attention_payload import PAYLOADS, payload_for
 from ditrun.launch import worker
 from ditrun.parallel.ulysses import UlyssesAttention
@@ -64,9 +64,9 @@ def _both_exchanges(rank, world, lengths, heads, cases):
     results = []
     for transport_name, attention, head_groups in cases:
         transport = transports[transport_name]
-        inner = ATTENTION_KERNELS.get(attention).make(REFERENCE)
+        inner = ATTENTION_KERNELS.get(attention).make(EMULATION)
         outs, sent = [], []
-        for payload in (payload_for(attention, REFERENCE), None):
+        for payload in (payload_for(attention, EMULATION), None):
             ulysses = UlyssesAttention(transport, lengths, head_groups, inner, payload)
             transport.prepare(ulysses.shapes(q))
             transport.sent.take()
@@ -80,7 +80,7 @@ def _one_process(attention, lengths, heads, head_groups, world):
     """The attention of the whole sequence on one process, in the calls a rank makes (a call's scales are per call
     for ``fp8_pv``): [B, S, H, D]."""
     q, k, v = _inputs(lengths, heads)
-    inner = ATTENTION_KERNELS.get(attention).make(REFERENCE)
+    inner = ATTENTION_KERNELS.get(attention).make(EMULATION)
     calls = head_groups * world
     per_call = heads // calls
     parts = [inner(*(t[:, :, c * per_call : (c + 1) * per_call] for t in (q, k, v))) for c in range(calls)]

@@ -187,7 +187,7 @@ def test_each_one_process_layout_guides_by_the_formula(layout, head_groups, inne
     geo, inputs = _edit_inputs(6)
     model, n, scale = random_model(geo, seed=0), inputs.noise.shape[1], 4.0
     x = torch.randn(inputs.noise.shape, generator=torch.Generator().manual_seed(7))
-    payload = PAYLOADS.get("int8qk")("reference")
+    payload = PAYLOADS.get("int8qk")("emulation")
     with torch.no_grad():
         cond, uncond = (
             model(

@@ -1,6 +1,6 @@
 """The Triton kernels against their torch references: the activation quantizers
 (kernels/quantize_triton.py) equal the FP8 backends' torch quantizers, and the INT8-QK attention
-kernel (kernels/attention_triton.py) equals ``int8qk_reference``: in Triton's CPU interpreter
+kernel (kernels/attention_triton.py) equals ``int8qk_emulation``: in Triton's CPU interpreter
 (where Triton is installed: the arithmetic) and on a GPU (bit for bit with the FP8 casts)."""
 
 import math
@@ -15,7 +15,7 @@ from launching import relative_error
 
 from ditrun.kernels import formats
 from ditrun.kernels import linear as L
-from ditrun.kernels.attention import int8qk_attention_op, int8qk_reference, quantize_operands
+from ditrun.kernels.attention import int8qk_attention_op, int8qk_emulation, quantize_operands
 
 ELEMENTS = ["fp8_e4m3", "fp6_e2m3", "fp6_e3m2", "fp4_e2m1"]
 
@@ -114,7 +114,7 @@ def check_attention() -> None:
         got = flash_attention(
             ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 0.125, config={"BLOCK_M": 64, "BLOCK_N": 64}
         )
-        assert relative_error(got, int8qk_reference(ops, 0.125)) < 1e-5
+        assert relative_error(got, int8qk_emulation(ops, 0.125)) < 1e-5
 
 
 def check_qk_quantizer(dtype=torch.float32) -> None:
@@ -251,7 +251,7 @@ def test_triton_int8qk_equals_the_reference(v_format, tolerance):
     q, k, v = (torch.randn(2, 1000, 4, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
     ops = quantize_operands(q, k, v, v_format)
     got = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), "triton")
-    assert relative_error(got.float(), int8qk_reference(ops, 1 / math.sqrt(128)).float()) < tolerance
+    assert relative_error(got.float(), int8qk_emulation(ops, 1 / math.sqrt(128)).float()) < tolerance
 
 
 @pytest.mark.gpu
@@ -289,7 +289,7 @@ def test_gluon_int8qk_equals_the_reference(s, config):
     fp8 = config.get("v_fp8", False)
     ops = quantize_operands(q, k, v, "fp8" if fp8 else "bf16")
     got = gluon.int8qk_gluon(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, 1 / math.sqrt(128), **config).float()
-    error = relative_error(got, int8qk_reference(ops, 1 / math.sqrt(128)).float())
+    error = relative_error(got, int8qk_emulation(ops, 1 / math.sqrt(128)).float())
     print(f"S = {s} {config}: error {error:.2e}")
     assert error < (5e-2 if fp8 else 1e-2)
 
@@ -438,6 +438,6 @@ def test_int8qk_fp8v_with_the_fp8_product_equals_the_reference():
         pytest.skip("the Gluon INT8-QK kernel runs on Hopper (sm_90) with a Triton that compiles it")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 1000, 4, 128, generator=g).cuda().to(torch.bfloat16) for _ in range(3))
-    fast, reference = (kernel.make(implementation) for implementation in ("gluon", "reference"))
+    fast, reference = (kernel.make(implementation) for implementation in ("gluon", "emulation"))
     got = fast(q, k, v)
     assert got.dtype == torch.bfloat16 and relative_error(got.float(), reference(q, k, v).float()) < 5e-2

@@ -129,7 +129,7 @@ def test_exchange_shapes_count_rows_and_bytes():
     assert gather.counts == ((2, 2, 2), (0, 0, 0), (1, 1, 1)) and gather.row_shape == (5, 3)
     assert gather.row_bytes == 60 and gather.head_groups == 1 and gather.dtype == torch.float32
     # With a payload, Q/K/V rows are its records and each rank's statistics (B x H x (D + 3) fp64) are gathered.
-    payload = PAYLOADS.get("int8qk")("reference")
+    payload = PAYLOADS.get("int8qk")("emulation")
     qkv, out, stats = attention_shapes([5, 4, 3], 2, 12, 8, 2, torch.bfloat16, payload)
     record = payload.layout(8, torch.bfloat16).nbytes
     assert qkv.row_shape == (2, per_rank, record) and qkv.dtype == torch.uint8 and qkv.counts[0] == (5, 5, 5)

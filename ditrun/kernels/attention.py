@@ -14,12 +14,12 @@ sequence in another order (``parallel/ulysses.py``), and a scale shared by a blo
 would then change with the layout; per token, every layout gives the single process's result.
 The kernel pays one multiply per score for the key scales.
 
-``int8qk_reference`` is the torch reference (runs anywhere, in query chunks so that memory
+``int8qk_emulation`` is the torch emulation (runs anywhere, in query chunks so that memory
 stays O(S * chunk)); on GPUs the same quantized operands go to a flash-attention kernel behind
 ``ditrun::int8qk_attention`` (a ``torch.library.custom_op`` with a fake implementation, so
 ``torch.compile`` traces through it): the Hopper Gluon kernel (``attention_gluon.py``; with FP8 V its P @ V
 is an FP8 product) or the Triton kernel (``attention_triton.py``), the one chosen once when the model is
-built (``choose_implementation``). The op runs the reference math off GPUs.
+built (``choose_implementation``). The op runs the emulation's math off GPUs.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ V_FORMATS = ("bf16", "fp8", "mxfp6")
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantizing the operands (shared by the reference and the kernel)
+# Quantizing the operands (shared by the emulation and the kernel)
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,10 +182,10 @@ def quantize_operands(q, k, v, v_format: str) -> Int8QK:
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference
+# The emulation
 
 
-def int8qk_reference(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
+def int8qk_emulation(ops: Int8QK, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
     """Attention of quantized operands in torch, query chunk by chunk. -> [B, H, S, D] in V's dtype."""
     q_scale, k_scale, k = ops.q_scale, ops.k_scale, ops.k.float()  # scales: [B, H, S]
     out = torch.empty_like(ops.v)
@@ -265,10 +265,10 @@ def int8qk_attention_op(
 ) -> torch.Tensor:
     """Attention of quantized [B, H, S, D] operands -> [B, H, S, D] in V's dtype: INT8 q, k with per-token
     fp32 scales [B, H, S]. ``implementation`` (chosen once, when the model is built): ``gluon`` (the Hopper
-    kernel) or ``triton`` on GPUs; the torch reference runs off GPUs whatever it says.
+    kernel) or ``triton`` on GPUs; the torch emulation runs off GPUs whatever it says.
 
     ``v_scale``: v holds ``fp8_v_codes``' codes, the Gluon kernel's FP8 P @ V operand (2^8 P rounded to E4M3 too);
-    the output is then BF16, and the Triton kernel and the reference take ``fp8_v_values`` of them."""
+    the output is then BF16, and the Triton kernel and the emulation take ``fp8_v_values`` of them."""
     if q.is_cuda:
         q, k, q_scale, k_scale, v = (t.contiguous() for t in (q, k, q_scale, k_scale, v))
         if implementation == "gluon" and _fits_gluon(q, k, q_scale, k_scale, v):
@@ -279,7 +279,7 @@ def int8qk_attention_op(
         from ditrun.kernels.attention_triton import flash_attention
 
         return flash_attention(q, q_scale, k, k_scale, v, sm_scale)
-    return int8qk_reference(Int8QK(q, q_scale, k, k_scale, v), sm_scale)
+    return int8qk_emulation(Int8QK(q, q_scale, k, k_scale, v), sm_scale)
 
 
 @int8qk_attention_op.register_fake
@@ -297,8 +297,9 @@ def _triton_unavailable(device: torch.device) -> Optional[str]:
     return None
 
 
-REFERENCE = "reference"
-"""The implementation name of every quantized kernel's torch reference (any device)."""
+EMULATION = "emulation"
+"""The implementation name of every quantized kernel's exact emulation in torch (any device): what the fast kernels
+are checked against and what runs where none does."""
 
 
 @dataclass(frozen=True)
@@ -308,7 +309,7 @@ class AttentionKernel:
     name: str
     doc: str
     make: Callable[[str], AttentionFn]
-    """implementation (``implementation``'s answer, or ``REFERENCE``) -> the function."""
+    """implementation (``implementation``'s answer, or ``EMULATION``) -> the function."""
     quantized: bool = True
     unavailable: Callable[[torch.device], Optional[str]] = _triton_unavailable
     """device -> None where a fast implementation runs, else why not (a clause for error messages)."""
@@ -317,8 +318,8 @@ class AttentionKernel:
 
 
 def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
-    reference = implementation == REFERENCE
-    quantize = operand_tensors if reference else CompiledOnGpu(operand_tensors)
+    emulated = implementation == EMULATION
+    quantize = operand_tensors if emulated else CompiledOnGpu(operand_tensors)
 
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q, k, v: [B, S, H, D] -> [B, S, H, D]
@@ -330,11 +331,11 @@ def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
 
 
 def attend_int8qk(ops: Int8QK, implementation: str) -> torch.Tensor:
-    """Attention of quantized [B, H, S, D] operands -> [B, S, H, D]: the torch reference (``REFERENCE``) or the
+    """Attention of quantized [B, H, S, D] operands -> [B, S, H, D]: the torch emulation (``EMULATION``) or the
     GPU op. Also what a quantized exchange's receiver runs on the codes it received (``attention_payload.py``)."""
     sm_scale = 1.0 / math.sqrt(ops.q.shape[-1])
-    if implementation == REFERENCE:
-        out = int8qk_reference(ops, sm_scale)
+    if implementation == EMULATION:
+        out = int8qk_emulation(ops, sm_scale)
     else:
         out = int8qk_attention_op(ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, sm_scale, implementation, ops.v_scale)
     return out.transpose(1, 2)
@@ -406,9 +407,9 @@ def fast_attention_available(kernel: AttentionKernel, device: torch.device) -> O
 
 def choose_implementation(kernel: AttentionKernel, device: torch.device, head_dim: int, fast: bool) -> str:
     """The implementation a model built for ``device`` runs, decided once: the kernel's fast one where it runs and
-    ``fast`` allows it, else ``REFERENCE`` (unquantized SDPA is always ``sdpa``)."""
+    ``fast`` allows it, else ``EMULATION`` (unquantized SDPA is always ``sdpa``)."""
     if not kernel.quantized:
         return kernel.implementation(device, head_dim)
     if not fast or fast_attention_available(kernel, device) is not None:
-        return REFERENCE
+        return EMULATION
     return kernel.implementation(device, head_dim)

@@ -643,7 +643,7 @@ def int8qk_gluon(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """INT8 q, k [B, H, S, D] with per-token fp32 scales [B, H, S], v [B, H, S, D] (BF16/FP16) -> [B, H, S, D]
-    in v's dtype: the math of ``attention.int8qk_reference`` (P rounded to V's dtype for its products).
+    in v's dtype: the math of ``attention.int8qk_emulation`` (P rounded to V's dtype for its products).
     ``v_fp8``: v holds FP8-exact values; P @ V runs as an FP8 product of 2^8 P rounded to E4M3 and V's codes
     (``fp8_v_operand``), the row sums add P as rounded. With ``v_scale``, v is ``fp8_v_operand``'s codes
     already, and the output BF16."""

@@ -27,7 +27,7 @@ operands).
 
 Backends: cuDNN's FP8 SDPA (NVIDIA sm_90 and newer, through the ``nvidia-cudnn-frontend`` Python
 package: ``pip install ditrun[cudnn]``), AITER's ``flash_attn_fp8_pertensor_func`` (ROCm with OCP
-E4M3, gfx950; written and guarded, not run on AMD hardware), elsewhere ``fp8_pv_reference``, the
+E4M3, gfx950; written and guarded, not run on AMD hardware), elsewhere ``fp8_pv_emulation``, the
 recipe in torch.
 """
 
@@ -44,7 +44,7 @@ from ditrun.kernels.linear import CompiledOnGpu, aiter_function, fp8_dtype
 from ditrun.kernels.token_statistics import token_mean, token_sum
 
 P_SCALE = 256.0
-"""P in [0, 1] times this before rounding to E4M3 (a power of two, so the reference's rounding is exact
+"""P in [0, 1] times this before rounding to E4M3 (a power of two, so the emulation's rounding is exact
 arithmetic): probabilities down to 2^-14 stay normal numbers."""
 
 # ---------------------------------------------------------------------------------------------
@@ -89,10 +89,10 @@ def dequantize_output(o8: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
 
 
 # ---------------------------------------------------------------------------------------------
-# The reference
+# The emulation
 
 
-def fp8_pv_reference(q8, k8, v8, scales: torch.Tensor, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
+def fp8_pv_emulation(q8, k8, v8, scales: torch.Tensor, sm_scale: float, chunk: int = 1024) -> torch.Tensor:
     """The recipe in torch, query chunk by chunk: [B, S, H, D] codes -> the E4M3 output codes [B, S, H, D].
 
     P is rounded after subtracting each row's final maximum; a flash kernel subtracts the running
@@ -235,7 +235,7 @@ def fp8_sdpa_op(
     q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor, sm_scale: float
 ) -> torch.Tensor:
     """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales [4] -> the E4M3 output codes
-    [B, S, H, D]: the vendor's fused kernel where ``unavailable`` says one runs, else the reference."""
+    [B, S, H, D]: the vendor's fused kernel where ``unavailable`` says one runs, else the emulation."""
     if unavailable(q8.device) is None:
         q8, k8, v8 = q8.contiguous(), k8.contiguous(), v8.contiguous()
         if torch.version.hip:  # AITER writes BF16: rounded to the recipe's E4M3 output here
@@ -244,7 +244,7 @@ def fp8_sdpa_op(
             )
             return formats.round_to_grid(out.float() * scales[3], "fp8_e4m3").to(torch.float8_e4m3fn)
         return cudnn_fp8_sdpa(q8, k8, v8, scales, sm_scale)
-    return fp8_pv_reference(q8, k8, v8, scales, sm_scale)
+    return fp8_pv_emulation(q8, k8, v8, scales, sm_scale)
 
 
 @fp8_sdpa_op.register_fake
@@ -254,8 +254,8 @@ def _(q8, k8, v8, scales, sm_scale):
 
 def fp8_pv_attention(implementation: str):
     """The ``fp8_pv`` attention function: q, k, v [B, S, H, D] -> [B, S, H, D] in v's dtype. ``implementation``:
-    ``reference`` (the recipe in torch), else the vendor's kernel (``BACKEND``)."""
-    fast = implementation != "reference"
+    ``emulation`` (the recipe in torch), else the vendor's kernel (``BACKEND``)."""
+    fast = implementation != "emulation"
     quantize = CompiledOnGpu(fp8_pv_operands) if fast else fp8_pv_operands
 
     def attention(q, k, v):
@@ -268,5 +268,5 @@ def attend_fp8_pv(q8, k8, v8, scales: torch.Tensor, implementation: str, dtype: 
     """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales -> [B, S, H, D] in ``dtype``; also what
     a quantized exchange's receiver runs on the codes it received (``attention_payload.py``)."""
     sm_scale = 1.0 / math.sqrt(q8.shape[-1])
-    o8 = (fp8_pv_reference if implementation == "reference" else fp8_sdpa_op)(q8, k8, v8, scales, sm_scale)
+    o8 = (fp8_pv_emulation if implementation == "emulation" else fp8_sdpa_op)(q8, k8, v8, scales, sm_scale)
     return dequantize_output(o8, scales, dtype)

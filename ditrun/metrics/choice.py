@@ -261,7 +261,8 @@ def table_cells(choice: Choice, index: int, run: Optional[RunResult] = None) -> 
 
 
 EMULATED_BACKENDS = ("emulation", "reference")
-"""The backends that compute a format exactly by dequantizing (linears: ``emulation``; attention: ``reference``)."""
+"""The backends that compute a format exactly by dequantizing: ``emulation`` (``reference`` in the records of runs
+whose attention named it so)."""
 
 
 def emulated_components(summary: dict) -> list[str]:

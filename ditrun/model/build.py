@@ -23,7 +23,7 @@ from ditrun.devices import DTYPES, dtype_name
 from ditrun.errors import UserError
 from ditrun.kernels.attention import (
     ATTENTION_KERNELS,
-    REFERENCE,
+    EMULATION,
     AttentionKernel,
     choose_implementation,
     fast_attention_available,
@@ -273,7 +273,7 @@ def _quantize(
     quantize_model(model, plan.linear, plan.scale_mode, table.choose)
     table.say_untuned()
     implementation = choose_implementation(plan.attention, device, head_dim, fast=plan.backend != "emulation")
-    if announce and plan.attention.quantized and implementation == REFERENCE:
+    if announce and plan.attention.quantized and implementation == EMULATION:
         why = fast_attention_available(plan.attention, device) or "precision.backend=emulation"
         print(
             f"ditrun: precision.attention={plan.attention.name} runs as the torch reference here ({why}).", flush=True
