@@ -196,7 +196,7 @@ def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Call
     device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
     plan = plan_precision(cfg.precision, device_dtype.device)
     built = build_model(
-        cfg.model, device_dtype, plan, weights=weights, speed=plan_compile(cfg.model, device_dtype.device)
+        cfg.model, device_dtype, plan, weights=weights, compile_plan=plan_compile(cfg.model, device_dtype.device)
     )
     forward, attention = built.forward, built.attention
     ran = {"precision": cfg.precision.name, **built.details}

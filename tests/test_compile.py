@@ -51,10 +51,10 @@ def _inputs(seed: int = 0, n_img: int = 48, n_txt: int = 12) -> dict:
     )
 
 
-def _built(precision: str = "bf16", variant: str = "flux", speed=None):
+def _built(precision: str = "bf16", variant: str = "flux", compile_plan=None):
     cfg = tiny_config(f"precision={precision}", f"model.variant={variant}")
     plan = plan_precision(cfg.precision, CPU.device)
-    return build_model(cfg.model, CPU, plan, announce=False, speed=speed)
+    return build_model(cfg.model, CPU, plan, announce=False, compile_plan=compile_plan)
 
 
 @pytest.mark.parametrize("variant", ["flux", "krea3"])
@@ -145,7 +145,7 @@ def test_inductor_compiled_model_equals_eager_whole_blocks_and_halves():
     """The run's attention compiles into each block; any other attention (a layout's, which exchanges)
     runs between the compiled halves. Both equal the eager model."""
     eager = _built()
-    compiled = _built(speed=CompilePlan(compile=True, fuse=True))
+    compiled = _built(compile_plan=CompilePlan(compile=True, fuse=True))
     # The GELU MLPs (2 single blocks, 2 MLPs in each of 2 double blocks) in their GEMMs' epilogues; then each
     # single block's q, k, v and each double block's streams' q, k, v stacked.
     assert compiled.details["compile"] == {
@@ -181,7 +181,7 @@ def test_blocks_of_one_class_compile_once(guarded):
     torch._dynamo.reset()
     COMPILED_GRAPHS.clear()
     guard = (lambda compile_graph: compile_graph()) if guarded else None
-    compiled = _built(speed=CompilePlan(compile=True, fuse=True, backend="ditrun_test_counting", guard=guard))
+    compiled = _built(compile_plan=CompilePlan(compile=True, fuse=True, backend="ditrun_test_counting", guard=guard))
     inputs = _inputs()
     with torch.no_grad():
         compiled.model(**inputs, attention=compiled.attention)
@@ -198,7 +198,7 @@ def test_quantized_models_trace_as_one_graph_per_half(precision):
     """Quantizers, stacked quantized projections, the dispatch rule and INT8-QK attention all trace
     with ``fullgraph=True`` (a graph break would raise) and compute the eager result."""
     eager = _built(precision)
-    compiled = _built(precision, speed=CompilePlan(compile=True, fuse=True, backend="aot_eager"))
+    compiled = _built(precision, compile_plan=CompilePlan(compile=True, fuse=True, backend="aot_eager"))
     inputs = _inputs(1)
     with torch.no_grad():
         want = eager.model(**inputs, attention=eager.attention)
@@ -462,7 +462,7 @@ def test_gpu_graphed_forward_replays_the_compiled_forward(monkeypatch):
         cuda,
         plan_precision(cfg.precision, cuda.device),
         announce=False,
-        speed=CompilePlan(compile=True, fuse=True, graphs=True),
+        compile_plan=CompilePlan(compile=True, fuse=True, graphs=True),
     )
     assert isinstance(built.forward, GraphedForward)
     with torch.inference_mode():

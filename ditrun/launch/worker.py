@@ -75,7 +75,7 @@ class Run:
         self.device_dtype = select_device_dtype(cfg.device, cfg.model.dtype)
         self.precision = plan_precision(cfg.precision, self.device_dtype.device)
         self.precision_label = precision_label(self.precision, self.device_dtype.dtype_name)
-        self.speed = plan_compile(cfg.model, self.device_dtype.device)
+        self.compile_plan = plan_compile(cfg.model, self.device_dtype.device)
         claim_compiler_caches()  # before anything compiles (the references' model included), in every rank
         self.settings = {edit.id: result_settings(self, edit) for edit in self.edits}
         self.directory_edits = [edit.id for edit in self.edits]  # global rank 0 learns the directory's in ``_claim``
@@ -149,11 +149,11 @@ class Run:
             for axis in ("sp", "cfg")
         }
         # Compiling happens inside the first steps, each region alone between the step's exchanges.
-        speed = dataclasses.replace(self.speed, guard=functools.partial(self.compile_guarded, job))
+        compile_plan = dataclasses.replace(self.compile_plan, guard=functools.partial(self.compile_guarded, job))
         with self.solo(job, "build"):
             STARTUP.begin("build_s")
             self.built = build_model(
-                cfg.model, self.device_dtype, self.precision, announce=self.layout.rank == 0, speed=speed
+                cfg.model, self.device_dtype, self.precision, announce=self.layout.rank == 0, compile_plan=compile_plan
             )
             self.model = self.built.model
             self.codec = make_latent_codec(
@@ -167,7 +167,7 @@ class Run:
         (``inference/compile_cache.py``)."""
         self.compile_cache = compile_cache.for_run(
             self.cfg,
-            self.speed,
+            self.compile_plan,
             self.device_dtype,
             self.geometry,
             self.precision,
@@ -183,7 +183,7 @@ class Run:
     def after_edit(self) -> None:
         """Every rank notes the time its CUDA graphs took to record (global rank 0 wrote the compile-cache entry of the
         edit's shape at its end: ``RunCompileCache.recording``)."""
-        if self.speed.graphs:
+        if self.compile_plan.graphs:
             parts = self.built.parts
             STARTUP.fields["graphs_s"] = capture_seconds(self.built.forward, parts.head, parts.tail)
 

@@ -231,12 +231,12 @@ def build_model(
     precision: Optional[PrecisionPlan] = None,
     announce: bool = True,
     table: Optional[DispatchTable] = None,
-    speed: Optional[CompilePlan] = None,
+    compile_plan: Optional[CompilePlan] = None,
     weights: Optional[dict[str, torch.Tensor]] = None,
 ) -> BuiltModel:
     """The run's model; ``precision`` None builds the plain (unquantized, SDPA) model.
 
-    ``table`` picks the linear backends; unset loads ``precision.tuning_file``. ``speed`` (the checked
+    ``table`` picks the linear backends; unset loads ``precision.tuning_file``. ``compile_plan`` (the checked
     ``model.compile``/``model.fuse``) fuses and compiles it last; None leaves it eager (references).
     ``weights``: tensors by parameter name, already on the device in the compute dtype, assigned
     without a copy (``benchmarks/vs_diffusers.py`` shares one checkpoint in memory with diffusers).
@@ -255,9 +255,10 @@ def build_model(
         table = table or DispatchTable.load(precision.tuning_file, device_dtype.device, precision.backend, announce)
         built = _quantize(model, precision, table, device_dtype.device, geometry.attention_head_dim, announce)
     built.model.eval().requires_grad_(False)
-    if speed is not None:
-        built.details["compile"] = {"mode": speed.label, **apply_plan(built.model, speed, built.attention)}
-        if speed.graphs:
+    if compile_plan is not None:
+        applied = apply_plan(built.model, compile_plan, built.attention)
+        built.details["compile"] = {"mode": compile_plan.label, **applied}
+        if compile_plan.graphs:
             built.forward = GraphedForward(built.model, built.attention)
             built.parts = ModelParts(
                 GraphedForward(built.model.head, built.attention),
