@@ -6,7 +6,7 @@ in the config and inputs, is printed as ``ditrun: error: <one sentence>`` with e
 ``DITRUN_DEBUG=1`` shows the traceback behind it. ``ditrun tune key=value ...`` composes
 the config itself and tunes the precision backends (``ditrun/tune.py``). ``ditrun warm key=value ...``
 is the run of that config with ``warm.enabled=true``: it compiles the workload's shapes into the
-compile cache and runs no edit (``ditrun/launch/warm.py``). Hydra's ``.hydra/`` files are rendered
+compile cache and runs no edit (``ditrun/run/warm.py``). Hydra's ``.hydra/`` files are rendered
 here and written by global rank 0 once the results directory is this run's
 (``ditrun/results/rundir.py``), never by a run that is refused it.
 """
@@ -49,6 +49,7 @@ def _hydra_main(cfg: RunConfig) -> None:
     from ditrun.metrics import full_quality
     from ditrun.metrics.quality import QualityGateError
     from ditrun.metrics.wandb import apply_sweep_defaults
+    from ditrun.run import WORK
 
     global _job_started
     _job_started = True
@@ -62,7 +63,7 @@ def _hydra_main(cfg: RunConfig) -> None:
         if hydra_cfg.mode == RunMode.MULTIRUN:
             apply_sweep_defaults(cfg, hydra_cfg.sweep.dir, hydra_cfg.job.num)
             full_quality.apply_sweep_defaults(cfg, hydra_cfg.sweep.dir)  # one reference for the whole sweep
-        launch(cfg, out_dir, hydra_files)
+        launch(cfg, out_dir, WORK, hydra_files)
     except QualityGateError as err:
         print(f"ditrun: error: {err}", file=sys.stderr, flush=True)
         if hydra_cfg.mode != RunMode.MULTIRUN:
@@ -117,9 +118,7 @@ def _job_failed(hydra_cfg, why: str) -> None:
     """Note a sweep's job that failed (its report lists it as incomplete) and name it in one line."""
     from ditrun.metrics.report import note_failed_job
 
-    note_failed_job(
-        hydra_cfg.sweep.dir, hydra_cfg.runtime.output_dir, hydra_cfg.job.num, hydra_cfg.overrides.task, why
-    )
+    note_failed_job(hydra_cfg.sweep.dir, hydra_cfg.runtime.output_dir, hydra_cfg.job.num, hydra_cfg.overrides.task, why)
 
 
 def _hydra_files(cfg):

@@ -68,7 +68,7 @@ class ModelConfig:
     a much longer first compile (docs/PERFORMANCE.md#start-up), cached for later processes.
     ``precision=fp8_all`` sets it."""
     compile_cache: Optional[str] = "auto"
-    """A folder of compiled code shared by jobs (``inference/compile_cache.py``): a compiled run loads the entry of its
+    """A folder of compiled code shared by jobs (``run/compile_cache.py``): a compiled run loads the entry of its
     key before compiling, and global rank 0 writes it after its first edit, so a later job (any node, any rank)
     finds the blocks compiled. ``auto``: ``$XDG_CACHE_HOME/ditrun/compile`` (``~/.cache/ditrun/compile``); on a
     cluster, a folder on shared storage; ``off`` or ``null``: none (Inductor's own cache on the node only)."""

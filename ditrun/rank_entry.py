@@ -33,8 +33,8 @@ def rank_main(payload: bytes, sender) -> None:
     by the supervisor, so that unpickling them, which imports omegaconf, is also covered)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, _note)
-    args = pickle.loads(payload)  # (cfg, out_dir, rank, world, port, job_secret, supervisor, hydra_files)
-    sender.send(("ready", args[2]))  # the supervisor relays its stop signals from now on
+    args = pickle.loads(payload)  # (cfg, out_dir, work, rank, world, port, job_secret, supervisor, hydra_files)
+    sender.send(("ready", args[3]))  # the supervisor relays its stop signals from now on
     from ditrun.launch.rank import spawned_rank_main
     from ditrun.launch.stop import process_stop
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ditrun.inference.compile_cache import TRUST_KEY, CompileCache, device_description, toolchain
 from ditrun.model.compile import INDUCTOR_CACHE_ENV, claim_compiler_caches
+from ditrun.run.compile_cache import TRUST_KEY, CompileCache, device_description, toolchain
 from ditrun.trust import Trust
 
 TOGETHER = 2

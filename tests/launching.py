@@ -19,8 +19,8 @@ from hydra import compose, initialize_config_module
 from safetensors.torch import load_file
 
 from ditrun.config import register_configs
-from ditrun.launch import worker
 from ditrun.results.files import edit_outputs
+from ditrun.run import worker
 
 VENV_BIN = Path(sys.executable).parent
 TINY = [

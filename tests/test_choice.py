@@ -298,7 +298,7 @@ def test_gate_measures():
 def test_an_unknown_quality_measure_is_one_sentence():
     from launching import tiny_config
 
-    from ditrun.launch import checks
+    from ditrun.run import checks
 
     with pytest.raises(ValueError) as err:
         checks.check_run_config(tiny_config("metrics.quality=lpips"))
@@ -324,7 +324,7 @@ def test_an_unknown_quality_measure_is_one_sentence():
 def test_a_wrong_reference_setting_is_one_sentence(override, message):
     from launching import tiny_config
 
-    from ditrun.launch import checks
+    from ditrun.run import checks
 
     with pytest.raises(ValueError) as err:
         checks.check_run_config(tiny_config(override))

@@ -287,7 +287,7 @@ def test_importing_the_worker_costs_no_dynamo_import():
     """Importing torch._dynamo takes 2.4 s; a process that imports the worker and never compiles (every CPU rank)
     must not pay that, so nothing the kernels define at import time may reach it."""
     imported = subprocess.run(
-        [sys.executable, "-c", "import sys, ditrun.launch.worker; print('torch._dynamo' in sys.modules)"],
+        [sys.executable, "-c", "import sys, ditrun.run.worker; print('torch._dynamo' in sys.modules)"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -363,7 +363,7 @@ GPU = ["device=cuda", "model.dtype=bf16", "metrics.report=false", "workload.limi
 def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
     from launching import latents
 
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     eager = worker.run(tiny_config(f"precision={precision}", "model.compile=off", *GPU), tmp_path / "eager")
     try:
@@ -389,7 +389,7 @@ def test_gpu_compiled_fp8_product_attention_matches_the_eager_run(tmp_path):
     128 x 128 images: enough tokens for the Hopper kernel."""
     from launching import latents
 
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the FP8 P @ V is the Hopper (sm_90) Gluon kernel's")

@@ -1,4 +1,4 @@
-"""``model.compile_cache`` (``inference/compile_cache.py``): a later process on a fresh node loads what the first
+"""``model.compile_cache`` (``run/compile_cache.py``): a later process on a fresh node loads what the first
 compiled, a bad entry is discarded with a warning, and writers running at once leave one whole entry.
 
 Each job is a real process (``compile_cache_job.py``: a small model through Inductor's CPU code generation) with
@@ -20,8 +20,10 @@ from launching import ditrun_command, quiet_env, run, tiny_config
 
 from ditrun import timers
 from ditrun.errors import UserError
-from ditrun.inference import compile_cache
-from ditrun.inference.compile_cache import (
+from ditrun.metrics import timing
+from ditrun.model.compile import CompilePlan
+from ditrun.run import checks, compile_cache
+from ditrun.run.compile_cache import (
     BadEntry,
     CompileCache,
     Entry,
@@ -31,9 +33,6 @@ from ditrun.inference.compile_cache import (
     unpack_kernels,
     write_entry,
 )
-from ditrun.launch import checks
-from ditrun.metrics import timing
-from ditrun.model.compile import CompilePlan
 
 JOB = Path(__file__).with_name("compile_cache_job.py")
 JOB_TIMEOUT_S = 240
@@ -123,7 +122,7 @@ def test_an_entry_read_while_two_processes_rewrite_it_is_always_whole(tmp_path):
     entry (the rename replaces it at once), and no temporary file is left."""
     entry = tmp_path / f"k{compile_cache.ENTRY_SUFFIX}"
     code = (
-        "import sys; from pathlib import Path; from ditrun.inference.compile_cache import Entry, write_entry; "
+        "import sys; from pathlib import Path; from ditrun.run.compile_cache import Entry, write_entry; "
         "me = int(sys.argv[2]); [write_entry(Path(sys.argv[1]), 'k', {'writer': me}, "
         "Entry(bytes([me]) * (i % 3 + 1) * 2**20)) for i in range(40)]"
     )

@@ -17,8 +17,8 @@ from launching import latents, records, tiny_config
 from ranks import run_ranks
 from test_ulysses import _qkv, world_transport
 
-from ditrun.launch import worker
 from ditrun.parallel.ulysses import UlyssesAttention
+from ditrun.run import worker
 from ditrun.transport.base import ExchangeShape, PeerLost, gather_shape
 from ditrun.transport.copy_engine import SlotLayout
 

@@ -280,7 +280,7 @@ def test_pipeline_folder_encodes_prompts_as_diffusers_does(tmp_path):
     encoders (cached on disk); the edit's final latents equal diffusers' run from the prompt text."""
     from launching import latents, tiny_config
 
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     expected = _diffusers_edit_latents(tmp_path, max_sequence_length=TEXT)
     cache = tmp_path / "prompts"
@@ -368,7 +368,7 @@ def _run_with_own_cache(rank, world, tmp_path):
     """Each rank with a prompt cache of its own, as on nodes without a shared file system."""
     from launching import tiny_config
 
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     cache = tmp_path / f"prompts{rank}"
     return worker.run(
@@ -382,7 +382,7 @@ def test_pipeline_prompts_are_encoded_on_rank_0_and_sent_to_the_others(tmp_path)
     from launching import latents, tiny_config
     from ranks import run_ranks
 
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     _pipeline_folder(tmp_path / "kontext", guidance_embeds=False)
     Image.fromarray((np.random.default_rng(4).random((REF, REF, 3)) * 255).astype(np.uint8)).save(tmp_path / "r.png")

@@ -19,6 +19,8 @@ from ditrun.config import EditConfig, RunConfig
 from ditrun.errors import UserError
 from ditrun.launch import env, faults, run_as_rank, with_world
 from ditrun.launch.rendezvous import format_ranks
+from ditrun.launch.work import Work
+from ditrun.run.checks import check_config
 
 FORK = multiprocessing.get_context("fork")
 
@@ -35,7 +37,7 @@ def make_cfg(ranks=1, **launcher):
     return cfg
 
 
-def reduce_work(cfg, out_dir, job, nodes):
+def reduce_work(cfg, out_dir, job, nodes, hydra_files=None):
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
     return {
@@ -46,7 +48,7 @@ def reduce_work(cfg, out_dir, job, nodes):
     }
 
 
-def failing_work(cfg, out_dir, job, nodes):
+def failing_work(cfg, out_dir, job, nodes, hydra_files=None):
     dist.all_reduce(torch.ones(1))
     if dist.get_rank() == 2:
         raise RuntimeError("the GPU caught fire")
@@ -60,7 +62,7 @@ def failing_work(cfg, out_dir, job, nodes):
 def rank_main(rank, world, port, cfg, work, results):
     info = env.RankInfo("test", rank, rank, world, world, 1, "127.0.0.1", port)
     try:
-        results.put((rank, "ok", run_as_rank(cfg, Path(f"/tmp/ditrun-rank-{rank}"), info, work=work)))
+        results.put((rank, "ok", run_as_rank(cfg, Path(f"/tmp/ditrun-rank-{rank}"), info, Work(check_config, work))))
     except Exception as err:
         results.put((rank, "error", str(err)))
         raise

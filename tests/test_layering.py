@@ -107,13 +107,13 @@ LAYERS = (
     ("ditrun.results",),
     # The edits, their pictures, prompts and model inputs.
     ("ditrun.workload",),
-    # What is measured and reported about a run.
+    # What is measured and reported about a run, the full-quality pass among it.
     ("ditrun.metrics",),
-    # Code that runs the model on edits outside the measured loop: the full-quality reference pass.
-    ("ditrun.inference",),
-    # Where workers run and what each does; ``rank_entry`` is a spawned rank's first module, outside ``launch/`` so
-    # that importing it runs no ``launch/__init__.py``.
+    # Where ranks run and how they meet, stop and fail together, for whatever work they are handed; ``rank_entry``
+    # is a spawned rank's first module, outside ``launch/`` so that importing it runs no ``launch/__init__.py``.
     ("ditrun.launch", "ditrun.rank_entry"),
+    # The run itself: its checks, the worker, its records and console, the compile cache, ``ditrun warm``.
+    ("ditrun.run",),
     # The commands.
     ("ditrun.__main__", "ditrun.tune"),
 )
@@ -133,7 +133,7 @@ def layer_of(module: str) -> int:
 
 def test_the_graph_is_read_from_the_source():
     graph = import_graph()
-    assert "ditrun.model.build" in graph["ditrun.launch.worker"]  # a module-level import
+    assert "ditrun.model.build" in graph["ditrun.run.worker"]  # a module-level import
     assert "ditrun.launch.spawn" in graph["ditrun.launch"]  # an import inside a function counts too
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 

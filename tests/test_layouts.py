@@ -13,8 +13,8 @@ import torch
 from launching import assert_same_latents, ditrun_command, latents, records, relative_error, run, tiny_config
 from ranks import run_ranks
 
-from ditrun.launch import checks, worker
 from ditrun.results import files as results
+from ditrun.run import checks, worker
 
 # Two edits, so that two replicas get one each.
 TWO_EDITS = ["workload.limit=2", "metrics.report=false"]

@@ -17,8 +17,8 @@ from skimage import data, transform
 
 from ditrun import metrics, timers
 from ditrun.config import RunConfig
-from ditrun.inference.reference import Reference, reference_key
 from ditrun.metrics import quality, timing
+from ditrun.metrics.full_quality_images import Reference, reference_key
 from ditrun.metrics.progress import Progress
 from ditrun.metrics.target import make_target, psnr
 from ditrun.model.presets import geometry_from_config
@@ -108,7 +108,7 @@ def test_exposed_transfer_is_split_by_layer_kind_and_head_group():
 
 
 def _run_worker(rank, world, cfg, out_dir):
-    from ditrun.launch import worker
+    from ditrun.run import worker
 
     return worker.run(cfg, out_dir)
 
@@ -339,7 +339,7 @@ def test_records_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_pa
     one does not count), "unknown" outside a checkout."""
     import subprocess
 
-    from ditrun.launch.records import git_revision
+    from ditrun.run.records import git_revision
 
     def git(*args):
         return subprocess.run(

@@ -1,6 +1,6 @@
 """What a node does to a run, through the real command: a results disk that fills up at several points of a run
 (a small tmpfs), cache folders that cannot be written (mode 555), a HOME that is ``/`` or unset. Each ends as
-``launch/folders.py`` says: one ``ditrun: error:`` sentence (exit 2) before the directory is claimed, the end of a
+``run/folders.py`` says: one ``ditrun: error:`` sentence (exit 2) before the directory is claimed, the end of a
 stop (resume line, exit 1) after it, a warning for a picture or a cache that moves into the run directory; never a
 traceback, and a rerun once the disk has room completes every edit once."""
 
@@ -248,7 +248,7 @@ def test_a_results_directory_that_cannot_be_written_is_one_sentence_and_a_cache_
     from omegaconf import OmegaConf
 
     from ditrun.errors import UserError
-    from ditrun.launch import folders
+    from ditrun.run import folders
 
     cfg = OmegaConf.create({"metrics": {"ssim": True, "reference_dir": str(tmp_path / "refs"), "report": False}})
     cfg.model = {"path": None}

@@ -18,9 +18,12 @@ from ranks import run_ranks
 
 from ditrun.config import TransportConfig
 from ditrun.errors import UserError
-from ditrun.launch import env, run_as_rank, worker
+from ditrun.launch import env, run_as_rank
+from ditrun.launch.work import Work
 from ditrun.parallel.layout import LayoutPlan
 from ditrun.parallel.placement import Placement, format_ranks, node_names
+from ditrun.run import worker
+from ditrun.run.checks import check_config
 from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
 
@@ -147,14 +150,14 @@ def test_launchers_number_and_name_the_node():
 FORK = mp.get_context("fork")
 
 
-def _never_called(cfg, out_dir, job, nodes):
+def _never_called(cfg, out_dir, job, nodes, hydra_files=None):
     raise AssertionError("the placement check must stop the ranks before the worker starts")
 
 
 def _rank_on(node: str, rank: int, world: int, port: int, cfg, results) -> None:
     info = env.RankInfo("test", rank, rank % 2, world, 2, 2, "127.0.0.1", port, node_name=node)
     try:
-        run_as_rank(cfg, Path(f"/tmp/ditrun-placement-{rank}"), info, work=_never_called)
+        run_as_rank(cfg, Path(f"/tmp/ditrun-placement-{rank}"), info, Work(check_config, _never_called))
         results.put((rank, "ran"))
     except UserError as err:
         results.put((rank, str(err)))

@@ -22,8 +22,8 @@ from launching import (
 )
 from ranks import run_ranks
 
-from ditrun.launch import worker
 from ditrun.model.components import LINEAR_COMPONENTS
+from ditrun.run import worker
 
 pytestmark = pytest.mark.slow
 

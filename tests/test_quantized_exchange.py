@@ -17,8 +17,8 @@ from ranks import run_ranks
 from ditrun.config import TransportConfig
 from ditrun.kernels.attention import ATTENTION_KERNELS, EMULATION
 from ditrun.kernels.attention_payload import PAYLOADS, payload_for
-from ditrun.launch import worker
 from ditrun.parallel.ulysses import UlyssesAttention
+from ditrun.run import worker
 from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
 

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from ranks import run_ranks
 
 from ditrun.config import WorkloadConfig, register_configs
-from ditrun.inference.reference import reference_key
-from ditrun.launch import checks, worker
+from ditrun.metrics.full_quality_images import reference_key
 from ditrun.model.latents import LinearLatentMap
 from ditrun.model.presets import PRESETS
+from ditrun.run import checks, worker
 from ditrun.workload.edit import WorkloadError
 from ditrun.workload.images import check_sources
 from ditrun.workload.inputs import edit_inputs, edit_tokens

@@ -15,7 +15,7 @@ import yaml
 from ditrun_cli import TINY, ditrun
 from skimage import io
 
-from ditrun.inference.reference import pixel_checksum
+from ditrun.metrics.full_quality_images import pixel_checksum
 from ditrun.results import rundir
 
 COMMON = [*TINY, "wandb.mode=disabled", "progress=false", "metrics.report=false"]

@@ -19,7 +19,7 @@ import pytest
 from launching import tiny_config
 from ranks import run_ranks
 
-from ditrun.launch import worker
+from ditrun.run import worker
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "scaling.py"

@@ -20,9 +20,9 @@ from ditrun import config
 from ditrun.cache.forward import relative_l1
 from ditrun.cache.policies import CACHE_POLICIES, FirstBlock, static_mask
 from ditrun.config import CacheConfig
-from ditrun.launch import checks, worker
 from ditrun.metrics.quality import QUALITY_MEASURES
 from ditrun.parallel.layout import build_layout, plan_layout
+from ditrun.run import checks, worker
 
 STEPS = 5
 BASE = [f"workload.steps={STEPS}", "metrics.ssim=false", "metrics.report=false"]

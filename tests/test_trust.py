@@ -28,7 +28,8 @@ from launching import ditrun_command, quiet_env
 from tiers import missing
 
 from ditrun.errors import UserError
-from ditrun.inference.compile_cache import (
+from ditrun.model.compile import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, claim_compiler_caches
+from ditrun.run.compile_cache import (
     ENTRY_SUFFIX,
     TRUST_KEY,
     CompileCache,
@@ -37,7 +38,6 @@ from ditrun.inference.compile_cache import (
     read_entry,
     write_entry,
 )
-from ditrun.model.compile import INDUCTOR_CACHE_ENV, TRITON_CACHE_ENV, claim_compiler_caches
 from ditrun.trust import Trust, Untrusted, private_folder, read_trusted, write_for
 
 JOB = Path(__file__).with_name("compile_cache_job.py")

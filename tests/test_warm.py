@@ -1,4 +1,4 @@
-"""``ditrun warm`` (``launch/warm.py``) and the compile cache's entries per shape (``inference/compile_cache.py``): a
+"""``ditrun warm`` (``run/warm.py``) and the compile cache's entries per shape (``run/compile_cache.py``): a
 warm job fills the entry of every size it is given, a later run of those sizes loads them, and a user's mistake is
 one sentence before any work.
 
@@ -18,9 +18,8 @@ import yaml
 from launching import TINY, run, tiny_config
 
 from ditrun.errors import UserError
-from ditrun.inference import compile_cache
-from ditrun.inference.compile_cache import CompileCache, RunCompileCache, kernel_folders, shape_of
-from ditrun.launch import checks, warm
+from ditrun.run import checks, compile_cache, warm
+from ditrun.run.compile_cache import CompileCache, RunCompileCache, kernel_folders, shape_of
 from ditrun.workload.images import KONTEXT_RESOLUTIONS
 from ditrun.workload.manifest import resolve_edits
 

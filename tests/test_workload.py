@@ -88,7 +88,7 @@ def test_pictures_shipped_in_packages_are_named_as_the_editor_recipe_names_them(
     """matplotlib:<file>, sklearn:<file> and a skimage stereo pair (its left view) load as references, each the same
     picture as the editor's held-out and training sets read (recipes/editor/pictures.py), and the same as the
     package's file named by its path; a record names the picture by its name."""
-    from ditrun.launch.records import _source
+    from ditrun.run.records import _source
     from ditrun.workload.images import package_file
     from recipes.editor import evaluate, pictures
 

@@ -1,7 +1,8 @@
 """One rank's way through a job: the checks every rank makes, joining the others, running the worker, signing out.
 
 ``run_as_rank`` is the path of a rank that any launcher started (torchrun, ``srun``, ``mpiexec``, submitit, or
-ditrun's own spawner, whose ranks enter through ``spawned_rank_main``); each checks the config first (``checks.py``).
+ditrun's own spawner, whose ranks enter through ``spawned_rank_main``); each checks the config first (the work's
+``check``: ``ditrun.run.checks``).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from typing import Optional
 import torch.distributed as dist
 
 from ditrun.errors import UserError
-from ditrun.launch import env, faults, rendezvous, secret, worker
-from ditrun.launch.checks import check_config
+from ditrun.launch import env, faults, rendezvous, secret
 from ditrun.launch.job import StoreJob
 from ditrun.launch.stop import RunStopped, process_stop
+from ditrun.launch.work import Work
 from ditrun.model.build import model_geometry
 from ditrun.parallel.placement import Placement
 from ditrun.results.rundir import HydraFiles
@@ -33,14 +34,14 @@ from ditrun.timers import STARTUP
 
 
 def run_as_rank(
-    cfg, out_dir: Path, info: env.RankInfo, work=None, hydra_files: Optional[HydraFiles] = None
+    cfg, out_dir: Path, info: env.RankInfo, work: Work, hydra_files: Optional[HydraFiles] = None
 ) -> Optional[dict]:
-    """Join the job as the rank the launcher started, run ``work`` (the worker) and sign out.
+    """Join the job as the rank the launcher started, check the config and run ``work`` (``work.py``), sign out.
 
-    ``hydra_files`` reach the worker, whose global rank 0 writes them once the directory is this run's."""
-    work = work or functools.partial(worker.run, hydra_files=hydra_files)
+    ``hydra_files`` reach the work, whose global rank 0 writes them once the directory is this run's."""
+    run = functools.partial(work.run, hydra_files=hydra_files)
     cfg = with_world(cfg, info)
-    plan = check_config(cfg, info.world)
+    plan = work.check(cfg, info.world)
     info = env.with_address(info, cfg.launcher.master_port)
     if not os.environ.get(secret.ENV) and info.launcher in env.MPI_LAUNCHERS:
         os.environ[secret.ENV] = secret.mpi_secret() or ""  # MPI is a channel the job owns already
@@ -66,7 +67,7 @@ def run_as_rank(
         rendezvous.init_process_group(info, backend, meeting, cfg.launcher.collective_timeout_s)
         STARTUP.end("rendezvous_s")
         watchdog = faults.Watchdog(meeting, info.rank).start()
-        summary = work(cfg, Path(meeting.shared["out_dir"]), job, placement.nodes)
+        summary = run(cfg, Path(meeting.shared["out_dir"]), job, placement.nodes)
     except RunStopped as err:
         stopped = err  # not a failure: the run ends as a good one does, then says it was stopped
     except BaseException as err:
@@ -138,7 +139,16 @@ def with_world(cfg, info: env.RankInfo):
 
 
 def spawned_rank_main(
-    cfg, out_dir: Path, rank: int, world: int, port: int, job_secret: str, supervisor: int, hydra_files, sender
+    cfg,
+    out_dir: Path,
+    work: Work,
+    rank: int,
+    world: int,
+    port: int,
+    job_secret: str,
+    supervisor: int,
+    hydra_files,
+    sender,
 ) -> None:
     """The body of one spawned rank: tell the supervisor how it ended, then exit.
 
@@ -167,7 +177,7 @@ def spawned_rank_main(
 
     try:
         info = dataclasses.replace(env.discover(), launcher=env.LOCAL_SPAWN)  # torchrun's variables, not torchrun
-        summary = run_as_rank(cfg, out_dir, info, hydra_files=hydra_files)
+        summary = run_as_rank(cfg, out_dir, info, work, hydra_files=hydra_files)
     except (RunStopped, KeyboardInterrupt) as err:
         stopped = err if isinstance(err, RunStopped) else RunStopped(signal.SIGINT)
         sender.send(("stopped", rank, stopped))

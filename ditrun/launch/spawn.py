@@ -36,8 +36,8 @@ from ditrun.parallel.placement import format_ranks
 STOP_GRACE_S = 5.0
 
 
-def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
-    """Run ``launcher.world`` ranks here and wait for all of them."""
+def spawn_local(cfg, out_dir: Path, work, hydra_files=None) -> dict:
+    """Run ``launcher.world`` ranks of ``work`` (``work.py``) here and wait for all of them."""
     world = cfg.launcher.world
     check_local_devices(cfg.device, world)
     port = cfg.launcher.master_port or env.free_port()
@@ -47,7 +47,7 @@ def spawn_local(cfg, out_dir: Path, hydra_files=None) -> dict:
     pipes = [context.Pipe(duplex=False) for _ in range(world)]
     # The rank starts in ``rank_entry`` (standard library only), which catches stop signals before the
     # rank imports torch; its arguments travel pickled so that unpickling them is covered too.
-    args = [(cfg, out_dir, rank, world, port, job_secret, os.getpid(), hydra_files) for rank in range(world)]
+    args = [(cfg, out_dir, work, rank, world, port, job_secret, os.getpid(), hydra_files) for rank in range(world)]
     payloads = [pickle.dumps(rank_args) for rank_args in args]
     ranks = [
         context.Process(

@@ -63,7 +63,7 @@ on a stop (the largest) prefers it: the run's files are what is wrong."""
 
 
 class NodeFault(RunStopped):
-    """A node's fault mid-run (``launch/folders.py``): the run ends as a stop does (the finished edits' summary and
+    """A node's fault mid-run (``run/folders.py``): the run ends as a stop does (the finished edits' summary and
     the resume line, where the disk allows) and exits 1. ``why`` names the error and the file on the rank that
     found it (``found_here``); another rank has it from that one, or, where the news had not reached it yet, only
     that a rank could not write."""

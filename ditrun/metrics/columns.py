@@ -1,5 +1,5 @@
 """What each column of ditrun's tables means, said once under the table: the console's table of a run's edits
-(``launch/console.py``) and the report's table of runs (``metrics/report.py``).
+(``run/console.py``) and the report's table of runs (``metrics/report.py``).
 
 The full-quality reference runs in BF16 on GPUs and in fp32 on CPUs, so its column is named by the dtype it ran
 in (``reference_column``), never by what a GPU would have used.

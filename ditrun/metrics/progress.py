@@ -105,7 +105,7 @@ PHASES = {
     "build": "loading the model",
     "compile": "compiling",
 }
-"""What a log calls the worker's phases (``launch/worker.py``'s ``Run.solo``)."""
+"""What a log calls the worker's phases (``run/worker.py``'s ``Run.solo``)."""
 
 
 class _LoggedSteps:

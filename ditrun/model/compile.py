@@ -31,7 +31,7 @@ called: ``model/graphs.py`` replays the forward from CUDA graphs (``BuiltModel.f
 Compiled code is checked against the eager model in tests (CPU inductor) and in
 ``benchmarks/vs_diffusers.py`` (GPU). Inductor's FX-graph and autotuning caches persist across
 processes (``TORCHINDUCTOR_CACHE_DIR``, and Triton's kernels in ``TRITON_CACHE_DIR``), so only the first
-process on a node pays the full compile, and ``model.compile_cache`` (``inference/compile_cache.py``)
+process on a node pays the full compile, and ``model.compile_cache`` (``run/compile_cache.py``)
 carries them to every node. Both folders hold code that runs as the user, so ``claim_compiler_caches`` puts
 them under the user's own cache before anything compiles (not Inductor's default ``/tmp/torchinductor_<user>``,
 a fixed name that another user may make first), or checks the ones the user set. The warm-up edits
@@ -105,7 +105,7 @@ class CompilePlan:
         default=None, compare=False, repr=False
     )
     """What runs each compilation (given as a function of no arguments): the run's ``Run.compile_guarded``
-    (``launch/worker.py``), which compiles inside ``solo("compile")`` and gives None when a stop signal ended it;
+    (``run/worker.py``), which compiles inside ``solo("compile")`` and gives None when a stop signal ended it;
     None compiles unguarded."""
 
     @property

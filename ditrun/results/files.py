@@ -48,7 +48,7 @@ TEMPORARY_PREFIX = ".ditrun-tmp."
 
 
 # What a node does to a run's writes, as opposed to a bug: full, over a quota or a file size limit, unwritable,
-# read-only (``launch/folders.py``).
+# read-only (``run/folders.py``).
 NODE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM, errno.EROFS)
 
 

@@ -11,9 +11,9 @@ import torch
 from omegaconf import OmegaConf
 
 from ditrun.devices import device_name, dtype_name
-from ditrun.inference import reference
 from ditrun.launch.stop import RunStopped
 from ditrun.metrics import full_quality, quality, timing
+from ditrun.metrics import full_quality_images as reference
 from ditrun.model.build import inexact_repack_rows
 from ditrun.results import files, rundir
 from ditrun.timers import peak_memory_bytes

@@ -11,7 +11,7 @@ written, flushed and removed in it. A cache or a library's folder that fails mov
 sentence naming it and the key or variable that moves it (exit 2). The same fault after the claim ends the run as a
 stop does, on every rank (``stop.NodeFault``: the summary of the finished edits and the resume line, where the disk
 allows), exit 1; in a cache it does not: the reference cache stops storing with one warning
-(``inference/reference.py``), the prompt cache moves into the run directory with one (``workload/prompts.py``).
+(``metrics/full_quality_images.py``), the prompt cache moves into the run directory with one (``workload/prompts.py``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ serialised artifacts, then the Triton kernels (a gzip'd tar of kernel folders; e
   rule); the layout's degrees, CFG, the step cache; and the shape (an edit's text tokens and image tokens,
   output and reference latents: what the graphs are specialised for, so 32x48 and 48x32 share an entry). A run
   has one entry per distinct shape of its edits, so a job of any mix of sizes finds each size's entry whichever
-  job wrote it (``ditrun warm`` fills them ahead: ``launch/warm.py``). Inductor's own keys still guard every
+  job wrote it (``ditrun warm`` fills them ahead: ``run/warm.py``). Inductor's own keys still guard every
   graph, so an entry of another key could only miss, never run code compiled for something else.
 * **Readers**: every rank, on any node, loads the entry of each of its shapes before its first compiled forward.
 * **Writer**: global rank 0, after each of its edits in which it compiled something the entry of that edit's

@@ -1,7 +1,7 @@
 """``ditrun warm``: every shape a workload needs compiled into the compile cache, as one job.
 
 ``ditrun warm key=value ...`` is the run of that config (``warm.enabled``: the same checks, launchers, ranks, model
-and compile-cache entries, ``inference/compile_cache.py``) with no edit in it. Its sizes are the workload's edits'
+and compile-cache entries, ``run/compile_cache.py``) with no edit in it. Its sizes are the workload's edits'
 (one of each), or the output sizes ``warm.sizes`` and ``warm.preset`` name, each with the workload's first edit's
 picture and prompt; sizes of equal token counts share a shape, and so an entry. Global rank 0 decides, from the
 entries it loaded, which shapes still lack theirs; for each of those, every rank runs one denoising step (one guided
@@ -19,10 +19,10 @@ import torch
 from omegaconf import ListConfig
 
 from ditrun.errors import UserError
-from ditrun.inference import compile_cache
 from ditrun.model.compile import plan_compile
 from ditrun.model.sampler import denoise
 from ditrun.results import files
+from ditrun.run import compile_cache
 from ditrun.workload.edit import Edit
 from ditrun.workload.images import KONTEXT_RESOLUTIONS, PATCH_PIXELS, REF_RESIZE
 from ditrun.workload.inputs import edit_tokens

@@ -28,13 +28,10 @@ import torch.distributed as dist
 
 from ditrun import cache
 from ditrun.devices import DTYPES
-from ditrun.inference import compile_cache, reference
-from ditrun.launch import faults, folders, warm
-from ditrun.launch.checks import check_run_config, check_run_memory
-from ditrun.launch.console import print_locations, print_start, print_table
+from ditrun.launch import faults
 from ditrun.launch.job import LocalJob, job_of_process_group
-from ditrun.launch.records import edit_record, result_settings, run_settings, run_summary
 from ditrun.launch.stop import FAULT, NodeFault, RunStopped, stop_of
+from ditrun.metrics import full_quality_images as reference
 from ditrun.metrics import quality
 from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
@@ -48,6 +45,10 @@ from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import exchange_fields, layout_velocity, prepare_transports
 from ditrun.parallel.layout import build_layout
 from ditrun.results import files, rundir
+from ditrun.run import compile_cache, folders, warm
+from ditrun.run.checks import check_run_config, check_run_memory
+from ditrun.run.console import print_locations, print_start, print_table
+from ditrun.run.records import edit_record, result_settings, run_settings, run_summary
 from ditrun.timers import STARTUP, ExposedTransfer, Interval, StepTimer, reset_peak_memory
 from ditrun.transport.registry import make_transport
 from ditrun.workload import prompts
@@ -164,7 +165,7 @@ class Run:
 
     def _open_compile_cache(self) -> None:
         """This run's compile-cache entries, loaded before the first compiled forward
-        (``inference/compile_cache.py``)."""
+        (``run/compile_cache.py``)."""
         self.compile_cache = compile_cache.for_run(
             self.cfg,
             self.compile_plan,
