@@ -56,9 +56,10 @@ from ditrun.config import (
     precision_presets,
     register_configs,
 )
-from ditrun.model.build import build_model, plan_precision, select_device_dtype
+from ditrun.model.build import build_model, select_device_dtype
 from ditrun.model.compile import plan_compile
 from ditrun.model.latents import token_ids
+from ditrun.model.precision import plan_precision
 from ditrun.model.presets import PRESETS
 
 FLUX_DEV = PRESETS["flux-dev"]

@@ -100,10 +100,11 @@ def choose_backend(module: QuantizedLinear, x: torch.Tensor, device: torch.devic
 
 def tune(cfg) -> DispatchTable:
     """Tune the linears of ``cfg``'s model and precision on this device; returns the saved table."""
-    from ditrun.model.build import build_model, model_geometry, plan_precision, select_device_dtype
+    from ditrun.model.build import build_model, model_geometry, select_device_dtype
     from ditrun.model.compile import claim_compiler_caches
     from ditrun.model.folders import vae_folder
     from ditrun.model.latents import make_latent_codec
+    from ditrun.model.precision import plan_precision
     from ditrun.model.sampler import sequential_cfg_velocity
     from ditrun.workload.inputs import edit_inputs
     from ditrun.workload.manifest import resolve_edits, resolve_text_len

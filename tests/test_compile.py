@@ -29,10 +29,11 @@ from launching import (
 from ditrun.config import ModelConfig
 from ditrun.errors import UserError
 from ditrun.kernels import epilogue
-from ditrun.model.build import DeviceDtype, build_model, plan_precision
+from ditrun.model.build import DeviceDtype, build_model
 from ditrun.model.compile import CompilePlan, fuse_epilogues, fuse_projections, plan_compile
 from ditrun.model.dit import GeluLinear, JoinedLinear, StackedLinear, gelu_activation, no_activation, sdpa_attention
 from ditrun.model.graphs import GraphedForward
+from ditrun.model.precision import plan_precision
 
 CPU = DeviceDtype(torch.device("cpu"), torch.float32, "fp32")
 DEBUG_BACKEND = ["model.compile=on", "model.compile_backend=aot_eager"]

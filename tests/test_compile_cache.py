@@ -320,7 +320,8 @@ def test_a_folder_that_cannot_hold_entries_is_one_sentence_before_any_work(tmp_p
 
 
 def _key(*overrides: str, details=None) -> str:
-    from ditrun.model.build import model_geometry, plan_precision, select_device_dtype
+    from ditrun.model.build import model_geometry, select_device_dtype
+    from ditrun.model.precision import plan_precision
     from ditrun.parallel.layout import plan_layout
     from ditrun.workload.manifest import resolve_edits
 

@@ -30,9 +30,10 @@ from ditrun.kernels.fp8_sdpa import (
     fp8_sdpa_op,
 )
 from ditrun.kernels.tuning import DispatchTable, entry_key, m_bucket
-from ditrun.model.build import build_model, plan_precision, precision_label, select_device_dtype
+from ditrun.model.build import build_model, select_device_dtype
 from ditrun.model.components import COMPONENT_LINEARS, component_linears
 from ditrun.model.dit import FluxDiT, gelu_activation, sdpa_attention
+from ditrun.model.precision import plan_precision, precision_label
 from ditrun.model.presets import geometry_from_config
 
 MX = ["mxfp8", "mxfp6", "mxfp6_e3m2", "mxfp4"]

@@ -16,10 +16,11 @@ from ditrun import cache, metrics
 from ditrun.devices import DTYPES
 from ditrun.errors import UserError
 from ditrun.launch import env, faults
-from ditrun.model.build import compute_dtype, device_kind, model_geometry, plan_precision
+from ditrun.model.build import compute_dtype, device_kind, model_geometry
 from ditrun.model.compile import plan_compile
 from ditrun.model.folders import check_components
 from ditrun.model.memory import check_memory
+from ditrun.model.precision import plan_precision
 from ditrun.parallel.cfg import check_true_cfg
 from ditrun.parallel.layout import LayoutPlan, plan_layout
 from ditrun.run import compile_cache, warm

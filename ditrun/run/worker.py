@@ -36,11 +36,12 @@ from ditrun.metrics import quality
 from ditrun.metrics import target as targets
 from ditrun.metrics import wandb as wandb_log
 from ditrun.metrics.progress import ACTIVITY, PHASES, Progress
-from ditrun.model.build import build_model, model_geometry, plan_precision, precision_label, select_device_dtype
+from ditrun.model.build import build_model, model_geometry, select_device_dtype
 from ditrun.model.compile import claim_compiler_caches, plan_compile
 from ditrun.model.folders import vae_folder
 from ditrun.model.graphs import capture_seconds
 from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
+from ditrun.model.precision import plan_precision, precision_label
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import exchange_fields, layout_velocity, prepare_transports
 from ditrun.parallel.layout import build_layout
