@@ -26,7 +26,7 @@ test-quick: $(STAMP) lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" --durations=10 $(PYTEST_ARGS)
 
 # Mutation testing of the numeric modules ([tool.mutmut] in pyproject.toml; docs/TESTING.md lists the score and the
-# surviving mutants with why each is equivalent). Outside `make test`: about 2 minutes on 2 cores.
+# surviving mutants with why each is equivalent, and how long a run takes on 2 cores). Outside `make test`.
 mutants: $(STAMP)
 	$(PY) -m pip install -q -e '.[mutants]'
 	rm -rf mutants
