@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from hydra import compose, initialize_config_module
@@ -108,3 +110,21 @@ def assert_same_latents(
         assert error <= bound, f"{record['edit']}: relative error {error:.2e}"
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["world"] == world and summary["edits"] == len(expected)
+
+
+def stopped_process(belongs: Callable[[int, list[str]], bool], timeout: float) -> int:
+    """The pid of a stopped process (SIGSTOP: ``testing.fault.freeze_rank``) for which ``belongs(pid, fields)`` holds,
+    ``fields`` being those of its ``/proc/<pid>/stat`` after the name (state, parent, group, session, ...), once one
+    is; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+                fields = stat[stat.rindex(")") + 2 :].split() if stat else []
+                if fields and fields[0] == "T" and belongs(int(entry.name), fields):
+                    return int(entry.name)
+            except OSError:  # the process ended meanwhile
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no process stopped itself within {timeout:g} s")

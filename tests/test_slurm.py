@@ -6,6 +6,7 @@ submitit launcher submitting a job array, Slurm requeueing a job that then resum
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -14,7 +15,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launching import SIX, TINY, assert_same_latents, quiet_env, records, single_reference, six_edits
+from launching import (
+    SIX,
+    TINY,
+    assert_same_latents,
+    quiet_env,
+    records,
+    single_reference,
+    six_edits,
+    stopped_process,
+)
 from tiers import missing
 from wandb_files import wandb_contents
 
@@ -275,3 +285,41 @@ def test_a_preempted_submitit_job_requeues_itself_and_resumes(cluster, tmp_path)
     assert "ditrun: resuming, " in task_log
     assert job_state(cluster, job)["Restarts"] == "1"
     assert sorted(r["edit"] for r in records(out)) == sorted(SIX)  # each edit exactly once
+
+
+@pytest.mark.timeout(240)
+def test_a_cancelled_job_of_a_submitit_sweep_is_named_and_the_sweep_reports_the_rest(cluster, tmp_path):
+    """scancel of a sweep's job (stopped at its first step: ``testing.fault.freeze_rank``) on the local cluster, whose
+    missing accounting leaves submitit unable to tell that the job ended: the sweep's launcher asks the controller,
+    names the job in one line (Slurm's state, its log's last line), reports the other job and exits 1."""
+    sweep = tmp_path / "sweep"
+    launcher = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1"]
+    command = [sys.executable, "-m", "ditrun", "-m", *launcher, f"hydra.sweep.dir={sweep}", *TINY]
+    with open(tmp_path / "sweep.log", "w") as log:
+        submitter = subprocess.Popen(
+            [*command, "testing.fault.freeze_rank=null,0"],
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=quiet_env(SLURM_CONF=str(cluster)),
+        )
+    try:
+        ours = f"SLURM_CONF={cluster}\0".encode()
+        frozen = stopped_process(lambda pid, stat: ours in Path(f"/proc/{pid}/environ").read_bytes(), 150)
+        env = dict(v.split("=", 1) for v in Path(f"/proc/{frozen}/environ").read_text().split("\0") if "=" in v)
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        slurm(cluster, "scancel", job)
+        assert submitter.wait(timeout=120) == 1, (tmp_path / "sweep.log").read_text()
+    finally:
+        if submitter.poll() is None:
+            submitter.kill()
+    text = (tmp_path / "sweep.log").read_text()
+    assert "Traceback" not in text and job.endswith("_1")
+    named = re.findall(r"^ditrun: error: job 1 \((.*)\) failed: (.*)$", text, re.MULTILINE)
+    assert len(named) == 1, text
+    overrides, why = named[0]
+    assert "testing.fault.freeze_rank=0" in overrides
+    assert why.startswith(f"submitit job {job} ended without a result (state: CANCELLED): it exited early"), why
+    assert f"ditrun: error: 1 job(s) of the sweep failed:\n  {sweep / '1'} ({overrides}): {why}" in text
+    assert (sweep / "0" / "summary.json").exists() and f"sweep report: {sweep / 'report.md'}" in text
+    assert (sweep / "report.md").read_text().count("**incomplete** (its job failed: submitit job") == 1

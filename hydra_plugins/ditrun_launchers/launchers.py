@@ -1,15 +1,17 @@
-"""Hydra's submitit launchers for ditrun's sweeps, where a job killed outright is a failed job, not the sweep's end.
+"""Hydra's submitit launchers for ditrun's sweeps, where a job that ends without a result is a failed job of the sweep.
 
 ``ditrun/conf/hydra/launcher/local.yaml`` and ``slurm.yaml`` take the submitit plugin's configs (every
 ``hydra.launcher.*`` key it knows) and point ``_target_`` here. The job itself is the plugin's: each job calls
 ``BaseSubmititLauncher.__call__`` (Hydra's ``run_job`` with the job's overrides) and requeues through its
 ``checkpoint``. What differs is how the sweep's process collects the jobs. The plugin reads each job's result with
 submitit's ``Job.results()``, which raises ``UncompletedJobError`` for a job that wrote none, and that error ends the
-whole sweep with a traceback, before its report. A job writes no result when it is killed outright (SIGKILL, the OOM
-killer, ``scancel``, a lost node, a crash in native code): a Python error inside it is caught by ditrun's task
-function, which notes it under the sweep (``ditrun.metrics.report.note_failed_job``). Here a job without its result
-is noted the same way, from the sweep's process: one line naming it (its overrides, how it ended: submitit's state
-and the last line of its log), the sweep's report lists it as incomplete, and the command exits 1 at the end.
+whole sweep with a traceback, before its report (or, where Slurm has no accounting for submitit to follow a job by,
+never ends it). A job writes no result when it is killed (SIGKILL, the OOM killer, ``scancel``, a lost node, a crash in
+native code) or exits on its own (ditrun's exits for a user's mistake, 2, and a stop signal, 128 + N): a Python error
+inside it is caught by ditrun's task function instead, which notes it under the sweep
+(``ditrun.metrics.report.note_failed_job``). Here a job without its result is noted the same way, from the sweep's
+process: one line naming it (its overrides, how it ended: its state and the last line of its log), the sweep's report
+lists it as incomplete, and the command exits 1 at the end.
 
 Its result stays a completed ``JobReturn``: Hydra's basic sweeper re-raises the error of a ``FAILED`` one as soon as
 the jobs of a batch have ended, and Hydra then skips ``on_multirun_end``, where ditrun's sweep report is written.
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.singleton import Singleton
@@ -79,13 +83,14 @@ class _Launcher(BaseSubmititLauncher):
 
     def _result(self, job, overrides: list[str], number: int) -> JobReturn:
         """The job's own result, or, when it ended without one, a result for it once it is noted as failed."""
-        result = self._collect(job)
-        if result is not None:
-            return result
+        state = self._ended(job)
+        if self._written(job, state):
+            return job.results()[0]  # task 0's, as every task runs the same Hydra job
         folder, task_overrides = self._job_folder(overrides, number)
         from ditrun.metrics.report import note_failed_job
 
-        note_failed_job(Path(str(self.config.hydra.sweep.dir)), folder, number, task_overrides, how_it_ended(job))
+        why = how_it_ended(job, state)
+        note_failed_job(Path(str(self.config.hydra.sweep.dir)), folder, number, task_overrides, why)
         return JobReturn(
             overrides=overrides,
             working_dir=str(folder),
@@ -94,15 +99,15 @@ class _Launcher(BaseSubmititLauncher):
             _return_value=None,
         )
 
-    def _collect(self, job) -> Optional[JobReturn]:
-        """Task 0's result once the job has ended; None when a task wrote none. submitit waits a while for a result
-        that a shared file system shows late, then says it never came."""
-        from submitit.core.utils import UncompletedJobError
+    def _ended(self, job) -> str:
+        """Wait until the job has ended; its state then."""
+        job.wait()
+        return job.state
 
-        try:
-            return job.results()[0]
-        except UncompletedJobError:
-            return None
+    def _written(self, job, state: str) -> bool:
+        """Whether every task of the ended job wrote its result. Those of a local job ran on this machine: a result
+        not there now never comes."""
+        return results_written(job)
 
     def _job_folder(self, overrides: list[str], number: int) -> tuple[Path, list[str]]:
         """The job's run directory and its overrides (``hydra.overrides.task``), as the job itself has them: its
@@ -127,29 +132,71 @@ class LocalLauncher(_Launcher):
 
     _EXECUTOR = "local"
 
-    def _collect(self, job) -> Optional[JobReturn]:
-        # The tasks ran here and have ended once the job has: a result not there now never comes, so submitit's
-        # wait for a late one (seconds per job) is skipped.
-        job.wait()
-        if any(not job.task(k).paths.result_pickle.exists() for k in range(job.num_tasks)):
-            return None
-        return job.results()[0]
-
 
 class SlurmLauncher(_Launcher):
     """``hydra/launcher=slurm``: the jobs as one Slurm job array (submitit's Slurm executor)."""
 
     _EXECUTOR = "slurm"
 
+    def _ended(self, job) -> str:
+        # submitit learns that a job ended from its result or from sacct; on a cluster without Slurm's accounting
+        # (sacct fails) a job that ended without a result would be waited for forever, so the controller is asked too.
+        asked = -POLL_S
+        while not job.done():
+            if time.monotonic() - asked >= POLL_S:
+                asked, state = time.monotonic(), controller_state(job.job_id)
+                if state in ENDED:
+                    return state
+            time.sleep(1)
+        return job.state
 
-def how_it_ended(job) -> str:
-    """One line saying how a job that wrote no result ended: which of its tasks wrote none, submitit's state of the
-    job, and the last line of that task's log."""
+    def _written(self, job, state: str) -> bool:
+        # A shared file system may show a result written on another node late: waited for as submitit does, unless
+        # Slurm says the job did not finish.
+        deadline = time.monotonic() + (0 if state.split(" ")[0] in UNFINISHED else RESULT_WAIT_S)
+        while not results_written(job):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(1)
+        return True
+
+
+# Slurm's states of a job that ended without finishing (sacct's CANCELLED says "by <uid>" after it).
+UNFINISHED = frozenset({"BOOT_FAIL", "CANCELLED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "TIMEOUT"})
+ENDED = UNFINISHED | {"COMPLETED", "PURGED"}
+# Seconds between two questions to Slurm's controller about a job that sacct cannot follow.
+POLL_S = 5.0
+# The most seconds a result is waited for once its job completed (submitit's own wait, ``Job.results``).
+RESULT_WAIT_S = 15.0
+
+
+def controller_state(job_id: str) -> str:
+    """The job's state as Slurm's controller has it (``scontrol show job``), "" when it cannot say; PURGED when it
+    no longer knows the job, which therefore ended more than ``MinJobAge`` ago."""
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    if shown.returncode != 0:
+        return "PURGED" if "Invalid job id" in shown.stderr else ""
+    fields = dict(field.split("=", 1) for field in shown.stdout.split() if "=" in field)
+    return fields.get("JobState", "")
+
+
+def results_written(job) -> bool:
+    return all(job.task(k).paths.result_pickle.exists() for k in range(job.num_tasks))
+
+
+def how_it_ended(job, state: str) -> str:
+    """One line saying how a job that wrote no result ended: which of its tasks wrote none, its state (submitit's,
+    or Slurm's controller's), and the last line of that task's log."""
     silent = [k for k in range(job.num_tasks) if not job.task(k).paths.result_pickle.exists()] or [0]
     tasks = "" if job.num_tasks == 1 else f" (task {', '.join(map(str, silent))} of {job.num_tasks})"
     why = (
-        f"submitit job {job.job_id}{tasks} ended without a result (submitit's state: {job.state}): killed outright "
-        "(SIGKILL, the OOM killer, scancel, a lost node) or crashed outside Python"
+        f"submitit job {job.job_id}{tasks} ended without a result (state: {state}): it exited early or was killed "
+        "(SIGKILL, the OOM killer, scancel, a lost node)"
     )
     paths = job.task(silent[0]).paths
     for path in (paths.stderr, paths.stdout):
