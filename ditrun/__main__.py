@@ -44,6 +44,7 @@ _STARTED = time.time()  # a folder changed since then was made by this run
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: RunConfig) -> None:
+    from ditrun.config import take_renamed_keys
     from ditrun.launch import WorkerFailed, launch
     from ditrun.launch.stop import NodeFault, RunStopped
     from ditrun.metrics import full_quality
@@ -58,6 +59,7 @@ def _hydra_main(cfg: RunConfig) -> None:
     try:
         hydra_errors.check_composed(cfg)
         OmegaConf.resolve(cfg)  # ranks and Slurm jobs get literal values (conf/model/editor.yaml's folder)
+        take_renamed_keys(cfg, say=True)  # an old key's notice, once per run
         out_dir = Path(cfg.output_dir) if cfg.output_dir else Path(hydra_cfg.runtime.output_dir)
         hydra_files = _hydra_files(cfg)  # the config as composed, before the sweep's W&B defaults
         if hydra_cfg.mode == RunMode.MULTIRUN:

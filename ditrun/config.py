@@ -2,10 +2,32 @@
 
 YAML files under ``ditrun/conf/`` only choose and override these values; an unknown key is an
 error raised by Hydra when the config is composed, before any work starts.
+
+Glossary (docs/GLOSSARY.md):
+
+reference: the picture an edit starts from (Kontext's input image, diffusers' word): an edit's ``image``, sized by
+    ``workload.ref_*``
+full quality: the edit's output at BF16, no quantization, no step cache, layout ``single``, same seed and size: what
+    every SSIM and verdict compares against (``metrics.full_quality_*``)
+emulation: a quantized format's exact torch implementation, the definition its fast kernels are tested against
+    (``precision.backend=emulation``)
+held-out pictures: the pictures the trained editor never saw in training, on which it is judged (docs/EDITOR.md)
+layout: how a job's ranks split the work: ``LayoutKind`` (one ``layout.name``), ``LayoutPlan`` (its degrees: replicas,
+    CFG, SP, head groups), ``Placement`` (the plan and the node of each rank), ``Layout`` (the plan bound to one rank
+    and its process groups)
+exchange shape: the geometry of one all-to-all's buffers (``ExchangeShape``)
+plan: a decision made before the first edit, named by its type: ``LayoutPlan``, ``CompilePlan``, ``PrecisionPlan``
+step cache: reuse of the DiT's block outputs across denoising steps (``cache=``)
+compile cache: compiled code and graphs shared by jobs (``model.compile_cache``, ``ditrun warm``)
+full-quality cache: the full-quality outputs kept between runs (``metrics.full_quality_dir``); the prompt cache keeps
+    encoded prompts (``workload.prompt_cache_dir``)
+tune: ``ditrun tune``: measure each linear's backends per shape and write the fastest to ``precision.tuning_file``;
+    Inductor's own kernel tuning is ``model.compile_tuning``
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -15,6 +37,34 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ditrun.editor import FOLDER as EDITOR_FOLDER
+from ditrun.errors import UserError
+
+RENAMED_KEYS = {
+    f"metrics.reference_{name}": f"metrics.full_quality_{name}" for name in ("dtype", "dir", "steps", "true_cfg_scale")
+}
+"""Old key -> its name now (``reference`` is the Kontext input picture; the BF16 output is the full-quality one)."""
+
+
+def take_renamed_keys(cfg, say: bool = False) -> None:
+    """Move each old key's value in ``cfg`` (a config, or the plain data of a recorded run) to its name now; ``say``:
+    one notice line per old key given. An old and a new name given different values is one sentence."""
+    for old, new in RENAMED_KEYS.items():
+        (group, old_leaf), new_leaf = old.split("."), new.split(".")[1]
+        node = cfg.get(group) if hasattr(cfg, "get") else None
+        if node is None:
+            continue
+        value, now = node.get(old_leaf), node.get(new_leaf)
+        if old_leaf in node and new_leaf not in node:  # a run recorded before the rename
+            node[new_leaf], node[old_leaf] = value, None
+            continue
+        if value is None:
+            continue
+        if now is not None and now != value:
+            raise UserError(f"{old}={value} and {new}={now} disagree: {old} is {new}'s old name; give {new} only.")
+        node[new_leaf], node[old_leaf] = value, None
+        if say:
+            print(f"ditrun: {old} is now {new}; read as it (rename it where you set it).", file=sys.stderr, flush=True)
+
 
 # The option files of the config groups (``precision=fp8`` reads ``conf/precision/fp8.yaml``).
 CONF_DIR = Path(__file__).resolve().parent / "conf"
@@ -325,13 +375,13 @@ class MetricsConfig:
     transfer_breakdown: bool = False
     """Also record exposed transfer seconds per layer kind and per head group in each edit's record."""
     ssim: bool = True
-    """Compute SSIM of every edit against the BF16 reference of the same edit, seed, steps and size
-    (layout ``single``, every component ``bf16``), and of a second BF16 run (``ssim_rerun``)."""
-    reference_dtype: Optional[str] = None
-    """Compute dtype of the reference runs: ``bf16``, ``fp16`` or ``fp32``; unset uses the run's own
+    """Compute SSIM of every edit against its full-quality output (BF16, no cache; the same edit, seed and size;
+    layout ``single``), and of a second full-quality run (``ssim_rerun``)."""
+    full_quality_dtype: Optional[str] = None
+    """Compute dtype of the full-quality runs: ``bf16``, ``fp16`` or ``fp32``; unset uses the run's own
     (``model.dtype``, so ``auto`` gives bf16 on GPUs and fp32 on CPUs)."""
-    reference_dir: Optional[str] = None
-    """Cache of reference images, shared by runs; unset means ``$XDG_CACHE_HOME/ditrun/references``
+    full_quality_dir: Optional[str] = None
+    """Cache of full-quality outputs, shared by runs; unset means ``$XDG_CACHE_HOME/ditrun/references``
     (``~/.cache/ditrun/references``)."""
     min_ssim_pct: Optional[float] = None
     """Fail the run (exit status 1) when its quality (``metrics.quality``) is below this percentage of the BF16 run's
@@ -341,12 +391,20 @@ class MetricsConfig:
     correct result as a share of the full-quality reference's, with no fewer edits beating every naive candidate),
     ``rerun`` (``ssim_pct_of_rerun``), ``bf16`` (SSIM against the BF16 output), or ``auto``: ``target`` when the
     workload names correct results, else ``rerun`` (docs/METRICS.md)."""
-    reference_steps: Optional[int] = None
-    """Denoising steps of the full-quality reference every verdict compares against (BF16, no cache); unset: the
+    full_quality_steps: Optional[int] = None
+    """Denoising steps of the full-quality output every verdict compares against (BF16, no cache); unset: the
     run's own ``workload.steps``, or in a Hydra sweep that varies ``workload.steps``, the sweep's largest."""
-    reference_true_cfg_scale: Optional[float] = None
-    """True CFG scale of the full-quality reference; unset: the run's own ``workload.true_cfg_scale``, or in a Hydra
+    full_quality_true_cfg_scale: Optional[float] = None
+    """True CFG scale of the full-quality output; unset: the run's own ``workload.true_cfg_scale``, or in a Hydra
     sweep that varies it, the sweep's largest."""
+    reference_dtype: Optional[str] = None
+    """The old name of ``full_quality_dtype`` (``RENAMED_KEYS``): read as it, with a one-line notice."""
+    reference_dir: Optional[str] = None
+    """The old name of ``full_quality_dir``."""
+    reference_steps: Optional[int] = None
+    """The old name of ``full_quality_steps``."""
+    reference_true_cfg_scale: Optional[float] = None
+    """The old name of ``full_quality_true_cfg_scale``."""
     report: bool = True
     """Write ``report.md`` and its charts into the run directory when the run ends (and into the sweep
     directory when a multirun ends)."""

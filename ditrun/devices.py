@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-# ``model.dtype`` and ``metrics.reference_dtype`` name one of these.
+# ``model.dtype`` and ``metrics.full_quality_dtype`` name one of these.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

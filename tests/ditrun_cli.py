@@ -38,8 +38,8 @@ def without_network() -> tuple[str, ...]:
     return ("unshare", "-n") if ok else ()
 
 
-def reference_dir(tmp_path_factory) -> str:
-    """One reference cache for the whole test session, so each reference is made once."""
+def full_quality_dir(tmp_path_factory) -> str:
+    """One cache of full-quality outputs for the whole test session, so each is made once."""
     return str(tmp_path_factory.getbasetemp() / "references")
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import yaml
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, full_quality_dir
 from skimage import io
 from test_wandb import run_contents
 
@@ -311,12 +311,12 @@ def test_an_unknown_quality_measure_is_one_sentence():
     "override, message",
     [
         (
-            "metrics.reference_steps=0",
-            "metrics.reference_steps=0 must be 1 or more (or unset for the run's own workload.steps).",
+            "metrics.full_quality_steps=0",
+            "metrics.full_quality_steps=0 must be 1 or more (or unset for the run's own workload.steps).",
         ),
         (
-            "metrics.reference_true_cfg_scale=nan",
-            "metrics.reference_true_cfg_scale=nan must be a finite number (or unset "
+            "metrics.full_quality_true_cfg_scale=nan",
+            "metrics.full_quality_true_cfg_scale=nan must be a finite number (or unset "
             "for the run's own workload.true_cfg_scale).",
         ),
     ],
@@ -347,7 +347,7 @@ def test_a_real_sweep_chooses_the_run_that_keeps_quality_and_logs_the_table(tmp_
         "cache=none,static",
         "cache.blocks=0",
         "cache.compute_steps=[0]",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
         timeout=360,

@@ -306,3 +306,25 @@ def test_a_repeated_number_is_found(tmp_path):
     assert repeated_numbers([owner, quoting]) == ["98.7: owner.md:3, quoting.md:1"]
     assert repeated_numbers([owner, other]) == ["640.9: owner.md:5, other.md:3"]
     assert repeated_numbers([other, tmp_path / "other.md"]) == []
+
+
+def glossary_of_config() -> dict[str, str]:
+    """The glossary at the top of ``ditrun/config.py``'s docstring: word -> meaning, whitespace joined."""
+    import ditrun.config
+
+    text = ditrun.config.__doc__.split("Glossary (docs/GLOSSARY.md):", 1)[1]
+    entries: dict[str, str] = {}
+    for line in text.strip().splitlines():
+        if line.startswith("    "):
+            entries[word] += " " + line.strip()
+        else:
+            word, meaning = line.split(": ", 1)
+            entries[word] = meaning
+    return {word: meaning.replace("``", "`") for word, meaning in entries.items()}
+
+
+def test_the_glossary_of_the_docs_is_the_configs():
+    lines = (ROOT / "docs" / "GLOSSARY.md").read_text().splitlines()
+    rows = [line.strip("| ").split(" | ", 1) for line in lines if line.startswith("| ")][2:]  # less header and rule
+    docs = dict(rows)
+    assert len(docs) >= 10 and docs == glossary_of_config()

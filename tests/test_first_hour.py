@@ -255,7 +255,7 @@ def test_a_cpu_run_says_what_ran_and_leaves_no_empty_log(tmp_path):
         *QUICK,
         "launcher.world=2",
         "layout=ulysses",
-        f"metrics.reference_dir={tmp_path / 'references'}",
+        f"metrics.full_quality_dir={tmp_path / 'references'}",
         f"hydra.run.dir={out}",
         cwd=tmp_path,
     )

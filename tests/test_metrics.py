@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, full_quality_dir
 from omegaconf import OmegaConf
 from skimage import data, transform
 
@@ -219,7 +219,7 @@ def test_reference_key_names_what_decides_the_image_and_nothing_else():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("metrics.reference_dtype=fp64", "metrics.reference_dtype='fp64' is unknown; allowed: bf16, fp16, fp32"),
+        ("metrics.full_quality_dtype=fp64", "metrics.full_quality_dtype='fp64' is unknown; allowed: bf16, fp16, fp32"),
         ("wandb.mode=cloud", "wandb.mode='cloud' is unknown; allowed: offline, online, disabled."),
         ("metrics.min_ssim_pct=0", "metrics.min_ssim_pct=0 must be a percentage above 0."),
         ("metrics.warmup_edits=-1", "metrics.warmup_edits=-1 must be 0 or more."),
@@ -229,6 +229,17 @@ def test_metrics_config_mistakes_are_one_sentence(override, message):
     with pytest.raises(ValueError) as err:
         metrics.check_config(_cfg(override))
     assert message in str(err.value)
+
+
+def test_an_old_key_and_its_new_name_given_different_values_is_one_sentence():
+    from ditrun.config import take_renamed_keys
+
+    cfg = _cfg("metrics.reference_steps=4", "metrics.full_quality_steps=8")
+    with pytest.raises(ValueError, match=r"^metrics.reference_steps=4 and metrics.full_quality_steps=8 disagree"):
+        take_renamed_keys(cfg)
+    agreed = _cfg("metrics.reference_steps=4", "metrics.full_quality_steps=4")
+    take_renamed_keys(agreed)
+    assert (agreed.metrics.full_quality_steps, agreed.metrics.reference_steps) == (4, None)
 
 
 def test_gate_without_ssim_is_refused():
@@ -269,12 +280,12 @@ def _records(run_dir):
 @pytest.mark.timeout(300)
 def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
     # fp32 DiT against a bf16 reference: a real, small loss of quality (on a CPU two runs agree exactly).
-    refs = reference_dir(tmp_path_factory)
+    refs = full_quality_dir(tmp_path_factory)
     common = [
         *TINY,
         "wandb.mode=disabled",
-        f"metrics.reference_dir={refs}",
-        "metrics.reference_dtype=bf16",
+        f"metrics.full_quality_dir={refs}",
+        "metrics.full_quality_dtype=bf16",
         "model.dtype=fp32",
     ]
     failed = ditrun(*common, "metrics.min_ssim_pct=99.99", f"hydra.run.dir={tmp_path / 'strict'}", cwd=tmp_path)
@@ -302,11 +313,11 @@ def test_ssim_gate_fails_a_run_below_its_threshold(tmp_path, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory):
-    refs = reference_dir(tmp_path_factory)
+    refs = full_quality_dir(tmp_path_factory)
     proc = ditrun(
         *TINY,
         "wandb.mode=disabled",
-        f"metrics.reference_dir={refs}",
+        f"metrics.full_quality_dir={refs}",
         "metrics.report=false",
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
@@ -320,11 +331,34 @@ def test_bf16_run_against_its_reference_and_ssim_off(tmp_path, tmp_path_factory)
     assert summary["ssim_median"] == 1.0 and summary["step_s_median"] > 0
     assert not (tmp_path / "run" / "report.md").exists()
 
+    # A run recorded under the keys' old names (metrics.reference_*) resumes under them, each read with one notice.
+    run_file = tmp_path / "run" / "run.json"
+    run = json.loads(run_file.read_text())
+    recorded = run["settings"]["metrics"]
+    for new_name in [name for name in recorded if name.startswith("full_quality_")]:
+        recorded[new_name.replace("full_quality_", "reference_")] = recorded.pop(new_name)
+    assert "reference_dtype" in recorded
+    run_file.write_text(json.dumps(run))
+    old_names = ditrun(
+        *TINY,
+        "wandb.mode=disabled",
+        f"metrics.reference_dir={refs}",
+        "metrics.report=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
+    assert old_names.returncode == 0, old_names.stderr
+    notices = [line for line in old_names.stderr.splitlines() if " is now metrics.full_quality_" in line]
+    assert notices == [
+        "ditrun: metrics.reference_dir is now metrics.full_quality_dir; read as it (rename it where you set it).",
+    ]
+    assert "2 edits already in edits.jsonl are skipped" in old_names.stdout
+
     off = ditrun(
         *TINY,
         "wandb.mode=disabled",
         "metrics.ssim=false",
-        f"metrics.reference_dir={tmp_path / 'none'}",
+        f"metrics.full_quality_dir={tmp_path / 'none'}",
         f"hydra.run.dir={tmp_path / 'off'}",
         cwd=tmp_path,
     )

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, full_quality_dir
 from tiers import missing
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def test_a_results_disk_filled_at_each_point_of_a_run(mounts, tmp_path, tmp_path
     pictures completes every edit once, each picture that does not fit a warning. (The edit loop's point is the
     two-rank test below: the same code.)"""
     disk = mounts(tmp_path / "disk")
-    refs = f"metrics.reference_dir={reference_dir(tmp_path_factory)}"
+    refs = f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}"
     run_dir = disk / "run"
     whole = ditrun(*RUN, refs, f"hydra.run.dir={run_dir}", cwd=tmp_path)  # to measure a whole run's files
     assert whole.returncode == 0, whole.stderr
@@ -134,7 +134,12 @@ def test_two_ranks_whose_results_disk_fills_after_the_first_edit(mounts, tmp_pat
     completes every edit once."""
     run_dir = tmp_path / "run"
     latents = mounts(run_dir / "latents", "1m")  # a disk of its own, filling up after the first edit
-    command = [*RUN, "launcher.world=2", "layout=ulysses", f"metrics.reference_dir={reference_dir(tmp_path_factory)}"]
+    command = [
+        *RUN,
+        "launcher.world=2",
+        "layout=ulysses",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
+    ]
     _fill(latents, PAGE)  # one edit's latents (a kilobyte) fit
     proc = ditrun(*command, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     _ended_as_a_stop(proc, run_dir, 1, 2, latents)
@@ -167,7 +172,7 @@ def test_caches_whose_disks_fill_mid_run_are_a_warning_each(mounts, tmp_path):
         "workload.steps=2",
         "metrics.report=false",
         "wandb.mode=disabled",
-        f"metrics.reference_dir={refs}",
+        f"metrics.full_quality_dir={refs}",
         f"workload.prompt_cache_dir={prompts}",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
@@ -180,7 +185,7 @@ def test_caches_whose_disks_fill_mid_run_are_a_warning_each(mounts, tmp_path):
     assert moved.startswith(f"ditrun: warning: the prompt cache {prompts} cannot be written (No space left on")
     assert f"keeps its encoded prompts in {run_dir / 'cache' / 'prompts'}" in moved
     assert unstored.startswith(f"ditrun: warning: the reference cache {refs} cannot be written (No space left on")
-    assert "metrics.reference_dir" in unstored
+    assert "metrics.full_quality_dir" in unstored
     (record,) = [json.loads(line) for line in (run_dir / "edits.jsonl").read_text().splitlines()]
     assert record["ssim"] is not None
     assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
@@ -236,7 +241,7 @@ def test_caches_that_cannot_be_written_move_into_the_run_directory(tmp_path, wor
     assert proc.returncode == 0, proc.stderr
     moved = [line for line in proc.stderr.splitlines() if "this run keeps" in line]
     assert len(moved) == 1 and "the reference cache" in moved[0] and f"{run_dir / 'cache'}" in moved[0]
-    assert "metrics.reference_dir" in moved[0] and "WANDB_DATA_DIR" in moved[0]
+    assert "metrics.full_quality_dir" in moved[0] and "WANDB_DATA_DIR" in moved[0]
     assert any((run_dir / "cache" / "references").iterdir())
     assert json.loads((run_dir / "summary.json").read_text())["complete"] is True
     assert list((run_dir / "wandb").glob("offline-run-*"))
@@ -250,7 +255,7 @@ def test_a_results_directory_that_cannot_be_written_is_one_sentence_and_a_cache_
     from ditrun.errors import UserError
     from ditrun.run import folders
 
-    cfg = OmegaConf.create({"metrics": {"ssim": True, "reference_dir": str(tmp_path / "refs"), "report": False}})
+    cfg = OmegaConf.create({"metrics": {"ssim": True, "full_quality_dir": str(tmp_path / "refs"), "report": False}})
     cfg.model = {"path": None}
 
     def read_only(name):
@@ -261,7 +266,7 @@ def test_a_results_directory_that_cannot_be_written_is_one_sentence_and_a_cache_
         folders.check_run_folders(cfg, tmp_path / "run", wandb_on=False)
     monkeypatch.setattr(folders, "_probe", read_only("refs"))
     folders.check_run_folders(cfg, tmp_path / "run", wandb_on=False)
-    assert cfg.metrics.reference_dir == str(tmp_path / "run" / "cache" / "references")
+    assert cfg.metrics.full_quality_dir == str(tmp_path / "run" / "cache" / "references")
 
 
 def test_a_refused_run_leaves_nothing_behind(tmp_path):

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from ditrun_cli import PLAIN, TINY, ditrun, reference_dir
+from ditrun_cli import PLAIN, TINY, ditrun, full_quality_dir
 from skimage import io
 from test_wandb import run_contents
 
@@ -25,7 +25,7 @@ def test_report_compares_the_three_runs_of_a_sweep(tmp_path, tmp_path_factory):
         "-m",
         *TINY,
         "workload.steps=1,2,3",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
         timeout=360,

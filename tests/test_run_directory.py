@@ -23,7 +23,7 @@ FOUR = "workload.limit=4"  # every edit of the default workload
 
 
 def run_in(out: Path, refs: Path, *overrides: str, cwd: Path):
-    return ditrun(*COMMON, f"metrics.reference_dir={refs}", f"hydra.run.dir={out}", *overrides, cwd=cwd)
+    return ditrun(*COMMON, f"metrics.full_quality_dir={refs}", f"hydra.run.dir={out}", *overrides, cwd=cwd)
 
 
 def records(out: Path) -> list[dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ditrun_cli import TINY, ditrun, ditrun_batch, reference_dir
+from ditrun_cli import TINY, ditrun, ditrun_batch, full_quality_dir
 from skimage import io
 
 from ditrun.results.files import TEMPORARY_PREFIX, edit_outputs
@@ -68,7 +68,7 @@ def test_edit_ids_named_like_the_runs_own_files_keep_their_outputs(tmp_path, tmp
         *COMMON,
         "workload.limit=null",
         manifest(tmp_path, CLASHING_IDS),
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.run.dir={out}",
     ]
     first = ditrun(*args, cwd=tmp_path)
@@ -174,7 +174,7 @@ def test_outputs_and_their_folders_are_flushed_before_their_record(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
-def test_a_record_cut_short_by_a_full_disk_fails_naming_the_file_and_is_redone(tmp_path):
+def test_a_record_cut_short_by_a_full_disk_is_taken_back_fails_naming_the_file_and_is_redone(tmp_path):
     """A file size limit makes the second record's ``write`` short (then refused): what a full disk does."""
     out = tmp_path / "run"
     # Long prompts (in each record's settings) make a record several times the size of a 32x32 PNG.
@@ -196,10 +196,12 @@ def test_a_record_cut_short_by_a_full_disk_fails_naming_the_file_and_is_redone(t
     assert full.returncode == 1
     cut = rf"File too large: wrote {limit - recorded} of \d+ bytes to {re.escape(str(out / 'edits.jsonl'))}"
     assert re.search(cut, full.stderr), full.stderr
-    assert (out / "edits.jsonl").stat().st_size == limit  # the torn record
+    # The short write is taken back: no torn record stays, and the space it took is free for the summary.
+    assert (out / "edits.jsonl").stat().st_size == recorded
+    assert not list(out.glob("coffee*")), "an edit whose record was refused leaves no file"
     rerun = ditrun(*args, cwd=tmp_path)
     assert rerun.returncode == 0, rerun.stderr
-    assert "1 line(s) of" in rerun.stderr and "resuming, 1 edits" in rerun.stdout
+    assert "line(s) of" not in rerun.stderr and "resuming, 1 edits" in rerun.stdout
     assert [r["edit"] for r in records(out)] == ["astronaut", "coffee"]
     for record in records(out):
         assert_outputs_match(out, record)

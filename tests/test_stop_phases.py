@@ -76,7 +76,7 @@ def assert_stopped(process: subprocess.Popen, log: Path, out: Path, sig: signal.
 )
 def test_a_stop_signal_inside_a_phase_stops_the_run(tmp_path, phase, sig, overrides):
     process, log = start(
-        tmp_path, f"testing.fault.pause_in={phase}", f"metrics.reference_dir={tmp_path / 'refs'}", *overrides
+        tmp_path, f"testing.fault.pause_in={phase}", f"metrics.full_quality_dir={tmp_path / 'refs'}", *overrides
     )
     wait_for_line(process, log, f"paused in {phase}")
     process.send_signal(sig)

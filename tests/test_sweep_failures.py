@@ -1,4 +1,4 @@
-"""A sweep whose jobs crash: the others run, each failed job is named in one line (its overrides, why), and the
+"""A sweep whose jobs crash or are killed: the others run, each failed job is named in one line (its overrides, why), and the
 sweep's report and table are written over the jobs that finished, the failed ones listed as incomplete."""
 
 import os
@@ -6,11 +6,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-from ditrun_cli import TINY, ditrun, reference_dir
+from ditrun_cli import TINY, ditrun, full_quality_dir
+from launching import stopped_process
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +21,7 @@ def test_a_sweep_with_crashing_jobs_names_each_and_reports_the_rest(tmp_path, tm
         "-m",
         *TINY,
         "wandb.mode=disabled",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         "testing.fault.crash_rank=null,0",  # jobs 2 and 3 crash, at steps 0 and 1
         "testing.fault.crash_at_step=0,1",
         f"hydra.sweep.dir={sweep}",
@@ -57,7 +56,7 @@ def test_a_submitit_sweep_names_its_crashed_job_and_reports_the_rest(tmp_path, t
         "-m",
         *TINY,
         "wandb.mode=disabled",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         "testing.fault.crash_rank=null,0",  # job 1 crashes at step 0
         "hydra/launcher=local",
         "hydra.launcher.timeout_min=5",
@@ -78,29 +77,13 @@ def test_a_submitit_sweep_names_its_crashed_job_and_reports_the_rest(tmp_path, t
     assert (sweep / "report.md").read_text().count("**incomplete** (its job failed: InjectedFault") == 1
 
 
-def stopped_process(session: int, timeout: float) -> int:
-    """The pid of a process of ``session`` that is stopped (SIGSTOP: ``testing.fault.freeze_rank``), once one is."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split() if stat else ()
-            if fields and fields[0] == "T" and int(fields[3]) == session:
-                return int(entry.name)
-        time.sleep(0.2)
-    pytest.fail(f"no process of the sweep stopped itself within {timeout:g} s")
-
-
 @pytest.mark.timeout(200)
 def test_a_submitit_job_killed_outright_is_named_and_the_sweep_reports_the_rest(tmp_path, tmp_path_factory):
     """A job of a ``hydra/launcher=local`` sweep killed outright (SIGKILL: it writes no result, as under the OOM
     killer): the sweep goes on, names it in one line (its overrides, how it ended), writes the report with it as
     incomplete, names it again at the end and exits 1, with no traceback."""
     sweep = tmp_path / "sweep"
-    args = ["-m", *TINY, "wandb.mode=disabled", f"metrics.reference_dir={reference_dir(tmp_path_factory)}"]
+    args = ["-m", *TINY, "wandb.mode=disabled", f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}"]
     args += ["testing.fault.freeze_rank=null,0", "hydra/launcher=local", "hydra.launcher.timeout_min=5"]
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         command = subprocess.Popen(  # job 1 stops itself at its first step, then this test kills it
@@ -112,7 +95,7 @@ def test_a_submitit_job_killed_outright_is_named_and_the_sweep_reports_the_rest(
             start_new_session=True,
         )
         try:
-            os.kill(stopped_process(command.pid, 150), signal.SIGKILL)
+            os.kill(stopped_process(lambda pid, stat: int(stat[3]) == command.pid, 150), signal.SIGKILL)
             assert command.wait(timeout=120) == 1, (tmp_path / "err.txt").read_text()
         finally:
             if command.poll() is None:
@@ -123,7 +106,7 @@ def test_a_submitit_job_killed_outright_is_named_and_the_sweep_reports_the_rest(
     assert len(named) == 1, stderr
     overrides, why = named[0]
     assert "testing.fault.freeze_rank=0" in overrides
-    assert re.match(r"submitit job \d+ ended without a result \(submitit's state: \w+\): killed outright", why), why
+    assert re.match(r"submitit job \d+ ended without a result \(state: \w+\): it exited early or was killed", why), why
     assert f"ditrun: error: 1 job(s) of the sweep failed:\n  {sweep / '1'} ({overrides}): {why}" in stderr
     assert f"sweep report: {sweep / 'report.md'}" in stdout
     rows = {line.split(":")[0]: line for line in stdout.splitlines() if re.match(r"^\d: testing", line)}

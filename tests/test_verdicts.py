@@ -5,7 +5,7 @@ listed apart, a crashed directory is incomplete, and a wrong edit fails the gate
 import json
 
 import pytest
-from ditrun_cli import ditrun, reference_dir
+from ditrun_cli import ditrun, full_quality_dir
 
 from ditrun.metrics.report import write_report
 
@@ -25,7 +25,7 @@ def _sweep(tmp_path, tmp_path_factory, *overrides, name="sweep"):
         "-m",
         *ONE_EDIT,
         *overrides,
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
         timeout=400,
@@ -41,7 +41,7 @@ def test_fewer_steps_are_judged_against_the_sweeps_full_quality_reference(tmp_pa
     assert proc.returncode == 0, proc.stderr
     one, eight = _summary(sweep / "0"), _summary(sweep / "1")
     assert one["reference"]["steps"] == eight["reference"]["steps"] == 8
-    assert one["config"]["metrics"]["reference_steps"] == 8 and one["quality_measure"] == "target"
+    assert one["config"]["metrics"]["full_quality_steps"] == 8 and one["quality_measure"] == "target"
     assert one["ssim_pct_of_rerun_median"] < 90 and eight["ssim_pct_of_rerun_median"] == 100.0
     assert one["margin_db_median"] < eight["margin_db_median"] and one["edits_right_share"] == 0.0
     assert "Baseline (full quality: nothing quantized, no cache, 8 steps" in proc.stdout
@@ -87,7 +87,7 @@ def test_a_directory_whose_last_run_crashed_is_incomplete(tmp_path, tmp_path_fac
         "workload.width=64",
         "workload.height=64",
         f"hydra.run.dir={out}",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
     ]
     assert ditrun("workload.limit=1", *common, cwd=tmp_path, timeout=300).returncode == 0
     crashed = ditrun(
@@ -124,7 +124,7 @@ def test_a_wrong_edit_fails_the_gate_and_a_correct_one_passes(tmp_path, tmp_path
                 "metrics.min_ssim_pct=98",
                 "wandb.mode=disabled",
                 "progress=false",
-                f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+                f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
                 f"hydra.run.dir={out}",
                 cwd=tmp_path,
                 timeout=300,

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ditrun_cli import PLAIN, TINY, ditrun, reference_dir, strace_prefix, without_network
+from ditrun_cli import PLAIN, TINY, ditrun, full_quality_dir, strace_prefix, without_network
 from wandb_files import _items, read_records
 
 from ditrun.metrics.wandb import SERVER_CHECK_S
@@ -46,7 +46,7 @@ def test_offline_run_holds_config_history_table_images_and_summary(tmp_path, tmp
     proc = ditrun(
         *TINY,
         "wandb.images=1",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.run.dir={out}",
         cwd=tmp_path,
         env={"WANDB_API_KEY": SECRET},
@@ -94,7 +94,7 @@ def test_disabled_mode_writes_no_wandb_directory(tmp_path, tmp_path_factory):
         "workload.limit=1",
         "wandb.mode=disabled",
         "metrics.report=false",
-        f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+        f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
         f"hydra.run.dir={out}",
         cwd=tmp_path,
     )
@@ -161,7 +161,7 @@ def test_online_without_a_key_logs_offline_and_a_rerun_with_nothing_left_adds_no
         return ditrun(
             *TINY,
             "wandb.mode=online",
-            f"metrics.reference_dir={reference_dir(tmp_path_factory)}",
+            f"metrics.full_quality_dir={full_quality_dir(tmp_path_factory)}",
             f"hydra.run.dir={out}",
             cwd=tmp_path,
             env={"HOME": str(tmp_path), "NETRC": str(tmp_path / "no-netrc")},

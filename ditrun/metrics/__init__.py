@@ -17,9 +17,9 @@ def check_config(cfg) -> None:
     metrics = cfg.metrics
     if metrics.warmup_edits < 0:
         raise UserError(f"metrics.warmup_edits={metrics.warmup_edits} must be 0 or more.")
-    if metrics.reference_dtype is not None and metrics.reference_dtype not in DTYPES:
+    if metrics.full_quality_dtype is not None and metrics.full_quality_dtype not in DTYPES:
         raise UserError(
-            f"metrics.reference_dtype={metrics.reference_dtype!r} is unknown; "
+            f"metrics.full_quality_dtype={metrics.full_quality_dtype!r} is unknown; "
             f"allowed: {', '.join(DTYPES)} (or unset for the run's own dtype)."
         )
     if metrics.min_ssim_pct is not None and not metrics.ssim:

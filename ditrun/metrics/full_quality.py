@@ -1,12 +1,12 @@
-"""The full-quality configuration every verdict compares against: BF16, no cache, the reference's step count and
+"""The full-quality configuration every verdict compares against: BF16, no cache, the full-quality step count and
 true CFG, whatever the run itself trades away (docs/METRICS.md, "One full-quality reference").
 
-A run is never graded against a reference made with its own shortcuts. Precision and the step cache never reach
-the reference (it is always BF16 and uncached); the sampling settings that trade quality for speed are the
-``TRADED`` keys, each with a ``metrics.reference_*`` key. Unset, the reference takes the run's own value, and in a
-Hydra sweep that varies the setting, the sweep's best: the most steps, the strongest true CFG. So every run of
-``ditrun -m workload.steps=1,8`` is judged against the 8-step reference, and the 1-step run cannot meet a target
-that 8 steps meet.
+A run is never graded against a full-quality output made with its own shortcuts. Precision and the step cache never
+reach it (it is always BF16 and uncached); the sampling settings that trade quality for speed are the ``TRADED``
+keys, each with a ``metrics.full_quality_*`` key. Unset, the full-quality output takes the run's own value, and in
+a Hydra sweep that varies the setting, the sweep's best: the most steps, the strongest true CFG. So every run of
+``ditrun -m workload.steps=1,8`` is judged against the 8-step full-quality output, and the 1-step run cannot meet a
+target that 8 steps meet.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Callable
 
 from ditrun.errors import UserError
 
-# workload key traded for speed -> (the metrics key naming the reference's value, the best of several values).
+# workload key traded for speed -> (the metrics key naming the full-quality output's value, the best of several values).
 TRADED: dict[str, tuple[str, Callable[[list], object]]] = {
-    "workload.steps": ("metrics.reference_steps", max),
-    "workload.true_cfg_scale": ("metrics.reference_true_cfg_scale", max),
+    "workload.steps": ("metrics.full_quality_steps", max),
+    "workload.true_cfg_scale": ("metrics.full_quality_true_cfg_scale", max),
 }
 SWEEP_FILE = "multirun.yaml"
 
@@ -40,38 +40,38 @@ def _set(cfg, dotted: str, value) -> None:
     node[leaf] = value
 
 
-def reference_steps(cfg) -> int:
-    """The reference's denoising steps: ``metrics.reference_steps``, else the run's own."""
-    steps = cfg.metrics.reference_steps
+def full_quality_steps(cfg) -> int:
+    """The full-quality output's denoising steps: ``metrics.full_quality_steps``, else the run's own."""
+    steps = cfg.metrics.full_quality_steps
     return cfg.workload.steps if steps is None else steps
 
 
-def reference_true_cfg_scale(cfg) -> float:
-    """The reference's true CFG scale: ``metrics.reference_true_cfg_scale``, else the run's own."""
-    scale = cfg.metrics.reference_true_cfg_scale
+def full_quality_true_cfg_scale(cfg) -> float:
+    """The full-quality output's true CFG scale: ``metrics.full_quality_true_cfg_scale``, else the run's own."""
+    scale = cfg.metrics.full_quality_true_cfg_scale
     return cfg.workload.true_cfg_scale if scale is None else scale
 
 
-def reference_workload(cfg):
-    """``cfg.workload`` with the reference's sampling settings: what the reference pass renders with."""
+def full_quality_workload(cfg):
+    """``cfg.workload`` with the full-quality output's sampling settings: what the full-quality pass renders with."""
     from omegaconf import OmegaConf
 
     return OmegaConf.merge(
-        cfg.workload, {"steps": reference_steps(cfg), "true_cfg_scale": reference_true_cfg_scale(cfg)}
+        cfg.workload, {"steps": full_quality_steps(cfg), "true_cfg_scale": full_quality_true_cfg_scale(cfg)}
     )
 
 
 def check_config(cfg) -> None:
-    """Mistakes in the ``metrics.reference_*`` keys, one sentence each."""
-    steps = cfg.metrics.reference_steps
+    """Mistakes in the ``metrics.full_quality_*`` keys, one sentence each."""
+    steps = cfg.metrics.full_quality_steps
     if steps is not None and steps < 1:
         raise UserError(
-            f"metrics.reference_steps={steps} must be 1 or more (or unset for the run's own workload.steps)."
+            f"metrics.full_quality_steps={steps} must be 1 or more (or unset for the run's own workload.steps)."
         )
-    scale = cfg.metrics.reference_true_cfg_scale
+    scale = cfg.metrics.full_quality_true_cfg_scale
     if scale is not None and not math.isfinite(scale):
         raise UserError(
-            f"metrics.reference_true_cfg_scale={scale} must be a finite number (or unset for the "
+            f"metrics.full_quality_true_cfg_scale={scale} must be a finite number (or unset for the "
             "run's own workload.true_cfg_scale)."
         )
 
@@ -96,18 +96,18 @@ def swept_values(sweep_dir: Path) -> dict[str, list]:
 
 
 def apply_sweep_defaults(cfg, sweep_dir) -> None:
-    """In a Hydra multirun: each ``metrics.reference_*`` left unset takes the sweep's best value of the setting it
-    stands for, when the sweep varies that setting (so every job of the sweep shares one reference)."""
+    """In a Hydra multirun: each ``metrics.full_quality_*`` left unset takes the sweep's best value of the setting it
+    stands for, when the sweep varies that setting (so every job of the sweep shares one full-quality output)."""
     for key, values in swept_values(Path(sweep_dir)).items():
-        reference_key, best = TRADED[key]
-        if _get(cfg, reference_key) is None:
-            _set(cfg, reference_key, best([type(_get(cfg, key))(v) for v in values]))
+        full_quality_key, best = TRADED[key]
+        if _get(cfg, full_quality_key) is None:
+            _set(cfg, full_quality_key, best([type(_get(cfg, key))(v) for v in values]))
 
 
 def description(cfg) -> dict:
-    """The reference's sampling settings, as records and summaries carry them (``reference``)."""
+    """The full-quality output's sampling settings, as records and summaries carry them (``reference``)."""
     return {
-        "steps": reference_steps(cfg),
-        "true_cfg_scale": reference_true_cfg_scale(cfg),
-        "dtype": cfg.metrics.reference_dtype,
+        "steps": full_quality_steps(cfg),
+        "true_cfg_scale": full_quality_true_cfg_scale(cfg),
+        "dtype": cfg.metrics.full_quality_dtype,
     }

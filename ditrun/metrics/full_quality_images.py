@@ -2,7 +2,7 @@
 
 The reference of an edit is what the full-quality configuration makes of it (``full_quality``): layout
 ``single``, every component ``bf16`` (no quantization), no cache, no transport, at the reference's steps and
-true CFG, on the same kind of device, in the reference dtype (``metrics.reference_dtype``, by default the run's
+true CFG, on the same kind of device, in the reference dtype (``metrics.full_quality_dtype``, by default the run's
 own compute dtype). It is made twice, by two separate denoising runs: the second gives ``ssim_rerun``.
 
 Both images are cached as PNGs under a key of everything that decides them: the model
@@ -85,7 +85,7 @@ def sampling(workload) -> dict:
 
 def reference_key(cfg, geometry, edit: Edit, dtype: torch.dtype, device_type: str) -> tuple[str, dict]:
     """(hex key, the JSON-able description it hashes) of one edit's reference."""
-    workload = full_quality.reference_workload(cfg)
+    workload = full_quality.full_quality_workload(cfg)
     image = edit.image if is_package_picture(edit.image) else _file_fingerprint(edit.image)
     description = {
         "format": REFERENCE_FORMAT,
@@ -162,7 +162,7 @@ class ReferenceCache:
             print(
                 f"ditrun: warning: the reference cache {self.root} cannot be written ({err.strerror or err}); this run "
                 "goes on without storing its references, a later run makes them again (free space there, or set "
-                "metrics.reference_dir to a folder with room)",
+                "metrics.full_quality_dir to a folder with room)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -326,7 +326,7 @@ class References:
             )
         model = build_model(self.dtype)
         codec = make_latent_codec(vae_folder(cfg.model.path, cfg.workload.vae_path), device, self.dtype)
-        workload = full_quality.reference_workload(cfg)
+        workload = full_quality.full_quality_workload(cfg)
         for edit in missing:
             # Two separate runs: on GPUs they differ.
             runs = [
@@ -347,7 +347,7 @@ class References:
 def reference_set(cfg, geometry, edits: list[Edit], dtype: torch.dtype, device_type: str) -> References:
     """The keys of every edit's reference (cheap: nothing is loaded or made)."""
     cache = ReferenceCache(
-        Path(cfg.metrics.reference_dir) if cfg.metrics.reference_dir else user_cache_dir() / "references"
+        Path(cfg.metrics.full_quality_dir) if cfg.metrics.full_quality_dir else user_cache_dir() / "references"
     )
     keys, descriptions = {}, {}
     for edit in edits:

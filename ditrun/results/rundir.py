@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from ditrun.config import take_renamed_keys
 from ditrun.errors import UserError
 from ditrun.results import files
 from ditrun.results.files import EDITS_FILE, RUN_FILE, append_line
@@ -105,6 +106,7 @@ MAY_DIFFER = (
     "metrics.min_ssim_pct",
     "metrics.quality",
     "metrics.warmup_edits",
+    "metrics.full_quality_dir",
     "metrics.reference_dir",
     "precision.name",
     "precision.tuning_file",
@@ -422,6 +424,7 @@ def claim(out_dir: Path, settings: dict, edit_settings: dict[str, dict]) -> list
     found = found_records(out_dir)
     recorded = _read_run_file(out_dir) if found else None
     if recorded is not None:
+        take_renamed_keys(recorded["settings"])  # a run recorded before a key's rename: its settings as named now
         changes = differences(recorded["settings"], settings)
         if changes:
             raise SettingsChanged(_foreign_message(out_dir, changes))

@@ -236,9 +236,10 @@ def comparable_key(run: RunResult) -> dict:
     model = {k: v for k, v in config.get("model", {}).items() if k not in MODEL_SPEED_KEYS}
     workload = {k: v for k, v in config.get("workload", {}).items() if k not in WORKLOAD_FREE_KEYS}
     workload["edits"] = run.run_file.get("settings", {}).get("workload", {}).get("edits")  # as declared
+    metrics = config.get("metrics", {})
     reference = {
         **(run.summary.get("reference") or {}),
-        "dtype": config.get("metrics", {}).get("reference_dtype"),
+        "dtype": metrics.get("full_quality_dtype") or metrics.get("reference_dtype"),  # the key's old name too
         "device": run.summary.get("device"),
     }
     return {"model": model, "workload": workload, "reference": reference}

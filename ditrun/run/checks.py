@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ditrun import cache, metrics
+from ditrun.config import take_renamed_keys
 from ditrun.devices import DTYPES
 from ditrun.errors import UserError
 from ditrun.launch import env, faults
@@ -33,6 +34,7 @@ from ditrun.workload.manifest import resolve_edits, resolve_text_len
 
 def check_config(cfg, world: int) -> LayoutPlan:
     """Everything a user can get wrong, checked on ``world`` ranks before any process starts."""
+    take_renamed_keys(cfg)
     # The workload's numbers first: the fault injection's step is checked against workload.steps.
     check_workload_config(cfg.workload)
     check_launcher_config(cfg, world)
@@ -80,8 +82,8 @@ def check_run_memory(edits: list[Edit], cfg, geometry, plan: LayoutPlan, device_
     """``model.memory.check_memory`` with this run's inputs: the edits' token counts, the widest dtype the model is
     built in (its own, or the SSIM references'), and the ranks that share this machine."""
     dtypes = [device_dtype.dtype]
-    if cfg.metrics.ssim and cfg.metrics.reference_dtype:
-        dtypes.append(DTYPES[cfg.metrics.reference_dtype])
+    if cfg.metrics.ssim and cfg.metrics.full_quality_dtype:
+        dtypes.append(DTYPES[cfg.metrics.full_quality_dtype])
     element = max(torch.empty(0, dtype=d).element_size() for d in dtypes)
     info = env.discover()
     tokens = {edit.id: edit_tokens(edit, cfg.workload.text_len) for edit in edits}

@@ -97,7 +97,7 @@ def run_folders(cfg, out_dir: Path, wandb_on: bool) -> list[RunFolder]:
 
     found = [RunFolder("the results directory", out_dir, "hydra.run.dir (or output_dir)")]
     if cfg.metrics.ssim:
-        found.append(_cache(cfg, "metrics.reference_dir", "references", "the reference cache"))
+        found.append(_cache(cfg, "metrics.full_quality_dir", "references", "the reference cache"))
     if is_pipeline_folder(cfg.model.path):
         found.append(_cache(cfg, "workload.prompt_cache_dir", "prompts", "the prompt cache"))
     if wandb_on:

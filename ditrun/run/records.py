@@ -54,7 +54,7 @@ def result_settings(run, edit: Edit) -> dict:
     settings = {
         **described,
         **reference.sampling(run.cfg.workload),
-        "reference": reference.sampling(full_quality.reference_workload(run.cfg)),
+        "reference": reference.sampling(full_quality.full_quality_workload(run.cfg)),
         "precision": {**run.precision.formats(), "scale_mode": run.precision.scale_mode},
     }
     if run.cfg.cache.name != "none":  # absent without a cache: an uncached edit names no cache keys
@@ -122,7 +122,7 @@ def run_summary(
         "world": run.layout.plan.world,
         **timing.timing_summary(records, run.cfg.metrics.warmup_edits, run.layout.plan.replicas),
         **scores,
-        "reference": reference.sampling(full_quality.reference_workload(run.cfg)),
+        "reference": reference.sampling(full_quality.full_quality_workload(run.cfg)),
         "quality_measure": quality.measure_name(run.cfg.metrics.quality, [scores]),
         **timing.cache_summary(records),
         "wall_s": wall_s,
@@ -132,7 +132,7 @@ def run_summary(
         "device": device_name(run.device_dtype.device),
         "dtype": run.device_dtype.dtype_note,
         "compute_dtype": run.device_dtype.dtype_name,
-        # What the full-quality reference ran in: BF16 on GPUs, the CPU's fp32 unless metrics.reference_dtype says.
+        # What the full-quality reference ran in: BF16 on GPUs, the CPU's fp32 unless metrics.full_quality_dtype says.
         "reference_dtype": dtype_name(run.references.dtype) if run.references is not None else None,
         "precision": run.precision_label,
         "precision_detail": run.built.details if run.built is not None else None,

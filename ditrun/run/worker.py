@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ditrun import cache
+from ditrun.config import take_renamed_keys
 from ditrun.devices import DTYPES
 from ditrun.launch import faults
 from ditrun.launch.job import LocalJob, job_of_process_group
@@ -205,7 +206,7 @@ class Run:
         them (``job.barrier``: no deadline that a long reference pass could trip, but a rank whose
         heartbeat stops is named)."""
         cfg, device_dtype = self.cfg, self.device_dtype
-        dtype = DTYPES[cfg.metrics.reference_dtype] if cfg.metrics.reference_dtype else device_dtype.dtype
+        dtype = DTYPES[cfg.metrics.full_quality_dtype] if cfg.metrics.full_quality_dtype else device_dtype.dtype
         references = reference.reference_set(cfg, self.geometry, self.edits, dtype, device_dtype.device.type)
         if self.layout.writes_records:
             share = self.layout.edit_share(self.edits)
@@ -319,6 +320,7 @@ def run(
     ``nodes`` is every rank's node, as the rendezvous found them (empty: all on one node). ``hydra_files`` are
     written once the directory is claimed.
     """
+    take_renamed_keys(cfg)  # the keys as named now, whoever called (a rank, a test, a script)
     job = job or job_of_process_group(cfg.launcher.collective_timeout_s)
     rundir.make_run_dir(out_dir)
     if cfg.warm.enabled:  # ``ditrun warm``: the shapes compiled into the compile cache, no edit
