@@ -50,7 +50,8 @@ from ditrun.model.load import random_model
 from ditrun.model.presets import PRESETS
 from ditrun.model.sampler import EditInputs, PlainForward
 from ditrun.parallel.cfg import layout_velocity, prepare_transports
-from ditrun.parallel.layout import build_layout, plan_layout
+from ditrun.parallel.layout import plan_layout
+from ditrun.parallel.placement import Placement, build_layout
 from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
 
@@ -63,9 +64,8 @@ def step_function(
     model, inputs: EditInputs, name: str, head_groups: int, world: int = 1, transport: str = "collective", timer=None
 ):
     """One CFG step's velocity under ``name`` over ``world`` ranks (every rank calls this, in one order)."""
-    layout = build_layout(
-        plan_layout(LayoutArgs(name, head_groups), world if name != "single" else 1, FLUX_DEV.num_attention_heads)
-    )
+    plan = plan_layout(LayoutArgs(name, head_groups), world if name != "single" else 1, FLUX_DEV.num_attention_heads)
+    layout = build_layout(Placement.on_one_node(plan))
     device = torch.device("cuda", torch.cuda.current_device())
     timer = timer or ExposedTransfer(device)
     transports = {

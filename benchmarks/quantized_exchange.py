@@ -33,7 +33,8 @@ from ditrun.model.load import random_model
 from ditrun.model.presets import PRESETS
 from ditrun.model.sampler import PlainForward
 from ditrun.parallel.cfg import layout_velocity, prepare_transports
-from ditrun.parallel.layout import build_layout, plan_layout
+from ditrun.parallel.layout import plan_layout
+from ditrun.parallel.placement import Placement, build_layout
 from ditrun.timers import ExposedTransfer
 from ditrun.transport.registry import make_transport
 
@@ -58,7 +59,8 @@ def rank_main(rank: int, args, port: int) -> None:
     steps, counters = {}, {}
     for mode in ("one process", "values", "codes"):
         name = "single" if mode == "one process" else "ulysses"
-        layout = build_layout(plan_layout(LayoutArgs(name, args.head_groups), 1 if name == "single" else 2, 24))
+        plan = plan_layout(LayoutArgs(name, args.head_groups), 1 if name == "single" else 2, 24)
+        layout = build_layout(Placement.on_one_node(plan))
         timer = ExposedTransfer(device)
         transports = {
             axis: make_transport(TransportConfig(name=transport), layout.groups[axis], timer, device, 120.0)

@@ -37,6 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ditrun.parallel.layout import LAYOUTS as ALL_LAYOUTS
+from ditrun.parallel.layout import layout_kind
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MEASURED_FILE = RESULTS / "measured.json"
@@ -447,14 +450,14 @@ class Cell:
 
 
 def exchange_plan(layout: str, gpus: int, shape: Shape) -> tuple[int, int, int]:
-    """(SP degree P, passes of the sharded model per step, batch per pass) of ``layout`` on ``gpus``."""
-    if layout == "ulysses":
-        return gpus, shape.forwards, 1
-    if layout == "cfg_batch":
-        return gpus, 1, shape.forwards
-    if layout == "cfg_split":
-        return gpus // 2, 1, 1
-    return 1, 0, 0
+    """(SP degree P, passes of the sharded model per step, batch per pass) of ``layout`` on ``gpus``, from the
+    layout's own rules (``ditrun.parallel.layout.LAYOUTS``)."""
+    kind = layout_kind(layout)
+    if kind.one_worker:
+        return 1, 0, 0
+    batch = shape.forwards if kind.batched_cfg else 1
+    passes = max(1, shape.forwards // (batch * kind.cfg_degree))
+    return gpus // kind.cfg_degree, passes, batch
 
 
 def transfer_step_ms(
@@ -702,7 +705,7 @@ def gemm_ms(table: dict, linear: str, fmt: str, rows: int) -> float:
 
 PUBLISHED = Shape(image_tokens(2048, 2048), image_tokens(1024, 1024), 512, False)
 ONE_MP_CFG = Shape(image_tokens(1024, 1024), image_tokens(1024, 1024), 512, True)
-LAYOUTS = ("single", "ulysses", "cfg_batch", "cfg_split")
+LAYOUTS = tuple(ALL_LAYOUTS.names())
 
 
 def builtin_scenarios(inputs: Inputs) -> list[Scenario]:

@@ -13,8 +13,8 @@ emulation: a quantized format's exact torch implementation, the definition its f
     (``precision.backend=emulation``)
 held-out pictures: the pictures the trained editor never saw in training, on which it is judged (docs/EDITOR.md)
 layout: how a job's ranks split the work: ``LayoutKind`` (one ``layout.name``), ``LayoutPlan`` (its degrees: replicas,
-    CFG, SP, head groups), ``Placement`` (the plan and the node of each rank), ``Layout`` (the plan bound to one rank
-    and its process groups)
+    CFG, SP, head groups), ``Placement`` (the plan and the node of each rank), ``Layout`` (the placement bound to one
+    rank, with its process groups)
 exchange shape: the geometry of one all-to-all's buffers (``ExchangeShape``)
 plan: a decision made before the first edit, named by its type: ``LayoutPlan``, ``CompilePlan``, ``PrecisionPlan``
 step cache: reuse of the DiT's block outputs across denoising steps (``cache=``)

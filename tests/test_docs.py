@@ -314,6 +314,7 @@ def glossary_of_config() -> dict[str, str]:
 
     text = ditrun.config.__doc__.split("Glossary (docs/GLOSSARY.md):", 1)[1]
     entries: dict[str, str] = {}
+    word = ""
     for line in text.strip().splitlines():
         if line.startswith("    "):
             entries[word] += " " + line.strip()

@@ -21,7 +21,8 @@ from ditrun.model.sampler import (
     sequential_cfg_velocity,
 )
 from ditrun.parallel.cfg import check_true_cfg, exchange_shapes, layout_velocity
-from ditrun.parallel.layout import Layout, LayoutPlan, build_layout
+from ditrun.parallel.layout import LayoutPlan
+from ditrun.parallel.placement import Layout, Placement, build_layout
 from ditrun.transport.base import LocalTransport
 
 
@@ -201,7 +202,7 @@ def test_each_one_process_layout_guides_by_the_formula(layout, head_groups, inne
         plan = LayoutPlan(layout, replicas=1, cfg_degree=1, sp_degree=1, head_groups=head_groups)
         forward = _RecordedForward(model)
         velocity = layout_velocity(
-            build_layout(plan),
+            build_layout(Placement.on_one_node(plan)),
             {"sp": LocalTransport()},
             forward,
             inputs,
@@ -227,7 +228,9 @@ def test_each_one_process_layout_guides_by_the_formula(layout, head_groups, inne
         else:  # Ulysses attention over the SP group of one, with the layout's head groups and payload
             assert attention.splits == [5 + 2 * n] and attention.head_groups == head_groups
             assert attention.payload is payload and attention.inner is (inner or sdpa_attention)
-    plans = exchange_shapes(build_layout(plan), {"sp": LocalTransport()}, inputs, 4, 16, torch.bfloat16)
+    plans = exchange_shapes(
+        build_layout(Placement.on_one_node(plan)), {"sp": LocalTransport()}, inputs, 4, 16, torch.bfloat16
+    )
     if layout == "single":
         assert plans == {}
     else:  # an SP group of one: its own rows, the guided velocity in fp32; cfg_batch stacks both branches
@@ -242,7 +245,9 @@ def test_each_one_process_layout_guides_by_the_formula(layout, head_groups, inne
         assert out.counts == ((joint,),) and out.row_shape == (batch, 4 // head_groups, 16)
         assert velocity_gather.counts == ((n,),) and velocity_gather.row_shape == (1, 64)
         assert velocity_gather.dtype == torch.float32 and list(plans) == ["sp"]
-        coded = exchange_shapes(build_layout(plan), {"sp": LocalTransport()}, inputs, 4, 16, torch.bfloat16, payload)
+        coded = exchange_shapes(
+            build_layout(Placement.on_one_node(plan)), {"sp": LocalTransport()}, inputs, 4, 16, torch.bfloat16, payload
+        )
         assert coded["sp"][0].dtype == torch.uint8 and coded["sp"][2].kind == "attention_statistics"
 
 
@@ -250,7 +255,7 @@ def test_cfg_split_swaps_one_prediction_per_rank_over_the_cfg_axis():
     _, inputs = _edit_inputs(6)
     plan = LayoutPlan("cfg_split", replicas=1, cfg_degree=2, sp_degree=1, head_groups=1)
     transports = {"sp": LocalTransport(), "cfg": LocalTransport()}
-    plans = exchange_shapes(Layout(plan, rank=0), transports, inputs, 4, 16, torch.bfloat16)
+    plans = exchange_shapes(Layout(Placement.on_one_node(plan), rank=0), transports, inputs, 4, 16, torch.bfloat16)
     n = inputs.noise.shape[1]
     assert [p.kind for p in plans["sp"]] == ["qkv", "attention_out", "velocity_gather"]
     (pair,) = plans["cfg"]

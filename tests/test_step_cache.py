@@ -21,7 +21,8 @@ from ditrun.cache.forward import relative_l1
 from ditrun.cache.policies import CACHE_POLICIES, FirstBlock, static_mask
 from ditrun.config import CacheConfig
 from ditrun.metrics.quality import QUALITY_MEASURES
-from ditrun.parallel.layout import build_layout, plan_layout
+from ditrun.parallel.layout import plan_layout
+from ditrun.parallel.placement import Placement, build_layout
 from ditrun.run import checks, worker
 
 STEPS = 5
@@ -236,7 +237,7 @@ def _decisions(rank, world, layout_name, changes):
     """Each rank's decision from a residual whose change on its own tokens is ``changes[rank]``: summed over the
     SP group (as the cache does), and from its own tokens alone."""
     cfg = tiny_config(f"layout={layout_name}", f"launcher.world={world}")
-    layout = build_layout(plan_layout(cfg.layout, world, 8))
+    layout = build_layout(Placement.on_one_node(plan_layout(cfg.layout, world, 8)))
     previous = torch.ones(1, 3 + rank, 16)  # shards of different lengths, as an uneven split gives
     residual = previous * (1 + changes[rank])
     policy = FirstBlock(CacheConfig(name="first_block", threshold=0.2), STEPS)

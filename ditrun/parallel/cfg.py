@@ -23,7 +23,8 @@ import torch
 from ditrun.errors import UserError
 from ditrun.kernels.attention_payload import Payload
 from ditrun.model.sampler import EditInputs, Forward, VelocityFn, branch_inputs, combine_cfg, sequential_branches
-from ditrun.parallel.layout import Layout, layout_kind
+from ditrun.parallel.layout import layout_kind
+from ditrun.parallel.placement import Layout
 from ditrun.parallel.ulysses import STATISTICS, SequenceShards, UlyssesAttention, attention_shapes
 from ditrun.transport.base import ExchangeShape, Transport, all_gather_rows, gather_shape
 

@@ -12,19 +12,14 @@ consecutive, so on a multi-GPU node the busiest exchange stays on the fastest li
 rendezvous knows each rank's node, ``placement.py`` refuses a group that would still span two.
 
 ``plan_layout`` checks a config against the world size and the model's head count without
-touching ``torch.distributed``, so launchers can call it before spawning anything;
-``build_layout`` then creates every process group once, and the resulting ``Layout`` is passed
-explicitly to whatever needs it (nothing is kept in module globals).
+touching ``torch.distributed``, so launchers can call it before spawning anything. The plan's
+ranks on nodes are a ``Placement``, and one rank's share of it, with its process groups, a
+``Layout`` (both in ``placement.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Optional, Sequence
-
-import torch
-import torch.distributed as dist
+from dataclasses import dataclass
 
 from ditrun.errors import UserError
 from ditrun.registry import Registry
@@ -180,96 +175,3 @@ def _check_heads(name, world, replicas, cfg_degree, sp_degree, head_groups, num_
             f"layout.head_groups={head_groups} must divide the {heads_per_worker} heads per worker "
             f"(model.num_attention_heads={num_heads} / Ulysses degree {sp_degree}); allowed: {allowed}."
         )
-
-
-@dataclass
-class Layout:
-    """A plan bound to one rank, with that rank's process group along each axis.
-
-    ``groups[axis]`` is None for an axis of size 1: nothing is exchanged along it.
-    """
-
-    plan: LayoutPlan
-    rank: int
-    groups: dict[str, Optional[object]] = field(default_factory=dict)
-    control: Optional[object] = None
-    """A gloo group over the whole world, for data rank 0 sends every rank (None in a one-process run)."""
-    replica_control: Optional[object] = None
-    """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
-    nodes: tuple[str, ...] = ()
-    """The node of every global rank (``parallel/placement.py``); empty means all on this rank's node."""
-
-    @property
-    def coords(self) -> dict[str, int]:
-        return self.plan.coords(self.rank)
-
-    @property
-    def replica(self) -> int:
-        return self.coords["replica"]
-
-    @property
-    def writes_records(self) -> bool:
-        """Exactly one rank per replica writes that replica's results."""
-        coords = self.coords
-        return coords["cfg"] == 0 and coords["sp"] == 0
-
-    def edit_share(self, edits: Sequence) -> list:
-        """This replica's edits: every ``replicas``-th one, so that all ranks agree without talking."""
-        return list(edits[self.replica :: self.plan.replicas])
-
-    def agree_max(self, value: int) -> int:
-        """The largest ``value`` of this replica's workers (on the CPU: no device synchronisation)."""
-        if self.replica_control is None:
-            return value
-        tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_control)
-        return int(tensor.item())
-
-    def sp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over this rank's SP group, in place (itself when the group is one rank). Under
-        ``cfg_split`` each branch's group sums apart: its decisions are its own."""
-        if self.groups.get("sp") is not None:
-            dist.all_reduce(tensor, group=self.groups["sp"])
-        return tensor
-
-
-def build_layout(plan: LayoutPlan, collective_timeout: Optional[timedelta] = None, nodes: Sequence[str] = ()) -> Layout:
-    """Create the process groups of ``plan`` once; every rank calls this with the same plan.
-
-    ``collective_timeout`` bounds every collective of the axis groups (``launcher.collective_timeout_s``):
-    new groups do not inherit the world group's timeout, and torch's default is 30 minutes.
-    ``nodes`` is the node of every rank, as the rendezvous found them (empty: one node).
-    """
-    nodes = tuple(nodes)
-    if plan.world == 1:
-        return Layout(plan, rank=0, groups={axis: None for axis in AXES}, nodes=nodes)
-    if not dist.is_initialized() or dist.get_world_size() != plan.world:
-        raise RuntimeError(f"build_layout needs torch.distributed initialised with {plan.world} ranks.")
-    rank = dist.get_rank()
-    groups: dict[str, Optional[object]] = {}
-    for axis in AXES:
-        groups[axis] = None
-        if plan.sizes()[axis] == 1:
-            continue
-        # new_group is collective over the world: every rank creates every group, in one order.
-        for ranks in plan.axis_groups(axis):
-            group = dist.new_group(ranks, timeout=collective_timeout)
-            if rank in ranks:
-                groups[axis] = group
-    # Waits of unbounded length (the reference pass) are on the store instead (``launch/job.py``), which
-    # names a rank whose heartbeat stopped; what runs on this group is short once every rank is there.
-    control = dist.new_group(backend="gloo", timeout=collective_timeout)
-    return Layout(plan, rank, groups, control, _replica_control(plan, rank, collective_timeout), nodes)
-
-
-def _replica_control(plan: LayoutPlan, rank: int, timeout: Optional[timedelta]):
-    """This replica's gloo group (every rank creates every replica's, in one order)."""
-    mine = None
-    if plan.workers == 1:
-        return mine
-    for replica in range(plan.replicas):
-        ranks = list(range(replica * plan.workers, (replica + 1) * plan.workers))
-        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
-        if rank in ranks:
-            mine = group
-    return mine

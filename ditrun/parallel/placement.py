@@ -1,5 +1,5 @@
-"""Which node each rank runs on, the rule that keeps an SP group on one node, and the placement
-that rank 0 prints.
+"""Which node each rank runs on, the rule that keeps an SP group on one node, the placement
+that rank 0 prints, and one rank's share of it with its process groups (``Layout``).
 
 A rank's node is what it signed in with at the rendezvous (``launch/rendezvous.py``): the
 launcher's name for it (Slurm's node name) or its host name, and the launcher's node number
@@ -18,12 +18,17 @@ is checked before any model is built, and ``layout.allow_cross_node_sp=true`` li
 
 from __future__ import annotations
 
+import platform
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 from ditrun.errors import UserError
-from ditrun.parallel.layout import LayoutPlan, divisors
+from ditrun.parallel.layout import AXES, LayoutPlan, divisors
 
 CFG_BRANCHES = ("cond", "uncond")
 
@@ -66,6 +71,11 @@ class Placement:
     def __post_init__(self):
         if len(self.nodes) != self.plan.world:
             raise ValueError(f"{len(self.nodes)} node names for a plan of {self.plan.world} ranks")
+
+    @classmethod
+    def on_one_node(cls, plan: LayoutPlan) -> Placement:
+        """Every rank on this machine (a one-process run, ranks spawned here, a test)."""
+        return cls(plan, (platform.node() or "localhost",) * plan.world)
 
     def ranks_by_node(self) -> dict[str, list[int]]:
         """node -> its ranks, nodes in the order of their first rank."""
@@ -142,3 +152,102 @@ class Placement:
         if plan.workers == 1:
             return ", ".join(f"replica {replica}" for replica in by_replica)
         return "; ".join(f"replica {replica}: {', '.join(labels)}" for replica, labels in by_replica.items())
+
+
+@dataclass
+class Layout:
+    """A placement bound to one rank, with that rank's process group along each axis.
+
+    ``groups[axis]`` is None for an axis of size 1: nothing is exchanged along it.
+    """
+
+    placement: Placement
+    rank: int
+    groups: dict[str, Optional[object]] = field(default_factory=dict)
+    control: Optional[object] = None
+    """A gloo group over the whole world, for data rank 0 sends every rank (None in a one-process run)."""
+    replica_control: Optional[object] = None
+    """A gloo group over this replica's workers, for decisions they must take together (None for one worker)."""
+
+    @property
+    def plan(self) -> LayoutPlan:
+        return self.placement.plan
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The node of every global rank."""
+        return self.placement.nodes
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.plan.coords(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.coords["replica"]
+
+    @property
+    def writes_records(self) -> bool:
+        """Exactly one rank per replica writes that replica's results."""
+        coords = self.coords
+        return coords["cfg"] == 0 and coords["sp"] == 0
+
+    def edit_share(self, edits: Sequence) -> list:
+        """This replica's edits: every ``replicas``-th one, so that all ranks agree without talking."""
+        return list(edits[self.replica :: self.plan.replicas])
+
+    def agree_max(self, value: int) -> int:
+        """The largest ``value`` of this replica's workers (on the CPU: no device synchronisation)."""
+        if self.replica_control is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.replica_control)
+        return int(tensor.item())
+
+    def sp_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over this rank's SP group, in place (itself when the group is one rank). Under
+        ``cfg_split`` each branch's group sums apart: its decisions are its own."""
+        if self.groups.get("sp") is not None:
+            dist.all_reduce(tensor, group=self.groups["sp"])
+        return tensor
+
+
+def build_layout(placement: Placement, collective_timeout: Optional[timedelta] = None) -> Layout:
+    """Create the process groups of ``placement``'s plan once; every rank calls this with the same placement.
+
+    ``collective_timeout`` bounds every collective of the axis groups (``launcher.collective_timeout_s``):
+    new groups do not inherit the world group's timeout, and torch's default is 30 minutes.
+    """
+    plan = placement.plan
+    if plan.world == 1:
+        return Layout(placement, rank=0, groups={axis: None for axis in AXES})
+    if not dist.is_initialized() or dist.get_world_size() != plan.world:
+        raise RuntimeError(f"build_layout needs torch.distributed initialised with {plan.world} ranks.")
+    rank = dist.get_rank()
+    groups: dict[str, Optional[object]] = {}
+    for axis in AXES:
+        groups[axis] = None
+        if plan.sizes()[axis] == 1:
+            continue
+        # new_group is collective over the world: every rank creates every group, in one order.
+        for ranks in plan.axis_groups(axis):
+            group = dist.new_group(ranks, timeout=collective_timeout)
+            if rank in ranks:
+                groups[axis] = group
+    # Waits of unbounded length (the reference pass) are on the store instead (``launch/job.py``), which
+    # names a rank whose heartbeat stopped; what runs on this group is short once every rank is there.
+    control = dist.new_group(backend="gloo", timeout=collective_timeout)
+    return Layout(placement, rank, groups, control, _replica_control(plan, rank, collective_timeout))
+
+
+def _replica_control(plan: LayoutPlan, rank: int, timeout: Optional[timedelta]):
+    """This replica's gloo group (every rank creates every replica's, in one order)."""
+    mine = None
+    if plan.workers == 1:
+        return mine
+    for replica in range(plan.replicas):
+        ranks = list(range(replica * plan.workers, (replica + 1) * plan.workers))
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine

@@ -45,7 +45,7 @@ from ditrun.model.latents import VAE_SCALE, make_latent_codec, unpack
 from ditrun.model.precision import plan_precision, precision_label
 from ditrun.model.sampler import denoise
 from ditrun.parallel.cfg import exchange_fields, layout_velocity, prepare_transports
-from ditrun.parallel.layout import build_layout
+from ditrun.parallel.placement import Placement, build_layout
 from ditrun.results import files, rundir
 from ditrun.run import compile_cache, folders, warm
 from ditrun.run.checks import check_run_config, check_run_memory
@@ -83,7 +83,8 @@ class Run:
         self.settings = {edit.id: result_settings(self, edit) for edit in self.edits}
         self.directory_edits = [edit.id for edit in self.edits]  # global rank 0 learns the directory's in ``_claim``
         check_run_memory(self.edits, cfg, self.geometry, plan, self.device_dtype)
-        self.layout = build_layout(plan, timedelta(seconds=cfg.launcher.collective_timeout_s), nodes)
+        placement = Placement(plan, tuple(nodes)) if nodes else Placement.on_one_node(plan)
+        self.layout = build_layout(placement, timedelta(seconds=cfg.launcher.collective_timeout_s))
         self.references: Optional[reference.References] = None
         self.targets: dict = {}
         self.built = None
