@@ -27,15 +27,16 @@ MEASURED = ROOT / "benchmarks" / "results" / "measured.json"
 RUN = ["workload.limit=2", "metrics.ssim=false", "metrics.report=false"]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("scaling", SCRIPT)
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["scaling"] = module  # dataclasses look their module up by name
+    sys.modules[name] = module  # dataclasses look their module up by name; scaling.py imports scaling_model
     spec.loader.exec_module(module)
     return module
 
 
-scaling = load_script()
+scaling_model = load_script("scaling_model")
+scaling = load_script("scaling")
 
 
 def run_script(tmp_path, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
@@ -104,7 +105,7 @@ def test_committed_inputs_give_the_properties_and_reproduce_the_measured_points(
             for p in points
             if (p["layout"], p["gpus"], p["head_groups"], p["precision"], p["true_cfg"])
             == (cell["layout"], cell["gpus"], cell["head_groups"], cell["precision"], shape["true_cfg"])
-            and scaling.image_tokens(*p["out"]) == shape["out_tokens"]
+            and scaling_model.image_tokens(*p["out"]) == shape["out_tokens"]
         ]
         assert len(same) == 1, (scenario["name"], cell)
         point = same[0]
@@ -166,7 +167,7 @@ def test_startup_file_is_fitted_and_its_absence_is_said(tmp_path):
     assert "missing" in done.stderr and any("missing: assumed" in a for a in missing["assumptions"])
     points = [{"nodes": n, "ranks": 2 * n, "startup_s_max": 3.0 + 0.5 * n} for n in (1, 2, 4)]
     (tmp_path / "startup.json").write_text(json.dumps({"device": "test", "points": points}))
-    fitted = scaling.load_startup(tmp_path / "startup.json")
+    fitted = scaling_model.load_startup(tmp_path / "startup.json")
     for point in points:
         assert fitted.seconds(point["nodes"]) == pytest.approx(point["startup_s_max"], rel=1e-12)
     assert fitted.seconds(64) == pytest.approx(3.0 + 0.5 * 64, rel=1e-12)
@@ -181,7 +182,7 @@ def test_emulated_nodes_start_up_grows_by_the_rendezvous_cost_per_rank_only(tmp_
     (tmp_path / "startup.json").write_text(
         json.dumps({"machine": "2 CPU cores, emulated nodes", "rows": rows, "fits": {"store_meeting_s": meeting}})
     )
-    fitted = scaling.load_startup(tmp_path / "startup.json")
+    fitted = scaling_model.load_startup(tmp_path / "startup.json")
     assert fitted.seconds(1) == pytest.approx(5.0, rel=1e-12)
     assert fitted.seconds(64) - fitted.seconds(1) == pytest.approx(63 * 8 * 0.0005, rel=1e-9)
 
@@ -204,7 +205,7 @@ def test_docs_hold_the_tables_the_committed_inputs_give():
 
 def test_head_groups_follow_layout_validation():
     # 24 heads: 12 per rank at P = 2 (2 groups valid), 3 per rank at P = 8 (2 is not: 3 is the next divisor).
-    assert scaling.valid_head_groups(2, 24, 2) == 2
-    assert scaling.valid_head_groups(2, 24, 8) == 3
-    assert scaling.valid_head_groups(1, 24, 8) == 1
-    assert not math.isnan(scaling.fit_link(json.loads(MEASURED.read_text())["alltoall"]).gb_per_s)
+    assert scaling_model.valid_head_groups(2, 24, 2) == 2
+    assert scaling_model.valid_head_groups(2, 24, 8) == 3
+    assert scaling_model.valid_head_groups(1, 24, 8) == 1
+    assert not math.isnan(scaling_model.fit_link(json.loads(MEASURED.read_text())["alltoall"]).gb_per_s)
