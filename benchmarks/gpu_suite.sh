@@ -41,6 +41,9 @@
 #                                                            then a CFG step over two ranks sharing the GPU, values
 #                                                            against codes (benchmarks/quantized_exchange.py; COMPILE=1
 #                                                            compiles the blocks); ~6 min)
+#   bash benchmarks/gpu_suite.sh aoti                     (one GPU: the compiled blocks' start-up, Inductor's JIT path cold
+#                                                            and warm against AOTInductor packages, flux-dev at the
+#                                                            published shape (benchmarks/aoti_startup.py); ~8 min)
 #   bash benchmarks/gpu_suite.sh transport                (2 GPUs: copy_engine vs collective, ~5 min)
 #   bash benchmarks/gpu_suite.sh multi                    (2+ GPUs: NCCL tests, layouts side by side)
 set -uo pipefail
@@ -219,6 +222,10 @@ if [[ $what == exchange ]]; then
   # the whole step over two ranks sharing the GPU, values against codes (eager; COMPILE=1: the blocks compiled)
   timeout 400 python3 benchmarks/quantized_exchange.py --share-gpu ${COMPILE:+--compile} 2>&1 \
     | tee "$OUT/quantized_exchange.txt" | tail -8
+fi
+if [[ $what == aoti ]]; then
+  timeout 580 python3 benchmarks/aoti_startup.py --preset flux-dev --width 1024 --height 1024 --text-len 512 \
+    --device cuda --repeats 3 2>&1 | tee "$OUT/aoti_startup.txt" | tail -8
 fi
 if [[ $what == workload || $what == all ]]; then
   # The published Kontext shape (1 MP reference + 4 MP output, 28 steps), 2 edits, flux-dev geometry.
