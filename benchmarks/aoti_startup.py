@@ -22,7 +22,8 @@ Each way runs in a process of its own, with its own Inductor and Triton caches u
 
 Columns: seconds from the model built to the compiled code ready (``prepare s``: ``compile_regions``, which
 compiles nothing yet, or the packages built and loaded) and to the end of its first forward (``first s``), the
-first forward's excess over a steady one, the steady forward (median of ``--repeats``), the seconds of the four
+first forward's excess over a steady one and Dynamo's share of it (tracing and guards: ``timers.dynamo_trace_s``,
+the summary's ``trace_s``), the steady forward (median of ``--repeats``), the seconds of the four
 packages' first loads, the milliseconds of a later one (another block of the class: the same package bound to its
 weights), and the output's relative error against eager (same seeded weights and inputs).
 """
@@ -171,6 +172,7 @@ def aoti_load(model, folder: Path) -> tuple[float, list[float]]:
 def one_way(args) -> dict:
     """This process's way: build, prepare, time the first and the steady forwards; the output to ``args.output``."""
     from ditrun.model.compile import compile_regions
+    from ditrun.timers import dynamo_trace_s
 
     model, inputs = build(args)
     folder = Path(args.folder)
@@ -188,6 +190,7 @@ def one_way(args) -> dict:
         out = model(**inputs)
         sync(args.device)
         first = time.perf_counter() - start
+        traced = dynamo_trace_s()
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
@@ -197,6 +200,7 @@ def one_way(args) -> dict:
     torch.save(out.float().cpu(), args.output)
     steady = statistics.median(times)
     timings = {"prepare_s": prepared, "first_s": first, "steady_s": steady, "excess_s": first - steady}
+    timings["trace_s"] = traced
     later = statistics.median(loads[1]) if loads[1] else None
     return {"way": args.way, "first_loads_s": loads[0], "later_load_s": later, **timings}
 
@@ -239,6 +243,7 @@ def main(argv=None) -> int:
                     "prepare s": f"{result['prepare_s']:.2f}",
                     "first s": f"{result['first_s']:.2f}",
                     "excess s": f"{result['excess_s']:.2f}",
+                    "of it Dynamo s": f"{result['trace_s']:.2f}",
                     "steady ms": f"{1000 * result['steady_s']:.1f}",
                     "first loads s": f"{result['first_loads_s']:.2f}" if result["later_load_s"] else "-",
                     "ms a later load": f"{1000 * result['later_load_s']:.1f}" if result["later_load_s"] else "-",

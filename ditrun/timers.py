@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from contextlib import contextmanager
 from typing import Iterator, Optional
@@ -147,8 +148,8 @@ class Startup:
     Its parts (``PARTS``; None where a run has none): within loading, the reference pass
     (``references_s``, the BF16 reference edits made or read) and the model's build and weight load
     (``build_s``); within the first steps, compiling (``compile_s``: the compiler backend's time, summed
-    over the run's compilations, so mostly the first edit's; Dynamo's tracing is not in it) and capturing
-    CUDA graphs (``graphs_s``); and
+    over the run's compilations, so mostly the first edit's), Dynamo's tracing and guard building around it
+    (``trace_s``: ``dynamo_trace_s``) and capturing CUDA graphs (``graphs_s``); and
     the compile cache's reads and writes (``compile_cache_s``). ``notes`` carry what the parts did
     (``compile_cache``: hit, miss, ...).
 
@@ -157,7 +158,7 @@ class Startup:
     imported once, for the first job) and says so (``process``: ``reused``)."""
 
     PHASES = ("imports_s", "rendezvous_s", "load_s", "startup_s")
-    PARTS = ("references_s", "build_s", "compile_s", "graphs_s", "compile_cache_s")
+    PARTS = ("references_s", "build_s", "compile_s", "trace_s", "graphs_s", "compile_cache_s")
 
     def __init__(self):
         self._clear()
@@ -167,6 +168,7 @@ class Startup:
         self.fields: dict[str, Optional[float]] = dict.fromkeys(self.PHASES + self.PARTS)
         self.notes: dict[str, str] = {}
         self._begun: dict[str, float] = {}
+        self._traced = dynamo_trace_s()  # the process's earlier jobs' tracing is not this job's
 
     def start_job(self) -> None:
         """A job begins in this process: the first counts from the process's start, a later one from here."""
@@ -201,7 +203,22 @@ class Startup:
             self.fields[phase] = None if age is None else age - (self._job_age or 0.0)
 
     def report(self, rank: int = 0) -> dict:
+        traced = dynamo_trace_s() - self._traced
+        self.fields["trace_s"] = traced if self.fields["compile_s"] is not None or traced > 0 else None
         return {"rank": rank, "host": socket.gethostname(), **self.fields, **self.notes}
+
+
+def dynamo_trace_s() -> float:
+    """Seconds this process spent in Dynamo's compilations less their compiler backend's: tracing the bytecode,
+    building the graph and its guards (PyTorch's own compile-time counters, ``torch._dynamo.utils``; 0 where
+    nothing was compiled, or where this PyTorch keeps no such counters)."""
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing was compiled
+    metrics = getattr(utils, "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return 0.0
+    whole = sum(metrics.get("_compile.compile_inner", ()))
+    backend = sum(metrics.get("OutputGraph.call_user_compiler", ()))
+    return max(0.0, whole - backend)
 
 
 # One process, one start: the launcher, the worker and the step loop each record their phase.

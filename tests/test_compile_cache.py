@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+import torch
 from launching import ditrun_command, quiet_env, run, tiny_config
 
 from ditrun import timers
@@ -379,6 +380,13 @@ def test_the_summary_has_each_part_of_start_up_per_rank_and_overall():
     report = startup.report(0)
     assert report["compile_s"] >= 0 and report["compile_cache"] == "miss" and report["graphs_s"] is None
 
+    # Dynamo's tracing is its own part, counted from the job's start: a graph compiled before it is not the job's.
+    traced = timers.Startup()
+    torch.compile(lambda x: torch.sin(x) + 1, backend="eager", fullgraph=True)(torch.ones(3))
+    assert traced.report(0)["trace_s"] > 0
+    later = timers.Startup()
+    assert later.report(0)["trace_s"] is None  # nothing compiled since it began
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
@@ -409,6 +417,6 @@ def test_the_cli_says_what_the_compile_cache_did_and_splits_its_start_up(tmp_pat
     assert cache["fx_graph_cache"] == {"hit": 0, "miss": 0, "bypass": 0}  # aot_eager: no Inductor graph
     rank = summary["startup_by_rank"][0]
     assert rank["compile_cache"] == "miss" and rank["graphs_s"] is None  # no CUDA graphs on a CPU
-    for part in ("references_s", "build_s", "compile_s", "compile_cache_s"):
+    for part in ("references_s", "build_s", "compile_s", "trace_s", "compile_cache_s"):
         assert rank[part] > 0 and summary[f"{part}_max"] == rank[part], part
     assert rank["startup_s"] > rank["compile_s"]
