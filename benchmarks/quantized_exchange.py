@@ -59,7 +59,8 @@ def rank_main(rank: int, args, port: int) -> None:
     steps, counters = {}, {}
     for mode in ("one process", "values", "codes"):
         name = "single" if mode == "one process" else "ulysses"
-        plan = plan_layout(LayoutArgs(name, args.head_groups), 1 if name == "single" else 2, 24)
+        groups = 1 if name == "single" else args.head_groups  # one process has nothing to overlap
+        plan = plan_layout(LayoutArgs(name, groups), 1 if name == "single" else 2, 24)
         layout = build_layout(Placement.on_one_node(plan))
         timer = ExposedTransfer(device)
         transports = {

@@ -185,14 +185,14 @@ def _qk_producer_builds() -> list[Build]:
     sig = _signature(
         "X", "W", "COS", "SIN", "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32", **tables
     )
-    const = _constexprs(sig, D=d, BLOCK_L=32)
+    const = _constexprs(sig, D=d, BLOCK_L=16)  # qk_producer_triton.BLOCK_L, WARPS: what ships
     builds = [Build("qk_producer_triton._statistics_kernel", f"D={d}", sig, const, {"num_warps": 4}, EVERY_GPU)]
     out = ("stride_cb", "stride_cl", "stride_cp", "stride_ch", "stride_sb", "stride_sl", "stride_sp", "stride_sh")
     sig = _signature(
         "X", "W", "COS", "SIN", "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
         MEAN="*bf16", CODES="*i8", SCALE="*fp32", **tables,
     )  # fmt: skip
-    const = _constexprs(sig, SMOOTH=True, D=d, BLOCK_L=32)
+    const = _constexprs(sig, SMOOTH=True, D=d, BLOCK_L=16)
     builds.append(
         Build("qk_producer_triton._quantize_kernel", f"D={d}, smoothed K", sig, const, {"num_warps": 4}, EVERY_GPU)
     )

@@ -112,8 +112,9 @@ def _quantize_kernel(
     tl.store(SCALE + at, scale, mask=mask)
 
 
-BLOCK_L, WARPS = 32, 4
-"""Tokens per program and warps per program of both kernels."""
+BLOCK_L, WARPS = 16, 4
+"""Tokens per program and warps per program of both kernels: the fastest of `benchmarks/qk_producer.py --tune` on
+one H100 at P = 2, 4 and 8 (docs/TRANSPORT.md)."""
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
