@@ -278,10 +278,11 @@ def test_fused_producer_exchange_on_one_shared_gpu(attention):
     """Two ranks on one GPU (gloo process group, copy-engine transport through CUDA IPC), uneven shards, two head
     groups, text and image stretches with their own norms: Q and K written by the fused producer from the raw
     projections, and those normalized and rotated by the block's own modules (in BF16) then quantized, each against
-    fp64 attention of the same inputs normalized in fp64 and rotated in fp32. The fused producer keeps its intermediates in
-    fp32, so its codes differ from the composition's by one wherever a BF16 rounding moved a value across a code
-    boundary (``tests/test_qk_producer.py``): it must be no less accurate than the composition it replaces, and
-    within the format's own error bound (the 2e-2 of this file's accuracy test)."""
+    fp64 attention of the same inputs normalized in fp64 and rotated in fp32. The fused producer rounds to BF16 where
+    the composition does, but its norm (an fp32 tree sum, the GPU's rsqrt) may move a value by its last bit and so a
+    code by one (``tests/test_qk_producer.py``); what that does to the output is no bound to set by hand (on an H100
+    the two outputs differ by 4.7e-3 to 9.0e-3 relative), so the fused path must be no less accurate than the
+    composition it replaces (within 25%), and within the format's own error bound (this file's 2e-2)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA/ROCm GPU")
     lengths, text = [1000 + 37, 1000], 300
