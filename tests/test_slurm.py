@@ -323,3 +323,25 @@ def test_a_cancelled_job_of_a_submitit_sweep_is_named_and_the_sweep_reports_the_
     assert f"ditrun: error: 1 job(s) of the sweep failed:\n  {sweep / '1'} ({overrides}): {why}" in text
     assert (sweep / "0" / "summary.json").exists() and f"sweep report: {sweep / 'report.md'}" in text
     assert (sweep / "report.md").read_text().count("**incomplete** (its job failed: submitit job") == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_warm_job_through_the_slurm_launcher_fills_its_entry(cluster, tmp_path):
+    """``ditrun warm`` as a Slurm job (``-m hydra/launcher=slurm``) on the local cluster: the job compiles the size it
+    is given into the shared compile cache, says so in its log and warm.json, and a second warm finds it there."""
+    sweep, cache = tmp_path / "sweep", tmp_path / "compile-cache"
+    launcher = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1"]
+    compiled = ["model.compile=on", "model.num_layers=1", "model.num_single_layers=1", f"model.compile_cache={cache}"]
+    command = [sys.executable, "-m", "ditrun", "warm", "-m", *launcher, *TINY, *compiled, "warm.sizes=[[32,48]]"]
+    env = quiet_env(SLURM_CONF=str(cluster), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    for attempt, done in ((0, "filled"), (1, "already there")):
+        out = sweep / str(attempt)
+        proc = subprocess.run(
+            [*command, f"hydra.sweep.dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=200, env=env
+        )
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        (size,) = json.loads((out / "0" / "warm.json").read_text())["sizes"]
+        assert (size["size"], size["done"]) == ("32x48 output, 32x48 reference", done)
+        assert Path(size["entry"]).parent == cache and Path(size["entry"]).is_file()
+        log = "".join(p.read_text() for p in (out / ".submitit").rglob("*_log.out"))
+        assert f"ditrun: warm: 32x48 output, 32x48 reference (7 text + 12 image tokens): {done}" in log
