@@ -247,3 +247,24 @@ def test_the_command_refuses_a_planted_link_and_leaves_the_file_outside_unchange
     assert f"ditrun: error: {out / name if name else out} is a symbolic link owned by root" in run.stderr
     assert run.stderr.count("ditrun: error:") == 1 and "Traceback" not in run.stderr
     assert checksums(victim) == before
+
+
+def test_recovery_passes_over_a_temporary_that_vanishes_while_it_looks(tmp_path, monkeypatch):
+    """Rank 0 recovers the directory while another rank's probe of it (``run/folders.py``) comes and goes under the
+    temporary prefix: a name listed, then gone before it is looked at, is no error (a 4-rank run failed on one)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    gone, left = out / f"{files.TEMPORARY_PREFIX}probe.0", out / f"{files.TEMPORARY_PREFIX}left.json"
+    gone.write_text("\n")
+    left.write_text("{}")
+    listed = Path.glob
+
+    def glob_then_remove(folder, pattern, **kwargs):
+        names = list(listed(folder, pattern, **kwargs))
+        if pattern.startswith(files.TEMPORARY_PREFIX) and gone in names:
+            gone.unlink()  # the other rank removes its probe after the listing
+        return names
+
+    monkeypatch.setattr(Path, "glob", glob_then_remove)
+    assert rundir.recover(out) == []
+    assert not gone.exists() and not left.exists()

@@ -338,12 +338,16 @@ def output_problem(out_dir: Path, record: dict) -> Optional[str]:
 
 def _remove_temporaries(out_dir: Path) -> None:
     """Leftovers of interrupted writes: only names with the temporary prefix, which no edit id can produce (a
-    symbolic link among them is removed itself; a folder that is one is not looked into)."""
+    symbolic link among them is removed itself; a folder that is one is not looked into). Other ranks may be
+    probing the results directory meanwhile, their probes coming and going under that prefix."""
     for folder in (out_dir, out_dir / files.IMAGES_DIR, out_dir / files.LATENTS_DIR, out_dir / HYDRA_DIR):
         if folder.is_symlink():
             continue
         for tmp in folder.glob(files.TEMPORARY_PREFIX + "*"):
-            mode = tmp.lstat().st_mode
+            try:
+                mode = tmp.lstat().st_mode
+            except FileNotFoundError:  # gone meanwhile: another rank's probe of the folder (run/folders.py)
+                continue
             if stat.S_ISREG(mode) or stat.S_ISLNK(mode):
                 tmp.unlink(missing_ok=True)
 
