@@ -239,8 +239,10 @@ def _mx_fused_builds() -> list[Build]:
                          SCALES="*u8")  # fmt: skip
         tiles = {k: v for k, v in G.QUANTIZE_TILES.items() if k.startswith("BLOCK")}
         const = _constexprs(sig, **G.element_constants(element), RCEIL=True, **tiles)
+        # E2M3 on every GPU: it writes the quantized exchange's MXFP6 V (attention_payload.mx_rows)
+        targets = EVERY_GPU if element == "fp6_e2m3" else ("gfx950",)
         builds.append(Build("mx_gemm_triton._mx_quantize_kernel", f"{element}, {tiles['BLOCK_M']}x{tiles['BLOCK_K']}",
-                            sig, const, {"num_warps": G.QUANTIZE_TILES["num_warps"]}, ("gfx950",)))  # fmt: skip
+                            sig, const, {"num_warps": G.QUANTIZE_TILES["num_warps"]}, targets))  # fmt: skip
     tiles = {k: v for k, v in G.ACT_TILES.items() if k.startswith("BLOCK")}
     options = {k: v for k, v in G.ACT_TILES.items() if k.startswith("num")}
     for element, activation in (("fp8_e4m3", "gelu_tanh"), ("fp6_e2m3", "gelu_tanh"), ("fp6_e2m3", "swiglu"),
@@ -313,8 +315,6 @@ NOT_BUILT = {
     "backend (linear.MxTriton) runs on gfx950 only",
     "mx_gemm_triton._mx_gemm_act_kernel": "gfx942, sm_90a: the mx_triton backend's fused MLP runs on gfx950 only "
     "(Hopper's MX linears are mx_repack_fp8)",
-    "mx_gemm_triton._mx_quantize_kernel": "gfx942, sm_90a: the mx_triton backend's activation quantizer runs on "
-    "gfx950 only",
 }
 """Kernel -> why a target of ``TARGETS`` missing from its ``targets`` never gets it."""
 
