@@ -294,7 +294,10 @@ def test_a_cancelled_job_of_a_submitit_sweep_is_named_and_the_sweep_reports_the_
     names the job in one line (Slurm's state, its log's last line), reports the other job and exits 1."""
     sweep = tmp_path / "sweep"
     launcher = ["hydra/launcher=slurm", "hydra.launcher.gpus_per_node=null", "hydra.launcher.tasks_per_node=1"]
-    command = [sys.executable, "-m", "ditrun", "-m", *launcher, f"hydra.sweep.dir={sweep}", *TINY]
+    # Two edits: scancel resumes the stopped job (SIGCONT) before its SIGTERM, and a job in its last edit would
+    # finish it within Slurm's KillWait and return a result; with a second edit it stops at that edit's start.
+    edits = [arg for arg in TINY if not arg.startswith("workload.limit=")] + ["workload.limit=2"]
+    command = [sys.executable, "-m", "ditrun", "-m", *launcher, f"hydra.sweep.dir={sweep}", *edits]
     with open(tmp_path / "sweep.log", "w") as log:
         submitter = subprocess.Popen(
             [*command, "testing.fault.freeze_rank=null,0"],
