@@ -51,7 +51,7 @@ def take_renamed_keys(cfg, say: bool = False) -> None:
     for old, new in RENAMED_KEYS.items():
         (group, old_leaf), new_leaf = old.split("."), new.split(".")[1]
         node = cfg.get(group) if hasattr(cfg, "get") else None
-        if node is None:
+        if not hasattr(node, "get"):  # no such group, or a recorded file's that is not a mapping
             continue
         value, now = node.get(old_leaf), node.get(new_leaf)
         if old_leaf in node and new_leaf not in node:  # a run recorded before the rename

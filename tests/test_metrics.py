@@ -240,6 +240,9 @@ def test_an_old_key_and_its_new_name_given_different_values_is_one_sentence():
     agreed = _cfg("metrics.reference_steps=4", "metrics.full_quality_steps=4")
     take_renamed_keys(agreed)
     assert (agreed.metrics.full_quality_steps, agreed.metrics.reference_steps) == (4, None)
+    recorded = {"metrics": "not a mapping"}  # a damaged run.json's settings are left to the comparison
+    take_renamed_keys(recorded)
+    assert recorded == {"metrics": "not a mapping"}
 
 
 def test_gate_without_ssim_is_refused():
