@@ -3,6 +3,7 @@
     python benchmarks/gemm.py                # M = 4608 and 20992, every Flux (K, N)
     python benchmarks/gemm.py --m 4608 --repeats 30
     python benchmarks/gemm.py --tilings                      # the Triton activation quantizers' tilings, per K
+    python benchmarks/gemm.py --joined --m 20992             # a down projection's input: GELU (+ prefix) + FP8
 
 For each (M, K, N) it times, with CUDA events (median of ``--repeats``, each ``--calls`` back-to-back
 calls replayed as one CUDA graph, as a graphed model runs them, every column of a row in turns so
@@ -144,6 +145,48 @@ def tiling_rows(m: int, repeats: int, time_ms) -> list[dict[str, str]]:
     return rows
 
 
+def joined_rows(m: int, repeats: int, time_ms) -> list[dict[str, str]]:
+    """A down projection's FP8 input from the MLP's hidden state [m, 12288]: GELU, with the single block's attention
+    output [m, 3072] before it or without, each row's amax and codes. ditrun's kernel (``precision.quantizer=kernel``)
+    in its default tiling and others, against the same function compiled by Inductor (``quantizer=compiled``'s way,
+    fused into one kernel where Inductor can) on the same inputs; rates at the bytes one pass must move (bf16 in,
+    E4M3 and the scales out)."""
+    from ditrun.kernels import quantize_triton as T
+    from ditrun.model.dit import gelu_activation
+
+    dtype = L.fp8_dtype()
+    g = torch.Generator(device=CUDA).manual_seed(5)
+    hidden = torch.randn(m, 12288, device=CUDA, generator=g).to(torch.bfloat16)
+    attention = torch.randn(m, 3072, device=CUDA, generator=g).to(torch.bfloat16)
+
+    def composed(h, prefix):
+        a = gelu_activation(h)
+        return L.quantize_rowwise_fp8(a if prefix is None else torch.cat([prefix, a], dim=1), dtype)
+
+    compiled = torch.compile(composed, dynamic=False)
+    rows = []
+    for prefix in (None, attention):
+        moved = 3 * hidden.numel() + (0 if prefix is None else 3 * prefix.numel()) + 4 * m
+        default = T.joined_tiling(hidden.shape[1])
+        cases = {"inductor (compiled torch)": lambda p=prefix: compiled(hidden, p)}
+        for t in [default, T.Tiling(2, 16384, 16, True), T.Tiling(1, 16384, 32, True), T.Tiling(1, 1024, 8),
+                  T.Tiling(1, 2048, 8), T.Tiling(1, 1024, 4)]:  # fmt: skip
+            name = f"kernel, {t}" + (" (default)" if t == default else "")
+            cases[name] = lambda t=t, p=prefix: T.rowwise_fp8(hidden, dtype, tiling=t, activation="gelu_tanh", prefix=p)
+        for name, fn in cases.items():
+            ms = time_ms(fn, repeats)
+            rows.append(
+                {
+                    "M": str(m),
+                    "rows": "[attention 3072 | GELU(12288)]" if prefix is not None else "GELU(12288)",
+                    "quantizer": name,
+                    "ms": f"{ms:.4f}",
+                    "TB/s": f"{moved / ms / 1e9:.2f}",
+                }
+            )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--m", type=int, nargs="*", default=list(M_VALUES))
@@ -158,6 +201,12 @@ def main() -> None:
         "--tilings",
         action="store_true",
         help="only the Triton activation quantizers, every candidate tiling, per K of the Flux linears",
+    )
+    parser.add_argument(
+        "--joined",
+        action="store_true",
+        help="only a down projection's input quantizer (GELU + FP8, with the attention output or without): "
+        "ditrun's kernel in several tilings against Inductor's",
     )
     parser.add_argument(
         "--timing",
@@ -178,6 +227,9 @@ def main() -> None:
     timed = timer(args.timing, args.calls)
     if args.tilings:
         print_table([row for m in args.m for row in tiling_rows(m, args.repeats, timed)])
+        return
+    if args.joined:
+        print_table([row for m in args.m for row in joined_rows(m, args.repeats, timed)])
         return
     rows = []
     for m in args.m:

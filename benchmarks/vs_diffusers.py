@@ -6,7 +6,9 @@ weights=...)``: assigned, not copied), so both sides compute with the same numbe
 per shape: CUDA-event median of one forward after warm-up, TFLOP/s against the GEMM ceilings
 measured first, the output's relative error against diffusers eager BF16 (the reference: every
 row prints its error beside its time, so no faster-but-wrong mode passes unseen), ratios against
-every diffusers row, and a kernel-time breakdown (attention / GEMM / rest) from the profiler.
+every diffusers row, and a kernel-time breakdown (attention / GEMM / rest) from the profiler, with the
+costliest kernels of the rest in a table: ms, calls, the bytes each call must move (Inductor's own count of
+its kernel's inputs and outputs) and the rate that makes, against a device-to-device copy measured first.
 
 Modes (``--modes``; default all, in this order, because diffusers' rows change its model in place):
 
@@ -20,6 +22,9 @@ Modes (``--modes``; default all, in this order, because diffusers' rows change i
                            layout that exchanges runs it (``ulysses``, ``cfg_*``): what leaving it out costs
 * ``diffusers-compiled``   ``compile_repeated_blocks(fullgraph=True)``
 * ``diffusers-torchao-fp8`` torchao ``Float8DynamicActivationFloat8WeightConfig(PerRow())`` + the same compile
+
+A ditrun mode may carry overrides of its own after ``@`` (``ditrun-fp8_all@precision.quantizer=kernel``, several
+joined by commas): it runs after its plain mode, so one process compares them.
 
 ``--set KEY=VALUE ...``: Hydra overrides for every ditrun mode (``--set precision.attention=int8qk_fp8v``,
 ``--set model.compile_tuning=false``). Each ditrun row prints what ran (linear backends, attention
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import shutil
 import statistics
 import subprocess
@@ -87,6 +93,14 @@ PEERS = ("diffusers", "diffusers-compiled", "diffusers-torchao-fp8")
 # Measuring
 
 
+def copy_ceiling_tbs(nbytes: int = 2**30) -> float:
+    """TB/s of a device-to-device copy of ``nbytes`` (bytes read plus bytes written), this GPU, now: the memory
+    ceiling a kernel that reads and writes once is held against."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / statistics.median(cuda_time(lambda: dst.copy_(src), 3, 10)) / 1e12
+
+
 def gemm_ceilings(n: int = 8192) -> dict[str, float]:
     """TFLOP/s of a square BF16 GEMM and a row-wise scaled FP8 GEMM on random data, this GPU, now."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -98,13 +112,33 @@ def gemm_ceilings(n: int = 8192) -> dict[str, float]:
     fp8 = statistics.median(
         cuda_time(lambda: torch._scaled_mm(a8, b8.t(), scale_a=ones, scale_b=ones.t(), out_dtype=torch.bfloat16), 3, 10)
     )
-    return {"bf16": flops / bf16 / 1e12, "fp8_rowwise": flops / fp8 / 1e12}
+    return {"bf16": flops / bf16 / 1e12, "fp8_rowwise": flops / fp8 / 1e12, "copy_tbs": copy_ceiling_tbs()}
 
 
 KERNEL_KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "int8qk", "_fwd_kernel")),
     ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "scaled_mm", "matmul", "cublas", "sm90_", "wgmma")),
 )
+
+
+def inductor_kernel_gb(skip: set) -> dict[str, float]:
+    """Inductor kernel name -> GB one call reads and writes (``kernel_num_gb``: its buffers' sizes, which Inductor
+    records where ``config.benchmark_kernel`` is set), from the generated modules not in ``skip`` (file paths)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    modules = PyCodeCache.modules
+    gb = {}
+    for module in modules.values() if isinstance(modules, dict) else modules:
+        path = getattr(module, "__file__", None)
+        if not path or path in skip:
+            continue
+        skip.add(path)
+        for line in Path(path).read_text().splitlines():
+            name = re.search(r"'kernel_name': '(\w+)'", line)
+            size = re.search(r"'kernel_num_gb': ([0-9.eE+-]+)", line)
+            if "inductor_meta" in line and name and size:
+                gb[name.group(1)] = float(size.group(1))
+    return gb
 
 
 def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
@@ -132,14 +166,14 @@ def kernel_breakdown(fn: Callable, top: int = 10) -> dict:
         ms = event.self_device_time_total / 1e3
         totals[kind] += ms
         if kind == "rest":
-            rest.append((event.key[:90], round(ms, 2), event.count))
+            rest.append((event.key, round(ms, 3), event.count))
         elif kind == "attention":
             attention.append((event.key[:120], round(ms, 2), event.count))
         else:
             gemms.append((event.key[:120], round(ms, 2), event.count))
     return {
         **totals,
-        "top_rest": sorted(rest, key=lambda item: -item[1])[:top],
+        "top_rest": sorted(rest, key=lambda item: -item[1])[: 3 * top],
         "attention_kernels": sorted(attention, key=lambda item: -item[1]),
         "top_gemm": sorted(gemms, key=lambda item: -item[1])[:top],
     }
@@ -178,11 +212,23 @@ def make_inputs(tokens: int) -> dict:
     )
 
 
+def base_mode(mode: str) -> str:
+    """A mode without the overrides of its own (``ditrun-fp8_all@precision.quantizer=kernel`` -> ``ditrun-fp8_all``)."""
+    return mode.partition("@")[0]
+
+
+def mode_overrides(mode: str) -> list[str]:
+    """The overrides a mode carries after ``@``."""
+    return [item for item in mode.partition("@")[2].split(",") if item]
+
+
 def ditrun_config(mode: str, overrides: list[str]):
     """The run config the CLI composes for ``mode`` (``ditrun``: eager BF16; ``ditrun-<preset>[-regions]``) on the
-    FLUX.1-dev geometry and this GPU, with ``overrides`` (``--set``) last."""
+    FLUX.1-dev geometry and this GPU, with ``overrides`` (``--set``) and then the mode's own last."""
     from hydra import compose, initialize_config_module
 
+    overrides = [*overrides, *mode_overrides(mode)]
+    mode = base_mode(mode)
     preset = mode.removeprefix("ditrun").removeprefix("-").removesuffix("-regions") or "bf16"
     eager = ["model.compile=off"] if mode == "ditrun" else []
     register_configs()
@@ -201,7 +247,7 @@ def ditrun_forward(mode: str, weights: dict, overrides: list[str]) -> tuple[Call
     )
     forward, attention = built.forward, built.attention
     ran = {"precision": cfg.precision.name, **built.details}
-    if mode.endswith("-regions"):  # another function object: the block runs its compiled halves around it
+    if base_mode(mode).endswith("-regions"):  # another function object: the block runs its compiled halves around it
         return lambda inputs: forward(**inputs, attention=lambda q, k, v: attention(q, k, v)), ran
     return lambda inputs: forward(**inputs, attention=attention), ran
 
@@ -326,10 +372,8 @@ def run_modes(
 ) -> tuple[list[Row], dict]:
     theirs = diffusers_flux_dev()
     weights = dict(theirs.state_dict())
-    rows, references, skipped = [], {}, {}
-    for mode in MODES:
-        if mode not in modes:
-            continue
+    rows, references, skipped, seen_modules = [], {}, {}, set()
+    for mode in sorted(modes, key=lambda m: MODES.index(base_mode(m))):  # stable: variants after their mode
         ran = None
         if mode.startswith("ditrun"):
             forward, ran = ditrun_forward(mode, weights, overrides)
@@ -347,6 +391,11 @@ def run_modes(
             theirs.compile_repeated_blocks(fullgraph=True)
             forward = diffusers_forward(theirs)
         rows += measure(mode, forward, tokens_list, references, repeats, profile, ran)
+        if profile:
+            gb = inductor_kernel_gb(seen_modules)
+            for row in rows:
+                if row.mode == mode and row.kernels:
+                    row.kernels["kernel_gb"] = {name: gb[name] for name, *_ in row.kernels["top_rest"] if name in gb}
         del forward
         if mode.startswith("ditrun"):
             torch._dynamo.reset()  # its compiled regions hold the model: free it before the next one
@@ -364,14 +413,14 @@ def print_tables(rows: list[Row], ceilings: dict) -> None:
     """One table: every mode at every shape, against the GEMM ceilings and each peer."""
     print(
         f"\nGEMM ceilings (8192^3, random data): BF16 {ceilings['bf16']:.0f} TFLOP/s, "
-        f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s"
+        f"FP8 row-wise {ceilings['fp8_rowwise']:.0f} TFLOP/s; device copy {ceilings['copy_tbs']:.2f} TB/s"
     )
     header = (
         "| tokens | mode | ms | TFLOP/s | % BF16 ceil. | error vs diffusers eager | x diffusers | "
         "x diffusers compiled | x torchao fp8 | attention ms | GEMM ms | rest ms | compile s |"
     )
     print("\n" + header + "\n" + "|---" * (header.count("|") - 1) + "|")
-    for row in sorted(rows, key=lambda r: (r.tokens, MODES.index(r.mode))):
+    for row in sorted(rows, key=lambda r: (r.tokens, MODES.index(base_mode(r.mode)))):
         tflops = forward_flops(row.tokens - TEXT, TEXT) / row.seconds / 1e12
         ratios = [ratio(rows, row, peer) for peer in PEERS]
         k = row.kernels
@@ -389,9 +438,27 @@ def print_tables(rows: list[Row], ceilings: dict) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def print_rest_table(rows: list[Row], tokens: int, ceilings: dict, top: int = 12) -> None:
+    """Per ditrun mode at ``tokens``: the costliest kernels outside attention and GEMMs, with the GB a call moves
+    (Inductor's count; "-" for kernels that are not Inductor's) and the rate against the measured copy ceiling."""
+    for row in rows:
+        if row.tokens != tokens or not row.kernels or not row.mode.startswith("ditrun"):
+            continue
+        gb = row.kernels.get("kernel_gb", {})
+        print(f"\nThe rest, {row.mode}, {tokens} tokens ({row.kernels['rest']:.1f} ms in all):")
+        print("| kernel | ms | calls | GB per call | TB/s | % of copy |\n|---|---|---|---|---|---|")
+        for name, ms, calls in row.kernels["top_rest"][:top]:
+            moved = gb.get(name)
+            rate = moved * calls / ms if moved else None  # GB/ms = TB/s
+            cells = [name[:80], f"{ms:.2f}", str(calls), f"{moved:.3f}" if moved else "-"]
+            cells += [f"{rate:.2f}", f"{100 * rate / ceilings['copy_tbs']:.0f}"] if rate else ["-", "-"]
+            print("| " + " | ".join(cells) + " |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"any of {', '.join(MODES)}; a ditrun "
+                        "mode may carry overrides: MODE@KEY=VALUE[,KEY=VALUE]")  # fmt: skip
     parser.add_argument("--tokens", nargs="+", type=int, default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
@@ -404,8 +471,13 @@ def main() -> int:
         help="Hydra overrides for every ditrun mode (e.g. model.compile_tuning=false)",
     )
     args = parser.parse_args()
+    unknown = [m for m in args.modes if base_mode(m) not in MODES or (m != base_mode(m) and "ditrun" not in m)]
+    if unknown:
+        parser.error(f"--modes {' '.join(unknown)}: allowed: {', '.join(MODES)}, a ditrun mode with @overrides")
     if nothing_to_measure("vs_diffusers"):
         return 0
+    if not args.no_profile:  # each Inductor kernel records the bytes it moves: the rest's table prints them
+        torch._inductor.config.benchmark_kernel = True
     if "diffusers" not in args.modes:
         args.modes.insert(0, "diffusers")  # the reference every error is measured against
     ceilings = gemm_ceilings()
@@ -417,6 +489,7 @@ def main() -> int:
     rows, skipped = run_modes(args.modes, args.tokens, args.repeats, not args.no_profile, args.set)
     print_tables(rows, ceilings)
     biggest = max(args.tokens)
+    print_rest_table(rows, biggest, ceilings)
     for title, key in (
         ("Costliest kernels outside attention and GEMMs (ms)", "top_rest"),
         ("Kernels counted as attention (name, ms, calls)", "attention_kernels"),
@@ -425,7 +498,8 @@ def main() -> int:
         print(f"\n{title}, largest shape:")
         for row in rows:
             if row.tokens == biggest and row.kernels:
-                print(f"  {row.mode}: " + "; ".join(kernel_text(*kernel) for kernel in row.kernels[key]))
+                kernels = row.kernels[key][:10]
+                print(f"  {row.mode}: " + "; ".join(kernel_text(name[:90], *rest) for name, *rest in kernels))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "vs_diffusers.json").write_text(

@@ -224,6 +224,14 @@ def test_compile_mistakes_are_one_sentence(override, message):
     assert str(err.value) == message
 
 
+def test_an_unknown_quantizer_is_one_sentence():
+    from ditrun.model.precision import plan_precision
+
+    with pytest.raises(UserError) as err:
+        plan_precision(tiny_config("precision=fp8", "precision.quantizer=triton").precision, CPU.device)
+    assert str(err.value) == "precision.quantizer='triton' is unknown; allowed: compiled, kernel."
+
+
 def test_an_unknown_compile_backend_is_named():
     with pytest.raises(
         UserError,
@@ -379,6 +387,43 @@ def test_gpu_compiled_run_matches_the_eager_run(tmp_path, precision):
         # BF16 compute: fused kernels round differently; quantized: a rounding flip moves a code.
         edit = record["edit"]
         assert relative_error(latents(tmp_path / "compiled", edit), latents(tmp_path / "eager", edit)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_gpu_kernel_quantizer_runs_in_the_compiled_blocks_and_matches_the_compiled_quantizer(tmp_path, monkeypatch):
+    """``precision.quantizer=kernel``: the compiled blocks' FP8 down projections (a double block's MLP, a single
+    block's [attention | MLP] output projection) quantize through ditrun's Triton kernel, with the activation and
+    the prefix inside it (its calls counted), and the latents match ``quantizer=compiled``'s run (the same codes
+    but for the activation's fp32 rounding: Inductor may keep the GELU in fp32 where the kernel rounds it)."""
+    from launching import latents
+
+    from ditrun.kernels import quantize_triton
+    from ditrun.run import worker
+
+    calls, original = [], quantize_triton.rowwise_fp8
+
+    def counted(x, dtype, *args, **kwargs):
+        calls.append((kwargs.get("activation"), kwargs.get("prefix") is not None))
+        return original(x, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(quantize_triton, "rowwise_fp8", counted)
+    run = ["model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=fp8_all",
+           "workload.width=128", "workload.height=128", *GPU]  # fmt: skip
+    try:
+        worker.run(tiny_config(*run), tmp_path / "compiled")
+        traced = list(calls)
+        summary = worker.run(tiny_config(*run, "precision.quantizer=kernel"), tmp_path / "kernel")
+    finally:
+        from torch._inductor.async_compile import shutdown_compile_workers
+
+        shutdown_compile_workers()
+    assert summary["precision_detail"]["quantizer"] == "kernel"
+    assert not any(activation or prefix for activation, prefix in traced)
+    assert {("gelu_tanh", False), ("gelu_tanh", True)} <= set(calls[len(traced) :])
+    for record in records(tmp_path / "compiled"):
+        edit = record["edit"]
+        assert relative_error(latents(tmp_path / "kernel", edit), latents(tmp_path / "compiled", edit)) < 2e-2
 
 
 @pytest.mark.gpu

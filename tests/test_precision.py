@@ -604,10 +604,15 @@ def test_fast_linear_backends_match_the_emulation(fmt):
     g = torch.Generator(device=device).manual_seed(0)
     w = torch.randn(512, 1024, device=device, generator=g).to(torch.bfloat16) / 32
     x = torch.randn(300, 1024, device=device, generator=g).to(torch.bfloat16)
-    want = L.QuantizedLinear.with_backend(w, f, "emulation")(x).float()
+    bias = torch.randn(512, device=device, generator=g).to(torch.bfloat16)
+
+    def linear(name, b=None):  # the model's path: compiled quantizer; the FP8 backends add a bias in the GEMM
+        return L.QuantizedLinear(w, b, f, "rceil", {name: L.LINEAR_BACKENDS.get(name, "test")()}, lambda m: name)
+
+    want, want_biased = (linear("emulation", b)(x).float() for b in (None, bias))
     for name in names:
-        got = L.QuantizedLinear.with_backend(w, f, name)(x).float()  # the model's path: compiled quantizer
-        assert relative_error(got, want) < 2e-2, name
+        assert relative_error(linear(name)(x).float(), want) < 2e-2, name
+        assert relative_error(linear(name, bias)(x).float(), want_biased) < 2e-2, name
 
 
 # ---------------------------------------------------------------------------------------------

@@ -92,6 +92,46 @@ def check_arithmetic(store_dtype=torch.float32) -> None:
                     assert int(inexact) == int(want_inexact), (element, mode, tiling)
 
 
+def check_joined_quantizer(device: str = "cpu", store_dtype=torch.float32) -> None:
+    """``rowwise_fp8`` of [prefix | GELU(x)] (a single block's down projection input, rows strided as a split of the
+    stacked projection's output) equals the torch quantizer of the joined rows computed as a compiled block does
+    (``gelu_activation``'s sigmoid form in fp32, rounded to bf16): the scales and every code, in looped tilings of
+    several sizes; without a prefix too, and a prefix alone. A kernel that skipped the activation's rounding, mixed
+    up the prefix and hidden columns, or took the amax over one part only differs in codes or scales."""
+    from ditrun.kernels import quantize_triton as T
+    from ditrun.model.dit import GELU_TANH_COEFF, SQRT_2_OVER_PI
+
+    def gelu(h):
+        x = h.float()
+        return (x * torch.sigmoid((2.0 * SQRT_2_OVER_PI) * (x + GELU_TANH_COEFF * x * x * x))).to(h.dtype)
+
+    g = torch.Generator().manual_seed(21)
+    stacked = (torch.randn(37, 96 + 2080, generator=g) * 3).to(torch.bfloat16).to(device)  # [attention | hidden]
+    hidden = stacked[:, 96:]  # strided rows, as the split of a stacked output
+    prefix = (torch.randn(37, 160, generator=g) * 20).to(torch.bfloat16).to(device)
+    prefix[5] *= 1e-3  # a row whose amax is the activation's
+    hidden[7] *= 1e-3  # and one whose amax is the prefix's
+    cases = [(prefix, "gelu_tanh"), (None, "gelu_tanh"), (prefix, None)]
+    for tiling in (T.joined_tiling(2080), T.Tiling(2, 512, 4), T.Tiling(1, 128, 4), T.Tiling(1, 4096, 16, True)):
+        for pre, activation in cases:
+            got, scale = T.rowwise_fp8(hidden, torch.float8_e4m3fn, store_dtype, tiling, activation, pre)
+            joined = hidden if activation is None else gelu(hidden)
+            joined = joined if pre is None else torch.cat([pre, joined], dim=1)
+            want, want_scale = L.quantize_rowwise_fp8(joined, torch.float8_e4m3fn)
+            case = (tiling, activation, pre is None)
+            if device == "cpu":  # the interpreter divides exactly: bit for bit
+                assert torch.equal(scale, want_scale), case
+                assert torch.equal(got.to(torch.float8_e4m3fn).float(), want.float()), case
+                continue
+            # GPUs: the activation's fast quotient (2 ulp of fp32) moves its bf16 rounding now and then: a scale by
+            # a bf16 step at most, and a code by one E4M3 step in a few elements
+            assert torch.allclose(scale, want_scale, rtol=2**-7, atol=0), case
+            got, want = got.float() * scale, want.float() * want_scale
+            gap = (got - want).abs()
+            assert (gap > 2**-7 * want.abs()).float().mean() < 1e-3, case
+            assert bool((gap <= 2**-3 * want.abs() + 2**-8 * want_scale).all()), case  # a step, subnormals too
+
+
 def check_counted_repack(device: str = "cpu") -> None:
     """``ditrun::mx_repack_fp8_counted`` adds each call's inexact rows to the running count it is given (the kernel's
     atomics), and its schema and fake hold (opcheck: the count is declared mutated)."""
@@ -169,7 +209,7 @@ def test_triton_kernels_in_the_cpu_interpreter():
     # (they flush E4M3 subnormals), so it checks the values before the cast; the GPU test checks the cast.
     code = (
         "import test_triton_kernels as t; t.check_arithmetic(); t.check_attention(); "
-        "t.check_qk_quantizer(); t.check_v_codes(); t.check_counted_repack()"
+        "t.check_qk_quantizer(); t.check_v_codes(); t.check_counted_repack(); t.check_joined_quantizer()"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run(
@@ -205,6 +245,15 @@ def test_triton_quantizers_equal_the_torch_quantizers_on_the_gpu():
                     got = T.mx_repack_fp8(x, element, 32, mode, headroom, tiling=tiling)
                     assert torch.equal(got[0].float(), want[0].float()), (element, mode, tiling)
                     assert torch.equal(got[1], want[1]) and int(got[2]) == counted, (element, mode, tiling)
+
+
+@pytest.mark.gpu
+def test_joined_quantizer_equals_the_torch_quantizer_on_the_gpu():
+    """FP8 casts included, and through the custom op a compiled block calls (schema and fake: opcheck)."""
+    check_joined_quantizer("cuda", None)  # FP8 codes
+    x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    prefix = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(L.rowwise_fp8_joined_op, (x, prefix, "gelu_tanh", L.fp8_dtype()))
 
 
 @pytest.mark.gpu

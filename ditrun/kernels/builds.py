@@ -88,15 +88,36 @@ EVERY_GPU = ("gfx950", "gfx942", "sm_90a")
 
 
 def _quantizer_builds() -> list[Build]:
+    import triton
+
     from ditrun.kernels import linear, quantize_triton
 
     builds = []
-    for k in (FLUX["hidden"], FLUX["mlp"], FLUX["hidden"] + FLUX["mlp"]):  # qkv/out/up, down, single blocks' proj_out
-        t = quantize_triton.default_tiling(k, "fp8")
-        sig = _signature("X", "Y", "SCALE", "R", "K", "stride_x", "stride_y", X="*bf16", Y="*fp8", SCALE="*fp32")
-        const = _constexprs(sig, FP8_MAX=448.0, BLOCK_R=t.rows, BLOCK_K=t.tile, ONE_TILE=t.one_tile)
+    # qkv/out/up, down, single blocks' proj_out (eager calls); then a compiled block's down projections under
+    # precision.quantizer=kernel: GELU(hidden), and [attention output | GELU(hidden)]
+    cases = [(k, None, 0) for k in (FLUX["hidden"], FLUX["mlp"], FLUX["hidden"] + FLUX["mlp"])]
+    cases += [(FLUX["mlp"], "gelu_tanh", 0), (FLUX["mlp"], "gelu_tanh", FLUX["hidden"])]
+    for k, activation, prefix in cases:
+        joined = activation is not None or prefix > 0
+        t = quantize_triton.joined_tiling(k) if joined else quantize_triton.default_tiling(k, "fp8")
+        sig = _signature(
+            "X", "Y", "SCALE", "PREFIX", "R", "K", "P", "stride_x", "stride_y", "stride_p", X="*bf16", Y="*fp8",
+            SCALE="*fp32", PREFIX="*bf16",
+        )  # fmt: skip
+        const = _constexprs(
+            sig,
+            FP8_MAX=448.0,
+            BLOCK_R=t.rows,
+            BLOCK_K=t.tile,
+            BLOCK_P=triton.next_power_of_2(prefix) if prefix else 1,
+            ONE_TILE=t.one_tile,
+            HAS_PREFIX=prefix > 0,
+            ACTIVATION=quantize_triton.ACTIVATIONS[activation],
+            ON_BITS=False,
+        )
+        what = f"K={k}" + (f", {activation}" if activation else "") + (f", prefix {prefix}" if prefix else "")
         builds.append(
-            Build("quantize_triton._rowwise_fp8_kernel", f"K={k}, {t}", sig, const, {"num_warps": t.warps}, EVERY_GPU)
+            Build("quantize_triton._rowwise_fp8_kernel", f"{what}, {t}", sig, const, {"num_warps": t.warps}, EVERY_GPU)
         )
     element = linear.formats.FORMATS["fp6_e2m3"]
     for k in (FLUX["hidden"], FLUX["mlp"]):

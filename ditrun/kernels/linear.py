@@ -188,6 +188,35 @@ def _(x, dtype):
     return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
 
 
+@torch.library.custom_op("ditrun::rowwise_fp8_joined", mutates_args=())
+def rowwise_fp8_joined_op(
+    x: torch.Tensor, prefix: Optional[torch.Tensor], activation: Optional[str], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[prefix | activation(x)] row-wise to FP8 in one kernel (``quantize_triton.rowwise_fp8``): a compiled block's
+    down projection input under ``precision.quantizer=kernel``, never written in the compute dtype."""
+    from ditrun.kernels import quantize_triton
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    prefix = prefix if prefix is None or prefix.stride(-1) == 1 else prefix.contiguous()
+    return quantize_triton.rowwise_fp8(x, dtype, activation=activation, prefix=prefix)
+
+
+@rowwise_fp8_joined_op.register_fake
+def _(x, prefix, activation, dtype):
+    width = x.shape[1] + (0 if prefix is None else prefix.shape[1])
+    return x.new_empty((x.shape[0], width), dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+QUANTIZERS = {
+    "compiled": "in a compiled block, each activation's quantization is torch arithmetic traced into the block's "
+    "graph, which Inductor fuses into the kernel that makes the activation",
+    "kernel": "in a compiled block, an FP8 down projection's input [attention output | activation(hidden)] is "
+    "quantized by ditrun's Triton kernel (the activation, each row's amax and the codes in one kernel); the rest "
+    "as compiled",
+}
+"""``precision.quantizer``: how a compiled block quantizes the FP8 linears' activations."""
+
+
 @torch.library.custom_op("ditrun::mx_repack_fp8", mutates_args=())
 def mx_repack_fp8_op(
     x: torch.Tensor, element_name: str, block: int, scale_mode: str
@@ -286,15 +315,17 @@ def _has_rowwise_fp8(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum: bool = False):
+def _scaled_mm(a8, b8, scale_a, scale_b, out_dtype, fast_accum: bool = False, bias=None):
     # a8: [M, K] row-major, b8: [N, K] row-major (so b8.t() is the column-major [K, N] it wants);
     # scale_a: [M, 1], scale_b: [N, 1] -> [1, N]. K and N must be multiples of 16.
-    # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast.
+    # Row-wise scaled FP8 GEMMs on GPUs write bf16 only: an fp32 model gets its output cast. A bias of the GEMM's
+    # dtype is added in its epilogue, to the fp32 accumulator (one rounding, and no pass over the output).
     gemm_dtype = torch.bfloat16 if a8.is_cuda and out_dtype == torch.float32 else out_dtype
+    inside = bias if bias is not None and bias.dtype == gemm_dtype else None
     out = torch._scaled_mm(
-        a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), out_dtype=gemm_dtype, use_fast_accum=fast_accum
-    )
-    return out.to(out_dtype)
+        a8, b8.t(), scale_a=scale_a, scale_b=scale_b.t(), bias=inside, out_dtype=gemm_dtype, use_fast_accum=fast_accum
+    ).to(out_dtype)
+    return out if bias is None or inside is not None else out + bias
 
 
 class Fp8Rowwise:
@@ -322,9 +353,12 @@ class Fp8Rowwise:
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
-    def gemm(self, operand, weights, fmt, out_dtype):
+    adds_bias = True
+    """Its ``gemm`` takes the bias (added in the GEMM's epilogue)."""
+
+    def gemm(self, operand, weights, fmt, out_dtype, bias=None):
         x8, x_scale = operand
-        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype)
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype, bias=bias)
 
 
 class Fp8RowwiseFastAccum(Fp8Rowwise):
@@ -341,9 +375,9 @@ class Fp8RowwiseFastAccum(Fp8Rowwise):
             return "is CUDA's fast-accumulation mode (ROCm's FP8 GEMMs accumulate in fp32)"
         return why
 
-    def gemm(self, operand, weights, fmt, out_dtype):
+    def gemm(self, operand, weights, fmt, out_dtype, bias=None):
         x8, x_scale = operand
-        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype, fast_accum=True)
+        return _scaled_mm(x8, weights["w8"], x_scale, weights["scale"], out_dtype, fast_accum=True, bias=bias)
 
 
 class MxRepackFp8:
@@ -609,9 +643,12 @@ class QuantizedLinear(nn.Module):
         backends: dict[str, LinearBackend],
         choose: Callable[[int], str],
         splits: Optional[list[int]] = None,
+        quantizer: str = "compiled",
     ):
         super().__init__()
         self.fmt, self.scale_mode, self.splits, self.choose = fmt, scale_mode, splits, choose
+        self.quantizer = quantizer
+        """``precision.quantizer`` (``QUANTIZERS``)."""
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.backends = backends
         self.weights = {name: backend.prepare(weight, fmt, scale_mode) for name, backend in backends.items()}
@@ -623,11 +660,9 @@ class QuantizedLinear(nn.Module):
         output is quantized as it is made; ``prefix`` (the single block's attention output beside its MLP's)
         is joined there too, so that neither is written whole in the compute dtype."""
         # x: [..., K] (K before the activation) -> [..., N] (or a tuple split along N)
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # FP8 GEMMs want a row-major activation
-        prefix_rows = None if prefix is None else prefix.reshape(-1, prefix.shape[-1]).contiguous()
-        out = self.matmul(rows, self.choose(rows.shape[0]), activation, prefix_rows)
-        if self.bias is not None:
-            out = out + self.bias
+        rows = x.reshape(-1, x.shape[-1])  # made contiguous by the quantizer where it needs that
+        prefix_rows = None if prefix is None else prefix.reshape(-1, prefix.shape[-1])
+        out = self.matmul(rows, self.choose(rows.shape[0]), activation, prefix_rows, self.bias)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.splits is None else out.split(self.splits, dim=-1)
 
@@ -637,9 +672,15 @@ class QuantizedLinear(nn.Module):
         name: str,
         activation: Optional[Callable] = None,
         prefix: Optional[torch.Tensor] = None,
+        bias: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """[prefix | activation(rows)] [M, K] through backend ``name`` -> [M, N], bias not included."""
+        """[prefix | activation(rows)] [M, K] through backend ``name``, plus ``bias`` -> [M, N]."""
         backend = self.backends[name]
+        if self.joined_kernel(backend, rows, activation, prefix):
+            operand = rowwise_fp8_joined_op(rows, prefix, getattr(activation, "kernel_name", None), fp8_dtype())
+            return self.product(backend, operand, name, rows.dtype, bias)
+        rows = rows.contiguous()  # FP8 GEMMs want a row-major activation
+        prefix = None if prefix is None else prefix.contiguous()
         if prefix is not None:
             rows, activation = joined(prefix, rows, activation), None
         if torch.compiler.is_compiling():  # traced into the region's graph: inductor fuses it with its producer
@@ -648,7 +689,25 @@ class QuantizedLinear(nn.Module):
             operand = backend.quantize_counted(rows, self.fmt, self.scale_mode)
         else:
             operand = shared_quantizer(type(backend), self.fmt, self.scale_mode, activation)(rows)
-        return backend.gemm(operand, self.weights[name], self.fmt, rows.dtype)
+        return self.product(backend, operand, name, rows.dtype, bias)
+
+    def product(self, backend, operand: tuple, name: str, dtype: torch.dtype, bias: Optional[torch.Tensor]):
+        """The backend's GEMM of ``operand`` plus ``bias``: inside the GEMM where the backend ``adds_bias``."""
+        if bias is not None and getattr(backend, "adds_bias", False):
+            return backend.gemm(operand, self.weights[name], self.fmt, dtype, bias=bias)
+        out = backend.gemm(operand, self.weights[name], self.fmt, dtype)
+        return out if bias is None else out + bias
+
+    def joined_kernel(self, backend, rows, activation: Optional[Callable], prefix: Optional[torch.Tensor]) -> bool:
+        """Whether a compiled block's call quantizes [prefix | activation(rows)] with ``rowwise_fp8_joined_op``
+        (``precision.quantizer=kernel``): an FP8 row-wise backend on a GPU with Triton, a down projection's input
+        (an activation the kernel has, by its ``kernel_name``, or a prefix)."""
+        if self.quantizer != "kernel" or not torch.compiler.is_compiling() or not isinstance(backend, Fp8Rowwise):
+            return False
+        if activation is None and prefix is None:
+            return False  # a norm's output: Inductor fuses its quantization into the norm
+        named = activation is None or getattr(activation, "kernel_name", None) is not None
+        return named and rows.is_cuda and TRITON
 
     @classmethod
     def with_backend(cls, weight: torch.Tensor, fmt: LinearFormat, name: str, scale_mode: str = "rceil"):

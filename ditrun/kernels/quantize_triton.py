@@ -18,6 +18,8 @@ is the one for them.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +29,8 @@ import triton.language as tl
 from ditrun.kernels import formats
 
 ROUND_MAGIC = tl.constexpr(12582912.0)
+GELU_TANH_COEFF = tl.constexpr(0.044715)
+TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 """1.5 * 2^23: adding and subtracting it rounds an fp32 of magnitude < 2^22 to an integer, half to even."""
 
 
@@ -122,71 +126,159 @@ def _fp8_codes(x, lift, divisor, recip, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _rounded_to(x, DTYPE: tl.constexpr, ON_BITS: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. ``ON_BITS``: BF16 rounding on the bits (finite x),
+    for Triton's CPU interpreter, whose BF16 cast truncates where GPUs round."""
+    if ON_BITS and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _activated(x, ACTIVATION: tl.constexpr, DTYPE: tl.constexpr, ON_BITS: tl.constexpr):
+    """x (fp32, loaded from DTYPE) through the MLP activation, rounded to DTYPE as the activation's output is:
+    ``ACTIVATION`` 0 none, 1 GELU(tanh) written as x sigmoid(2u) (``model.dit.gelu_activation``'s compiled form).
+    The quotient is the GPU's fast one (within 2 ulp of fp32, before the rounding to DTYPE): the kernel is bound by
+    its arithmetic, and an IEEE division costs several times the rest of the activation."""
+    if ACTIVATION == 1:
+        u = x + x * GELU_TANH_COEFF * x * x  # the products in torch's order (c x) x x, tensor first
+        e = tl.exp(-(u * TWO_SQRT_2_OVER_PI))
+        x = _rounded_to(tl.fdiv(x, 1.0 + e, ieee_rounding=False), DTYPE, ON_BITS)  # x sigmoid(2 sqrt(2/pi) u)
+    return x
+
+
+@triton.jit
 def _rowwise_fp8_kernel(
     X,
     Y,
     SCALE,
+    PREFIX,
     R,
     K,
+    P,
     stride_x,
     stride_y,
+    stride_p,
     FP8_MAX: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     ONE_TILE: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    ON_BITS: tl.constexpr,
 ):
+    # Row r of the quantized matrix is [PREFIX[r, :P] | activation(X[r, :K])] (P = 0 without a prefix). ONE_TILE:
+    # the row held in registers, X's part in one tile of BLOCK_K and the prefix's in one of BLOCK_P; else both read
+    # twice in tiles of BLOCK_K (amax, then codes).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_K)
     row_ok = rows < R
     xp = X + rows[:, None] * stride_x + cols[None, :]
     yp = Y + rows[:, None] * stride_y + cols[None, :]
+    DTYPE: tl.constexpr = X.dtype.element_ty
     if ONE_TILE:
         mask = row_ok[:, None] & (cols < K)[None, :]
-        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        x = _activated(tl.load(xp, mask=mask, other=0.0).to(tl.float32), ACTIVATION, DTYPE, ON_BITS)
         amax = tl.max(tl.abs(x), 1)
+        if HAS_PREFIX:
+            pcols = tl.arange(0, BLOCK_P)
+            pmask = row_ok[:, None] & (pcols < P)[None, :]
+            pre = tl.load(PREFIX + rows[:, None] * stride_p + pcols[None, :], mask=pmask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(pre), 1))
     else:
+        pp = PREFIX + rows[:, None] * stride_p + cols[None, :]
         top = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        if HAS_PREFIX:
+            for start in range(0, P, BLOCK_K):
+                tile = tl.load(pp + start, mask=row_ok[:, None] & (start + cols < P)[None, :], other=0.0)
+                top = tl.maximum(top, tl.abs(tile.to(tl.float32)))
         for start in range(0, K, BLOCK_K):
             tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
-            top = tl.maximum(top, tl.abs(tile.to(tl.float32)))
+            top = tl.maximum(top, tl.abs(_activated(tile.to(tl.float32), ACTIVATION, DTYPE, ON_BITS)))
         amax = tl.max(top, 1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     tl.store(SCALE + rows, scale, mask=row_ok)
     lift, divisor, recip = _divisor(scale[:, None])
     if ONE_TILE:
-        tl.store(yp, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
+        tl.store(yp + P, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
+        if HAS_PREFIX:
+            codes = _fp8_codes(pre, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty)
+            tl.store(Y + rows[:, None] * stride_y + pcols[None, :], codes, mask=pmask)
     else:
+        if HAS_PREFIX:
+            for start in range(0, P, BLOCK_K):
+                mask = row_ok[:, None] & (start + cols < P)[None, :]
+                x = tl.load(pp + start, mask=mask, other=0.0).to(tl.float32)
+                tl.store(yp + start, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
         for start in range(0, K, BLOCK_K):
             mask = row_ok[:, None] & (start + cols < K)[None, :]
-            x = tl.load(xp + start, mask=mask, other=0.0).to(tl.float32)
-            tl.store(yp + start, _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty), mask=mask)
+            x = _activated(tl.load(xp + start, mask=mask, other=0.0).to(tl.float32), ACTIVATION, DTYPE, ON_BITS)
+            codes = _fp8_codes(x, lift, divisor, recip, FP8_MAX).to(Y.dtype.element_ty)
+            tl.store(yp + P + start, codes, mask=mask)
+
+
+ACTIVATIONS = {None: 0, "gelu_tanh": 1}
+"""The activations ``rowwise_fp8`` applies before quantizing, by the name ``mx_gemm_triton.ACTIVATIONS`` uses."""
+
+
+def joined_tiling(k: int) -> Tiling:
+    """The tiling of ``rowwise_fp8`` with an activation or a prefix: rows read twice in tiles of 2048 on 8 warps, the
+    activation computed on both reads. The fastest of the tilings ``benchmarks/gemm.py --joined`` times, with the
+    attention-output prefix and without, at 20992 x 12288 on one H100 (docs/PERFORMANCE.md#the-rest-of-the-fp8-forward):
+    the kernel is bound by the activation's arithmetic, and a whole row held in registers by 16 or 32 warps ran
+    slower than computing it twice."""
+    return Tiling(rows=1, tile=min(2048, triton.next_power_of_2(k)), warps=8)
 
 
 def rowwise_fp8(
-    x: torch.Tensor, dtype: torch.dtype, store_dtype: torch.dtype | None = None, tiling: Tiling | None = None
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    store_dtype: torch.dtype | None = None,
+    tiling: Tiling | None = None,
+    activation: str | None = None,
+    prefix: torch.Tensor | None = None,
 ):
     """x [R, K] -> (fp8 [R, K], fp32 scale [R, 1]): ``linear.quantize_rowwise_fp8`` in one kernel, bit for bit.
 
+    ``activation`` (a name in ``ACTIVATIONS``) and ``prefix`` [R, P]: the rows quantized are
+    [prefix | activation(x)] -> fp8 [R, P + K], the activation computed in fp32 and rounded to x's dtype, as the
+    activation's output would be; neither is ever written in x's dtype. Rows may be strided (the last dim
+    contiguous), as a split of a stacked projection's output is.
     ``store_dtype=torch.float32`` returns the values before the cast to ``dtype`` (the CPU interpreter's
     FP8 casts are not exact, so the tests check the arithmetic that way there and the cast on GPUs).
-    ``tiling``: ``default_tiling(K, "fp8")`` unless given.
+    ``tiling``: ``default_tiling(K, "fp8")`` unless given (``joined_tiling(K)`` with an activation or a prefix).
     """
     rows, k = x.shape
-    y = torch.empty(rows, k, dtype=store_dtype or dtype, device=x.device)
+    width = k if prefix is None else prefix.shape[1] + k
+    for name, t in (("x", x), ("prefix", prefix)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"rowwise_fp8: {name}'s last dim must be contiguous, got strides {t.stride()}")
+    y = torch.empty(rows, width, dtype=store_dtype or dtype, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    t = tiling or default_tiling(k, "fp8")
+    joined = activation is not None or prefix is not None
+    t = tiling or (joined_tiling(k) if joined else default_tiling(k, "fp8"))
     _rowwise_fp8_kernel[_grid(rows, t, k)](
         x,
         y,
         scale,
+        x if prefix is None else prefix,
         rows,
         k,
+        0 if prefix is None else prefix.shape[1],
         x.stride(0),
         y.stride(0),
+        0 if prefix is None else prefix.stride(0),
         FP8_MAX=torch.finfo(dtype).max,
         BLOCK_R=t.rows,
         BLOCK_K=t.tile,
+        BLOCK_P=1 if prefix is None else triton.next_power_of_2(prefix.shape[1]),
         ONE_TILE=t.one_tile,
+        HAS_PREFIX=prefix is not None,
+        ACTIVATION=ACTIVATIONS[activation],
+        ON_BITS=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=t.warps,
     )
     return y, scale

@@ -180,7 +180,7 @@ def build_model(
 def _quantize(
     model: FluxDiT, plan: PrecisionPlan, table: DispatchTable, device: torch.device, head_dim: int, announce: bool
 ) -> BuiltModel:
-    quantize_model(model, plan.linear, plan.scale_mode, table.choose)
+    quantize_model(model, plan.linear, plan.scale_mode, table.choose, plan.quantizer)
     table.say_untuned()
     implementation = choose_implementation(plan.attention, device, head_dim, fast=plan.backend != "emulation")
     if announce and plan.attention.quantized and implementation == EMULATION:
@@ -192,6 +192,7 @@ def _quantize(
     payload = payload_for(plan.attention.name, implementation) if plan.quantized_exchange else None
     exchange = "codes" if payload is not None else "values"
     details["attention"] = {"format": plan.attention.name, "backends": [implementation], "exchange": exchange}
+    details["quantizer"] = plan.quantizer
     return BuiltModel(model, plan.attention.make(implementation), plan, details, payload=payload)
 
 

@@ -324,6 +324,9 @@ def gelu_activation(h: torch.Tensor) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
+gelu_activation.kernel_name = "gelu_tanh"  # what the FP8 down projection's Triton quantizer calls it (quantize_triton)
+
+
 def swiglu_activation(h: torch.Tensor) -> torch.Tensor:
     # h: [..., 2 * hidden] -> [..., hidden]
     a, b = h.chunk(2, dim=-1)

@@ -15,7 +15,7 @@ from ditrun.config import precision_preset
 from ditrun.errors import UserError
 from ditrun.kernels.attention import ATTENTION_KERNELS, AttentionKernel, fast_attention_available
 from ditrun.kernels.formats import SCALE_MODES
-from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, LinearFormat
+from ditrun.kernels.linear import LINEAR_BACKENDS, LINEAR_FORMATS, QUANTIZERS, LinearFormat
 from ditrun.kernels.tuning import BACKEND_MODES, DispatchTable, default_table_path
 from ditrun.model.components import LINEAR_COMPONENTS
 
@@ -32,6 +32,8 @@ class PrecisionPlan:
     tuning_file: Optional[Path] = None
     quantized_exchange: bool = True
     """``precision.quantized_exchange``: a quantized attention's exchange carries its codes."""
+    quantizer: str = "compiled"
+    """``precision.quantizer``: how a compiled block quantizes activations (``kernels.linear.QUANTIZERS``)."""
 
     @property
     def quantized(self) -> bool:
@@ -53,6 +55,10 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
         raise UserError(
             f"precision.scale_mode={precision_cfg.scale_mode!r} is unknown; allowed: {', '.join(SCALE_MODES)}."
         )
+    if precision_cfg.quantizer not in QUANTIZERS:
+        raise UserError(
+            f"precision.quantizer={precision_cfg.quantizer!r} is unknown; allowed: {', '.join(QUANTIZERS)}."
+        )
     tuning = Path(precision_cfg.tuning_file) if precision_cfg.tuning_file else default_table_path()
     plan = PrecisionPlan(
         precision_cfg.name,
@@ -62,6 +68,7 @@ def plan_precision(precision_cfg, device: torch.device) -> PrecisionPlan:
         precision_cfg.scale_mode,
         tuning,
         precision_cfg.quantized_exchange,
+        precision_cfg.quantizer,
     )
     if plan.backend == "fast":
         _check_fast(plan, device)

@@ -21,14 +21,19 @@ BackendChoice = Callable[[LinearFormat, int, int], tuple[dict[str, LinearBackend
 
 
 def _quantized(
-    linears: list[nn.Linear], fmt: LinearFormat, scale_mode: str, choose: BackendChoice, stacked: bool
+    linears: list[nn.Linear],
+    fmt: LinearFormat,
+    scale_mode: str,
+    choose: BackendChoice,
+    stacked: bool,
+    quantizer: str = "compiled",
 ) -> QuantizedLinear:
     weight = torch.cat([lin.weight for lin in linears]) if stacked else linears[0].weight
     biases = [lin.bias for lin in linears]
     bias = None if any(b is None for b in biases) else torch.cat(biases)
     backends, pick = choose(fmt, weight.shape[1], weight.shape[0])
     splits = [lin.out_features for lin in linears] if stacked else None
-    return QuantizedLinear(weight.detach(), bias, fmt, scale_mode, backends, pick, splits)
+    return QuantizedLinear(weight.detach(), bias, fmt, scale_mode, backends, pick, splits, quantizer)
 
 
 def _stack_projections(attn: Attention, fmt: LinearFormat, scale_mode: str, choose: BackendChoice) -> None:
@@ -44,9 +49,14 @@ def _stack_projections(attn: Attention, fmt: LinearFormat, scale_mode: str, choo
 
 
 def quantize_model(
-    model: nn.Module, formats: dict[str, LinearFormat], scale_mode: str, choose: BackendChoice
+    model: nn.Module,
+    formats: dict[str, LinearFormat],
+    scale_mode: str,
+    choose: BackendChoice,
+    quantizer: str = "compiled",
 ) -> dict[str, int]:
-    """Replace the linears of each quantized component in place; returns linears replaced per component."""
+    """Replace the linears of each quantized component in place; returns linears replaced per component.
+    ``quantizer``: ``precision.quantizer`` (``kernels.linear.QUANTIZERS``)."""
     replaced = {component: 0 for component in formats}
     for component, names in component_linears(model).items():
         fmt = formats[component]
@@ -57,7 +67,7 @@ def quantize_model(
                 continue  # stacked per attention module below
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
-            setattr(parent, child, _quantized([getattr(parent, child)], fmt, scale_mode, choose, stacked=False))
+            setattr(parent, child, _quantized([getattr(parent, child)], fmt, scale_mode, choose, False, quantizer))
             replaced[component] += 1
     if formats["qkv"].quantized:
         for name, module in model.named_modules():
