@@ -3,6 +3,7 @@
     python benchmarks/attention.py              # S = 20992 and 4608, 24 heads of 128, batch 1
     python benchmarks/attention.py --s 20992 --repeats 10
     python benchmarks/attention.py --configs --s 8704   # the Triton kernel's tile configurations
+    python benchmarks/attention.py --cudnn-plans --s 20992   # every execution plan of cuDNN's FP8 attention
 
 Rows: ``sdpa bf16`` (F.scaled_dot_product_attention, whatever backend PyTorch picks: the peer), each INT8-QK
 implementation this GPU runs on operands quantized beforehand (``triton``; ``gluon``, the Hopper kernel, with
@@ -194,6 +195,32 @@ def config_rows(s: int, heads: int, head_dim: int, repeats: int) -> list[dict[st
     return rows
 
 
+def cudnn_plan_rows(s: int, heads: int, head_dim: int, repeats: int, calls: int) -> list[dict[str, str]]:
+    """cuDNN's FP8 attention (``fp8_pv``) on operands quantized beforehand: the plan its heuristics rank first (what
+    ditrun runs) and then every plan its heuristics A, B and the fallback offer, each run by index, with its error."""
+    x = Inputs(s, heads, head_dim, repeats, calls)
+    sm_scale = 1 / math.sqrt(head_dim)
+    *codes, scales = fp8_pv_operands(x.q, x.k, x.v)
+    rows = [x.sdpa_row()]
+    rows.append(
+        x.row(
+            "fp8_pv, the heuristics' first plan (ditrun's)",
+            lambda: dequantize_output(fp8_sdpa_op(*codes, scales, sm_scale), scales, torch.bfloat16),
+        )
+    )
+    graph = fp8_sdpa.CudnnGraph(tuple(codes[0].shape), tuple(codes[1].shape), sm_scale, codes[0].device, True)
+    for index, name in graph.plans:
+        rows.append(
+            x.row(
+                f"fp8_pv plan {index}: {name}",
+                lambda index=index: dequantize_output(graph(*codes, scales, plan=index), scales, torch.bfloat16),
+                optional=True,
+            )
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s", type=int, nargs="*", default=[20992, 4608])
@@ -210,10 +237,17 @@ def main() -> None:
     parser.add_argument(
         "--configs", action="store_true", help="only the Triton kernel's operand variants x tile configurations"
     )
+    parser.add_argument(
+        "--cudnn-plans", action="store_true", help="only cuDNN's FP8 attention, every execution plan it offers"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/attention.py needs a CUDA/ROCm GPU with Triton")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  {args.heads} heads of {args.head_dim}")
+    if args.cudnn_plans:
+        rows = [row for s in args.s for row in cudnn_plan_rows(s, args.heads, args.head_dim, args.repeats, args.calls)]
+        print_table(rows)
+        return
     if args.configs:
         print_table([row for s in args.s for row in config_rows(s, args.heads, args.head_dim, args.repeats)])
         return

@@ -160,11 +160,17 @@ def _bhsd(shape: tuple) -> dict:
 
 class CudnnGraph:
     """One built cuDNN FP8 SDPA graph for one shape: [B, S, H, D] E4M3 operands (read as cuDNN's
-    [B, H, S, D] through their strides, so nothing is transposed), an output of the same layout."""
+    [B, H, S, D] through their strides, so nothing is transposed), an output of the same layout.
+
+    ``every_plan``: build every execution plan cuDNN's heuristics (modes A, B and the fallback) offer, named in
+    ``plans``, to run one by index (``benchmarks/attention.py --cudnn-plans`` times them); otherwise the plan the
+    heuristics rank first runs."""
 
     _handles: dict[int, int] = {}
 
-    def __init__(self, q_shape: tuple, kv_shape: tuple, sm_scale: float, device: torch.device):
+    def __init__(
+        self, q_shape: tuple, kv_shape: tuple, sm_scale: float, device: torch.device, every_plan: bool = False
+    ):
         cudnn = cudnn_module()
         self.device = device
         handle = self._handles.get(device.index)
@@ -193,14 +199,29 @@ class CudnnGraph:
         self.o, self.amax = o, (amax_s, amax_o)
         graph.validate()
         graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        more = getattr(cudnn.heur_mode, "B", None) if every_plan else None  # mode B: a frontend may lack it
+        modes = [cudnn.heur_mode.A, *([more] if more is not None else []), cudnn.heur_mode.FALLBACK]
+        graph.create_execution_plans(modes)
         graph.check_support()
-        graph.build_plans()
-        self.graph, self.workspace_size = graph, graph.get_workspace_size()
+        self.plans: list[tuple[int, str]] = []
+        """(index, name) of each plan built, with ``every_plan``."""
+        if every_plan:
+            for index in range(graph.get_execution_plan_count()):
+                try:
+                    graph.build_plan_at_index(index)
+                except Exception:  # noqa: BLE001 - a plan this GPU cannot build is left out of the list
+                    continue
+                self.plans.append((index, graph.get_plan_name_at_index(index)))
+            self.workspace_size = max(graph.get_workspace_size_plan_at_index(i) for i, _ in self.plans)
+        else:
+            graph.build_plans()
+            self.workspace_size = graph.get_workspace_size()
+        self.graph = graph
         self.p_scales = torch.tensor([1.0 / P_SCALE, P_SCALE], device=device)  # descale_s, scale_s
 
-    def __call__(self, q8, k8, v8, scales: torch.Tensor) -> torch.Tensor:
-        """-> the E4M3 output codes [B, S, H, D] (``fp8_pv_operands``' scales)."""
+    def __call__(self, q8, k8, v8, scales: torch.Tensor, plan: Optional[int] = None) -> torch.Tensor:
+        """-> the E4M3 output codes [B, S, H, D] (``fp8_pv_operands``' scales); ``plan``: the index of one of
+        ``plans`` to run."""
         cudnn = cudnn_module()
         out = torch.empty(q8.shape, dtype=torch.float8_e4m3fn, device=self.device)
         scratch = torch.empty(2 * 4 + self.workspace_size, dtype=torch.uint8, device=self.device)
@@ -215,7 +236,10 @@ class CudnnGraph:
         values = [scales[0:1], scales[1:2], scales[2:3], self.p_scales[0:1], self.p_scales[1:2], scales[3:4]]
         buffers.update(zip(self.scalars, values))
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream(self.device).cuda_stream)
-        self.graph.execute(buffers, scratch[8:], handle=self.handle)
+        if plan is None:
+            self.graph.execute(buffers, scratch[8:], handle=self.handle)
+        else:
+            self.graph.execute_plan_at_index(buffers, scratch[8:], plan, handle=self.handle)
         return out
 
 
