@@ -353,8 +353,9 @@ class Fp8Rowwise:
             return rowwise_fp8_op(x, fp8_dtype())
         return quantize_rowwise_fp8(x, fp8_dtype())
 
-    adds_bias = True
-    """Its ``gemm`` takes the bias (added in the GEMM's epilogue)."""
+    adds_bias = not torch.version.hip
+    """Its ``gemm`` takes the bias (added in the GEMM's epilogue): on CUDA, where it ran; ROCm's row-wise
+    ``_scaled_mm`` with a bias has not run here, so there the bias is added after the GEMM."""
 
     def gemm(self, operand, weights, fmt, out_dtype, bias=None):
         x8, x_scale = operand
