@@ -227,7 +227,7 @@ ACTIVATIONS = {None: 0, "gelu_tanh": 1}
 def joined_tiling(k: int) -> Tiling:
     """The tiling of ``rowwise_fp8`` with an activation or a prefix: rows read twice in tiles of 2048 on 8 warps, the
     activation computed on both reads. The fastest of the tilings ``benchmarks/gemm.py --joined`` times, with the
-    attention-output prefix and without, at 20992 x 12288 on one H100 (docs/PERFORMANCE.md#the-rest-of-the-fp8-forward):
+    attention-output prefix and without, at 20992 x 12288 on one H100 (docs/PROFILE.md):
     the kernel is bound by the activation's arithmetic, and a whole row held in registers by 16 or 32 warps ran
     slower than computing it twice."""
     return Tiling(rows=1, tile=min(2048, triton.next_power_of_2(k)), warps=8)
