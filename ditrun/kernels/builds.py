@@ -202,21 +202,33 @@ def _attention_builds() -> list[Build]:
 def _qk_producer_builds() -> list[Build]:
     d = FLUX["head_dim"]
     strides = ("stride_xb", "stride_xl", "stride_xh")
-    tables = {"X": "*bf16", "W": "*bf16", "COS": "*fp32", "SIN": "*fp32", "eps": "fp32"}
-    sig = _signature(
-        "X", "W", "COS", "SIN", "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32", **tables
-    )
-    const = _constexprs(sig, D=d, BLOCK_L=16)  # qk_producer_triton.BLOCK_L, WARPS: what ships
-    builds = [Build("qk_producer_triton._statistics_kernel", f"D={d}", sig, const, {"num_warps": 4}, EVERY_GPU)]
+    tables = {"X": "*bf16", "W": "*bf16", "W_REST": "*bf16", "COS": "*fp32", "SIN": "*fp32", "eps": "fp32"}
+    norms = ("X", "W", "W_REST", "SPLIT", "COS", "SIN")
+    sig = _signature(*norms, "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32", **tables)
+    builds = []
+    for norm, sums, config in ((True, True, "K: normalized, rotated, summed"), (False, False, "V: amax")):
+        variant = dict(sig)
+        const = _constexprs(variant, NORM=norm, SUMS=sums, D=d, BLOCK_L=16)  # qk_producer_triton.BLOCK_L, WARPS
+        name = "qk_producer_triton._statistics_kernel"
+        builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, EVERY_GPU))
     out = ("stride_cb", "stride_cl", "stride_cp", "stride_ch", "stride_sb", "stride_sl", "stride_sp", "stride_sh")
     sig = _signature(
-        "X", "W", "COS", "SIN", "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
+        *norms, "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
         MEAN="*bf16", CODES="*i8", SCALE="*fp32", **tables,
     )  # fmt: skip
     const = _constexprs(sig, SMOOTH=True, D=d, BLOCK_L=16)
     builds.append(
         Build("qk_producer_triton._quantize_kernel", f"D={d}, smoothed K", sig, const, {"num_warps": 4}, EVERY_GPU)
     )
+    # fp8_pv's operands (precision.quantizer=kernel): where fp8_pv's fused attention runs (OCP E4M3)
+    sig = _signature(
+        *norms, "MEAN", "SCALES", "Y", "L", "H", *strides, "eps", MEAN="*fp32", SCALES="*fp32", Y="*fp8", **tables
+    )
+    for which, config in ((0, "Q"), (1, "K minus its mean"), (2, "V")):
+        variant = dict(sig)
+        const = _constexprs(variant, WHICH=which, FP8_MAX=448.0, ON_BITS=False, D=d, BLOCK_L=16)
+        name = "qk_producer_triton._fp8_pv_codes_kernel"
+        builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, ("gfx950", "sm_90a")))
     return builds
 
 
@@ -326,6 +338,8 @@ def builds() -> list[Build]:
 
 
 NOT_BUILT = {
+    "qk_producer_triton._fp8_pv_codes_kernel": "gfx942: fp8_pv's fused attention needs OCP E4M3 (AITER on gfx950; "
+    "MI300 has the FNUZ variant), so nothing there reads these codes",
     "quantize_triton._mx_repack_kernel": "AMD: MX operands on ROCm go to mx_scaled_mm or mx_triton on gfx950 "
     "(linear.MxRepackFp8 is for CUDA GPUs without MX hardware)",
     "attention_triton._head_amax_kernel": "AMD: writes the Hopper Gluon kernel's FP8 V operand; runs only with it",

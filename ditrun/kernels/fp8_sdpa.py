@@ -288,6 +288,54 @@ def fp8_pv_attention(implementation: str):
     return attention
 
 
+@torch.library.custom_op("ditrun::fp8_pv_from_raw", mutates_args=())
+def fp8_pv_from_raw_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: list[torch.Tensor],
+    split: int,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_pv_operands`` from Q and K as projected: ``qk_producer_triton.fp8_pv_from_raw`` (GPUs, or Triton's CPU
+    interpreter)."""
+    from ditrun.kernels.qk_producer_triton import fp8_pv_from_raw
+
+    return fp8_pv_from_raw(q, k, v, weights, split, eps, cos, sin)
+
+
+@fp8_pv_from_raw_op.register_fake
+def _(q, k, v, weights, split, eps, cos, sin):
+    codes = [torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(3)]
+    return (*codes, q.new_empty(4, dtype=torch.float32))
+
+
+class Fp8PvFromProjections:
+    """The ``fp8_pv`` attention of ``precision.quantizer=kernel``: called with Q and K as projected (``takes_raw_qk``:
+    a block hands them with its per-head norms, ``dit.QKNorms``), its operands are written by ditrun's Triton producer
+    (``qk_producer_triton.fp8_pv_from_raw``: RMSNorm, RoPE, the amaxes and K's token sums in one pass, the codes in a
+    second), so a compiled block writes neither the normalized Q and K nor K minus its mean. Called with the
+    normalized, rotated Q and K (as a layout's exchange hands them) it is ``fp8_pv_attention``."""
+
+    takes_raw_qk = True
+
+    def __init__(self, implementation: str):
+        self.implementation = implementation
+        self.plain = fp8_pv_attention(implementation)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.plain(q, k, v)
+
+    def from_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, rope) -> torch.Tensor:
+        from ditrun.kernels.qk_producer_triton import norm_weights
+
+        weights, split = norm_weights(norms, q.shape[1])
+        q8, k8, v8, scales = fp8_pv_from_raw_op(q, k, v, list(weights), split, norms.eps, *rope)
+        return attend_fp8_pv(q8, k8, v8, scales, self.implementation, v.dtype)
+
+
 def attend_fp8_pv(q8, k8, v8, scales: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
     """Attention of E4M3 [B, S, H, D] codes with ``fp8_pv_operands``' scales -> [B, S, H, D] in ``dtype``; also what
     a quantized exchange's receiver runs on the codes it received (``attention_payload.py``)."""

@@ -24,7 +24,7 @@ from ditrun.kernels.attention import (
     fast_attention_available,
 )
 from ditrun.kernels.attention_payload import Payload, payload_for
-from ditrun.kernels.linear import QuantizedLinear
+from ditrun.kernels.linear import QuantizedLinear, triton_available
 from ditrun.kernels.sdpa import AttentionFn
 from ditrun.kernels.tuning import DispatchTable
 from ditrun.model.compile import CompilePlan, apply_plan
@@ -193,7 +193,21 @@ def _quantize(
     exchange = "codes" if payload is not None else "values"
     details["attention"] = {"format": plan.attention.name, "backends": [implementation], "exchange": exchange}
     details["quantizer"] = plan.quantizer
-    return BuiltModel(model, plan.attention.make(implementation), plan, details, payload=payload)
+    return BuiltModel(model, _attention_function(plan, implementation, device), plan, details, payload=payload)
+
+
+def _attention_function(plan: PrecisionPlan, implementation: str, device: torch.device) -> AttentionFn:
+    """The run's attention function: under ``precision.quantizer=kernel``, where the fast implementation and Triton
+    run, the kernel's ``from_projections`` (its operands written from Q and K as projected), else ``make``'s."""
+    kernel = plan.attention
+    if (
+        plan.quantizer == "kernel"
+        and kernel.from_projections is not None
+        and implementation != EMULATION
+        and triton_available(device)
+    ):
+        return kernel.from_projections(implementation)
+    return kernel.make(implementation)
 
 
 def _backends_of(model: FluxDiT, fmt: str) -> list[str]:

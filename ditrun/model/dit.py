@@ -454,9 +454,15 @@ class DoubleStreamBlock(nn.Module):
         return QKNorms(((text_tokens, tq.weight, tk.weight), (None, iq.weight, ik.weight)), tq.eps)
 
     def joint(self, img, txt, temb, rope, attention: AttentionFn):
-        """The block in one piece (what the whole-block compilation traces)."""
-        q, k, v, state = self.pre_attention(img, txt, temb, rope)
-        return self.post_attention(attention(q, k, v), img, txt, state)
+        """The block in one piece (what the whole-block compilation traces); an attention that ``takes_raw_qk`` gets
+        Q and K as projected, with the block's norms."""
+        if getattr(attention, "takes_raw_qk", False):
+            q, k, v, state = self.pre_attention(img, txt, temb, rope, raw=True)
+            out = attention.from_raw(q, k, v, self.qk_norms(txt.shape[1]), rope)
+        else:
+            q, k, v, state = self.pre_attention(img, txt, temb, rope)
+            out = attention(q, k, v)
+        return self.post_attention(out, img, txt, state)
 
     def pre_attention(self, img, txt, temb, rope, raw: bool = False):
         """Everything before the attention: modulation, projections, per-head norms, RoPE (the last two not if
@@ -520,9 +526,14 @@ class SingleStreamBlock(nn.Module):
         return QKNorms(((None, norm_q.weight, norm_k.weight),), norm_q.eps)
 
     def joint(self, x, temb, rope, attention: AttentionFn):
-        """The block in one piece (what the whole-block compilation traces)."""
-        q, k, v, state = self.pre_attention(x, temb, rope)
-        return self.post_attention(attention(q, k, v), x, state)
+        """The block in one piece (what the whole-block compilation traces); see the double-stream block's."""
+        if getattr(attention, "takes_raw_qk", False):
+            q, k, v, state = self.pre_attention(x, temb, rope, raw=True)
+            out = attention.from_raw(q, k, v, self.qk_norms(), rope)
+        else:
+            q, k, v, state = self.pre_attention(x, temb, rope)
+            out = attention(q, k, v)
+        return self.post_attention(out, x, state)
 
     def pre_attention(self, x, temb, rope, raw: bool = False):
         """Modulation, projections, per-head norms, RoPE (the last two not if ``raw``: see ``QKNorms``) -> q, k, v
