@@ -133,7 +133,7 @@ def check_fp8_pv_producer(device: str = "cpu", dtype=torch.float32) -> None:
     projection, L not a multiple of the tile: the same scales, codes within one E4M3 step (a normalized value may
     differ in its last bit, see above) in under 0.2% of them; and the attention of both alike. Then a tiny model's
     blocks, eager and as their compiled ``joint`` traces them, take the producer's path and match the plain one."""
-    from ditrun.kernels.fp8_sdpa import Fp8PvFromProjections, fp8_pv_attention, fp8_pv_operands
+    from ditrun.kernels.fp8_sdpa import Fp8PvFromProjections, fp8_pv_attention, fp8_pv_from_raw_op, fp8_pv_operands
     from ditrun.model.dit import QKNorms
 
     g = torch.Generator().manual_seed(int.from_bytes(os.urandom(2), "little"))
@@ -145,17 +145,16 @@ def check_fp8_pv_producer(device: str = "cpu", dtype=torch.float32) -> None:
     ids = torch.stack([torch.zeros(length), torch.arange(length) // 9, torch.arange(length) % 9], dim=1)
     rope = tuple(t.to(device) for t in rope_tables(ids, (8, 12, 12)))
     produced = Fp8PvFromProjections("emulation")
-    for norms in (
+    for norms in (  # one part (a single-stream block), two (text and image) read where they are
         QKNorms(((None, weights[0], weights[1]),), 1e-6),
         QKNorms(((text, weights[0], weights[1]), (None, weights[2], weights[3])), 1e-6),
     ):
-        from ditrun.kernels.fp8_sdpa import fp8_pv_from_raw_op
-        from ditrun.kernels.qk_producer_triton import norm_weights
-
         qn, kn = norms.apply(q, k, rope)
         want = fp8_pv_operands(qn, kn, v)
-        got = fp8_pv_from_raw_op(q, k, v, list(norm_weights(norms, length)[0]), norm_weights(norms, length)[1],
-                                 norms.eps, *rope)  # fmt: skip
+        spans = norms.spans(length)
+        parts = [[t[:, at] for at, _, _ in spans] for t in (q, k, v)]
+        weights = [[wq for _, wq, _ in spans], [wk for _, _, wk in spans]]
+        got = fp8_pv_from_raw_op(*parts, *weights, norms.eps, *rope)
         assert torch.equal(got[3], want[3]), (got[3], want[3])
         for name, a, w in zip("qkv", got[:3], want[:3], strict=True):
             assert a.shape == w.shape and a.is_contiguous()

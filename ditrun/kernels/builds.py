@@ -202,9 +202,9 @@ def _attention_builds() -> list[Build]:
 def _qk_producer_builds() -> list[Build]:
     d = FLUX["head_dim"]
     strides = ("stride_xb", "stride_xl", "stride_xh")
-    tables = {"X": "*bf16", "W": "*bf16", "W_REST": "*bf16", "COS": "*fp32", "SIN": "*fp32", "eps": "fp32"}
-    norms = ("X", "W", "W_REST", "SPLIT", "COS", "SIN")
-    sig = _signature(*norms, "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32", **tables)
+    tables = {"X": "*bf16", "W": "*bf16", "COS": "*fp32", "SIN": "*fp32", "eps": "fp32"}
+    sig = _signature("X", "W", "COS", "SIN", "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32",
+                     **tables)  # fmt: skip
     builds = []
     for norm, sums, config in ((True, True, "K: normalized, rotated, summed"), (False, False, "V: amax")):
         variant = dict(sig)
@@ -213,7 +213,7 @@ def _qk_producer_builds() -> list[Build]:
         builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, EVERY_GPU))
     out = ("stride_cb", "stride_cl", "stride_cp", "stride_ch", "stride_sb", "stride_sl", "stride_sp", "stride_sh")
     sig = _signature(
-        *norms, "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
+        "X", "W", "COS", "SIN", "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
         MEAN="*bf16", CODES="*i8", SCALE="*fp32", **tables,
     )  # fmt: skip
     const = _constexprs(sig, SMOOTH=True, D=d, BLOCK_L=16)
@@ -222,8 +222,9 @@ def _qk_producer_builds() -> list[Build]:
     )
     # fp8_pv's operands (precision.quantizer=kernel): where fp8_pv's fused attention runs (OCP E4M3)
     sig = _signature(
-        *norms, "MEAN", "SCALES", "Y", "L", "H", *strides, "eps", MEAN="*fp32", SCALES="*fp32", Y="*fp8", **tables
-    )
+        "X", "W", "COS", "SIN", "MEAN", "SCALES", "Y", "L", "H", *strides, "stride_yb", "stride_yl", "stride_yh", "eps",
+        MEAN="*fp32", SCALES="*fp32", Y="*fp8", **tables,
+    )  # fmt: skip
     for which, config in ((0, "Q"), (1, "K minus its mean"), (2, "V")):
         variant = dict(sig)
         const = _constexprs(variant, WHICH=which, FP8_MAX=448.0, ON_BITS=False, D=d, BLOCK_L=16)

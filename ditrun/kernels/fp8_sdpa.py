@@ -290,26 +290,28 @@ def fp8_pv_attention(implementation: str):
 
 @torch.library.custom_op("ditrun::fp8_pv_from_raw", mutates_args=())
 def fp8_pv_from_raw_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    weights: list[torch.Tensor],
-    split: int,
+    qs: list[torch.Tensor],
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    q_weights: list[torch.Tensor],
+    k_weights: list[torch.Tensor],
     eps: float,
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fp8_pv_operands`` from Q and K as projected: ``qk_producer_triton.fp8_pv_from_raw`` (GPUs, or Triton's CPU
-    interpreter)."""
-    from ditrun.kernels.qk_producer_triton import fp8_pv_from_raw
+    """``fp8_pv_operands`` from Q and K as projected, in parts along the tokens: ``qk_producer_triton.fp8_pv_from_raw``
+    (GPUs, or Triton's CPU interpreter)."""
+    from ditrun.kernels import qk_producer_triton
 
-    return fp8_pv_from_raw(q, k, v, weights, split, eps, cos, sin)
+    return qk_producer_triton.fp8_pv_from_raw(qs, ks, vs, q_weights, k_weights, eps, cos, sin)
 
 
 @fp8_pv_from_raw_op.register_fake
-def _(q, k, v, weights, split, eps, cos, sin):
-    codes = [torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(3)]
-    return (*codes, q.new_empty(4, dtype=torch.float32))
+def _(qs, ks, vs, q_weights, k_weights, eps, cos, sin):
+    b, _, h, d = qs[0].shape
+    shape = (b, sum(q.shape[1] for q in qs), h, d)
+    codes = [torch.empty(shape, dtype=torch.float8_e4m3fn, device=qs[0].device) for _ in range(3)]
+    return (*codes, qs[0].new_empty(4, dtype=torch.float32))
 
 
 class Fp8PvFromProjections:
@@ -328,12 +330,16 @@ class Fp8PvFromProjections:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.plain(q, k, v)
 
-    def from_raw(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, norms, rope) -> torch.Tensor:
-        from ditrun.kernels.qk_producer_triton import norm_weights
-
-        weights, split = norm_weights(norms, q.shape[1])
-        q8, k8, v8, scales = fp8_pv_from_raw_op(q, k, v, list(weights), split, norms.eps, *rope)
-        return attend_fp8_pv(q8, k8, v8, scales, self.implementation, v.dtype)
+    def from_raw(self, q, k, v, norms, rope) -> torch.Tensor:
+        """q, k, v: [B, S, H, D] each, or tuples of the parts of ``norms``' stretches (a double-stream block's
+        (text, image), never joined); ``rope``: (cos, sin) [S, D]."""
+        joined = isinstance(q, torch.Tensor)
+        spans = norms.spans(q.shape[1] if joined else sum(part.shape[1] for part in q))
+        if joined:
+            q, k, v = ([t[:, at] for at, _, _ in spans] for t in (q, k, v))
+        q_weights, k_weights = [wq for _, wq, _ in spans], [wk for _, _, wk in spans]
+        q8, k8, v8, scales = fp8_pv_from_raw_op(list(q), list(k), list(v), q_weights, k_weights, norms.eps, *rope)
+        return attend_fp8_pv(q8, k8, v8, scales, self.implementation, v[0].dtype)
 
 
 def attend_fp8_pv(q8, k8, v8, scales: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:

@@ -30,10 +30,8 @@ from ditrun.kernels.quantize_triton import ROUND_MAGIC, _round_to_grid
 
 
 @triton.jit
-def _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D: tl.constexpr):
-    # -> the normalized, rotated [BLOCK_L, D] tile in fp32, each value rounded to X's dtype as the unfused code does;
-    # tokens below SPLIT are normalized with the weight W, the others with W_REST (a double-stream block's text and
-    # image streams, each with its own norm)
+def _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D: tl.constexpr):
+    # -> the normalized, rotated [BLOCK_L, D] tile in fp32, each value rounded to X's dtype as the unfused code does
     dims = tl.arange(0, D)
     partner = dims ^ 1  # RoPE rotates channel pairs (2i, 2i + 1)
     rows = X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xl
@@ -42,11 +40,8 @@ def _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride
     x_partner = tl.load(rows + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     xf = x.to(tl.float32)
     inv_rms = tl.math.rsqrt(tl.sum(xf * xf, 1) / D + eps)[:, None]
-    first = (tokens < SPLIT)[:, None]
-    w = tl.where(first, tl.load(W + dims)[None, :], tl.load(W_REST + dims)[None, :]).to(tl.float32)
-    w_partner = tl.where(first, tl.load(W + partner)[None, :], tl.load(W_REST + partner)[None, :]).to(tl.float32)
-    y = (xf * inv_rms * w).to(x.dtype).to(tl.float32)
-    y_partner = (x_partner * inv_rms * w_partner).to(x.dtype).to(tl.float32)
+    y = (xf * inv_rms * tl.load(W + dims).to(tl.float32)[None, :]).to(x.dtype).to(tl.float32)
+    y_partner = (x_partner * inv_rms * tl.load(W + partner).to(tl.float32)[None, :]).to(x.dtype).to(tl.float32)
     rotated = tl.where((dims % 2 == 0)[None, :], -y_partner, y_partner)
     table = tokens[:, None].to(tl.int64) * D + dims[None, :]
     cos = tl.load(COS + table, mask=mask, other=0.0)
@@ -58,8 +53,6 @@ def _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride
 def _statistics_kernel(
     X,
     W,
-    W_REST,
-    SPLIT,
     COS,
     SIN,
     KSUM,
@@ -75,13 +68,14 @@ def _statistics_kernel(
     D: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    # KSUM: fp64 [B, H, D] (added to when SUMS), AMAX: fp32 [B, H], zeros before the launch; of x normalized and
-    # rotated (NORM: ``_norm_rope``), else of x as it is. One program: BLOCK_L tokens of one (b, h)
+    # KSUM: fp64 [B, H, D] (added to when SUMS), AMAX: fp32 [B, H] (maxed into), before the launch zeros or what
+    # another part of the sequence left; of x normalized and rotated (NORM), else of x as it is. One program:
+    # BLOCK_L tokens of one (b, h)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     if NORM:
-        y = _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
+        y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
     else:
         at = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xl
         y = tl.load(X + at + tl.arange(0, D)[None, :], mask=(tokens < L)[:, None], other=0.0).to(tl.float32)
@@ -95,8 +89,6 @@ def _statistics_kernel(
 def _quantize_kernel(
     X,
     W,
-    W_REST,
-    SPLIT,
     COS,
     SIN,
     MEAN,
@@ -128,7 +120,7 @@ def _quantize_kernel(
     b, h = bh // H, bh % H
     tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     dims = tl.arange(0, D)
-    y = _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
+    y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
     if SMOOTH:  # as attention.smooth_k: the difference rounded to X's dtype
         mean = tl.load(MEAN + bh.to(tl.int64) * D + dims).to(tl.float32)
         y = (y - mean[None, :]).to(X.dtype.element_ty).to(tl.float32)
@@ -162,7 +154,7 @@ def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = 
     cos, sin = _tables(cos, sin)
     grid = (max(1, triton.cdiv(length, block_l)), b * h)
     _statistics_kernel[grid](
-        x, weight, weight, 0, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps,
+        x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps,
         NORM=True, SUMS=True, D=d, BLOCK_L=block_l, num_warps=num_warps,
     )  # fmt: skip
     return k_sum, amax
@@ -186,8 +178,6 @@ def norm_rope_quantize(
     _quantize_kernel[grid](
         x,
         weight,
-        weight,
-        0,
         cos,
         sin,
         mean,
@@ -215,8 +205,6 @@ def norm_rope_quantize(
 def _fp8_pv_codes_kernel(
     X,
     W,
-    W_REST,
-    SPLIT,
     COS,
     SIN,
     MEAN,
@@ -227,6 +215,9 @@ def _fp8_pv_codes_kernel(
     stride_xb,
     stride_xl,
     stride_xh,
+    stride_yb,
+    stride_yl,
+    stride_yh,
     eps,
     WHICH: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -234,10 +225,10 @@ def _fp8_pv_codes_kernel(
     D: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
-    # Y: [B, L, H, D] E4M3, contiguous; WHICH: 0 Q (normalized, rotated), 1 K (normalized, rotated, minus MEAN
-    # [B, H, D] fp32, in fp32), 2 V (as it is), divided by SCALES[WHICH] (a power of two: exact), rounded to nearest
-    # even by the cast (ON_BITS: onto E4M3's grid first, for Triton's CPU interpreter, whose FP8 cast does not round
-    # so). One program: BLOCK_L tokens of one (b, h)
+    # Y: [B, L, H, D] E4M3; WHICH: 0 Q (normalized, rotated), 1 K (normalized, rotated, minus MEAN [B, H, D] fp32, in
+    # fp32), 2 V (as it is), divided by SCALES[WHICH] (a power of two: exact), rounded to nearest even by the cast
+    # (ON_BITS: onto E4M3's grid first, for Triton's CPU interpreter, whose FP8 cast does not round so). One program:
+    # BLOCK_L tokens of one (b, h)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
@@ -247,33 +238,25 @@ def _fp8_pv_codes_kernel(
         at = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xl
         y = tl.load(X + at + dims[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        y = _norm_rope(X, W, W_REST, SPLIT, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
+        y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
     if WHICH == 1:
         y = y - tl.load(MEAN + bh.to(tl.int64) * D + dims)[None, :]
     inverse = tl.math.div_rn(1.0, tl.load(SCALES + WHICH))
     codes = tl.minimum(tl.maximum(y * inverse, -FP8_MAX), FP8_MAX)
     if ON_BITS:
         codes = _round_to_grid(codes, 3, -6, FP8_MAX, False)
-    out = Y + ((b.to(tl.int64) * L + tokens[:, None].to(tl.int64)) * H + h) * D + dims[None, :]
-    tl.store(out, codes.to(Y.dtype.element_ty), mask=mask)
+    at = b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh + tokens[:, None].to(tl.int64) * stride_yl
+    tl.store(Y + at + dims[None, :], codes.to(Y.dtype.element_ty), mask=mask)
 
 
 def fp8_pv_from_raw(
-    q,
-    k,
-    v,
-    weights,
-    split: int,
-    eps: float,
-    cos,
-    sin,
-    block_l: int = BLOCK_L,
-    num_warps: int = WARPS,
+    qs, ks, vs, q_weights, k_weights, eps: float, cos, sin, block_l: int = BLOCK_L, num_warps: int = WARPS
 ):
-    """``fp8_sdpa.fp8_pv_operands`` of the normalized, rotated Q and K, from Q and K as projected: q, k, v [B, S, H, D]
-    (D contiguous; any other strides, such as a stacked projection's output), ``weights`` (Q's and K's RMSNorm weights
-    of the tokens below ``split``, then of the others: ``norm_weights``), (cos, sin) [S, D] -> the E4M3 codes
-    [B, S, H, D] of Q, K - mean and V, and the scales [4].
+    """``fp8_sdpa.fp8_pv_operands`` of the normalized, rotated Q and K, from Q and K as projected, given in parts along
+    the tokens (a double-stream block's text and image streams, each with its own norms; one part in a single-stream
+    block): ``qs``, ``ks``, ``vs`` [B, L_i, H, D] (D contiguous; any other strides, such as a stacked projection's
+    output), each part's RMSNorm weights of Q and K, (cos, sin) [sum L_i, D] -> the E4M3 codes [B, sum L_i, H, D] of
+    Q, K - mean and V, and the scales [4]. The parts are never joined: each is read where it is.
 
     Two passes: the first normalizes and rotates Q and K and reads Q's, K's and V's amaxes and K's fp64 token sums
     (``_statistics_kernel``), the second normalizes and rotates again and writes the codes; neither the normalized Q
@@ -281,36 +264,35 @@ def fp8_pv_from_raw(
     from ditrun.kernels.fp8_sdpa import fp8_pv_scales
     from ditrun.kernels.token_statistics import token_mean
 
-    b, length, h, d = q.shape
-    w_q, w_k, rest_q, rest_k = weights
+    b, _, h, d = qs[0].shape
+    length = sum(q.shape[1] for q in qs)
     cos, sin = _tables(cos, sin)
-    grid = (max(1, triton.cdiv(length, block_l)), b * h)
-    streams = ((q, w_q, rest_q), (k, w_k, rest_k), (v, w_k, rest_k))  # V: no norm (the weights are not read)
-    k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=q.device)
-    amax = torch.zeros(3, b, h, dtype=torch.float32, device=q.device)
-    for which, (x, w, rest) in enumerate(streams):
-        _statistics_kernel[grid](
-            x, w, rest, split, cos, sin, k_sum, amax[which], length, h, *x.stride()[:3], eps,
-            NORM=which < 2, SUMS=which == 1, D=d, BLOCK_L=block_l, num_warps=num_warps,
-        )  # fmt: skip
+    parts, start = [], 0
+    for q, k, v, w_q, w_k in zip(qs, ks, vs, q_weights, k_weights, strict=True):
+        at = slice(start, start + q.shape[1])
+        parts.append((at, (q, w_q), (k, w_k), (v, w_k)))  # V: no norm (its weight is not read)
+        start = at.stop
+    device = qs[0].device
+    k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=device)
+    amax = torch.zeros(3, b, h, dtype=torch.float32, device=device)
+    for at, *streams in parts:
+        grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
+        for which, (x, w) in enumerate(streams):
+            _statistics_kernel[grid](
+                x, w, cos[at], sin[at], k_sum, amax[which], x.shape[1], h, *x.stride()[:3], eps,
+                NORM=which < 2, SUMS=which == 1, D=d, BLOCK_L=block_l, num_warps=num_warps,
+            )  # fmt: skip
     mean = token_mean(k_sum, length, torch.float32)  # [B, H, D]
     top = amax.amax(dim=(1, 2))
     scales = fp8_pv_scales(top[0], top[1], mean.abs().amax(), top[2])
-    codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=q.device) for _ in streams]
+    codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=device) for _ in range(3)]
     on_bits = os.environ.get("TRITON_INTERPRET") == "1"
-    for which, (x, w, rest) in enumerate(streams):
-        _fp8_pv_codes_kernel[grid](
-            x, w, rest, split, cos, sin, mean, scales, codes[which], length, h, *x.stride()[:3], eps,
-            WHICH=which, FP8_MAX=448.0, ON_BITS=on_bits, D=d, BLOCK_L=block_l, num_warps=num_warps,
-        )  # fmt: skip
+    for at, *streams in parts:
+        grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
+        for which, (x, w) in enumerate(streams):
+            y = codes[which][:, at]
+            _fp8_pv_codes_kernel[grid](
+                x, w, cos[at], sin[at], mean, scales, y, x.shape[1], h, *x.stride()[:3], *y.stride()[:3], eps,
+                WHICH=which, FP8_MAX=448.0, ON_BITS=on_bits, D=d, BLOCK_L=block_l, num_warps=num_warps,
+            )  # fmt: skip
     return (*codes, scales)
-
-
-def norm_weights(norms, length: int) -> tuple[tuple[torch.Tensor, ...], int]:
-    """``dit.QKNorms`` of a sequence of ``length`` -> (Q's and K's weights of the first stretch, then of the rest) and
-    the token where the rest begins (0: one stretch), as ``fp8_pv_from_raw`` takes them."""
-    spans = norms.spans(length)
-    if len(spans) > 2:
-        raise ValueError(f"fp8_pv_from_raw: at most two stretches of norms, got {len(spans)}")
-    (first, q_first, k_first), (_, q_rest, k_rest) = spans[0], spans[-1]
-    return (q_first, k_first, q_rest, k_rest), first.stop if len(spans) == 2 else 0
