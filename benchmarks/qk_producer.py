@@ -136,14 +136,14 @@ def row(s: int, shards: int, heads: int, repeats: int) -> dict[str, str]:
 def fp8_pv_rows(s: int, heads: int, repeats: int) -> list[dict[str, str]]:
     """``--fp8-pv``: ``fp8_pv``'s operands in one process from a single block's stacked projection ([1, S, 3 H D +
     MLP] BF16; Q, K, V strided views of it): Inductor's compilation of the block's norms, RoPE and
-    ``fp8_pv_operands`` against the producer (``qk_producer_triton.fp8_pv_from_raw``) at each launch shape, timed
+    ``fp8_pv_operands`` against the producer (``fp8_sdpa.fp8_pv_produce``) at each launch shape, timed
     as CUDA graphs in turns; GB moved at the least (Q, K, V read once, their codes written) and the rate that time
     would give."""
     from harness import interleaved_graph_ms
     from vs_diffusers import copy_ceiling_tbs
 
-    from ditrun.kernels.fp8_sdpa import fp8_pv_operands
-    from ditrun.kernels.qk_producer_triton import BLOCK_L, WARPS, fp8_pv_from_raw
+    from ditrun.kernels.fp8_sdpa import fp8_pv_operands, fp8_pv_produce
+    from ditrun.kernels.qk_producer_triton import BLOCK_L, WARPS
     from ditrun.model.dit import QKNorms
 
     g = torch.Generator(device="cuda").manual_seed(s)
@@ -165,10 +165,10 @@ def fp8_pv_rows(s: int, heads: int, repeats: int) -> list[dict[str, str]]:
         name = f"producer, {block} tokens x {warps} warps" + (
             " (default)" if (block, warps) == (BLOCK_L, WARPS) else ""
         )
-        cases[name] = lambda block=block, warps=warps: fp8_pv_from_raw(
+        cases[name] = lambda block=block, warps=warps: fp8_pv_produce(
             [q], [k], [v], weights[:1], weights[1:], 1e-6, cos, sin, block_l=block, num_warps=warps
         )
-    want, got = compiled(), fp8_pv_from_raw([q], [k], [v], weights[:1], weights[1:], 1e-6, cos, sin)
+    want, got = compiled(), fp8_pv_produce([q], [k], [v], weights[:1], weights[1:], 1e-6, cos, sin)
     steps = [
         int((a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs().gt(1).sum())
         for a, b in zip(got[:3], want[:3])

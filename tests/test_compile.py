@@ -399,11 +399,11 @@ def test_gpu_kernel_quantizer_runs_in_the_compiled_blocks_and_matches_the_compil
     rounding, Inductor may keep the GELU in fp32 where the kernel rounds it, and the norm's last bits)."""
     from launching import latents
 
-    from ditrun.kernels import qk_producer_triton, quantize_triton
+    from ditrun.kernels import fp8_sdpa, quantize_triton
     from ditrun.run import worker
 
     calls, original = [], quantize_triton.rowwise_fp8
-    produced, producer = [], qk_producer_triton.fp8_pv_from_raw
+    produced, producer = [], fp8_sdpa.fp8_pv_produce
 
     def counted(x, dtype, *args, **kwargs):
         calls.append((kwargs.get("activation"), kwargs.get("prefix") is not None))
@@ -414,7 +414,7 @@ def test_gpu_kernel_quantizer_runs_in_the_compiled_blocks_and_matches_the_compil
         return producer(qs, *args, **kwargs)
 
     monkeypatch.setattr(quantize_triton, "rowwise_fp8", counted)
-    monkeypatch.setattr(qk_producer_triton, "fp8_pv_from_raw", counted_producer)
+    monkeypatch.setattr(fp8_sdpa, "fp8_pv_produce", counted_producer)
     run = ["model=flux-dev", "model.num_layers=1", "model.num_single_layers=1", "precision=fp8_all",
            "workload.width=128", "workload.height=128", *GPU]  # fmt: skip
     try:

@@ -127,7 +127,7 @@ def e4m3_ordinal(codes: torch.Tensor) -> torch.Tensor:
 
 
 def check_fp8_pv_producer(device: str = "cpu", dtype=torch.float32) -> None:
-    """``fp8_pv``'s operands from Q and K as projected (``qk_producer_triton.fp8_pv_from_raw`` through its op, what
+    """``fp8_pv``'s operands from Q and K as projected (``fp8_sdpa.fp8_pv_produce`` through its op, what
     ``precision.quantizer=kernel`` runs) against ``fp8_sdpa.fp8_pv_operands`` of the block's norms and RoPE, for one
     stretch of norms and for a text and an image stretch, two batch rows, Q, K and V strided views of one stacked
     projection, L not a multiple of the tile: the same scales, codes within one E4M3 step (a normalized value may

@@ -288,6 +288,22 @@ def fp8_pv_attention(implementation: str):
     return attention
 
 
+def fp8_pv_produce(qs, ks, vs, q_weights, k_weights, eps: float, cos, sin, **launch) -> tuple[torch.Tensor, ...]:
+    """``fp8_pv_operands`` of the normalized, rotated Q and K, from Q and K as projected, in parts along the tokens
+    (each part's own norm weights; q, k, v [B, L_i, H, D]; cos, sin [sum L_i, D]): the codes [B, S, H, D] and the
+    scales [4]. ditrun's producer in two passes over the parts where they lie (``qk_producer_triton``: the amaxes
+    and K's token sums, then the codes), on GPUs or in Triton's CPU interpreter; ``launch``: its ``block_l`` and
+    ``num_warps``."""
+    from ditrun.kernels import qk_producer_triton as producer
+
+    parts = list(zip(qs, ks, vs, q_weights, k_weights, strict=True))
+    k_sum, amax = producer.fp8_pv_statistics(parts, eps, cos, sin, **launch)
+    mean = token_mean(k_sum, sum(q.shape[1] for q in qs), torch.float32)  # [B, H, D]
+    top = amax.amax(dim=(1, 2))
+    scales = fp8_pv_scales(top[0], top[1], mean.abs().amax(), top[2])
+    return (*producer.fp8_pv_codes(parts, eps, cos, sin, mean, scales, **launch), scales)
+
+
 @torch.library.custom_op("ditrun::fp8_pv_from_raw", mutates_args=())
 def fp8_pv_from_raw_op(
     qs: list[torch.Tensor],
@@ -299,11 +315,8 @@ def fp8_pv_from_raw_op(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``fp8_pv_operands`` from Q and K as projected, in parts along the tokens: ``qk_producer_triton.fp8_pv_from_raw``
-    (GPUs, or Triton's CPU interpreter)."""
-    from ditrun.kernels import qk_producer_triton
-
-    return qk_producer_triton.fp8_pv_from_raw(qs, ks, vs, q_weights, k_weights, eps, cos, sin)
+    """``fp8_pv_produce`` as one node of a compiled block's graph."""
+    return fp8_pv_produce(qs, ks, vs, q_weights, k_weights, eps, cos, sin)
 
 
 @fp8_pv_from_raw_op.register_fake
@@ -317,9 +330,9 @@ def _(qs, ks, vs, q_weights, k_weights, eps, cos, sin):
 class Fp8PvFromProjections:
     """The ``fp8_pv`` attention of ``precision.quantizer=kernel``: called with Q and K as projected (``takes_raw_qk``:
     a block hands them with its per-head norms, ``dit.QKNorms``), its operands are written by ditrun's Triton producer
-    (``qk_producer_triton.fp8_pv_from_raw``: RMSNorm, RoPE, the amaxes and K's token sums in one pass, the codes in a
-    second), so a compiled block writes neither the normalized Q and K nor K minus its mean. Called with the
-    normalized, rotated Q and K (as a layout's exchange hands them) it is ``fp8_pv_attention``."""
+    (``fp8_pv_produce``: RMSNorm, RoPE, the amaxes and K's token sums in one pass, the codes in a second), so a
+    compiled block writes neither the normalized Q and K nor K minus its mean. Called with the normalized, rotated Q
+    and K (as a layout's exchange hands them) it is ``fp8_pv_attention``."""
 
     takes_raw_qk = True
 

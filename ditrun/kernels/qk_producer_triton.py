@@ -249,45 +249,38 @@ def _fp8_pv_codes_kernel(
     tl.store(Y + at + dims[None, :], codes.to(Y.dtype.element_ty), mask=mask)
 
 
-def fp8_pv_from_raw(
-    qs, ks, vs, q_weights, k_weights, eps: float, cos, sin, block_l: int = BLOCK_L, num_warps: int = WARPS
-):
-    """``fp8_sdpa.fp8_pv_operands`` of the normalized, rotated Q and K, from Q and K as projected, given in parts along
-    the tokens (a double-stream block's text and image streams, each with its own norms; one part in a single-stream
-    block): ``qs``, ``ks``, ``vs`` [B, L_i, H, D] (D contiguous; any other strides, such as a stacked projection's
-    output), each part's RMSNorm weights of Q and K, (cos, sin) [sum L_i, D] -> the E4M3 codes [B, sum L_i, H, D] of
-    Q, K - mean and V, and the scales [4]. The parts are never joined: each is read where it is.
-
-    Two passes: the first normalizes and rotates Q and K and reads Q's, K's and V's amaxes and K's fp64 token sums
-    (``_statistics_kernel``), the second normalizes and rotates again and writes the codes; neither the normalized Q
-    and K nor K minus its mean is written in between."""
-    from ditrun.kernels.fp8_sdpa import fp8_pv_scales
-    from ditrun.kernels.token_statistics import token_mean
-
-    b, _, h, d = qs[0].shape
-    length = sum(q.shape[1] for q in qs)
+def fp8_pv_statistics(parts, eps: float, cos, sin, block_l: int = BLOCK_L, num_warps: int = WARPS):
+    """The first of ``fp8_pv``'s two passes from Q and K as projected: ``parts`` along the tokens (a double-stream
+    block's text and image streams, each with its own norms; one part in a single-stream block), each
+    (q, k, v [B, L_i, H, D] with D contiguous and any other strides, such as a stacked projection's output; Q's and K's
+    RMSNorm weights); (cos, sin) [sum L_i, D] -> K's fp64 token sums [B, H, D] and the amaxes [3, B, H] (fp32) of
+    the normalized, rotated Q and K and of V. The parts are read where they are, never joined."""
+    q, *_ = parts[0]
+    b, _, h, d = q.shape
     cos, sin = _tables(cos, sin)
-    parts, start = [], 0
-    for q, k, v, w_q, w_k in zip(qs, ks, vs, q_weights, k_weights, strict=True):
-        at = slice(start, start + q.shape[1])
-        parts.append((at, (q, w_q), (k, w_k), (v, w_k)))  # V: no norm (its weight is not read)
-        start = at.stop
-    device = qs[0].device
-    k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=device)
-    amax = torch.zeros(3, b, h, dtype=torch.float32, device=device)
-    for at, *streams in parts:
+    k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=q.device)
+    amax = torch.zeros(3, b, h, dtype=torch.float32, device=q.device)
+    for at, streams in _streams(parts):
         grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
         for which, (x, w) in enumerate(streams):
             _statistics_kernel[grid](
                 x, w, cos[at], sin[at], k_sum, amax[which], x.shape[1], h, *x.stride()[:3], eps,
                 NORM=which < 2, SUMS=which == 1, D=d, BLOCK_L=block_l, num_warps=num_warps,
             )  # fmt: skip
-    mean = token_mean(k_sum, length, torch.float32)  # [B, H, D]
-    top = amax.amax(dim=(1, 2))
-    scales = fp8_pv_scales(top[0], top[1], mean.abs().amax(), top[2])
-    codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=device) for _ in range(3)]
+    return k_sum, amax
+
+
+def fp8_pv_codes(parts, eps: float, cos, sin, mean, scales, block_l: int = BLOCK_L, num_warps: int = WARPS):
+    """The second pass: ``parts`` as ``fp8_pv_statistics`` takes them, K's mean [B, H, D] (fp32) and the scales [4]
+    (``fp8_sdpa.fp8_pv_scales``) -> the E4M3 codes [B, sum L_i, H, D] of the normalized, rotated Q, of K minus its
+    mean (in fp32) and of V, each divided by its scale; the normalized Q and K are computed again, not read."""
+    q, *_ = parts[0]
+    b, _, h, d = q.shape
+    cos, sin = _tables(cos, sin)
+    length = sum(part[0].shape[1] for part in parts)
+    codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(3)]
     on_bits = os.environ.get("TRITON_INTERPRET") == "1"
-    for at, *streams in parts:
+    for at, streams in _streams(parts):
         grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
         for which, (x, w) in enumerate(streams):
             y = codes[which][:, at]
@@ -295,4 +288,13 @@ def fp8_pv_from_raw(
                 x, w, cos[at], sin[at], mean, scales, y, x.shape[1], h, *x.stride()[:3], *y.stride()[:3], eps,
                 WHICH=which, FP8_MAX=448.0, ON_BITS=on_bits, D=d, BLOCK_L=block_l, num_warps=num_warps,
             )  # fmt: skip
-    return (*codes, scales)
+    return codes
+
+
+def _streams(parts):
+    """Each part's token slice of the whole sequence and its ((q, Q's weight), (k, K's weight), (v, K's weight))."""
+    start = 0
+    for q, k, v, w_q, w_k in parts:
+        at = slice(start, start + q.shape[1])
+        yield at, ((q, w_q), (k, w_k), (v, w_k))  # V: no norm (its weight is not read)
+        start = at.stop
