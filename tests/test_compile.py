@@ -431,7 +431,7 @@ def test_gpu_kernel_quantizer_runs_in_the_compiled_blocks_and_matches_the_compil
     assert (
         produced_before == 0
         and set(produced) == {1, 2}
-        and summary["precision_detail"]["attention"]["backends"] == ["cudnn"]
+        and summary["precision_detail"]["attention"]["producer"] == "kernel"
     )
     for record in records(tmp_path / "compiled"):
         edit = record["edit"]

@@ -191,9 +191,16 @@ def _quantize(
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
     payload = payload_for(plan.attention.name, implementation) if plan.quantized_exchange else None
     exchange = "codes" if payload is not None else "values"
-    details["attention"] = {"format": plan.attention.name, "backends": [implementation], "exchange": exchange}
+    attention = _attention_function(plan, implementation, device)
+    producer = "kernel" if getattr(attention, "takes_raw_qk", False) else "compiled"  # who writes its operands
+    details["attention"] = {
+        "format": plan.attention.name,
+        "backends": [implementation],
+        "exchange": exchange,
+        "producer": producer,
+    }
     details["quantizer"] = plan.quantizer
-    return BuiltModel(model, _attention_function(plan, implementation, device), plan, details, payload=payload)
+    return BuiltModel(model, attention, plan, details, payload=payload)
 
 
 def _attention_function(plan: PrecisionPlan, implementation: str, device: torch.device) -> AttentionFn:
