@@ -208,7 +208,8 @@ def _qk_producer_builds() -> list[Build]:
     builds = []
     for norm, sums, config in ((True, True, "K: normalized, rotated, summed"), (False, False, "V: amax")):
         variant = dict(sig)
-        const = _constexprs(variant, NORM=norm, SUMS=sums, D=d, BLOCK_L=16)  # qk_producer_triton.BLOCK_L, WARPS
+        # qk_producer_triton.BLOCK_L, WARPS; the exchange's grid order for K, fp8_pv's for V
+        const = _constexprs(variant, NORM=norm, SUMS=sums, HEADS_FIRST=not norm, D=d, BLOCK_L=16)
         name = "qk_producer_triton._statistics_kernel"
         builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, EVERY_GPU))
     out = ("stride_cb", "stride_cl", "stride_cp", "stride_ch", "stride_sb", "stride_sl", "stride_sp", "stride_sh")

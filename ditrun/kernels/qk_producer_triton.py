@@ -65,15 +65,17 @@ def _statistics_kernel(
     eps,
     NORM: tl.constexpr,
     SUMS: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
     D: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     # KSUM: fp64 [B, H, D] (added to when SUMS), AMAX: fp32 [B, H] (maxed into), before the launch zeros or what
     # another part of the sequence left; of x normalized and rotated (NORM), else of x as it is. One program:
-    # BLOCK_L tokens of one (b, h)
-    bh = tl.program_id(1)
+    # BLOCK_L tokens of one (b, h); HEADS_FIRST: the grid's first axis is (b, h), so that the programs of one token
+    # block run together and read its RoPE rows once from memory, else the token blocks
+    bh = tl.program_id(0 if HEADS_FIRST else 1)
     b, h = bh // H, bh % H
-    tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    tokens = tl.program_id(1 if HEADS_FIRST else 0) * BLOCK_L + tl.arange(0, BLOCK_L)
     if NORM:
         y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
     else:
@@ -155,7 +157,7 @@ def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = 
     grid = (max(1, triton.cdiv(length, block_l)), b * h)
     _statistics_kernel[grid](
         x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps,
-        NORM=True, SUMS=True, D=d, BLOCK_L=block_l, num_warps=num_warps,
+        NORM=True, SUMS=True, HEADS_FIRST=False, D=d, BLOCK_L=block_l, num_warps=num_warps,
     )  # fmt: skip
     return k_sum, amax
 
@@ -228,10 +230,10 @@ def _fp8_pv_codes_kernel(
     # Y: [B, L, H, D] E4M3; WHICH: 0 Q (normalized, rotated), 1 K (normalized, rotated, minus MEAN [B, H, D] fp32, in
     # fp32), 2 V (as it is), divided by SCALES[WHICH] (a power of two: exact), rounded to nearest even by the cast
     # (ON_BITS: onto E4M3's grid first, for Triton's CPU interpreter, whose FP8 cast does not round so). One program:
-    # BLOCK_L tokens of one (b, h)
-    bh = tl.program_id(1)
+    # BLOCK_L tokens of one (b, h), the grid's first axis (b, h) (``_statistics_kernel``'s HEADS_FIRST)
+    bh = tl.program_id(0)
     b, h = bh // H, bh % H
-    tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    tokens = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
     dims = tl.arange(0, D)
     mask = (tokens < L)[:, None]
     if WHICH == 2:
@@ -261,11 +263,11 @@ def fp8_pv_statistics(parts, eps: float, cos, sin, block_l: int = BLOCK_L, num_w
     k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=q.device)
     amax = torch.zeros(3, b, h, dtype=torch.float32, device=q.device)
     for at, streams in _streams(parts):
-        grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
+        grid = (b * h, max(1, triton.cdiv(at.stop - at.start, block_l)))
         for which, (x, w) in enumerate(streams):
             _statistics_kernel[grid](
                 x, w, cos[at], sin[at], k_sum, amax[which], x.shape[1], h, *x.stride()[:3], eps,
-                NORM=which < 2, SUMS=which == 1, D=d, BLOCK_L=block_l, num_warps=num_warps,
+                NORM=which < 2, SUMS=which == 1, HEADS_FIRST=True, D=d, BLOCK_L=block_l, num_warps=num_warps,
             )  # fmt: skip
     return k_sum, amax
 
@@ -281,7 +283,7 @@ def fp8_pv_codes(parts, eps: float, cos, sin, mean, scales, block_l: int = BLOCK
     codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(3)]
     on_bits = os.environ.get("TRITON_INTERPRET") == "1"
     for at, streams in _streams(parts):
-        grid = (max(1, triton.cdiv(at.stop - at.start, block_l)), b * h)
+        grid = (b * h, max(1, triton.cdiv(at.stop - at.start, block_l)))
         for which, (x, w) in enumerate(streams):
             y = codes[which][:, at]
             _fp8_pv_codes_kernel[grid](
