@@ -111,6 +111,8 @@ def check_joined_quantizer(device: str = "cpu", store_dtype=torch.float32) -> No
     prefix = (torch.randn(37, 160, generator=g) * 20).to(torch.bfloat16).to(device)
     prefix[5] *= 1e-3  # a row whose amax is the activation's
     hidden[7] *= 1e-3  # and one whose amax is the prefix's
+    hidden[9] = -hidden[9].abs()  # all below 0: the activation's amax is not that of the row's largest x
+    hidden[11] = hidden[11].abs() * 0.1  # all small: the largest x's activation is below GELU_BOUND
     cases = [(prefix, "gelu_tanh"), (None, "gelu_tanh"), (prefix, None)]
     for tiling in (T.joined_tiling(2080), T.Tiling(2, 512, 4), T.Tiling(1, 128, 4), T.Tiling(1, 4096, 16, True)):
         for pre, activation in cases:

@@ -31,6 +31,8 @@ from ditrun.kernels import formats
 ROUND_MAGIC = tl.constexpr(12582912.0)
 GELU_TANH_COEFF = tl.constexpr(0.044715)
 TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
+GELU_BOUND = tl.constexpr(0.25)
+"""Above every |GELU(x)| of negative x (at most 0.1701 at x = -0.7518, BF16 rounding included)."""
 """1.5 * 2^23: adding and subtracting it rounds an fp32 of magnitude < 2^22 to an integer, half to even."""
 
 
@@ -195,10 +197,28 @@ def _rowwise_fp8_kernel(
             for start in range(0, P, BLOCK_K):
                 tile = tl.load(pp + start, mask=row_ok[:, None] & (start + cols < P)[None, :], other=0.0)
                 top = tl.maximum(top, tl.abs(tile.to(tl.float32)))
-        for start in range(0, K, BLOCK_K):
-            tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
-            top = tl.maximum(top, tl.abs(_activated(tile.to(tl.float32), ACTIVATION, DTYPE, ON_BITS)))
-        amax = tl.max(top, 1)
+        if ACTIVATION == 1:
+            # GELU rises with x above its minimum (about -0.17, at x = -0.75), and its rounding keeps the order: where
+            # the activation of a row's largest x reaches GELU_BOUND, that is the row's amax, found with one max per
+            # element instead of an activation per element; other rows (every x small) are activated to find it.
+            high = tl.full([BLOCK_R, BLOCK_K], float("-inf"), tl.float32)
+            for start in range(0, K, BLOCK_K):
+                tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=float("-inf"))
+                high = tl.maximum(high, tile.to(tl.float32))
+            largest = _activated(tl.max(high, 1), ACTIVATION, DTYPE, ON_BITS)
+            found = (largest >= GELU_BOUND) | (rows >= R)
+            if tl.min(found.to(tl.int32), 0) == 0:
+                exact = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+                for start in range(0, K, BLOCK_K):
+                    tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
+                    exact = tl.maximum(exact, tl.abs(_activated(tile.to(tl.float32), ACTIVATION, DTYPE, ON_BITS)))
+                largest = tl.where(found, largest, tl.max(exact, 1))
+            amax = tl.maximum(tl.max(top, 1), largest)
+        else:
+            for start in range(0, K, BLOCK_K):
+                tile = tl.load(xp + start, mask=row_ok[:, None] & (start + cols < K)[None, :], other=0.0)
+                top = tl.maximum(top, tl.abs(_activated(tile.to(tl.float32), ACTIVATION, DTYPE, ON_BITS)))
+            amax = tl.max(top, 1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
     tl.store(SCALE + rows, scale, mask=row_ok)
     lift, divisor, recip = _divisor(scale[:, None])
@@ -225,11 +245,11 @@ ACTIVATIONS = {None: 0, "gelu_tanh": 1}
 
 
 def joined_tiling(k: int) -> Tiling:
-    """The tiling of ``rowwise_fp8`` with an activation or a prefix: rows read twice in tiles of 2048 on 8 warps, the
-    activation computed on both reads. The fastest of the tilings ``benchmarks/gemm.py --joined`` times, with the
-    attention-output prefix and without, at 20992 x 12288 on one H100 (docs/PROFILE.md):
-    the kernel is bound by the activation's arithmetic, and a whole row held in registers by 16 or 32 warps ran
-    slower than computing it twice."""
+    """The tiling of ``rowwise_fp8`` with an activation or a prefix: rows read twice in tiles of 2048 on 8 warps (the
+    first read finds a GELU row's amax from its largest x, the second computes the activation and the codes). The
+    fastest of the tilings ``benchmarks/gemm.py --joined`` times at 20992 x 12288 on one H100 without the
+    attention-output prefix, and within 5% of the fastest with it (docs/PROFILE.md); a whole row held in registers by
+    16 or 32 warps ran slower."""
     return Tiling(rows=1, tile=min(2048, triton.next_power_of_2(k)), warps=8)
 
 
