@@ -13,10 +13,6 @@
 #                                                            benchmarks, the Triton attention kernel's tiles; ~4 min)
 #   bash benchmarks/gpu_suite.sh quantizers               (one GPU: the activation quantizers' GPU tests, their tilings
 #                                                            per K, the GEMM table; ~3 min)
-#   bash benchmarks/gpu_suite.sh quantizer-kernel [PARTS]  (one GPU: precision.quantizer=kernel's GPU tests, its fp8_pv
-#                                                            producer and joined GELU quantizer against Inductor, the
-#                                                            forward with and without it at 20992 tokens; ~10 min;
-#                                                            PARTS: a quoted subset of "tests kernels forward")
 #   bash benchmarks/gpu_suite.sh attention                (one GPU: the Hopper Gluon kernel's and the FP8 attention
 #                                                            GPU tests, the compiled worker's among them, then every
 #                                                            attention kernel at 20992 and 8704 tokens; ~5 min)
@@ -210,31 +206,6 @@ if [[ $what == quantizers ]]; then
     | tee "$OUT/tests_quantizers.log" | tail -3
   timeout 250 python3 benchmarks/gemm.py --tilings 2>&1 | tee "$OUT/tilings.txt" | grep -E "default|\*"
   timeout 200 python3 benchmarks/gemm.py --formats fp8 fp8_fast mxfp8 mxfp6 mxfp4 2>&1 | tee "$OUT/gemm.txt"
-fi
-if [[ $what == quantizer-kernel ]]; then
-  # precision.quantizer=kernel: its GPU tests (each file in its own process, side by side), the fp8_pv producer and
-  # the joined GELU quantizer each against Inductor, then the forward both ways in one process (beside diffusers eager,
-  # the error reference)
-  # PARTS (default "tests kernels forward"): a subset, so that the forward can have a command of its own
-  parts=" ${2:-tests kernels forward} "
-  if [[ $parts == *" tests "* ]]; then
-    for t in "tests/test_qk_producer.py" "tests/test_compile.py -k kernel_quantizer" "tests/test_triton_kernels.py -k joined"; do
-      name=$(basename "${t%%.py*}")
-      # shellcheck disable=SC2086
-      timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $t >"$OUT/gpu_$name.log" 2>&1 &
-    done
-    wait
-    tail -n 2 "$OUT"/gpu_test_*.log
-  fi
-  if [[ $parts == *" kernels "* ]]; then
-    (cd benchmarks && timeout 120 python3 qk_producer.py --fp8-pv --repeats 10 2>&1 | tee "$OUT/fp8_pv_producer.txt")
-    timeout 100 python3 benchmarks/gemm.py --joined --m 20992 2>&1 | tee "$OUT/joined_quantizer.txt" | grep -v "one tile"
-  fi
-  if [[ $parts == *" forward "* ]]; then
-    timeout 420 python3 benchmarks/vs_diffusers.py --tokens 20992 --repeats 5 --out "$OUT" \
-      --modes diffusers ditrun-fp8_all ditrun-fp8_all@precision.quantizer=kernel 2>&1 | tee "$OUT/vs_diffusers.log" \
-      | tail -40
-  fi
 fi
 if [[ $what == attention ]]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_triton_kernels.py -k "gluon or v_codes or fp8" \

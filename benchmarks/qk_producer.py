@@ -2,7 +2,6 @@
 
     python benchmarks/qk_producer.py                     # 20992 tokens, 24 heads of 128, P = 2, 4, 8 shards
     python benchmarks/qk_producer.py --s 20992 --shards 2 4 8 --repeats 20
-    python benchmarks/qk_producer.py --fp8-pv               # fp8_pv's operands in one process, from the projections
 
 One rank of an SP group of P holds S / P tokens of every head. From the projections' output (x: [1, S/P, 24, 128]
 BF16, per head) to Q's and K's INT8 codes and fp32 scales in the qkv exchange's send rows (``RowLayout``'s field
@@ -133,60 +132,6 @@ def row(s: int, shards: int, heads: int, repeats: int) -> dict[str, str]:
     }
 
 
-def fp8_pv_rows(s: int, heads: int, repeats: int) -> list[dict[str, str]]:
-    """``--fp8-pv``: ``fp8_pv``'s operands in one process from a single block's stacked projection ([1, S, 3 H D +
-    MLP] BF16; Q, K, V strided views of it): Inductor's compilation of the block's norms, RoPE and
-    ``fp8_pv_operands`` against the producer (``fp8_sdpa.fp8_pv_produce``) at each launch shape, timed
-    as CUDA graphs in turns; GB moved at the least (Q, K, V read once, their codes written) and the rate that time
-    would give."""
-    from harness import interleaved_graph_ms
-    from vs_diffusers import copy_ceiling_tbs
-
-    from ditrun.kernels.fp8_sdpa import fp8_pv_operands, fp8_pv_produce
-    from ditrun.kernels.qk_producer_triton import BLOCK_L, WARPS
-    from ditrun.model.dit import QKNorms
-
-    g = torch.Generator(device="cuda").manual_seed(s)
-    width = heads * 128
-    stacked = torch.randn(1, s, 3 * width + 4 * width, device="cuda", generator=g).to(torch.bfloat16)
-    q, k, v = (stacked[..., i * width : (i + 1) * width].unflatten(-1, (heads, 128)) for i in range(3))
-    weights = [(1 + 0.1 * torch.randn(128, device="cuda", generator=g)).to(torch.bfloat16) for _ in range(2)]
-    norms = QKNorms(((None, *weights),), 1e-6)
-    side = int(s**0.5) + 1
-    ids = torch.stack([torch.zeros(s), torch.arange(s) // side, torch.arange(s) % side], dim=1)
-    cos, sin = rope_tables(ids.cuda(), (16, 56, 56))
-
-    def composed():
-        return fp8_pv_operands(*norms.apply(q, k, (cos, sin)), v)
-
-    compiled = torch.compile(composed)
-    cases = {"inductor (compiled torch)": compiled}
-    for block, warps in ((8, 4), (16, 4), (32, 4), (32, 8), (64, 8)):
-        name = f"producer, {block} tokens x {warps} warps" + (
-            " (default)" if (block, warps) == (BLOCK_L, WARPS) else ""
-        )
-        cases[name] = lambda block=block, warps=warps: fp8_pv_produce(
-            [q], [k], [v], weights[:1], weights[1:], 1e-6, cos, sin, block_l=block, num_warps=warps
-        )
-    want, got = compiled(), fp8_pv_produce([q], [k], [v], weights[:1], weights[1:], 1e-6, cos, sin)
-
-    def ordinal(codes):  # E4M3 codes in the order of their values, neighbours one apart, -0 and +0 alike
-        bits = codes.view(torch.uint8).int()
-        return torch.where(bits >= 128, 128 - bits, bits)
-
-    steps = [int((ordinal(a) - ordinal(b)).abs().gt(1).sum()) for a, b in zip(got[:3], want[:3])]
-    times = interleaved_graph_ms(cases, repeats)
-    moved = 3 * q.numel() * (2 + 1)
-    copy = copy_ceiling_tbs()
-    print(f"S = {s}, {heads} heads of 128; device copy {copy:.2f} TB/s; scales equal: {torch.equal(got[3], want[3])}; "
-          f"codes more than one step apart (Q, K, V): {steps}")  # fmt: skip
-    return [
-        {"operands from": name, "ms": f"{ms:.4f}", "TB/s (least bytes)": f"{moved / ms / 1e9:.2f}",
-         "% of copy": f"{100 * moved / ms / 1e9 / copy:.0f}"}
-        for name, ms in times.items()
-    ]  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--s", type=int, default=20992, help="tokens of the whole sequence")
@@ -194,13 +139,9 @@ def main() -> None:
     parser.add_argument("--shards", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--tune", action="store_true", help="also time the fused producer per (block_l, warps)")
-    parser.add_argument("--fp8-pv", action="store_true", help="fp8_pv's operands in one process (no exchange)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("qk_producer.py needs a GPU (the fused producer is a Triton kernel).")
-    if args.fp8_pv:
-        print_table(fp8_pv_rows(args.s, args.heads, args.repeats))
-        return
     print(f"{torch.cuda.get_device_name()}: S = {args.s}, {args.heads} heads of 128, ms per call (Q and K)")
     print_table([row(args.s, p, args.heads, args.repeats) for p in args.shards])
     if args.tune:

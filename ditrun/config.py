@@ -173,11 +173,10 @@ class PrecisionConfig:
     them in the model dtype and quantizes after (the comparison: the same outputs, more bytes). No effect on
     ``bf16`` attention."""
     quantizer: str = "compiled"
-    """How a compiled block quantizes activations: ``compiled`` (torch arithmetic traced into the block's graph,
-    fused by Inductor into the kernel that makes the activation) or ``kernel`` (ditrun's Triton kernels: an FP8 down
-    projection's input [attention output | activation(hidden)] in one kernel, and ``fp8_pv`` attention's Q, K and V
-    from the projections, RMSNorm and RoPE included, in two passes; the rest as ``compiled``). The same numbers
-    either way, up to the last bits of the activation and of the norm (docs/PRECISION.md)."""
+    """How a compiled block quantizes FP8 linears' activations: ``compiled`` (torch arithmetic traced into the
+    block's graph, fused by Inductor into the kernel that makes the activation) or ``kernel`` (an FP8 down
+    projection's input [attention output | activation(hidden)] by ditrun's Triton kernel, one kernel; the rest as
+    ``compiled``). The same numbers either way, up to the activation's fp32 rounding (docs/PRECISION.md)."""
     backend: str = "auto"
     """``auto`` (the tuned or preferred fast backend where the device has one, else the exact emulation,
     said once), ``emulation`` (always), ``fast`` (fast backends only: an error before any GPU work if a

@@ -210,20 +210,13 @@ def test_bf16_precision_leaves_the_model_alone_and_quantized_models_stay_close()
     built, cfg, placement = _quantized_model("bf16")
     assert not any(isinstance(m, L.QuantizedLinear) for m in built.model.modules())
     assert built.attention is sdpa_attention
-    for precision, *attention in [
-        ("fp8",),
-        ("krea",),
-        ("fp8", "precision.attention=fp8_pv"),
-        ("fp8", "precision.attention=fp8_pv", "precision.quantizer=kernel"),
-    ]:
+    for precision, *attention in [("fp8",), ("krea",), ("fp8", "precision.attention=fp8_pv")]:
         quantized, _, _ = _quantized_model(precision, "flux", *attention)
         assert quantized.details["mlp"]["backends"] == ["emulation"]
-        # the presets' attention is SDPA (fp8) or INT8-QK (krea); no quantized attention runs fast on the CPU, so
-        # its operands are never the GPU producer's (precision.quantizer=kernel)
+        # the presets' attention is SDPA (fp8) or INT8-QK (krea); no quantized attention runs fast on the CPU
         assert quantized.details["attention"]["backends"] == [
             "sdpa" if precision == "fp8" and not attention else "emulation"
         ]
-        assert quantized.details["attention"]["producer"] == "compiled"
         hidden = torch.randn(1, 6, 64, generator=gen(4))
         inputs = dict(
             hidden_states=hidden,

@@ -315,10 +315,6 @@ class AttentionKernel:
     """device -> None where a fast implementation runs, else why not (a clause for error messages)."""
     implementation: Callable[[torch.device, int], str] = lambda device, head_dim: "triton"
     """(device, head dim) -> the fast implementation that runs there (asked once, where ``unavailable`` is None)."""
-    from_projections: Optional[Callable[[str], AttentionFn]] = None
-    """implementation -> the function that also takes Q and K as projected (``takes_raw_qk``) and writes its
-    operands with ditrun's Triton producer: what ``precision.quantizer=kernel`` runs where the fast implementation
-    does (None: this kernel has none)."""
 
 
 def int8qk_attention(v_format: str, implementation: str) -> AttentionFn:
@@ -389,7 +385,6 @@ ATTENTION_KERNELS.register(
         fp8_sdpa.fp8_pv_attention,
         unavailable=fp8_sdpa.unavailable,
         implementation=lambda device, head_dim: fp8_sdpa.BACKEND,
-        from_projections=fp8_sdpa.Fp8PvFromProjections,
     ),
 )
 for _v in V_FORMATS:

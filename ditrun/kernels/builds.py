@@ -203,15 +203,11 @@ def _qk_producer_builds() -> list[Build]:
     d = FLUX["head_dim"]
     strides = ("stride_xb", "stride_xl", "stride_xh")
     tables = {"X": "*bf16", "W": "*bf16", "COS": "*fp32", "SIN": "*fp32", "eps": "fp32"}
-    sig = _signature("X", "W", "COS", "SIN", "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32",
-                     **tables)  # fmt: skip
-    builds = []
-    for norm, sums, config in ((True, True, "K: normalized, rotated, summed"), (False, False, "V: amax")):
-        variant = dict(sig)
-        # qk_producer_triton.BLOCK_L, WARPS; the exchange's grid order for K, fp8_pv's for V
-        const = _constexprs(variant, NORM=norm, SUMS=sums, HEADS_FIRST=not norm, D=d, BLOCK_L=16)
-        name = "qk_producer_triton._statistics_kernel"
-        builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, EVERY_GPU))
+    sig = _signature(
+        "X", "W", "COS", "SIN", "KSUM", "AMAX", "L", "H", *strides, "eps", KSUM="*fp64", AMAX="*fp32", **tables
+    )
+    const = _constexprs(sig, D=d, BLOCK_L=16)  # qk_producer_triton.BLOCK_L, WARPS: what ships
+    builds = [Build("qk_producer_triton._statistics_kernel", f"D={d}", sig, const, {"num_warps": 4}, EVERY_GPU)]
     out = ("stride_cb", "stride_cl", "stride_cp", "stride_ch", "stride_sb", "stride_sl", "stride_sp", "stride_sh")
     sig = _signature(
         "X", "W", "COS", "SIN", "MEAN", "CODES", "SCALE", "L", "H", "HP", *strides, *out, "eps",
@@ -221,16 +217,6 @@ def _qk_producer_builds() -> list[Build]:
     builds.append(
         Build("qk_producer_triton._quantize_kernel", f"D={d}, smoothed K", sig, const, {"num_warps": 4}, EVERY_GPU)
     )
-    # fp8_pv's operands (precision.quantizer=kernel): where fp8_pv's fused attention runs (OCP E4M3)
-    sig = _signature(
-        "X", "W", "COS", "SIN", "MEAN", "SCALES", "Y", "L", "H", *strides, "stride_yb", "stride_yl", "stride_yh", "eps",
-        MEAN="*fp32", SCALES="*fp32", Y="*fp8", **tables,
-    )  # fmt: skip
-    for which, config in ((0, "Q"), (1, "K minus its mean"), (2, "V")):
-        variant = dict(sig)
-        const = _constexprs(variant, WHICH=which, FP8_MAX=448.0, ON_BITS=False, D=d, BLOCK_L=16)
-        name = "qk_producer_triton._fp8_pv_codes_kernel"
-        builds.append(Build(name, f"D={d}, {config}", variant, const, {"num_warps": 4}, ("gfx950", "sm_90a")))
     return builds
 
 
@@ -340,8 +326,6 @@ def builds() -> list[Build]:
 
 
 NOT_BUILT = {
-    "qk_producer_triton._fp8_pv_codes_kernel": "gfx942: fp8_pv's fused attention needs OCP E4M3 (AITER on gfx950; "
-    "MI300 has the FNUZ variant), so nothing there reads these codes",
     "quantize_triton._mx_repack_kernel": "AMD: MX operands on ROCm go to mx_scaled_mm or mx_triton on gfx950 "
     "(linear.MxRepackFp8 is for CUDA GPUs without MX hardware)",
     "attention_triton._head_amax_kernel": "AMD: writes the Hopper Gluon kernel's FP8 V operand; runs only with it",

@@ -211,9 +211,8 @@ QUANTIZERS = {
     "compiled": "in a compiled block, each activation's quantization is torch arithmetic traced into the block's "
     "graph, which Inductor fuses into the kernel that makes the activation",
     "kernel": "in a compiled block, an FP8 down projection's input [attention output | activation(hidden)] is "
-    "quantized by ditrun's Triton kernel (the activation, each row's amax and the codes in one kernel), and fp8_pv "
-    "attention's Q, K and V by its producer from the projections (RMSNorm, RoPE, the amaxes and K's token sums in "
-    "one pass, the codes in a second); the rest as compiled",
+    "quantized by ditrun's Triton kernel (the activation, each row's amax and the codes in one kernel); the rest "
+    "as compiled",
 }
 """``precision.quantizer``: how a compiled block quantizes the FP8 linears' activations."""
 

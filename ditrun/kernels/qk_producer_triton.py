@@ -20,13 +20,11 @@ from torch's in its last bit, and a code by one where that value sits on a round
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ditrun.kernels.quantize_triton import ROUND_MAGIC, _round_to_grid
+from ditrun.kernels.quantize_triton import ROUND_MAGIC
 
 
 @triton.jit
@@ -51,39 +49,15 @@ def _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh,
 
 @triton.jit
 def _statistics_kernel(
-    X,
-    W,
-    COS,
-    SIN,
-    KSUM,
-    AMAX,
-    L,
-    H,
-    stride_xb,
-    stride_xl,
-    stride_xh,
-    eps,
-    NORM: tl.constexpr,
-    SUMS: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_L: tl.constexpr,
+    X, W, COS, SIN, KSUM, AMAX, L, H, stride_xb, stride_xl, stride_xh, eps, D: tl.constexpr, BLOCK_L: tl.constexpr
 ):
-    # KSUM: fp64 [B, H, D] (added to when SUMS), AMAX: fp32 [B, H] (maxed into), before the launch zeros or what
-    # another part of the sequence left; of x normalized and rotated (NORM), else of x as it is. One program:
-    # BLOCK_L tokens of one (b, h); HEADS_FIRST: the grid's first axis is (b, h), so that the programs of one token
-    # block run together and read its RoPE rows once from memory, else the token blocks
-    bh = tl.program_id(0 if HEADS_FIRST else 1)
+    # KSUM: fp64 [B, H, D], AMAX: fp32 [B, H], zeros before the launch; one program: BLOCK_L tokens of one (b, h)
+    bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    tokens = tl.program_id(1 if HEADS_FIRST else 0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    if NORM:
-        y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
-    else:
-        at = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xl
-        y = tl.load(X + at + tl.arange(0, D)[None, :], mask=(tokens < L)[:, None], other=0.0).to(tl.float32)
+    tokens = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
     y = tl.where((tokens < L)[:, None], y, 0.0)
-    if SUMS:
-        tl.atomic_add(KSUM + bh.to(tl.int64) * D + tl.arange(0, D), tl.sum(y.to(tl.float64), 0))
+    tl.atomic_add(KSUM + bh.to(tl.int64) * D + tl.arange(0, D), tl.sum(y.to(tl.float64), 0))
     tl.atomic_max(AMAX + bh, tl.max(tl.max(tl.abs(y), 1), 0))
 
 
@@ -156,9 +130,8 @@ def norm_rope_statistics(x, weight, cos, sin, eps: float = 1e-6, block_l: int = 
     cos, sin = _tables(cos, sin)
     grid = (max(1, triton.cdiv(length, block_l)), b * h)
     _statistics_kernel[grid](
-        x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps,
-        NORM=True, SUMS=True, HEADS_FIRST=False, D=d, BLOCK_L=block_l, num_warps=num_warps,
-    )  # fmt: skip
+        x, weight, cos, sin, k_sum, amax, length, h, *x.stride()[:3], eps, D=d, BLOCK_L=block_l, num_warps=num_warps
+    )
     return k_sum, amax
 
 
@@ -197,106 +170,3 @@ def norm_rope_quantize(
         BLOCK_L=block_l,
         num_warps=num_warps,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# ``fp8_pv``'s operands from the projections (one process: ``precision.quantizer=kernel``)
-
-
-@triton.jit
-def _fp8_pv_codes_kernel(
-    X,
-    W,
-    COS,
-    SIN,
-    MEAN,
-    SCALES,
-    Y,
-    L,
-    H,
-    stride_xb,
-    stride_xl,
-    stride_xh,
-    stride_yb,
-    stride_yl,
-    stride_yh,
-    eps,
-    WHICH: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    ON_BITS: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
-    # Y: [B, L, H, D] E4M3; WHICH: 0 Q (normalized, rotated), 1 K (normalized, rotated, minus MEAN [B, H, D] fp32, in
-    # fp32), 2 V (as it is), divided by SCALES[WHICH] (a power of two: exact), rounded to nearest even by the cast
-    # (ON_BITS: onto E4M3's grid first, for Triton's CPU interpreter, whose FP8 cast does not round so). One program:
-    # BLOCK_L tokens of one (b, h), the grid's first axis (b, h) (``_statistics_kernel``'s HEADS_FIRST)
-    bh = tl.program_id(0)
-    b, h = bh // H, bh % H
-    tokens = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
-    dims = tl.arange(0, D)
-    mask = (tokens < L)[:, None]
-    if WHICH == 2:
-        at = b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh + tokens[:, None].to(tl.int64) * stride_xl
-        y = tl.load(X + at + dims[None, :], mask=mask, other=0.0).to(tl.float32)
-    else:
-        y = _norm_rope(X, W, COS, SIN, b, h, tokens, L, stride_xb, stride_xl, stride_xh, eps, D)
-    if WHICH == 1:
-        y = y - tl.load(MEAN + bh.to(tl.int64) * D + dims)[None, :]
-    inverse = tl.math.div_rn(1.0, tl.load(SCALES + WHICH))
-    codes = tl.minimum(tl.maximum(y * inverse, -FP8_MAX), FP8_MAX)
-    if ON_BITS:
-        codes = _round_to_grid(codes, 3, -6, FP8_MAX, False)
-    at = b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh + tokens[:, None].to(tl.int64) * stride_yl
-    tl.store(Y + at + dims[None, :], codes.to(Y.dtype.element_ty), mask=mask)
-
-
-def fp8_pv_statistics(parts, eps: float, cos, sin, block_l: int = BLOCK_L, num_warps: int = WARPS):
-    """The first of ``fp8_pv``'s two passes from Q and K as projected: ``parts`` along the tokens (a double-stream
-    block's text and image streams, each with its own norms; one part in a single-stream block), each
-    (q, k, v [B, L_i, H, D] with D contiguous and any other strides, such as a stacked projection's output; Q's and K's
-    RMSNorm weights); (cos, sin) [sum L_i, D] -> K's fp64 token sums [B, H, D] and the amaxes [3, B, H] (fp32) of
-    the normalized, rotated Q and K and of V. The parts are read where they are, never joined."""
-    q, *_ = parts[0]
-    b, _, h, d = q.shape
-    cos, sin = _tables(cos, sin)
-    k_sum = torch.zeros(b, h, d, dtype=torch.float64, device=q.device)
-    amax = torch.zeros(3, b, h, dtype=torch.float32, device=q.device)
-    for at, streams in _streams(parts):
-        grid = (b * h, max(1, triton.cdiv(at.stop - at.start, block_l)))
-        for which, (x, w) in enumerate(streams):
-            _statistics_kernel[grid](
-                x, w, cos[at], sin[at], k_sum, amax[which], x.shape[1], h, *x.stride()[:3], eps,
-                NORM=which < 2, SUMS=which == 1, HEADS_FIRST=True, D=d, BLOCK_L=block_l, num_warps=num_warps,
-            )  # fmt: skip
-    return k_sum, amax
-
-
-def fp8_pv_codes(parts, eps: float, cos, sin, mean, scales, block_l: int = BLOCK_L, num_warps: int = WARPS):
-    """The second pass: ``parts`` as ``fp8_pv_statistics`` takes them, K's mean [B, H, D] (fp32) and the scales [4]
-    (``fp8_sdpa.fp8_pv_scales``) -> the E4M3 codes [B, sum L_i, H, D] of the normalized, rotated Q, of K minus its
-    mean (in fp32) and of V, each divided by its scale; the normalized Q and K are computed again, not read."""
-    q, *_ = parts[0]
-    b, _, h, d = q.shape
-    cos, sin = _tables(cos, sin)
-    length = sum(part[0].shape[1] for part in parts)
-    codes = [torch.empty(b, length, h, d, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(3)]
-    on_bits = os.environ.get("TRITON_INTERPRET") == "1"
-    for at, streams in _streams(parts):
-        grid = (b * h, max(1, triton.cdiv(at.stop - at.start, block_l)))
-        for which, (x, w) in enumerate(streams):
-            y = codes[which][:, at]
-            _fp8_pv_codes_kernel[grid](
-                x, w, cos[at], sin[at], mean, scales, y, x.shape[1], h, *x.stride()[:3], *y.stride()[:3], eps,
-                WHICH=which, FP8_MAX=448.0, ON_BITS=on_bits, D=d, BLOCK_L=block_l, num_warps=num_warps,
-            )  # fmt: skip
-    return codes
-
-
-def _streams(parts):
-    """Each part's token slice of the whole sequence and its ((q, Q's weight), (k, K's weight), (v, K's weight))."""
-    start = 0
-    for q, k, v, w_q, w_k in parts:
-        at = slice(start, start + q.shape[1])
-        yield at, ((q, w_q), (k, w_k), (v, w_k))  # V: no norm (its weight is not read)
-        start = at.stop

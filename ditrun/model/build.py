@@ -24,7 +24,7 @@ from ditrun.kernels.attention import (
     fast_attention_available,
 )
 from ditrun.kernels.attention_payload import Payload, payload_for
-from ditrun.kernels.linear import QuantizedLinear, triton_available
+from ditrun.kernels.linear import QuantizedLinear
 from ditrun.kernels.sdpa import AttentionFn
 from ditrun.kernels.tuning import DispatchTable
 from ditrun.model.compile import CompilePlan, apply_plan
@@ -191,30 +191,9 @@ def _quantize(
     details = {c: {"format": f.name, "backends": _backends_of(model, f.name)} for c, f in plan.linear.items()}
     payload = payload_for(plan.attention.name, implementation) if plan.quantized_exchange else None
     exchange = "codes" if payload is not None else "values"
-    attention = _attention_function(plan, implementation, device)
-    producer = "kernel" if getattr(attention, "takes_raw_qk", False) else "compiled"  # who writes its operands
-    details["attention"] = {
-        "format": plan.attention.name,
-        "backends": [implementation],
-        "exchange": exchange,
-        "producer": producer,
-    }
+    details["attention"] = {"format": plan.attention.name, "backends": [implementation], "exchange": exchange}
     details["quantizer"] = plan.quantizer
-    return BuiltModel(model, attention, plan, details, payload=payload)
-
-
-def _attention_function(plan: PrecisionPlan, implementation: str, device: torch.device) -> AttentionFn:
-    """The run's attention function: under ``precision.quantizer=kernel``, where the fast implementation and Triton
-    run, the kernel's ``from_projections`` (its operands written from Q and K as projected), else ``make``'s."""
-    kernel = plan.attention
-    if (
-        plan.quantizer == "kernel"
-        and kernel.from_projections is not None
-        and implementation != EMULATION
-        and triton_available(device)
-    ):
-        return kernel.from_projections(implementation)
-    return kernel.make(implementation)
+    return BuiltModel(model, plan.attention.make(implementation), plan, details, payload=payload)
 
 
 def _backends_of(model: FluxDiT, fmt: str) -> list[str]:

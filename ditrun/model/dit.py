@@ -454,34 +454,24 @@ class DoubleStreamBlock(nn.Module):
         return QKNorms(((text_tokens, tq.weight, tk.weight), (None, iq.weight, ik.weight)), tq.eps)
 
     def joint(self, img, txt, temb, rope, attention: AttentionFn):
-        """The block in one piece (what the whole-block compilation traces); an attention that ``takes_raw_qk`` gets
-        Q and K as projected, with the block's norms, and by stream (never joined)."""
-        if getattr(attention, "takes_raw_qk", False):
-            q, k, v, state = self.pre_attention(img, txt, temb, rope, raw=True, parts=True)
-            out = attention.from_raw(q, k, v, self.qk_norms(txt.shape[1]), rope)
-        else:
-            q, k, v, state = self.pre_attention(img, txt, temb, rope)
-            out = attention(q, k, v)
-        return self.post_attention(out, img, txt, state)
+        """The block in one piece (what the whole-block compilation traces)."""
+        q, k, v, state = self.pre_attention(img, txt, temb, rope)
+        return self.post_attention(attention(q, k, v), img, txt, state)
 
-    def pre_attention(self, img, txt, temb, rope, raw: bool = False, parts: bool = False):
+    def pre_attention(self, img, txt, temb, rope, raw: bool = False):
         """Everything before the attention: modulation, projections, per-head norms, RoPE (the last two not if
         ``raw``: see ``QKNorms``).
 
-        -> q, k, v [B, S_txt + S_img, H, D] (with ``parts``, each a (text, image) pair, not joined) and what
-        ``post_attention`` needs (a tuple of tensors).
+        -> q, k, v [B, S_txt + S_img, H, D] and what ``post_attention`` needs (a tuple of tensors).
         """
         img_mod, img_params = self.norm1(img, temb)
         txt_mod, txt_params = self.norm1_context(txt, temb)
         qi, ki, vi, img_gate_attn = self.attn.project(img_mod, raw=raw)
         qt, kt, vt, txt_gate_attn = self.attn.project(txt_mod, text=True, raw=raw)
-        state = (img_params, txt_params, img_gate_attn, txt_gate_attn)
-        if parts:
-            return (qt, qi), (kt, ki), (vt, vi), state
         q, k, v = (torch.cat(pair, dim=1) for pair in ((qt, qi), (kt, ki), (vt, vi)))
         if not raw:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v, state
+        return q, k, v, (img_params, txt_params, img_gate_attn, txt_gate_attn)
 
     def post_attention(self, out, img, txt, state):
         """Everything after the attention: output projections, gated residuals, the MLPs. out: [B, S, H, D]."""
@@ -530,14 +520,9 @@ class SingleStreamBlock(nn.Module):
         return QKNorms(((None, norm_q.weight, norm_k.weight),), norm_q.eps)
 
     def joint(self, x, temb, rope, attention: AttentionFn):
-        """The block in one piece (what the whole-block compilation traces); see the double-stream block's."""
-        if getattr(attention, "takes_raw_qk", False):
-            q, k, v, state = self.pre_attention(x, temb, rope, raw=True)
-            out = attention.from_raw(q, k, v, self.qk_norms(), rope)
-        else:
-            q, k, v, state = self.pre_attention(x, temb, rope)
-            out = attention(q, k, v)
-        return self.post_attention(out, x, state)
+        """The block in one piece (what the whole-block compilation traces)."""
+        q, k, v, state = self.pre_attention(x, temb, rope)
+        return self.post_attention(attention(q, k, v), x, state)
 
     def pre_attention(self, x, temb, rope, raw: bool = False):
         """Modulation, projections, per-head norms, RoPE (the last two not if ``raw``: see ``QKNorms``) -> q, k, v
