@@ -59,7 +59,8 @@ def check_producer(device: str = "cpu", dtype=torch.float32) -> None:
         fields = {n: t.permute(2, 1, 0, 3, 4) for n, t in layout.views(slot).items()}
         norm_rope_quantize(x, weight, cos, sin, fields["k"], fields["k_scale"][..., 0], smoothed)
         codes, scales = unfused(x, weight, cos, sin, smoothed)
-        torch.testing.assert_close(fields["k_scale"][..., 0].flatten(2), scales, rtol=1e-6, atol=0)  # a few ulps, as below
+        # a few ulps, as below
+        torch.testing.assert_close(fields["k_scale"][..., 0].flatten(2), scales, rtol=1e-6, atol=0)
         off = (fields["k"].flatten(2, 3).int() - codes.int()).abs()
         assert off.max() <= 1 and (off > 0).float().mean() < 2e-3, (off.max(), (off > 0).sum())
         # and into a [B, L, H, D] tensor of one destination
