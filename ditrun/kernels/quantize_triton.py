@@ -29,11 +29,11 @@ import triton.language as tl
 from ditrun.kernels import formats
 
 ROUND_MAGIC = tl.constexpr(12582912.0)
+"""1.5 * 2^23: adding and subtracting it rounds an fp32 of magnitude < 2^22 to an integer, half to even."""
 GELU_TANH_COEFF = tl.constexpr(0.044715)
 TWO_SQRT_2_OVER_PI = tl.constexpr(2.0 * math.sqrt(2.0 / math.pi))
 GELU_BOUND = tl.constexpr(0.25)
 """Above every |GELU(x)| of negative x (at most 0.1701 at x = -0.7518, BF16 rounding included)."""
-"""1.5 * 2^23: adding and subtracting it rounds an fp32 of magnitude < 2^22 to an integer, half to even."""
 
 
 @triton.jit
